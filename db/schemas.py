@@ -1,0 +1,213 @@
+"""Pydantic rows that cross the db/ boundary.
+
+Inputs (``extra="forbid"``): ``UnitSpec`` (register_units), ``AccuracyRow``,
+``LatencyRow``, ``LayerRow``, ``ArtifactRow`` (finish_unit).
+Outputs (read queries): the ``*Record`` / ``*Info`` classes, plain data that pickles
+(the dashboard caches them with ``st.cache_data``) and turns into a DataFrame with
+``pd.DataFrame([r.model_dump() for r in rows])``.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+
+def _not_nan(x: float) -> float:
+    # SQLite stores NaN as NULL (and then violates NOT NULL); inf is allowed (diverged ppl).
+    if math.isnan(x):
+        raise ValueError("NaN is not a storable value")
+    return x
+
+
+Real = Annotated[float, AfterValidator(_not_nan)]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+Name = Annotated[str, Field(min_length=1, max_length=128)]
+GitRev = Annotated[str, Field(min_length=1, max_length=64)]
+DeviceType = Literal["cuda", "npu", "cpu"]
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(from_attributes=True, frozen=True)
+
+
+class _Provenance(_In):
+    package_versions: dict[str, str]
+    git_rev: GitRev
+
+
+# ---------------------------------------------------------------- inputs
+
+
+class UnitSpec(_In):
+    """A unit to register; ``id`` is the hash of its canonical config (computed by the orchestrator)."""
+
+    id: Annotated[str, Field(pattern=r"^[0-9a-f]{8,64}$")]
+    model_id: int
+    dataset_id: int | None = None
+    kind: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")]  # collect / fit / eval / latency
+    method: Annotated[str, Field(max_length=64)] | None = None
+    sparsity: Fraction | None = None
+    rank: Annotated[int, Field(ge=1)] | None = None
+    attn_sparsity: Fraction | None = None
+    device_type: DeviceType | None = None
+    config: dict[str, Any] = Field(default_factory=dict)
+    code_version: Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class AccuracyRow(_Provenance):
+    suite: Name
+    task: Name
+    metric: Annotated[str, Field(min_length=1, max_length=64)]
+    value: Real
+    stderr: Annotated[Real, Field(ge=0.0)] | None = None
+    n: Annotated[int, Field(ge=0)]
+
+
+class LatencyRow(_Provenance):
+    device_type: DeviceType
+    accelerator_name: Name
+    batch: Annotated[int, Field(ge=1)]
+    prompt_len: Annotated[int, Field(ge=0)]
+    gen_len: Annotated[int, Field(ge=1)]
+    p50_ms_per_token: Annotated[Real, Field(ge=0.0)]
+    p90_ms_per_token: Annotated[Real, Field(ge=0.0)]
+    tokens_per_s: Annotated[Real, Field(ge=0.0)]
+    realized_sparsity: Fraction | None = None
+    runtime: Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class LayerRow(_In):
+    layer: Annotated[int, Field(ge=0)]
+    component: Literal["mlp", "attn"]
+    recall: Fraction | None = None
+    precision: Fraction | None = None
+    realized_sparsity: Fraction
+    target_sparsity: Fraction | None = None
+    auc: Fraction | None = None
+    threshold: Real | None = None
+
+
+class ArtifactRow(_In):
+    kind: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")]  # activations / predictor / bundle
+    uri: Annotated[str, Field(min_length=1, max_length=2048)]
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+    size_bytes: Annotated[int, Field(ge=0)] | None = None
+
+
+# ---------------------------------------------------------------- outputs
+
+
+class ModelInfo(_Out):
+    id: int
+    name: str
+    family: str | None
+    fingerprint: str
+    config: dict[str, Any]
+    n_params: int | None
+    created_at: datetime
+
+
+class SweepInfo(_Out):
+    id: int
+    name: str
+    spec_hash: str
+    spec: dict[str, Any]
+    status: str
+    submission_id: str | None
+    created_at: datetime
+    finished_at: datetime | None
+    n_units_total: int
+    n_units_done: int
+
+
+class UnitInfo(_Out):
+    id: str
+    model_id: int
+    dataset_id: int | None
+    kind: str
+    method: str | None
+    sparsity: float | None
+    rank: int | None
+    attn_sparsity: float | None
+    device_type: str | None
+    config: dict[str, Any]
+    status: str
+    attempts: int
+    worker: str | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    duration_s: float | None
+    error: str | None
+    code_version: str
+    git_rev: str | None
+    package_versions: dict[str, str] | None
+
+
+class _UnitColumns(_Out):
+    """Unit coordinates joined onto result rows (what the dashboard plots against)."""
+
+    unit_id: str
+    model_id: int
+    model_name: str
+    method: str | None
+    sparsity: float | None
+    rank: int | None
+    attn_sparsity: float | None
+
+
+class AccuracyRecord(_UnitColumns):
+    suite: str
+    task: str
+    metric: str
+    value: float
+    stderr: float | None
+    n: int
+    git_rev: str
+    package_versions: dict[str, str]
+    created_at: datetime
+
+
+class LatencyRecord(_UnitColumns):
+    device_type: str
+    accelerator_name: str
+    batch: int
+    prompt_len: int
+    gen_len: int
+    p50_ms_per_token: float
+    p90_ms_per_token: float
+    tokens_per_s: float
+    realized_sparsity: float | None
+    runtime: str
+    git_rev: str
+    package_versions: dict[str, str]
+    created_at: datetime
+
+
+class LayerRecord(_Out):
+    unit_id: str
+    layer: int
+    component: str
+    recall: float | None
+    precision: float | None
+    realized_sparsity: float
+    target_sparsity: float | None
+    auc: float | None
+    threshold: float | None
+
+
+class ArtifactRecord(_Out):
+    id: int
+    unit_id: str
+    kind: str
+    uri: str
+    sha256: str | None
+    size_bytes: int | None
+    created_at: datetime

@@ -1,0 +1,106 @@
+"""Unique keys, foreign keys and checks are enforced by the database itself (both backends),
+and the pydantic boundary rows reject what the database could not store."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from pydantic import ValidationError
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from db.engine import session_scope
+from db.models import (
+    AccuracyResult,
+    Artifact,
+    Dataset,
+    LatencyResult,
+    LayerMetric,
+    Model,
+    Sweep,
+    SweepUnit,
+    WorkUnit,
+)
+from db.schemas import AccuracyRow, ArtifactRow, LatencyRow, LayerRow, UnitSpec
+from dbtest_support import PROV, seed, uid
+
+PV = PROV["package_versions"]
+ROWS = {
+    "models": lambda ctx: Model(name="m2", fingerprint="fp-smollm2"),
+    "datasets": lambda ctx: Dataset(name="d", fingerprint="fp-data"),
+    "sweeps": lambda ctx: Sweep(name="x", spec_hash=ctx["spec_hash"], spec={}),
+    "work_units": lambda ctx: WorkUnit(id=uid(0), model_id=ctx["model_id"], kind="eval", code_version="1"),
+    "sweep_units": lambda ctx: SweepUnit(sweep_id=ctx["sweep_id"], unit_id=uid(0)),
+    "artifacts": lambda ctx: Artifact(unit_id=uid(0), kind="predictor", uri="file:///p"),
+    "accuracy_results": lambda ctx: AccuracyResult(unit_id=uid(0), suite="core", task="piqa", metric="acc",
+                                                   value=0.6, n=10, package_versions=PV, git_rev="r"),
+    "latency_results": lambda ctx: LatencyResult(unit_id=uid(0), device_type="cuda", accelerator_name="H200",
+                                                 batch=1, prompt_len=128, gen_len=64 + ctx["n"],
+                                                 p50_ms_per_token=1.0, p90_ms_per_token=1.2, tokens_per_s=900.0,
+                                                 runtime="ours-sparse", package_versions=PV, git_rev="r"),
+    "layer_metrics": lambda ctx: LayerMetric(unit_id=uid(0), layer=3, component="mlp", realized_sparsity=0.5),
+}
+
+
+@pytest.mark.parametrize("table", list(ROWS))
+def test_unique_key_rejects_duplicate(engine, table):
+    model_id, sweep_id, _ = seed(engine, 1)
+    with session_scope(engine) as s:
+        ctx = {"model_id": model_id, "sweep_id": sweep_id, "n": 0,
+               "spec_hash": s.scalar(select(Sweep.spec_hash))}
+        if table not in ("models", "sweeps", "work_units", "sweep_units"):
+            s.add(ROWS[table](ctx))  # the first one is fine (seed made models/sweeps/units/links)
+    with pytest.raises(IntegrityError):
+        with session_scope(engine) as s:
+            s.add(ROWS[table]({**ctx, "n": 1}))  # same key; other columns may differ
+
+
+def test_foreign_keys_enforced(engine):
+    with pytest.raises(IntegrityError):
+        with session_scope(engine) as s:
+            s.add(AccuracyResult(unit_id="f" * 16, suite="core", task="piqa", metric="acc", value=0.6, n=10,
+                                 package_versions=PV, git_rev="r"))
+
+
+def test_status_check_constraint(engine):
+    model_id, _, _ = seed(engine, 0)
+    with pytest.raises(IntegrityError):
+        with session_scope(engine) as s:
+            s.add(WorkUnit(id=uid(99), model_id=model_id, kind="eval", code_version="1", status="finished"))
+
+
+def test_deleting_a_unit_cascades_to_its_results(engine):
+    from dbtest_support import results
+
+    from db import queries as q
+
+    _, sweep_id, ids = seed(engine, 1)
+    with session_scope(engine) as s:
+        q.finish_unit(s, ids[0], **results(0))
+    with session_scope(engine) as s:
+        s.delete(s.get(WorkUnit, ids[0]))
+    with session_scope(engine) as s:
+        for table in (AccuracyResult, LatencyResult, LayerMetric, Artifact, SweepUnit):
+            assert s.scalars(select(table)).all() == []
+
+
+def test_boundary_rows_forbid_extra_fields_and_nan():
+    with pytest.raises(ValidationError, match="extra"):
+        AccuracyRow(suite="s", task="t", metric="acc", value=1.0, n=1, accuracy=1.0, **PROV)
+    with pytest.raises(ValidationError, match="NaN"):
+        AccuracyRow(suite="s", task="t", metric="acc", value=math.nan, n=1, **PROV)
+    with pytest.raises(ValidationError):  # provenance is required on result rows
+        AccuracyRow(suite="s", task="t", metric="acc", value=1.0, n=1)
+    AccuracyRow(suite="s", task="t", metric="ppl", value=math.inf, n=1, **PROV)  # diverged ppl is storable
+    with pytest.raises(ValidationError):
+        LatencyRow(device_type="gpu", accelerator_name="H200", batch=1, prompt_len=1, gen_len=1,
+                   p50_ms_per_token=1, p90_ms_per_token=1, tokens_per_s=1, runtime="r", **PROV)
+    with pytest.raises(ValidationError):
+        LayerRow(layer=0, component="ffn", realized_sparsity=0.5)
+    with pytest.raises(ValidationError):
+        LayerRow(layer=0, component="mlp", realized_sparsity=1.5)
+    with pytest.raises(ValidationError):
+        ArtifactRow(kind="predictor", uri="x", sha256="not-a-sha")
+    with pytest.raises(ValidationError):
+        UnitSpec(id="NOT-HEX", model_id=1, kind="eval", code_version="1")
