@@ -10,7 +10,7 @@ Outputs (read queries): the ``*Record`` / ``*Info`` classes, plain data that pic
 from __future__ import annotations
 
 import math
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -23,7 +23,13 @@ def _not_nan(x: float) -> float:
     return x
 
 
+def _as_utc(t: datetime) -> datetime:
+    # SQLite hands back naive datetimes; everything we store is UTC.
+    return t.replace(tzinfo=timezone.utc) if t.tzinfo is None else t
+
+
 Real = Annotated[float, AfterValidator(_not_nan)]
+UtcDatetime = Annotated[datetime, AfterValidator(_as_utc)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
 Name = Annotated[str, Field(min_length=1, max_length=128)]
 GitRev = Annotated[str, Field(min_length=1, max_length=64)]
@@ -112,7 +118,7 @@ class ModelInfo(_Out):
     fingerprint: str
     config: dict[str, Any]
     n_params: int | None
-    created_at: datetime
+    created_at: UtcDatetime
 
 
 class SweepInfo(_Out):
@@ -122,8 +128,8 @@ class SweepInfo(_Out):
     spec: dict[str, Any]
     status: str
     submission_id: str | None
-    created_at: datetime
-    finished_at: datetime | None
+    created_at: UtcDatetime
+    finished_at: UtcDatetime | None
     n_units_total: int
     n_units_done: int
 
@@ -142,8 +148,8 @@ class UnitInfo(_Out):
     status: str
     attempts: int
     worker: str | None
-    started_at: datetime | None
-    finished_at: datetime | None
+    started_at: UtcDatetime | None
+    finished_at: UtcDatetime | None
     duration_s: float | None
     error: str | None
     code_version: str
@@ -172,7 +178,7 @@ class AccuracyRecord(_UnitColumns):
     n: int
     git_rev: str
     package_versions: dict[str, str]
-    created_at: datetime
+    created_at: UtcDatetime
 
 
 class LatencyRecord(_UnitColumns):
@@ -188,7 +194,7 @@ class LatencyRecord(_UnitColumns):
     runtime: str
     git_rev: str
     package_versions: dict[str, str]
-    created_at: datetime
+    created_at: UtcDatetime
 
 
 class LayerRecord(_Out):
@@ -210,4 +216,4 @@ class ArtifactRecord(_Out):
     uri: str
     sha256: str | None
     size_bytes: int | None
-    created_at: datetime
+    created_at: UtcDatetime

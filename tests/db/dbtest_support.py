@@ -59,7 +59,11 @@ def finish_all(engine_or_url: Engine | str, indices: list[int]) -> list[tuple[st
         for i in indices:
             with session_scope(engine) as s:
                 q.mark_running(s, uid(i), worker=f"w{i}")
+            # read, then write, in one transaction: the pattern that makes a deferred SQLite
+            # transaction fail with "database is locked" when another writer commits in between
             with session_scope(engine) as s:
+                q.get_unit(s, uid(i))
+                q.list_sweeps(s)
                 out.append((uid(i), q.finish_unit(s, uid(i), **results(i), duration_s=1.0)))
     finally:
         if own:

@@ -200,7 +200,8 @@ def test_read_queries(engine):
         assert q.sweep_progress(s, sweep_id) == (3, 0, 5)
         q.set_sweep_status(s, sweep_id, "done")
         [sweep] = q.list_sweeps(s)
-        assert sweep.status == "done" and sweep.finished_at is not None
+        assert sweep.status == "done" and sweep.finished_at.tzinfo is not None  # UTC on both backends
+        assert sweep.finished_at >= sweep.created_at
         assert (sweep.n_units_done, sweep.n_units_total) == (3, 5)
         with pytest.raises(ValueError):
             q.set_sweep_status(s, sweep_id, "finished")
