@@ -1,0 +1,89 @@
+"""Things every backend shares: activation names, argument checks, the index-buffer convention.
+
+Index-buffer convention (all backends, all ops)
+------------------------------------------------
+* ``idx``: 1-D int32 or int64 tensor of fixed length ``K`` (the buffer size, a static shape) on the
+  same device as the weights. For the FFN ops the entries are neuron (row) ids in ``[0, D)``; for the
+  head ops they are head ids.
+* ``count``: ``None`` (all ``K`` entries are valid: a fixed k per layer, e.g. a top-k output) or an
+  int32/int64 tensor of shape ``[1]`` on the device holding how many leading entries of ``idx`` are
+  valid (``0 <= count <= K``). Entries ``idx[count:]`` are never read, so any padding works.
+* Outputs indexed by position ``j`` (``h[:, j]``) are written for every ``j < K``; positions
+  ``j >= count`` hold 0. Nothing on the host reads ``count``: no sync, fixed shapes, so every op is
+  CUDA-graph capturable.
+* Batch ``B`` (rows of ``x``) shares one index set: pass the union of the tokens' active sets
+  (``union_active``). Sparse kernels take ``1 <= B <= MAX_BATCH``.
+"""
+from __future__ import annotations
+
+import torch
+
+ACTS = {"none": 0, "relu": 1, "silu": 2, "gelu_tanh": 3}
+MAX_BATCH = 8
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def empty(shape, device, dtype) -> torch.Tensor:
+    """Every output / workspace of the Triton ops is allocated here (tests swap in a poisoning
+    version to check that every element is written)."""
+    return torch.empty(shape, device=device, dtype=dtype)
+
+
+def act_code(act: str) -> int:
+    if act not in ACTS:
+        raise ValueError(f"unknown activation {act!r}; expected one of {sorted(ACTS)}")
+    return ACTS[act]
+
+
+def apply_act(v: torch.Tensor, act: str) -> torch.Tensor:
+    act_code(act)
+    if act == "relu":
+        return torch.relu(v)
+    if act == "silu":
+        return torch.nn.functional.silu(v)
+    if act == "gelu_tanh":
+        return torch.nn.functional.gelu(v, approximate="tanh")
+    return v
+
+
+def check_x(x: torch.Tensor, d: int, max_batch: int | None = MAX_BATCH) -> None:
+    assert x.dim() == 2, f"x must be [B, d], got {tuple(x.shape)}"
+    assert x.shape[1] == d, f"x has d={x.shape[1]}, weights have d={d}"
+    assert x.dtype in FLOAT_DTYPES, f"unsupported dtype {x.dtype}"
+    if max_batch is not None:
+        assert 1 <= x.shape[0] <= max_batch, f"batch {x.shape[0]} outside 1..{max_batch}"
+
+
+def check_weight(w: torch.Tensor, name: str, d: int, dtype: torch.dtype, device) -> None:
+    assert w.dim() == 2, f"{name} must be 2-D"
+    assert w.shape[1] == d, f"{name} must be [N, {d}], got {tuple(w.shape)}"
+    assert w.dtype == dtype, f"{name} dtype {w.dtype} != x dtype {dtype}"
+    assert w.device == device, f"{name} on {w.device}, x on {device}"
+    assert w.is_contiguous(), f"{name} must be contiguous (row-major [N, d])"
+
+
+def check_idx(idx: torch.Tensor, count: torch.Tensor | None, device) -> None:
+    assert idx.dim() == 1, "idx must be 1-D"
+    assert idx.dtype in (torch.int32, torch.int64), f"idx dtype {idx.dtype} must be int32/int64"
+    assert idx.device == device, f"idx on {idx.device}, data on {device}"
+    assert idx.is_contiguous(), "idx must be contiguous"
+    if count is not None:
+        assert count.numel() == 1 and count.dtype in (torch.int32, torch.int64), "count must be an int tensor of shape [1]"
+        assert count.device == device, f"count on {count.device}, data on {device}"
+
+
+def valid_mask(idx: torch.Tensor, count: torch.Tensor | None) -> torch.Tensor:
+    """[K] bool, True for positions j < count. Device-side, no sync."""
+    k = idx.shape[0]
+    if count is None:
+        return torch.ones(k, dtype=torch.bool, device=idx.device)
+    return torch.arange(k, device=idx.device) < count.reshape(()).to(torch.int64)
+
+
+def group_rows(idx: torch.Tensor, valid: torch.Tensor, group: int) -> torch.Tensor:
+    """Row ids for position j of a grouped index: idx[j // group] * group + j % group (invalid -> 0)."""
+    safe = torch.where(valid, idx.long(), torch.zeros_like(idx, dtype=torch.long))
+    if group == 1:
+        return safe
+    r = torch.arange(group, device=idx.device)
+    return (safe[:, None] * group + r[None, :]).reshape(-1)

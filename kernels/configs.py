@@ -1,0 +1,96 @@
+"""Frozen launch configurations and the dense-fallback crossover table.
+
+Both are measured with ``python -m kernels.bench`` on an H200 (see kernels/NOTES.md for the runs) and
+frozen here: nothing is autotuned at run time, so a CUDA-graph capture never triggers a tuning sweep.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=None)
+def num_sms(device_index: int | None) -> int:
+    if device_index is None or not torch.cuda.is_available():
+        return 2  # CPU / Triton interpreter: keep grids tiny
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(t: torch.Tensor) -> int:
+    return num_sms(t.device.index if t.device.type == "cuda" else None)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# --- FFN (gate/up + down) -------------------------------------------------------------------------
+# "fused": one kernel per split of the active rows computes gate, up, act*up and accumulates the
+#          down projection over the whole d in registers -> fp32 partials [nsplit, B, d], then a
+#          fixed-order reduce kernel (2 launches).
+# "split": gather-GEMV kernel (gate, up, act) -> h [B, K]; down kernel over (d-chunk, K-split) ->
+#          partials; reduce (3 launches). Used where the fused kernel's registers do not fit.
+FUSED_MAX_ELEMS = 8192  # B_PAD * D_PAD held as an fp32 accumulator per program
+
+# keyed by B_PAD (1, 2, 4, 8)
+FUSED = {
+    1: dict(BLOCK_R=4, num_warps=8, progs_per_sm=2),
+    2: dict(BLOCK_R=2, num_warps=8, progs_per_sm=2),
+}
+GATHER = {  # gather-GEMV (gate/up, fc1, qkv): rows per program, d chunk
+    1: dict(BLOCK_R=4, BLOCK_K=None, num_warps=8),   # BLOCK_K None -> whole d in one tile
+    2: dict(BLOCK_R=4, BLOCK_K=1024, num_warps=8),
+    4: dict(BLOCK_R=4, BLOCK_K=512, num_warps=8),
+    8: dict(BLOCK_R=4, BLOCK_K=256, num_warps=8),
+}
+DOWN = {  # down / out projection over W^T rows: d chunk, rows per step, K splits
+    1: dict(BLOCK_D=256, BLOCK_R=32, splits=16, num_warps=4),
+    2: dict(BLOCK_D=256, BLOCK_R=16, splits=16, num_warps=4),
+    4: dict(BLOCK_D=256, BLOCK_R=8, splits=16, num_warps=4),
+    8: dict(BLOCK_D=128, BLOCK_R=8, splits=16, num_warps=4),
+}
+
+
+# CPU (Triton interpreter, CI): few big programs keep the interpreter fast; chunks smaller than the
+# test shapes keep the d-loop and row-tail masking exercised.
+INTERP = {
+    "fused": dict(BLOCK_R=16, nsplit=3, num_warps=4),
+    "gather": dict(BLOCK_R=32, BLOCK_K=64, num_warps=4),
+    "down": dict(BLOCK_D=64, BLOCK_R=32, splits=3, num_warps=4),
+}
+
+
+def b_pad(batch: int) -> int:
+    return _next_pow2(batch)
+
+
+def ffn_path(batch: int, d: int) -> str:
+    bp = b_pad(batch)
+    if bp in FUSED and bp * _next_pow2(d) <= FUSED_MAX_ELEMS:
+        return "fused"
+    return "split"
+
+
+# --- dense fallback -------------------------------------------------------------------------------
+# DENSE_FROM_BATCH[s] = smallest batch at which the dense cuBLAS FFN was measured faster than the
+# sparse kernels for a union sparsity >= s (None: sparse wins up to MAX_BATCH). Looked up with the
+# largest key <= the static sparsity 1 - K/D of the index buffer.
+DENSE_FROM_BATCH = {
+    0.0: 1,
+    0.3: None,
+    0.5: None,
+    0.7: None,
+    0.8: None,
+    0.9: None,
+    0.95: None,
+}
+
+
+def use_dense(batch: int, k: int, n: int) -> bool:
+    s = 1.0 - k / n
+    keys = [key for key in sorted(DENSE_FROM_BATCH) if key <= s + 1e-9]
+    if not keys:
+        return True
+    lim = DENSE_FROM_BATCH[keys[-1]]
+    return lim is not None and batch >= lim

@@ -1,0 +1,464 @@
+"""Triton kernels for the contextually sparse FFN (CUDA; CPU through TRITON_INTERPRET=1).
+
+Ops (same signatures as kernels.reference and kernels.npu; index convention in kernels.common):
+
+    gated_gather_gemv(x, w_gate, w_up, idx, count=None, act="silu", out_dtype=None) -> h [B, K]
+    gather_gemv(x, w, idx, count=None, act="none", bias=None, scale=None, out_dtype=None) -> h [B, K]
+    gather_down(h, w_t, idx, count=None, bias=None, group=1) -> y [B, d]         (deterministic)
+    sequential_gate_filter(x, w_gate, idx, count=None, act="silu", threshold=0.0) -> (a, idx2, count2)
+    compact(keep, idx=None, values=None) -> (idx2, count2[, values2])
+    sparse_ffn(x, w_gate, w_up, w_down_t, idx, count=None, act="silu", threshold=None) -> y [B, d]
+    sparse_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count=None, act="relu") -> y [B, d]
+
+Weights are row-major [N, d]: W_gate, W_up, W_fc1 as stored by nn.Linear; the down projection as
+W_down^T (``w_down_t = down_proj.weight.t().contiguous()``), so an active neuron is one contiguous
+row of length d. Every reduction has a fixed order (split-K partials to an fp32 workspace, then a
+fixed-order reduce; no atomics): the same inputs give the same bits.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs as C
+from ._tl_common import _accum_rows, _act, _dot_rows
+from . import common as _c
+from .common import MAX_BATCH, act_code, check_idx, check_weight, check_x
+
+MAX_D = 16384
+COMPACT_MAX = 65536
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _gather_gemv_kernel(
+    x_ptr, stride_xb, w1_ptr, w2_ptr, b1_ptr, s_ptr, stride_sb, idx_ptr, count_ptr,
+    out_ptr, stride_ob, keep_ptr, thr,
+    K, d, B,
+    MODE: tl.constexpr,  # 0: act(W1 x + b1)   1: act(W1 x) * (W2 x)   2: s * (W1 x)
+    ACT: tl.constexpr, HAS_COUNT: tl.constexpr, HAS_BIAS: tl.constexpr, FILTER: tl.constexpr,
+    B_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if HAS_COUNT:
+        n = tl.minimum(tl.load(count_ptr).to(tl.int32), K)
+    else:
+        n = K
+    j = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rm = j < n
+    rows = tl.load(idx_ptr + j, mask=rm, other=0).to(tl.int64)
+    roff = rows * d
+    kend = tl.where(pid * BLOCK_R < n, d, 0)  # programs past count issue no loads
+    a1, a2 = _dot_rows(x_ptr, stride_xb, w1_ptr, w2_ptr, roff, rm, d, kend, B,
+                       MODE == 1, B_PAD, BLOCK_R, BLOCK_K)
+    bs = tl.arange(0, B_PAD)
+    if MODE == 0:
+        if HAS_BIAS:
+            a1 += tl.load(b1_ptr + rows, mask=rm, other=0.0).to(tl.float32)[None, :]
+        h = _act(a1, ACT)
+    elif MODE == 1:
+        h = _act(a1, ACT) * a2
+    else:
+        sv = tl.load(s_ptr + bs[:, None] * stride_sb + j[None, :],
+                     mask=(bs[:, None] < B) & rm[None, :], other=0.0).to(tl.float32)
+        h = sv * a1
+    h = tl.where(rm[None, :], h, 0.0)
+    om = (bs[:, None] < B) & (j[None, :] < K)
+    tl.store(out_ptr + bs[:, None] * stride_ob + j[None, :], h.to(out_ptr.dtype.element_ty), mask=om)
+    if FILTER:
+        big = tl.where((tl.abs(h) > thr) & (bs[:, None] < B), 1, 0)
+        keep = (tl.max(big, axis=0) > 0) & rm
+        tl.store(keep_ptr + j, keep.to(tl.int8), mask=j < K)
+
+
+@triton.jit
+def _fused_ffn_kernel(
+    x_ptr, stride_xb, w1_ptr, w2_ptr, b1_ptr, s_ptr, stride_sb, wd_ptr, idx_ptr, count_ptr, ws_ptr,
+    K, d, B,
+    MODE: tl.constexpr, ACT: tl.constexpr, HAS_COUNT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    B_PAD: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """One program per split of the active rows: gate/up (or fc1) over whole rows, then the down
+    rows accumulated into an fp32 [B_PAD, D_PAD] register accumulator -> ws[pid, b, :]."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if HAS_COUNT:
+        n = tl.minimum(tl.load(count_ptr).to(tl.int32), K)
+    else:
+        n = K
+    nblk = (n + BLOCK_R - 1) // BLOCK_R
+    per = ((nblk + nprog - 1) // nprog) * BLOCK_R
+    start = pid * per
+    end = tl.minimum(start + per, n)
+    cols = tl.arange(0, D_PAD)
+    cm = cols < d
+    bs = tl.arange(0, B_PAD)
+    acc = tl.zeros([B_PAD, D_PAD], dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_R):
+        j = r0 + tl.arange(0, BLOCK_R)
+        rm = j < end
+        rows = tl.load(idx_ptr + j, mask=rm, other=0).to(tl.int64)
+        roff = rows * d
+        a1, a2 = _dot_rows(x_ptr, stride_xb, w1_ptr, w2_ptr, roff, rm, d, d, B,
+                           MODE == 1, B_PAD, BLOCK_R, D_PAD)
+        if MODE == 0:
+            if HAS_BIAS:
+                a1 += tl.load(b1_ptr + rows, mask=rm, other=0.0).to(tl.float32)[None, :]
+            h = _act(a1, ACT)
+        elif MODE == 1:
+            h = _act(a1, ACT) * a2
+        else:
+            sv = tl.load(s_ptr + bs[:, None] * stride_sb + j[None, :],
+                         mask=(bs[:, None] < B) & rm[None, :], other=0.0).to(tl.float32)
+            h = sv * a1
+        h = tl.where(rm[None, :] & (bs[:, None] < B), h, 0.0)
+        wd = tl.load(wd_ptr + roff[:, None] + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0,
+                     eviction_policy="evict_first").to(tl.float32)
+        acc = _accum_rows(acc, h, wd, B_PAD)
+    tl.store(ws_ptr + (pid * B + bs[:, None]) * d + cols[None, :], acc,
+             mask=(bs[:, None] < B) & cm[None, :])
+
+
+@triton.jit
+def _gather_down_kernel(
+    h_ptr, stride_hb, wt_ptr, idx_ptr, count_ptr, ws_ptr,
+    K, d, B,
+    GROUP: tl.constexpr, HAS_COUNT: tl.constexpr,
+    B_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Program (d-chunk, split): partial[split, b, chunk] = sum over the split's rows j of
+    h[b, j] * W^T[row(j), chunk], row(j) = idx[j // GROUP] * GROUP + j % GROUP."""
+    pid_d = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    nsplit = tl.num_programs(1)
+    if HAS_COUNT:
+        n = tl.minimum(tl.load(count_ptr).to(tl.int32), K) * GROUP
+    else:
+        n = K * GROUP
+    nblk = (n + BLOCK_R - 1) // BLOCK_R
+    per = ((nblk + nsplit - 1) // nsplit) * BLOCK_R
+    start = pid_s * per
+    end = tl.minimum(start + per, n)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    cm = cols < d
+    bs = tl.arange(0, B_PAD)
+    acc = tl.zeros([B_PAD, BLOCK_D], dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_R):
+        j = r0 + tl.arange(0, BLOCK_R)
+        rm = j < end
+        head = tl.load(idx_ptr + j // GROUP, mask=rm, other=0).to(tl.int64)
+        roff = (head * GROUP + j % GROUP) * d
+        w = tl.load(wt_ptr + roff[:, None] + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        hv = tl.load(h_ptr + bs[:, None] * stride_hb + j[None, :],
+                     mask=(bs[:, None] < B) & rm[None, :], other=0.0).to(tl.float32)
+        acc = _accum_rows(acc, hv, w, B_PAD)
+    tl.store(ws_ptr + (pid_s * B + bs[:, None]) * d + cols[None, :], acc,
+             mask=(bs[:, None] < B) & cm[None, :])
+
+
+@triton.jit
+def _reduce_kernel(ws_ptr, bias_ptr, y_ptr, stride_yb, NSPLIT, B, d,
+                   HAS_BIAS: tl.constexpr, S_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """y[b, c] = sum_s ws[s, b, c] (+ bias[c]): one [S_PAD, BLOCK] tile, fixed reduction tree."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)  # flat over B * d
+    om = offs < B * d
+    ss = tl.arange(0, S_PAD)
+    part = tl.load(ws_ptr + ss[:, None] * (B * d) + offs[None, :],
+                   mask=(ss[:, None] < NSPLIT) & om[None, :], other=0.0)
+    acc = tl.sum(part, axis=0)
+    c = offs % d
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + c, mask=om, other=0.0).to(tl.float32)
+    b = offs // d
+    tl.store(y_ptr + b * stride_yb + c, acc.to(y_ptr.dtype.element_ty), mask=om)
+
+
+@triton.jit
+def _compact_kernel(keep_ptr, idx_ptr, v_ptr, stride_vb, idx2_ptr, v2_ptr, stride_v2b, count2_ptr,
+                    N, B, HAS_IDX: tl.constexpr, HAS_V: tl.constexpr,
+                    B_PAD: tl.constexpr, N_PAD: tl.constexpr):
+    """Stable device-side compaction (one program, one scan): kept positions first in their original
+    order, then the dropped ones; dropped slots get idx 0 and value 0; count2 = number kept."""
+    j = tl.arange(0, N_PAD)
+    m = j < N
+    k = tl.load(keep_ptr + j, mask=m, other=0).to(tl.int32)
+    k = tl.where(k != 0, 1, 0)
+    nk = tl.where(m, 1 - k, 0)
+    tot = tl.sum(k, axis=0)
+    pos = tl.where(k > 0, tl.cumsum(k, axis=0) - k, tot + tl.cumsum(nk, axis=0) - nk)
+    kept = k > 0
+    if HAS_IDX:
+        src = tl.load(idx_ptr + j, mask=m & kept, other=0)
+    else:
+        src = j
+    tl.store(idx2_ptr + pos, tl.where(kept, src, 0).to(idx2_ptr.dtype.element_ty), mask=m)
+    if HAS_V:
+        for b in tl.static_range(B_PAD):
+            bm = (j * 0 + b) < B
+            v = tl.load(v_ptr + b * stride_vb + j, mask=m & kept & bm, other=0.0)
+            tl.store(v2_ptr + b * stride_v2b + pos, tl.where(kept, v, 0.0).to(v2_ptr.dtype.element_ty),
+                     mask=m & bm)
+    tl.store(count2_ptr + j * 0, (j * 0 + tot).to(count2_ptr.dtype.element_ty), mask=j == 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# launch helpers
+# ------------------------------------------------------------------------------------------------
+def _np2(n: int) -> int:
+    return triton.next_power_of_2(max(1, int(n)))
+
+
+def _dummy(t: torch.Tensor) -> torch.Tensor:
+    return t  # any valid pointer for an unused argument (never dereferenced)
+
+
+def _cfg(name: str, bp: int, override: dict | None, device=None) -> dict:
+    table = {"fused": C.FUSED, "gather": C.GATHER, "down": C.DOWN}[name]
+    cfg = dict(table[bp] if bp in table else table[max(table)])
+    if device is not None and device.type == "cpu":
+        cfg.update(C.INTERP[name])
+    if override:
+        cfg.update(override)
+    return cfg
+
+
+def _launch_gather(x, w1, w2, b1, scale, idx, count, out, keep, thr, mode, act, config=None):
+    B, d = x.shape
+    K = idx.shape[0]
+    bp = C.b_pad(B)
+    cfg = _cfg("gather", bp, config, x.device)
+    block_k = cfg["BLOCK_K"] or _np2(d)
+    block_k = min(block_k, _np2(d))
+    block_r = cfg["BLOCK_R"]
+    if K == 0:
+        return out
+    grid = (triton.cdiv(K, block_r),)
+    _gather_gemv_kernel[grid](
+        x, x.stride(0), w1, w2 if w2 is not None else w1, b1 if b1 is not None else w1,
+        scale if scale is not None else x, scale.stride(0) if scale is not None else 0,
+        idx, count if count is not None else idx,
+        out, out.stride(0), keep if keep is not None else idx, float(thr),
+        K, d, B,
+        MODE=mode, ACT=act_code(act), HAS_COUNT=count is not None, HAS_BIAS=b1 is not None,
+        FILTER=keep is not None, B_PAD=bp, BLOCK_R=block_r, BLOCK_K=block_k,
+        num_warps=cfg["num_warps"],
+    )
+    return out
+
+
+def _launch_reduce(ws, nsplit, bias, y):
+    B, d = y.shape
+    s_pad = _np2(nsplit)
+    block = max(16, min(1024, 8192 // s_pad))
+    grid = (triton.cdiv(B * d, block),)
+    _reduce_kernel[grid](ws, bias if bias is not None else ws, y, y.stride(0), nsplit, B, d,
+                         HAS_BIAS=bias is not None, S_PAD=s_pad, BLOCK=block, num_warps=4)
+    return y
+
+
+def _launch_down(h, w_t, idx, count, bias, group, out_dtype, config=None):
+    B = h.shape[0]
+    d = w_t.shape[1]
+    K = idx.shape[0]
+    bp = C.b_pad(B)
+    cfg = _cfg("down", bp, config, h.device)
+    block_d = min(cfg["BLOCK_D"], _np2(d))
+    nsplit = max(1, min(cfg["splits"], triton.cdiv(K * group, cfg["BLOCK_R"])))
+    ws = _c.empty((nsplit, B, d), h.device, torch.float32)
+    grid = (triton.cdiv(d, block_d), nsplit)
+    _gather_down_kernel[grid](
+        h, h.stride(0), w_t, idx, count if count is not None else idx, ws, K, d, B,
+        GROUP=group, HAS_COUNT=count is not None, B_PAD=bp, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=block_d,
+        num_warps=cfg["num_warps"],
+    )
+    y = _c.empty((B, d), h.device, out_dtype)
+    return _launch_reduce(ws, nsplit, bias, y)
+
+
+def _launch_fused(x, w1, w2, b1, scale, w_t, idx, count, bias2, mode, act, config=None):
+    B, d = x.shape
+    K = idx.shape[0]
+    bp = C.b_pad(B)
+    cfg = _cfg("fused", bp, config, x.device)
+    block_r = cfg["BLOCK_R"]
+    nsplit = cfg.get("nsplit") or cfg["progs_per_sm"] * C.sm_count(x)
+    nsplit = max(1, min(nsplit, triton.cdiv(K, block_r)))
+    ws = _c.empty((nsplit, B, d), x.device, torch.float32)
+    _fused_ffn_kernel[(nsplit,)](
+        x, x.stride(0), w1, w2 if w2 is not None else w1, b1 if b1 is not None else w1,
+        scale if scale is not None else x, scale.stride(0) if scale is not None else 0,
+        w_t, idx, count if count is not None else idx, ws, K, d, B,
+        MODE=mode, ACT=act_code(act), HAS_COUNT=count is not None, HAS_BIAS=b1 is not None,
+        B_PAD=bp, BLOCK_R=block_r, D_PAD=_np2(d), num_warps=cfg["num_warps"],
+    )
+    y = _c.empty((B, d), x.device, x.dtype)
+    return _launch_reduce(ws, nsplit, bias2, y)
+
+
+def _check_count_dev(count, device):
+    if count is not None:
+        assert count.device == device
+
+
+# ------------------------------------------------------------------------------------------------
+# public ops
+# ------------------------------------------------------------------------------------------------
+def gated_gather_gemv(x, w_gate, w_up, idx, count=None, act="silu", out_dtype=None, *, config=None):
+    """h[b, j] = act(W_gate[idx[j]] . x[b]) * (W_up[idx[j]] . x[b]) for j < count, 0 after."""
+    d = w_gate.shape[1]
+    check_x(x, d)
+    assert x.is_contiguous()
+    check_weight(w_gate, "w_gate", d, x.dtype, x.device)
+    check_weight(w_up, "w_up", d, x.dtype, x.device)
+    assert w_up.shape == w_gate.shape
+    check_idx(idx, count, x.device)
+    assert d <= MAX_D
+    out = _c.empty((x.shape[0], idx.shape[0]), x.device, out_dtype or x.dtype)
+    return _launch_gather(x, w_gate, w_up, None, None, idx, count, out, None, 0.0, 1, act, config)
+
+
+def gather_gemv(x, w, idx, count=None, act="none", bias=None, scale=None, out_dtype=None, *, config=None):
+    """h[b, j] = act(W[idx[j]] . x[b] + bias[idx[j]]) for j < count (0 after). With ``scale``
+    ([B, K], e.g. the gate activations of the sequential path), h = scale * (W[idx[j]] . x[b])
+    (act and bias must then be unset)."""
+    d = w.shape[1]
+    check_x(x, d)
+    assert x.is_contiguous()
+    check_weight(w, "w", d, x.dtype, x.device)
+    check_idx(idx, count, x.device)
+    assert d <= MAX_D
+    B, K = x.shape[0], idx.shape[0]
+    if bias is not None:
+        assert bias.shape == (w.shape[0],) and bias.device == x.device and bias.is_contiguous()
+    if scale is not None:
+        assert act == "none" and bias is None, "scale excludes act/bias"
+        assert scale.shape == (B, K) and scale.device == x.device and scale.stride(1) == 1
+    out = _c.empty((B, K), x.device, out_dtype or x.dtype)
+    mode = 2 if scale is not None else 0
+    return _launch_gather(x, w, None, bias, scale, idx, count, out, None, 0.0, mode, act, config)
+
+
+def gather_down(h, w_t, idx, count=None, bias=None, group=1, *, out_dtype=None, config=None):
+    """y[b] = sum_{j < count*group} h[b, j] * W^T[idx[j // group] * group + j % group] (+ bias).
+
+    ``w_t`` is [N, d] (the transposed down/out weight, contiguous). ``h`` is [B, K * group].
+    Deterministic: fixed split-K partials in fp32, then a fixed-order reduce (no atomics)."""
+    d = w_t.shape[1]
+    assert h.dim() == 2 and 1 <= h.shape[0] <= MAX_BATCH
+    assert h.shape[1] == idx.shape[0] * group, f"h has {h.shape[1]} columns, idx*group = {idx.shape[0] * group}"
+    assert h.stride(1) == 1
+    check_weight(w_t, "w_t", d, w_t.dtype, h.device)
+    assert h.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    check_idx(idx, count, h.device)
+    if bias is not None:
+        assert bias.shape == (d,) and bias.device == h.device
+    return _launch_down(h, w_t, idx, count, bias, group, out_dtype or w_t.dtype, config)
+
+
+def compact(keep, idx=None, values=None):
+    """Stable compaction of a [N] bool/int8 mask (device-side, one launch, no sync).
+
+    Returns (idx2 [N] int32, count2 [1] int32) or, with ``values`` [B, N], also values2 [B, N] (fp32):
+    kept entries first in their original order (``idx[j]`` if idx is given, else ``j``), then 0s."""
+    assert keep.dim() == 1 and keep.shape[0] <= COMPACT_MAX
+    N = keep.shape[0]
+    if keep.dtype == torch.bool:
+        keep = keep.view(torch.int8)
+    dev = keep.device
+    idx2 = _c.empty(N, dev, torch.int32)
+    count2 = _c.empty(1, dev, torch.int32)
+    B = 1
+    v2 = None
+    if values is not None:
+        assert values.dim() == 2 and values.shape[1] == N and values.stride(1) == 1
+        B = values.shape[0]
+        v2 = _c.empty((B, N), dev, torch.float32)
+    n_pad = _np2(N)
+    _compact_kernel[(1,)](
+        keep, idx if idx is not None else keep, values if values is not None else idx2,
+        values.stride(0) if values is not None else 0,
+        idx2, v2 if v2 is not None else idx2, v2.stride(0) if v2 is not None else 0, count2,
+        N, B, HAS_IDX=idx is not None, HAS_V=values is not None, B_PAD=_np2(B), N_PAD=n_pad,
+        num_warps=max(4, min(32, n_pad // 512)),
+    )
+    if values is not None:
+        return idx2, count2, v2
+    return idx2, count2
+
+
+def union_active(mask):
+    """Union over the batch of per-token active masks [B, D] (bool) -> (idx [D] int32, count [1])."""
+    assert mask.dim() == 2
+    return compact(mask.any(dim=0))
+
+
+def sequential_gate_filter(x, w_gate, idx, count=None, act="silu", threshold=0.0, *, config=None):
+    """Gate on the predicted rows, drop rows whose |act(gate)| <= threshold for every token.
+
+    Returns (a [B, K] fp32: act(gate) of the kept rows compacted in idx order, then zeros;
+             idx2 [K] int32: kept row ids then zeros; count2 [1] int32). Two launches, no sync."""
+    d = w_gate.shape[1]
+    check_x(x, d)
+    assert x.is_contiguous()
+    check_weight(w_gate, "w_gate", d, x.dtype, x.device)
+    check_idx(idx, count, x.device)
+    B, K = x.shape[0], idx.shape[0]
+    assert K <= COMPACT_MAX
+    a = _c.empty((B, K), x.device, torch.float32)
+    keep = _c.empty(K, x.device, torch.int8)
+    _launch_gather(x, w_gate, None, None, None, idx, count, a, keep, threshold, 0, act, config)
+    idx2, count2, a2 = compact(keep, idx, a)
+    return a2, idx2, count2
+
+
+def _check_ffn(x, w_gate, w_up, w_down_t, idx, count):
+    d = w_gate.shape[1]
+    check_x(x, d)
+    assert x.is_contiguous()
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down_t", w_down_t)):
+        if w is not None:
+            check_weight(w, name, d, x.dtype, x.device)
+    if w_up is not None:
+        assert w_up.shape == w_gate.shape
+    assert w_down_t.shape == w_gate.shape, "w_down_t must be [D, d] (down_proj.weight.t().contiguous())"
+    check_idx(idx, count, x.device)
+    assert d <= MAX_D
+
+
+def sparse_ffn(x, w_gate, w_up, w_down_t, idx, count=None, act="silu", threshold=None, *,
+               path=None, config=None):
+    """Gated FFN over the active rows: y = W_down[:, I] (act(W_gate[I] x) * W_up[I] x).
+
+    threshold None: parallel pipeline (gate, up, down all on idx). A float: sequential pipeline
+    (gate on idx, drop rows with |act(gate)| <= threshold, up and down on the survivors)."""
+    _check_ffn(x, w_gate, w_up, w_down_t, idx, count)
+    B, d = x.shape
+    path = path or C.ffn_path(B, d)
+    cfg = config or {}
+    if threshold is not None:
+        a2, idx2, count2 = sequential_gate_filter(x, w_gate, idx, count, act, threshold, config=cfg.get("gather"))
+        if path == "fused":
+            return _launch_fused(x, w_up, None, None, a2, w_down_t, idx2, count2, None, 2, "none", cfg.get("fused"))
+        h = gather_gemv(x, w_up, idx2, count2, scale=a2, out_dtype=torch.float32, config=cfg.get("gather"))
+        return gather_down(h, w_down_t, idx2, count2, out_dtype=x.dtype, config=cfg.get("down"))
+    if path == "fused":
+        return _launch_fused(x, w_gate, w_up, None, None, w_down_t, idx, count, None, 1, act, cfg.get("fused"))
+    h = gated_gather_gemv(x, w_gate, w_up, idx, count, act, out_dtype=torch.float32, config=cfg.get("gather"))
+    return gather_down(h, w_down_t, idx, count, out_dtype=x.dtype, config=cfg.get("down"))
+
+
+def sparse_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count=None, act="relu", *, path=None, config=None):
+    """Non-gated (OPT-style) MLP over the active rows: y = W_fc2[:, I] act(W_fc1[I] x + b_fc1[I]) + b_fc2."""
+    _check_ffn(x, w_fc1, None, w_fc2_t, idx, count)
+    B, d = x.shape
+    path = path or C.ffn_path(B, d)
+    cfg = config or {}
+    if path == "fused":
+        return _launch_fused(x, w_fc1, None, b_fc1, None, w_fc2_t, idx, count, b_fc2, 0, act, cfg.get("fused"))
+    h = gather_gemv(x, w_fc1, idx, count, act=act, bias=b_fc1, out_dtype=torch.float32, config=cfg.get("gather"))
+    return gather_down(h, w_fc2_t, idx, count, bias=b_fc2, out_dtype=x.dtype, config=cfg.get("down"))

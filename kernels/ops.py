@@ -1,0 +1,106 @@
+"""Dispatcher: Triton on CUDA, the index_select path on Ascend NPUs, the torch reference elsewhere.
+
+Every function here has the signature of the op of the same name in kernels.reference; the
+environment variable ``CTXSPARSE_KERNELS`` (triton | npu | reference) forces a backend (the CPU
+tests use ``triton`` with ``TRITON_INTERPRET=1``). ``sparse_ffn`` / ``sparse_mlp`` fall back to a
+dense cuBLAS FFN (masked to the same active set, so the result is the same function) where
+``configs.DENSE_FROM_BATCH`` says dense was measured faster.
+"""
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+
+from . import configs as C
+from . import npu as _npu
+from . import reference as _ref
+from .common import MAX_BATCH
+
+_TRITON = None
+
+
+def _triton_backend():
+    global _TRITON
+    if _TRITON is None:
+        from . import attn_triton, ffn_triton
+
+        ns = types.SimpleNamespace()
+        for mod in (ffn_triton, attn_triton):
+            for name in dir(mod):
+                if not name.startswith("_"):
+                    setattr(ns, name, getattr(mod, name))
+        _TRITON = ns
+    return _TRITON
+
+
+def backend_name(t: torch.Tensor) -> str:
+    forced = os.environ.get("CTXSPARSE_KERNELS")
+    if forced:
+        if forced not in ("triton", "npu", "reference"):
+            raise ValueError(f"CTXSPARSE_KERNELS={forced!r}")
+        return forced
+    if t.device.type == "cuda":
+        return "triton"
+    if t.device.type == "npu":
+        return "npu"
+    return "reference"
+
+
+def backend(t: torch.Tensor):
+    name = backend_name(t)
+    if name == "triton":
+        return _triton_backend()
+    return _npu if name == "npu" else _ref
+
+
+def gated_gather_gemv(x, w_gate, w_up, idx, count=None, act="silu", out_dtype=None):
+    return backend(x).gated_gather_gemv(x, w_gate, w_up, idx, count, act, out_dtype)
+
+
+def gather_gemv(x, w, idx, count=None, act="none", bias=None, scale=None, out_dtype=None):
+    return backend(x).gather_gemv(x, w, idx, count, act, bias, scale, out_dtype)
+
+
+def gather_down(h, w_t, idx, count=None, bias=None, group=1, *, out_dtype=None):
+    return backend(h).gather_down(h, w_t, idx, count, bias, group, out_dtype=out_dtype)
+
+
+def compact(keep, idx=None, values=None):
+    return backend(keep).compact(keep, idx, values)
+
+
+def union_active(mask):
+    return backend(mask).union_active(mask)
+
+
+def sequential_gate_filter(x, w_gate, idx, count=None, act="silu", threshold=0.0):
+    return backend(x).sequential_gate_filter(x, w_gate, idx, count, act, threshold)
+
+
+def sparse_ffn(x, w_gate, w_up, w_down_t, idx, count=None, act="silu", threshold=None, *, allow_dense=True):
+    if x.shape[0] > MAX_BATCH or (allow_dense and C.use_dense(x.shape[0], idx.shape[0], w_gate.shape[0])):
+        mask = _ref.active_mask(idx, count, w_gate.shape[0])
+        return _ref.dense_ffn(x, w_gate, w_up, w_down_t, act, mask)
+    return backend(x).sparse_ffn(x, w_gate, w_up, w_down_t, idx, count, act, threshold)
+
+
+def sparse_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count=None, act="relu", *, allow_dense=True):
+    if x.shape[0] > MAX_BATCH or (allow_dense and C.use_dense(x.shape[0], idx.shape[0], w_fc1.shape[0])):
+        mask = _ref.active_mask(idx, count, w_fc1.shape[0])
+        return _ref.dense_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, act, mask)
+    return backend(x).sparse_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count, act)
+
+
+def kv_heads_for(q_idx, q_count, n_heads, n_kv_heads):
+    return backend(q_idx).kv_heads_for(q_idx, q_count, n_heads, n_kv_heads)
+
+
+def head_sparse_qkv(x, w_qkv, q_idx, q_count, kv_idx, kv_count, n_heads, n_kv_heads, head_dim, bias=None):
+    return backend(x).head_sparse_qkv(x, w_qkv, q_idx, q_count, kv_idx, kv_count, n_heads, n_kv_heads,
+                                      head_dim, bias)
+
+
+def head_sparse_out(attn, w_o_t, q_idx, q_count=None, head_dim=None, bias=None):
+    return backend(attn).head_sparse_out(attn, w_o_t, q_idx, q_count, head_dim, bias)

@@ -1,0 +1,171 @@
+"""Torch reference for every kernel op: same signatures and outputs as kernels.ffn_triton /
+kernels.attn_triton, any device, no sync (fixed shapes, count stays on the device).
+
+Computes in fp32 (fp64 if the inputs are fp64, which the tests use as ground truth) and casts the
+result to the output dtype of the fast op. Written for clarity, not speed (it materializes the
+gathered rows; the Ascend path in kernels.npu is the one meant to run).
+"""
+from __future__ import annotations
+
+import torch
+
+from .common import apply_act, group_rows, valid_mask
+
+
+def _cdt(*ts):
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def _rows(idx, count):
+    valid = valid_mask(idx, count)
+    return valid, group_rows(idx, valid, 1)
+
+
+def gated_gather_gemv(x, w_gate, w_up, idx, count=None, act="silu", out_dtype=None, *, config=None):
+    cd = _cdt(x, w_gate)
+    valid, rows = _rows(idx, count)
+    xf = x.to(cd)
+    g = xf @ w_gate.index_select(0, rows).to(cd).T
+    u = xf @ w_up.index_select(0, rows).to(cd).T
+    h = torch.where(valid[None, :], apply_act(g, act) * u, torch.zeros((), dtype=cd, device=x.device))
+    return h.to(out_dtype or x.dtype)
+
+
+def gather_gemv(x, w, idx, count=None, act="none", bias=None, scale=None, out_dtype=None, *, config=None):
+    cd = _cdt(x, w)
+    valid, rows = _rows(idx, count)
+    z = x.to(cd) @ w.index_select(0, rows).to(cd).T
+    if bias is not None:
+        z = z + bias.index_select(0, rows).to(cd)[None, :]
+    h = apply_act(z, act)
+    if scale is not None:
+        h = scale.to(cd) * h
+    h = torch.where(valid[None, :], h, torch.zeros((), dtype=cd, device=x.device))
+    return h.to(out_dtype or x.dtype)
+
+
+def gather_down(h, w_t, idx, count=None, bias=None, group=1, *, out_dtype=None, config=None):
+    cd = _cdt(h, w_t)
+    valid = valid_mask(idx, count)
+    rows = group_rows(idx, valid, group)
+    vg = valid.repeat_interleave(group) if group > 1 else valid
+    hh = torch.where(vg[None, :], h.to(cd), torch.zeros((), dtype=cd, device=h.device))
+    y = hh @ w_t.index_select(0, rows).to(cd)
+    if bias is not None:
+        y = y + bias.to(cd)[None, :]
+    return y.to(out_dtype or w_t.dtype)
+
+
+def compact(keep, idx=None, values=None):
+    keep = keep.to(torch.bool)
+    n = keep.shape[0]
+    order = torch.argsort((~keep).to(torch.int8), stable=True)
+    kept = keep[order]
+    src = idx[order].to(torch.int32) if idx is not None else order.to(torch.int32)
+    idx2 = torch.where(kept, src, torch.zeros((), dtype=torch.int32, device=keep.device))
+    count2 = keep.sum(dtype=torch.int32).reshape(1)
+    assert idx2.shape[0] == n
+    if values is not None:
+        v2 = torch.where(kept[None, :], values[:, order].float(), torch.zeros((), device=keep.device))
+        return idx2, count2, v2
+    return idx2, count2
+
+
+def union_active(mask):
+    return compact(mask.any(dim=0))
+
+
+def sequential_gate_filter(x, w_gate, idx, count=None, act="silu", threshold=0.0, *, config=None):
+    cd = _cdt(x, w_gate)
+    valid, rows = _rows(idx, count)
+    a = apply_act(x.to(cd) @ w_gate.index_select(0, rows).to(cd).T, act)
+    a = torch.where(valid[None, :], a, torch.zeros((), dtype=cd, device=x.device))
+    keep = valid & (a.abs() > threshold).any(dim=0)
+    order = torch.argsort((~keep).to(torch.int8), stable=True)
+    kept = keep[order]
+    idx2 = torch.where(kept, idx[order].to(torch.int32), torch.zeros((), dtype=torch.int32, device=x.device))
+    a2 = torch.where(kept[None, :], a[:, order], torch.zeros((), dtype=cd, device=x.device))
+    count2 = keep.sum(dtype=torch.int32).reshape(1)
+    return (a2 if cd == torch.float64 else a2.float()), idx2, count2
+
+
+def sparse_ffn(x, w_gate, w_up, w_down_t, idx, count=None, act="silu", threshold=None, *, path=None, config=None):
+    cd = _cdt(x, w_gate)
+    if threshold is not None:
+        a2, idx2, count2 = sequential_gate_filter(x, w_gate, idx, count, act, threshold)
+        h = gather_gemv(x, w_up, idx2, count2, scale=a2, out_dtype=cd)
+        return gather_down(h, w_down_t, idx2, count2, out_dtype=x.dtype)
+    h = gated_gather_gemv(x, w_gate, w_up, idx, count, act, out_dtype=cd)
+    return gather_down(h, w_down_t, idx, count, out_dtype=x.dtype)
+
+
+def sparse_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count=None, act="relu", *, path=None, config=None):
+    cd = _cdt(x, w_fc1)
+    h = gather_gemv(x, w_fc1, idx, count, act=act, bias=b_fc1, out_dtype=cd)
+    return gather_down(h, w_fc2_t, idx, count, bias=b_fc2, out_dtype=x.dtype)
+
+
+def dense_ffn(x, w_gate, w_up, w_down_t, act="silu", mask=None):
+    """Dense FFN in the kernels' weight layout (w_down_t = W_down^T); ``mask`` [D] zeroes inactive neurons."""
+    h = apply_act(x @ w_gate.T, act) * (x @ w_up.T)
+    if mask is not None:
+        h = h * mask.to(h.dtype)
+    return h @ w_down_t
+
+
+def dense_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, act="relu", mask=None):
+    z = x @ w_fc1.T
+    if b_fc1 is not None:
+        z = z + b_fc1
+    h = apply_act(z, act)
+    if mask is not None:
+        h = h * mask.to(h.dtype)
+    y = h @ w_fc2_t
+    return y + b_fc2 if b_fc2 is not None else y
+
+
+def active_mask(idx, count, n):
+    """[n] mask of the active rows (device-side; duplicates and padding are harmless)."""
+    valid = valid_mask(idx, count)
+    m = torch.zeros(n, dtype=torch.int32, device=idx.device)
+    m.scatter_add_(0, torch.where(valid, idx.long(), 0), valid.to(torch.int32))
+    return m > 0
+
+
+# ---- attention ---------------------------------------------------------------------------------
+def kv_heads_for(q_idx, q_count, n_heads, n_kv_heads):
+    g = n_heads // n_kv_heads
+    dev = q_idx.device
+    valid = valid_mask(q_idx, q_count)
+    kvh = torch.where(valid, q_idx.long() // g, 0)
+    act = torch.zeros(n_kv_heads, dtype=torch.int32, device=dev)
+    act.scatter_add_(0, kvh, valid.to(torch.int32))
+    act = act > 0
+    kv_idx, kv_count = compact(act)
+    rank = torch.cumsum(act.to(torch.int32), 0) - act.to(torch.int32)
+    kv_slot = torch.where(valid, rank[kvh], 0).to(torch.int32)
+    return kv_idx, kv_count, kv_slot
+
+
+def head_sparse_qkv(x, w_qkv, q_idx, q_count, kv_idx, kv_count, n_heads, n_kv_heads, head_dim, bias=None,
+                    *, config=None):
+    B = x.shape[0]
+    cd = _cdt(x, w_qkv)
+    outs = []
+    for part_idx, part_count, off in ((q_idx, q_count, 0), (kv_idx, kv_count, n_heads),
+                                      (kv_idx, kv_count, n_heads + n_kv_heads)):
+        valid = valid_mask(part_idx, part_count)
+        rows = group_rows(part_idx.long() + off, valid, head_dim)
+        vg = valid.repeat_interleave(head_dim)
+        z = x.to(cd) @ w_qkv.index_select(0, rows).to(cd).T
+        if bias is not None:
+            z = z + bias.index_select(0, rows).to(cd)[None, :]
+        z = torch.where(vg[None, :], z, torch.zeros((), dtype=cd, device=x.device))
+        outs.append(z.to(x.dtype).view(B, part_idx.shape[0], head_dim))
+    return tuple(outs)
+
+
+def head_sparse_out(attn, w_o_t, q_idx, q_count=None, head_dim=None, bias=None, *, config=None):
+    B = attn.shape[0]
+    return gather_down(attn.reshape(B, -1), w_o_t, q_idx, q_count, bias=bias, group=head_dim,
+                       out_dtype=attn.dtype)

@@ -1,0 +1,168 @@
+"""Triton FFN kernels vs the torch reference (fp64 ground truth), odd shapes, s in {0, .5, .9, 1}."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _helpers import D_FF, D_MODEL, ffn_weights, make_idx, rnd, up  # noqa: E402
+from conftest import TOL, rel_err  # noqa: E402
+
+from kernels import ffn_triton as T  # noqa: E402
+from kernels import reference as R  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SPARS = [0.0, 0.5, 0.9, 1.0]
+
+
+def _check(out, ref, dtype, gen, what=""):
+    err = rel_err(out, ref)
+    assert err <= TOL[dtype], f"{what} rel err {err:.3g} > {TOL[dtype]} (seed {gen.initial_seed()})"
+
+
+@pytest.mark.parametrize("mode", ["fixed", "padded"])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("s", SPARS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_gather_gemv(dtype, s, batch, mode, device, gen, poison):
+    wg, wu, _ = ffn_weights(gen, dtype, device)
+    x = rnd((batch, D_MODEL), gen, dtype, device)
+    idx, count = make_idx(gen, D_FF, s, mode, device)
+    out = T.gated_gather_gemv(x, wg, wu, idx, count, "silu")
+    ref = R.gated_gather_gemv(up(x), up(wg), up(wu), idx, count, "silu")
+    assert out.shape == (batch, idx.shape[0]) and out.dtype == dtype
+    _check(out, ref, dtype, gen)
+    if count is not None:
+        assert (out[:, int(count):] == 0).all()
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "relu", "none"])
+def test_gated_activations(act, device, gen, poison):
+    dtype = torch.float32
+    wg, wu, _ = ffn_weights(gen, dtype, device)
+    x = rnd((2, D_MODEL), gen, dtype, device, 3.0)  # wide range: both tails of the activation
+    idx, count = make_idx(gen, D_FF, 0.5, "padded", device, torch.int64)
+    out = T.gated_gather_gemv(x, wg, wu, idx, count, act)
+    ref = R.gated_gather_gemv(up(x), up(wg), up(wu), idx, count, act)
+    _check(out, ref, dtype, gen, act)
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("s", [0.0, 0.9])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_gemv_bias_and_scale(dtype, s, batch, device, gen, poison):
+    w, _, _ = ffn_weights(gen, dtype, device)
+    b = rnd((D_FF,), gen, dtype, device)
+    x = rnd((batch, D_MODEL), gen, dtype, device)
+    idx, count = make_idx(gen, D_FF, s, "padded", device)
+    out = T.gather_gemv(x, w, idx, count, act="relu", bias=b)
+    ref = R.gather_gemv(up(x), up(w), idx, count, act="relu", bias=up(b))
+    _check(out, ref, dtype, gen, "bias")
+    sc = rnd((batch, idx.shape[0]), gen, torch.float32, device)
+    out = T.gather_gemv(x, w, idx, count, scale=sc, out_dtype=torch.float32)
+    ref = R.gather_gemv(up(x), up(w), idx, count, scale=up(sc))
+    _check(out, ref, dtype, gen, "scale")
+
+
+@pytest.mark.parametrize("mode", ["fixed", "padded"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("s", SPARS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_down(dtype, s, batch, mode, device, gen, poison):
+    _, _, wdt = ffn_weights(gen, dtype, device)
+    idx, count = make_idx(gen, D_FF, s, mode, device)
+    h = rnd((batch, idx.shape[0]), gen, dtype, device)
+    bias = rnd((D_MODEL,), gen, dtype, device) if batch == 3 else None
+    out = T.gather_down(h, wdt, idx, count, bias=bias)
+    ref = R.gather_down(up(h), up(wdt), idx, count, bias=up(bias))
+    assert out.shape == (batch, D_MODEL) and out.dtype == dtype
+    _check(out, ref, dtype, gen)
+
+
+def test_gather_down_bit_identical(device, gen, poison):
+    dtype = torch.float16
+    _, _, wdt = ffn_weights(gen, dtype, device)
+    idx, count = make_idx(gen, D_FF, 0.5, "padded", device)
+    h = rnd((2, idx.shape[0]), gen, dtype, device)
+    first = T.gather_down(h, wdt, idx, count)
+    for _ in range(5):
+        assert torch.equal(T.gather_down(h, wdt, idx, count).view(torch.int16), first.view(torch.int16))
+
+
+@pytest.mark.parametrize("path", ["fused", "split"])
+@pytest.mark.parametrize("mode", ["fixed", "padded"])
+@pytest.mark.parametrize("batch", [1, 2, 6])
+@pytest.mark.parametrize("s", SPARS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sparse_ffn_parallel(dtype, s, batch, mode, path, device, gen, poison):
+    wg, wu, wdt = ffn_weights(gen, dtype, device)
+    x = rnd((batch, D_MODEL), gen, dtype, device)
+    idx, count = make_idx(gen, D_FF, s, mode, device)
+    out = T.sparse_ffn(x, wg, wu, wdt, idx, count, "silu", path=path)
+    ref = R.sparse_ffn(up(x), up(wg), up(wu), up(wdt), idx, count, "silu")
+    assert out.shape == (batch, D_MODEL) and out.dtype == dtype
+    _check(out, ref, dtype, gen, path)
+
+
+def _gap_threshold(x, wg, idx, count, act):
+    """A threshold in the middle of a wide gap of max_b |act(gate)| near its median, so that the
+    keep decision cannot flip between fp16/bf16 and fp64 arithmetic."""
+    a = R.gather_gemv(up(x), up(wg), idx, count, act=act).abs().max(dim=0).values
+    k = int(count) if count is not None else idx.shape[0]
+    v = torch.sort(a[:k]).values
+    if k < 4:
+        return 0.5 * float(v.max()) if k else 0.0
+    gaps = v[1:] - v[:-1]
+    lo, hi = k // 4, 3 * k // 4
+    i = lo + int(torch.argmax(gaps[lo:hi]))
+    return float(0.5 * (v[i] + v[i + 1]))
+
+
+@pytest.mark.parametrize("path", ["fused", "split"])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("s", [0.0, 0.5, 0.9])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sparse_ffn_sequential(dtype, s, batch, path, device, gen, poison):
+    wg, wu, wdt = ffn_weights(gen, dtype, device)
+    x = rnd((batch, D_MODEL), gen, dtype, device)
+    idx, count = make_idx(gen, D_FF, s, "padded", device)
+    thr = _gap_threshold(x, wg, idx, count, "silu")
+    a2, idx2, count2 = T.sequential_gate_filter(x, wg, idx, count, "silu", thr)
+    ra2, ridx2, rcount2 = R.sequential_gate_filter(up(x), up(wg), idx, count, "silu", thr)
+    assert torch.equal(count2.cpu(), rcount2.cpu()), f"seed {gen.initial_seed()}"
+    assert torch.equal(idx2.cpu(), ridx2.cpu()), f"seed {gen.initial_seed()}"
+    _check(a2, ra2, dtype, gen, "gate")
+    out = T.sparse_ffn(x, wg, wu, wdt, idx, count, "silu", threshold=thr, path=path)
+    ref = R.sparse_ffn(up(x), up(wg), up(wu), up(wdt), idx, count, "silu", threshold=thr)
+    _check(out, ref, dtype, gen, path)
+
+
+@pytest.mark.parametrize("path", ["fused", "split"])
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("s", SPARS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sparse_mlp_relu(dtype, s, batch, path, device, gen, poison):
+    w1, _, w2t = ffn_weights(gen, dtype, device)
+    b1 = rnd((D_FF,), gen, dtype, device, 0.5)
+    b2 = rnd((D_MODEL,), gen, dtype, device, 0.5)
+    x = rnd((batch, D_MODEL), gen, dtype, device)
+    idx, count = make_idx(gen, D_FF, s, "padded", device)
+    out = T.sparse_mlp(x, w1, b1, w2t, b2, idx, count, "relu", path=path)
+    ref = R.sparse_mlp(up(x), up(w1), up(b1), up(w2t), up(b2), idx, count, "relu")
+    _check(out, ref, dtype, gen, path)
+
+
+@pytest.mark.parametrize("n", [1, 200, 1000])
+def test_compact_and_union(n, device, gen, poison):
+    keep = (torch.rand(n, generator=gen) < 0.4).to(device)
+    idx = torch.randperm(n, generator=gen).to(torch.int32).to(device)
+    vals = torch.randn(3, n, generator=gen).to(device)
+    i2, c2, v2 = T.compact(keep, idx, vals)
+    ri2, rc2, rv2 = R.compact(keep, idx, vals)
+    assert torch.equal(i2.cpu(), ri2.cpu()) and torch.equal(c2.cpu(), rc2.cpu())
+    assert torch.equal(v2.cpu(), rv2.cpu())
+    mask = torch.rand(3, n, generator=gen).to(device) < 0.2
+    u, uc = T.union_active(mask)
+    ru, ruc = R.union_active(mask)
+    assert torch.equal(u.cpu(), ru.cpu()) and torch.equal(uc.cpu(), ruc.cpu())
