@@ -230,14 +230,24 @@ def register_units(session: Session, sweep_id: int, units: Iterable[UnitSpec | M
         return 0
     linked = select(func.count()).select_from(SweepUnit).where(SweepUnit.sweep_id == sweep_id)
     before = session.scalar(linked) or 0
-    now = utcnow()
-    session.execute(
-        _insert(session, _table(WorkUnit)).on_conflict_do_nothing(),
-        [{**u.model_dump(), "status": "pending", "attempts": 0, "created_at": now} for u in specs],
-    )
+    # Insert only units not seen yet, in id order: an INSERT that meets an existing row
+    # being updated by a running finish_unit would wait for it (and deadlock, as that
+    # finish_unit waits for this sweep's lock); sorted ids keep concurrent registrars
+    # of overlapping new units from deadlocking each other.
+    by_id = {u.id: u for u in specs}
+    ids = sorted(by_id)
+    known = {k for i in range(0, len(ids), 1000)  # chunks: SQLite caps bound parameters
+             for k in session.scalars(select(WorkUnit.id).where(WorkUnit.id.in_(ids[i : i + 1000])))}
+    new = [by_id[k] for k in sorted(by_id.keys() - known)]
+    if new:
+        now = utcnow()
+        session.execute(
+            _insert(session, _table(WorkUnit)).on_conflict_do_nothing(),
+            [{**u.model_dump(), "status": "pending", "attempts": 0, "created_at": now} for u in new],
+        )
     session.execute(
         _insert(session, _table(SweepUnit)).on_conflict_do_nothing(),
-        [{"sweep_id": sweep_id, "unit_id": u.id} for u in specs],
+        [{"sweep_id": sweep_id, "unit_id": k} for k in ids],
     )
     _refresh_sweep_counts(session, [sweep_id])
     return (session.scalar(linked) or 0) - before
@@ -318,8 +328,9 @@ def finish_unit(
     """Write a unit's results and flip it to done, all or nothing.
 
     Returns True if this call finished the unit, False if it was already done (then
-    nothing is written). The status flip comes first, so of concurrent finishers of
-    one unit exactly one proceeds; inserts are ON CONFLICT DO NOTHING as a second guard.
+    nothing is written). The status flip (a conditional UPDATE) precedes the inserts, so
+    of concurrent finishers of one unit exactly one proceeds; inserts are
+    ON CONFLICT DO NOTHING as a second guard.
     Everything runs in a SAVEPOINT: on any error no row of this unit lands and the
     exception propagates (the caller's transaction stays usable, e.g. for fail_unit).
     """
@@ -333,6 +344,11 @@ def finish_unit(
     _check_unique(art, ("kind", "uri"), "artifact")
 
     with session.begin_nested():
+        # Lock order everywhere: sweeps (by id), then units. Sweep locks first also
+        # serialize the cached-counter refresh below (PostgreSQL; SQLite has one writer).
+        sweeps = _lock_sweeps(
+            session, session.scalars(select(SweepUnit.sweep_id).where(SweepUnit.unit_id == unit_id)).all()
+        )
         now = utcnow()
         flipped = session.execute(
             update(WorkUnit)
@@ -356,8 +372,7 @@ def finish_unit(
                     _insert(session, _table(entity)).on_conflict_do_nothing(),
                     [{**r.model_dump(), **extra} for r in rows],
                 )
-        sweeps = session.scalars(select(SweepUnit.sweep_id).where(SweepUnit.unit_id == unit_id)).all()
-        _refresh_sweep_counts(session, _lock_sweeps(session, sweeps))
+        _refresh_sweep_counts(session, sweeps)
     return True
 
 

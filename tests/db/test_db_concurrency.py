@@ -15,7 +15,7 @@ from sqlalchemy import func, select
 from db import queries as q
 from db.engine import get_engine, session_scope, upgrade
 from db.models import AccuracyResult, Artifact, LatencyResult, LayerMetric
-from dbtest_support import N_ACC, N_ART, N_LAT, N_LAYER, finish_all, seed, uid
+from dbtest_support import N_ACC, N_ART, N_LAT, N_LAYER, finish_all, seed, uid, unit_spec
 
 N_UNITS = 24
 
@@ -88,3 +88,28 @@ def test_processes_finish_overlapping_units_sqlite(tmp_path: Path):
         outcomes = [o for r in pool.starmap(finish_all, [(url, plan) for plan in _plan(4, seed_=2)]) for o in r]
     _check(engine, sweep_id, outcomes)
     engine.dispose()
+
+
+def test_resubmission_while_units_finish(engine):
+    """A sweep re-registered (resubmitted) and a second overlapping sweep registered while
+    writers finish its units: no deadlock, no error, counters exact."""
+    model_id, _, _ = seed(engine, N_UNITS)
+
+    def register(name: str) -> None:
+        for _ in range(3):
+            with session_scope(engine) as s:
+                sid, _ = q.get_or_create_sweep(s, name=name, spec_hash=name * 8, spec={})
+                order = random.Random(name).sample(range(N_UNITS), N_UNITS)
+                q.register_units(s, sid, [unit_spec(i, model_id) for i in order])
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(finish_all, engine, plan) for plan in _plan(6, seed_=3)]
+        futures += [pool.submit(register, "sweep-a"), pool.submit(register, "sweep-b")]
+        outcomes = [o for f in futures for o in (f.result() or [])]
+    winners = [u for u, won in outcomes if won]
+    assert sorted(winners) == sorted(uid(i) for i in range(N_UNITS))
+    with session_scope(engine) as s:
+        sweeps = {w.name: w for w in q.list_sweeps(s)}
+        for w in sweeps.values():
+            assert q.sweep_progress(s, w.id) == (N_UNITS, 0, N_UNITS)
+            assert (w.n_units_done, w.n_units_total) == (N_UNITS, N_UNITS), w.name

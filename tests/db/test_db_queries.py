@@ -228,3 +228,12 @@ def test_read_only_engine_refuses_writes(engine, db_url):
     with session_scope(engine) as s:  # nothing changed
         assert len(q.list_models(s)) == 1 and q.get_unit(s, uid(0)).status == "pending"
         assert s.scalar(select(func.count()).select_from(Model)) == 1
+
+
+def test_register_many_units(engine):
+    model_id, sweep_id, _ = seed(engine, 0)
+    with session_scope(engine) as s:
+        assert q.register_units(s, sweep_id, [unit_spec(i, model_id) for i in range(2500)]) == 2500
+        assert q.register_units(s, sweep_id, [unit_spec(i, model_id) for i in range(2400, 2600)]) == 100
+        assert q.sweep_progress(s, sweep_id) == (0, 0, 2600)
+        assert len(q.pending_units(s, sweep_id)) == 2600
