@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+from db import queries as q
 from db.engine import session_scope
 from db.models import (
     AccuracyResult,
@@ -23,7 +24,7 @@ from db.models import (
     WorkUnit,
 )
 from db.schemas import AccuracyRow, ArtifactRow, LatencyRow, LayerRow, UnitSpec
-from dbtest_support import PROV, seed, uid
+from tests.db.dbtest_support import PROV, results, seed, uid
 
 PV = PROV["package_versions"]
 ROWS = {
@@ -71,10 +72,6 @@ def test_status_check_constraint(engine):
 
 
 def test_deleting_a_unit_cascades_to_its_results(engine):
-    from dbtest_support import results
-
-    from db import queries as q
-
     _, sweep_id, ids = seed(engine, 1)
     with session_scope(engine) as s:
         q.finish_unit(s, ids[0], **results(0))

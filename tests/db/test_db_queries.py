@@ -10,7 +10,7 @@ from db import queries as q
 from db.engine import ReadOnlyDatabaseError, get_engine, session_scope
 from db.models import AccuracyResult, Artifact, LatencyResult, LayerMetric, Model, Sweep
 from db.schemas import AccuracyRow, LatencyRow
-from dbtest_support import N_ACC, N_ART, N_LAT, N_LAYER, PROV, results, seed, uid, unit_spec
+from tests.db.dbtest_support import N_ACC, N_ART, N_LAT, N_LAYER, PROV, results, seed, uid, unit_spec
 
 RESULT_TABLES = (AccuracyResult, LatencyResult, LayerMetric, Artifact)
 
