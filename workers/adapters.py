@@ -25,6 +25,7 @@ class FFNSpec:
     gate: str | None = None  # gate_proj for gated MLPs
     module: str = "mlp"     # module whose *input* is the normed FFN input ("" = the layer itself, OPT)
     norm: str = ""          # norm applied right before the FFN
+    inline_act: str | None = None  # OPT: the activation module sits in the layer between fc1 and fc2
 
     @property
     def gated(self) -> bool:
@@ -62,6 +63,20 @@ class ArchAdapter:
 
     def attn_module(self, layer: nn.Module) -> nn.Module:
         return get_path(layer, self.attn.module)
+
+    def ffn_weights(self, layer: nn.Module) -> dict[str, torch.Tensor]:
+        """The layer's FFN weights in nn.Linear layout, detached (no copies): ``up`` [D, d], ``down`` [d, D],
+        ``gate`` [D, d] for gated MLPs, ``b_up`` / ``b_down`` where the projections have biases."""
+        ffn = self.ffn_module(layer)
+        up, down = get_path(ffn, self.ffn.up), get_path(ffn, self.ffn.down)
+        out = {"up": linear_weight(up), "down": linear_weight(down)}
+        if self.ffn.gated:
+            out["gate"] = linear_weight(get_path(ffn, self.ffn.gate))
+        if getattr(up, "bias", None) is not None:
+            out["b_up"] = up.bias
+        if getattr(down, "bias", None) is not None:
+            out["b_down"] = down.bias
+        return {k: v.detach() for k, v in out.items()}
 
     def act_name(self, config) -> str:
         """The FFN activation, read from the config where it says (hidden_act / activation_function)."""
@@ -144,7 +159,7 @@ ADAPTERS: dict[str, ArchAdapter] = {
     "opt": ArchAdapter(
         family="opt",
         layers="model.decoder.layers",
-        ffn=FFNSpec(up="fc1", down="fc2", act="relu", module="", norm="final_layer_norm"),
+        ffn=FFNSpec(up="fc1", down="fc2", act="relu", module="", norm="final_layer_norm", inline_act="activation_fn"),
         attn=AttnSpec(q="q_proj", k="k_proj", v="v_proj", o="out_proj", norm="self_attn_layer_norm"),
         final_norm="model.decoder.final_layer_norm",
     ),

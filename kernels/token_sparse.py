@@ -1,0 +1,106 @@
+"""Per-token sparse FFN and head-sparse output projection for many tokens at once (prefill, evaluation).
+
+Decode kernels (``kernels.ops``) take one shared active set for a batch of up to 8 tokens. Evaluating a
+predictor over a 512-token window needs a *different* set per token; gathering ``W[idx[t]]`` per token would
+materialize T·k·d weights. Here the selection is a CSR pattern over (token, neuron) and only the selected
+entries are computed: the gate/up values with a sampled dense-dense product (SDDMM: one dot product per
+selected (token, neuron) pair), the down projection with a CSR × dense product over ``W_downᵀ`` (each selected
+neuron contributes one row). Cost scales with the number of selected pairs; nothing dense is computed and
+then masked. Works on any torch device that implements sparse CSR (CPU, CUDA).
+
+``reference_token_sparse_ffn`` is the plain dense-then-mask formula, for tests only.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from kernels.common import apply_act
+
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+
+
+def _csr(mask_rows: torch.Tensor, cols: torch.Tensor, n_rows: int, n_cols: int, values: torch.Tensor):
+    counts = torch.bincount(mask_rows, minlength=n_rows)
+    crow = torch.zeros(n_rows + 1, dtype=torch.int64, device=cols.device)
+    crow[1:] = counts.cumsum(0)
+    return torch.sparse_csr_tensor(crow, cols, values, size=(n_rows, n_cols), check_invariants=False)
+
+
+def _sampled(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Values of (x @ w.T) at the (rows, cols) pairs only."""
+    T, D = x.shape[0], w.shape[0]
+    pattern = _csr(rows, cols, T, D, torch.zeros(cols.numel(), dtype=x.dtype, device=x.device))
+    return torch.sparse.sampled_addmm(pattern, x, w.t(), beta=0.0).values()
+
+
+def token_sparse_ffn(x: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor, mask: torch.Tensor,
+                     act: str, w_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None,
+                     b_down: torch.Tensor | None = None, filter_threshold: float | None = None,
+                     ) -> tuple[torch.Tensor, int, int]:
+    """FFN on the selected neurons of each token.
+
+    x [T, d]; w_up, w_gate, w_down_t [D, d] (w_down_t = W_downᵀ); mask bool [T, D].
+    Gated: h = act(gate)·up. Non-gated: h = act(up + b_up).
+    ``filter_threshold`` (sequential pipeline): after the first projection, entries with |act(·)| <= threshold
+    are dropped before the remaining projections (false positives of the predictor cost one dot product).
+    Returns (y [T, d], pairs computed in the first projection, pairs kept for the down projection).
+    """
+    if x.dim() != 2 or mask.shape != (x.shape[0], w_up.shape[0]):
+        raise ValueError(f"x must be [T, d] and mask [T, D]; got {tuple(x.shape)} and {tuple(mask.shape)}")
+    if w_down_t.shape != w_up.shape:
+        raise ValueError("w_down_t must be W_down transposed: [D, d]")
+    T, d = x.shape
+    D = w_up.shape[0]
+    rows, cols = mask.nonzero(as_tuple=True)
+    n_first = rows.numel()
+    first = w_gate if w_gate is not None else w_up
+    z = _sampled(x, first, rows, cols)
+    if w_gate is None and b_up is not None:
+        z = z + b_up[cols]
+    a = apply_act(z, act)
+    if filter_threshold is not None:
+        keep = a.abs() > filter_threshold
+        rows, cols, a = rows[keep], cols[keep], a[keep]
+    h = a * _sampled(x, w_up, rows, cols) if w_gate is not None else a
+    y = _csr(rows, cols, T, D, h.to(x.dtype)) @ w_down_t
+    if b_down is not None:
+        y = y + b_down
+    return y, n_first, rows.numel()
+
+
+def head_sparse_out(attn: torch.Tensor, w_o: torch.Tensor, head_mask: torch.Tensor, head_dim: int,
+                    b_o: torch.Tensor | None = None) -> torch.Tensor:
+    """Output projection over each token's active heads only.
+
+    attn [T, H·hd] (every head's output, concatenated), w_o [d, H·hd], head_mask bool [T, H].
+    """
+    T, width = attn.shape
+    H = head_mask.shape[1]
+    if width != H * head_dim:
+        raise ValueError(f"attn width {width} != {H} heads x {head_dim}")
+    rows, heads = head_mask.nonzero(as_tuple=True)
+    off = torch.arange(head_dim, device=attn.device)
+    cols = (heads[:, None] * head_dim + off).reshape(-1)
+    rows = rows.repeat_interleave(head_dim)
+    vals = attn[rows, cols]
+    y = _csr(rows, cols, T, width, vals) @ w_o.t()
+    return y + b_o if b_o is not None else y
+
+
+def reference_token_sparse_ffn(x, w_up, w_down_t, mask, act, w_gate=None, b_up=None, b_down=None,
+                               filter_threshold=None):
+    """Dense computation, then the selection applied: the ground truth for tests."""
+    if w_gate is not None:
+        a = apply_act(x @ w_gate.t(), act)
+        up = x @ w_up.t()
+    else:
+        a = apply_act(x @ w_up.t() + (b_up if b_up is not None else 0), act)
+        up = None
+    keep = mask.clone()
+    if filter_threshold is not None:
+        keep &= a.abs() > filter_threshold
+    h = (a * up if up is not None else a) * keep
+    y = h @ w_down_t
+    return (y + b_down if b_down is not None else y), int(mask.sum()), int(keep.sum())
