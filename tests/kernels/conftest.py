@@ -8,13 +8,11 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import math  # noqa: E402
 import secrets  # noqa: E402
 
 import pytest  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
-TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
 @pytest.fixture
@@ -44,13 +42,3 @@ def poison(monkeypatch):
         return t
 
     monkeypatch.setattr(common, "empty", empty)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out = out.double().cpu()
-    ref = ref.double().cpu()
-    if torch.isnan(out).any():
-        return math.inf
-    nref = ref.norm().item()
-    diff = (out - ref).norm().item()
-    return diff / nref if nref > 0 else diff

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _helpers import D_FF, D_MODEL, ffn_weights, make_idx, rnd, up  # noqa: E402
-from conftest import ON_GPU, TOL, rel_err  # noqa: E402
+from _kernel_helpers import D_FF, D_MODEL, ffn_weights, make_idx, ON_GPU, rel_err, rnd, up  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import configs, modules, npu, ops  # noqa: E402

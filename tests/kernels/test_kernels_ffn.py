@@ -6,8 +6,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _helpers import D_FF, D_MODEL, ffn_weights, make_idx, rnd, up  # noqa: E402
-from conftest import TOL, rel_err  # noqa: E402
+from _kernel_helpers import D_FF, D_MODEL, ffn_weights, make_idx, rel_err, rnd, TOL, up  # noqa: E402
 
 from kernels import ffn_triton as T  # noqa: E402
 from kernels import reference as R  # noqa: E402

@@ -1,5 +1,11 @@
-"""Input builders shared by the kernel tests (imported as a plain module via conftest's directory)."""
+"""Input builders and error metric shared by the kernel tests (a plain module: no package here, so
+``tests/kernels`` can never shadow the top-level ``kernels`` package)."""
+import math
+
 import torch
+
+ON_GPU = torch.cuda.is_available()
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}  # relative error norm
 
 D_FF, D_MODEL = 200, 72  # odd, non-multiple-of-block sizes
 
@@ -29,3 +35,14 @@ def ffn_weights(gen, dtype, device, d=D_MODEL, n=D_FF):
 
 def up(t):
     return None if t is None else (t.double() if t.is_floating_point() else t)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp64 (NaN anywhere -> inf; ref == 0 -> ||out||)."""
+    out = out.double().cpu()
+    ref = ref.double().cpu()
+    if torch.isnan(out).any():
+        return math.inf
+    nref = ref.norm().item()
+    diff = (out - ref).norm().item()
+    return diff / nref if nref > 0 else diff
