@@ -87,3 +87,38 @@ def _accum_rows(acc, h, w, B_PAD: tl.constexpr):
     else:
         acc += tl.sum(h[:, :, None] * w[None, :, :], axis=1)
     return acc
+
+
+@triton.jit
+def _dot_rows_mma(x_ptr, stride_xb, w1_ptr, w2_ptr, roff, rmask, d, kend, B,
+                  TWO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NB: tl.constexpr,
+                  DOT_F32: tl.constexpr):
+    """Tensor-core version of _dot_rows for batch > 1: [BLOCK_R, BLOCK_K] x [BLOCK_K, NB] tl.dot with the
+    batch padded to NB (16) columns; x is cast to the weight dtype (fp16/bf16 only). Returns [NB, BLOCK_R].
+    DOT_F32 (set only under the CPU interpreter, whose bf16 tl.dot is broken in triton 3.9) upcasts."""
+    bs = tl.arange(0, NB)
+    a1 = tl.zeros([BLOCK_R, NB], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_R, NB], dtype=tl.float32)
+    for k0 in range(0, kend, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        cm = cols < d
+        xt = tl.load(x_ptr + bs[None, :] * stride_xb + cols[:, None], mask=(bs[None, :] < B) & cm[:, None], other=0.0)
+        wm = rmask[:, None] & cm[None, :]
+        w1 = tl.load(w1_ptr + roff[:, None] + cols[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
+        xt = xt.to(w1.dtype)
+        if DOT_F32:
+            xt = xt.to(tl.float32)
+        if TWO:
+            w2 = tl.load(w2_ptr + roff[:, None] + cols[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
+            if DOT_F32:
+                w2 = w2.to(tl.float32)
+            a2 = tl.dot(w2, xt, a2)
+        if DOT_F32:
+            w1 = w1.to(tl.float32)
+        a1 = tl.dot(w1, xt, a1)
+    r1 = tl.trans(a1)
+    if TWO:
+        r2 = tl.trans(a2)
+    else:
+        r2 = r1
+    return r1, r2

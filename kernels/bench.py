@@ -283,6 +283,83 @@ def determinism(n_runs, accel):
 
 
 # ---------------------------------------------------------------------------------------------
+def tune_candidates(batch):
+    """Hand-picked configs (registers checked offline: none of these spills on sm_90)."""
+    cands = []
+    if batch == 1:
+        for br, nw in ((8, 4), (2, 16), (1, 4), (2, 4)):
+            for pps in (2, 4):
+                cands.append(("fused", {"fused": dict(BLOCK_R=br, num_warps=nw, progs_per_sm=pps, early_down=False)}))
+        for br, nw in ((1, 4), (2, 4), (2, 8), (4, 8), (4, 16), (8, 16), (1, 8)):
+            for pps in (2, 3, 4):
+                cands.append(("fused", {"fused": dict(BLOCK_R=br, num_warps=nw, progs_per_sm=pps, early_down=True)}))
+        for rb in (32, 64):
+            cands.append(("fused", {"fused": dict(BLOCK_R=2, num_warps=8, progs_per_sm=3, early_down=True,
+                                                  reduce_block=rb)}))
+        for dbd, dbr, dsp, dw in ((128, 64, 8, 4), (128, 32, 64, 4), (256, 16, 32, 4), (256, 32, 16, 4)):
+            cands.append(("down", {"down": dict(BLOCK_D=dbd, BLOCK_R=dbr, splits=dsp, num_warps=dw)}))
+        for gbr, gw in ((2, 4), (4, 4), (4, 8)):
+            cands.append(("gather", {"gather": dict(BLOCK_R=gbr, BLOCK_K=None, num_warps=gw)}))
+        return cands
+    if batch == 2:
+        for br, nw, ed in ((2, 4, False), (4, 4, False), (1, 4, True), (1, 8, True), (2, 8, True), (2, 16, True)):
+            cands.append(("fused", {"fused": dict(BLOCK_R=br, num_warps=nw, progs_per_sm=2, early_down=ed)}))
+    for gbr, gbk, gw, dot in ((4, 1024, 4, False), (2, 1024, 4, False), (16, 256, 4, True), (32, 256, 4, True),
+                              (64, 256, 8, True), (32, 512, 8, True), (16, 512, 4, True)):
+        cands.append(("gather", {"gather": dict(BLOCK_R=gbr, BLOCK_K=gbk, num_warps=gw, dot=dot)}))
+    for dbd, dbr, dsp, dw, dot in ((128, 32, 64, 4, False), (256, 16, 32, 4, False), (128, 32, 16, 4, True),
+                                   (256, 32, 16, 4, True), (256, 64, 8, 8, True), (128, 32, 32, 4, True),
+                                   (512, 16, 16, 4, True)):
+        cands.append(("down", {"down": dict(BLOCK_D=dbd, BLOCK_R=dbr, splits=dsp, num_warps=dw, dot=dot)}))
+    return cands
+
+
+def apply_tuned(results):
+    """Pick, per batch and kind, the config with the smallest mean (time / best time) over the tuned
+    shapes and sparsities; install it in kernels.configs (this process only) and print the tables
+    to freeze in code. Batch 2 keeps the fused path only where it beat gather + down."""
+    from . import configs as C
+
+    by = {}
+    for r in results:
+        by.setdefault((r["batch"], r["kind"]), []).append(r)
+    best_t = {}
+    for r in results:
+        key = (r["shape"], r["batch"], r["s"], r["kind"])
+        best_t[key] = min(best_t.get(key, 1e30), r["us"])
+    chosen = {}
+    for (batch, kind), rs in by.items():
+        score = {}
+        for r in rs:
+            ck = json.dumps(r["cfg"], sort_keys=True)
+            score.setdefault(ck, []).append(r["us"] / best_t[(r["shape"], r["batch"], r["s"], kind)])
+        ck = min(score, key=lambda c: statistics.mean(score[c]) if len(score[c]) == max(map(len, score.values()))
+                 else 1e9)
+        chosen[(batch, kind)] = (json.loads(ck)[kind], statistics.mean(score[ck]))
+    tables = {"fused": C.FUSED, "gather": C.GATHER, "down": C.DOWN}
+    for (batch, kind), (cfg, sc) in sorted(chosen.items()):
+        bp = C.b_pad(batch)
+        tables[kind][bp] = dict(cfg)
+        log(f"chosen B={batch} {kind}: {cfg}  (mean time / per-point best = {sc:.3f})")
+    # batch 2: fused vs split on summed per-point times
+    if (2, "fused") in chosen and (2, "gather") in chosen:
+        tot = {"fused": 0.0, "split": 0.0}
+        for r in results:
+            if r["batch"] != 2:
+                continue
+            if r["kind"] == "fused" and r["cfg"]["fused"] == chosen[(2, "fused")][0]:
+                tot["fused"] += r["us"]
+            if r["kind"] in ("gather", "down") and r["cfg"][r["kind"]] == chosen[(2, r["kind"])][0]:
+                tot["split"] += r["us"]
+        if tot["split"] < tot["fused"]:
+            C.FUSED.pop(2, None)
+        log(f"batch 2: fused {tot['fused']:.1f} us vs split {tot['split']:.1f} us (summed over tuned points)")
+    log("FUSED = " + repr(C.FUSED))
+    log("GATHER = " + repr(C.GATHER))
+    log("DOWN = " + repr(C.DOWN))
+    return {f"{b}/{k}": v[0] for (b, k), v in chosen.items()}
+
+
 def tune(args, copy_bw):
     """Hand-picked config sweep (never inside a capture); prints the best per (shape, batch, s)."""
     from . import ffn_triton as T
@@ -300,23 +377,7 @@ def tune(args, copy_bw):
                 k = int(round(D * (1 - s)))
                 sets = make_sets(D, k, nl, gen)
                 nb = ffn_bytes(d, k, True, 2, batch)
-                cands = []
-                if batch <= 2:
-                    for br in (1, 2, 4, 8):
-                        for nw in (4, 8, 16):
-                            if br * 4096 * batch / (32 * nw) > 256:
-                                continue
-                            for pps in (1, 2, 4):
-                                cands.append(("fused", {"fused": dict(BLOCK_R=br, num_warps=nw, progs_per_sm=pps)}))
-                for gbr in (2, 4, 8):
-                    for gw in (4, 8):
-                        for gbk in ((None,) if batch == 1 else (256, 512, 1024)):
-                            if gbr * (gbk or 4096) * batch / (32 * gw) > 256:
-                                continue
-                            cands.append(("gather", {"gather": dict(BLOCK_R=gbr, BLOCK_K=gbk, num_warps=gw)}))
-                for dbd, dbr, dsp, dw in ((256, 32, 16, 4), (512, 16, 16, 4), (128, 64, 8, 4), (256, 16, 32, 4),
-                                          (512, 32, 8, 8), (1024, 8, 16, 8), (256, 32, 32, 8), (128, 32, 64, 4)):
-                    cands.append(("down", {"down": dict(BLOCK_D=dbd, BLOCK_R=dbr, splits=dsp, num_warps=dw)}))
+                cands = tune_candidates(batch)
                 if SMOKE:
                     cands = [c for i, c in enumerate(cands) if i % 9 == 0]
                 best = {}
@@ -354,6 +415,40 @@ def tune(args, copy_bw):
 
 
 # ---------------------------------------------------------------------------------------------
+def profile(args, copy_bw):
+    """Batch 1, llama2/llama3: whole fused op vs its reduce kernel alone (on a filled workspace)."""
+    from . import configs as C
+    from . import ffn_triton as T
+
+    gen = torch.Generator().manual_seed(4)
+    out = []
+    for sname in ("llama2-7b", "llama3-8b") if not SMOKE else ("tiny",):
+        d, D, _, act = SHAPES[sname]
+        nl = 2 if SMOKE else 16
+        lay = Layers(d, D, True, torch.float16, nl)
+        xs = [torch.randn((1, d), device=DEV, dtype=torch.float16) for _ in range(nl)]
+        for s in (0.5, 0.7, 0.9):
+            k = int(round(D * (1 - s)))
+            sets = make_sets(D, k, nl, gen)
+            t_all, _ = time_graph([lambda i=i: T.sparse_ffn(xs[i], lay.w1[i], lay.w2[i], lay.wdt[i], sets[i], None, act)
+                                   for i in range(nl)], args.reps)
+            cfg = C.FUSED[1]
+            nsplit = min(cfg.get("nsplit") or cfg["progs_per_sm"] * C.num_sms(0 if not SMOKE else None),
+                         -(-k // cfg["BLOCK_R"]))
+            wss = [torch.randn((nsplit, 1, d), device=DEV) for _ in range(nl)]
+            ys = [torch.empty((1, d), device=DEV, dtype=torch.float16) for _ in range(nl)]
+            t_red, _ = time_graph([lambda i=i: T._launch_reduce(wss[i], nsplit, None, ys[i], cfg.get("reduce_block"))
+                                   for i in range(nl)], args.reps)
+            nb = ffn_bytes(d, k, True, 2, 1)
+            log(f"profile {sname} s={s}: op {t_all:.1f} us = reduce alone {t_red:.1f} us + rest {t_all - t_red:.1f} us;"
+                f" bytes at copy BW {nb / copy_bw / 1e3:.1f} us; nsplit {nsplit}")
+            out.append(dict(shape=sname, s=s, us_op=t_all, us_reduce=t_red, nsplit=nsplit,
+                            us_bytes_at_copy_bw=nb / copy_bw / 1e3))
+        lay.free()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 def main(argv=None):
     global DEV, SMOKE, SHAPES, ATTN_SHAPES
     ap = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n")[0])
@@ -372,6 +467,8 @@ def main(argv=None):
     ap.add_argument("--tune-shapes", default="llama2-7b,llama3-8b")
     ap.add_argument("--tune-batches", default="1,2,4,8")
     ap.add_argument("--tune-sparsities", default="0.5,0.7,0.9")
+    ap.add_argument("--apply-tuned", action="store_true", help="use the tuned configs for the rest of this run")
+    ap.add_argument("--profile", action="store_true", help="batch-1 time split: fused kernel vs reduce kernel")
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.smoke:
@@ -407,6 +504,10 @@ def main(argv=None):
     rows, extra = [], {}
     if args.tune:
         extra["tune"] = tune(args, copy_bw)
+        if args.apply_tuned:
+            extra["chosen"] = apply_tuned(extra["tune"])
+    if args.profile:
+        extra["profile"] = profile(args, copy_bw)
     if args.determinism:
         extra["determinism"] = determinism(args.determinism, accel)
     if not args.no_ffn:

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from . import configs as C
-from ._tl_common import _accum_rows, _act, _dot_rows
+from ._tl_common import _accum_rows, _act, _dot_rows, _dot_rows_mma
 from . import common as _c
 from .common import MAX_BATCH, act_code, check_idx, check_weight, check_x
 
@@ -40,7 +40,8 @@ def _gather_gemv_kernel(
     K, d, B,
     MODE: tl.constexpr,  # 0: act(W1 x + b1)   1: act(W1 x) * (W2 x)   2: s * (W1 x)
     ACT: tl.constexpr, HAS_COUNT: tl.constexpr, HAS_BIAS: tl.constexpr, FILTER: tl.constexpr,
-    B_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    B_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if HAS_COUNT:
@@ -52,8 +53,12 @@ def _gather_gemv_kernel(
     rows = tl.load(idx_ptr + j, mask=rm, other=0).to(tl.int64)
     roff = rows * d
     kend = tl.where(pid * BLOCK_R < n, d, 0)  # programs past count issue no loads
-    a1, a2 = _dot_rows(x_ptr, stride_xb, w1_ptr, w2_ptr, roff, rm, d, kend, B,
-                       MODE == 1, B_PAD, BLOCK_R, BLOCK_K)
+    if USE_DOT:
+        a1, a2 = _dot_rows_mma(x_ptr, stride_xb, w1_ptr, w2_ptr, roff, rm, d, kend, B,
+                               MODE == 1, BLOCK_R, BLOCK_K, B_PAD, DOT_F32)
+    else:
+        a1, a2 = _dot_rows(x_ptr, stride_xb, w1_ptr, w2_ptr, roff, rm, d, kend, B,
+                           MODE == 1, B_PAD, BLOCK_R, BLOCK_K)
     bs = tl.arange(0, B_PAD)
     if MODE == 0:
         if HAS_BIAS:
@@ -79,10 +84,12 @@ def _fused_ffn_kernel(
     x_ptr, stride_xb, w1_ptr, w2_ptr, b1_ptr, s_ptr, stride_sb, wd_ptr, idx_ptr, count_ptr, ws_ptr,
     K, d, B,
     MODE: tl.constexpr, ACT: tl.constexpr, HAS_COUNT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    B_PAD: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
+    B_PAD: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr, EARLY_DOWN: tl.constexpr,
 ):
     """One program per split of the active rows: gate/up (or fc1) over whole rows, then the down
-    rows accumulated into an fp32 [B_PAD, D_PAD] register accumulator -> ws[pid, b, :]."""
+    rows accumulated into an fp32 [B_PAD, D_PAD] register accumulator -> ws[pid, b, :].
+    EARLY_DOWN issues the W_down^T row loads together with the gate/up loads (they depend only on
+    idx), and the next block's indices are loaded one iteration ahead."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if HAS_COUNT:
@@ -97,11 +104,18 @@ def _fused_ffn_kernel(
     cm = cols < d
     bs = tl.arange(0, B_PAD)
     acc = tl.zeros([B_PAD, D_PAD], dtype=tl.float32)
+    jn = start + tl.arange(0, BLOCK_R)
+    rows_next = tl.load(idx_ptr + jn, mask=jn < end, other=0)
     for r0 in range(start, end, BLOCK_R):
         j = r0 + tl.arange(0, BLOCK_R)
         rm = j < end
-        rows = tl.load(idx_ptr + j, mask=rm, other=0).to(tl.int64)
+        rows = rows_next.to(tl.int64)
+        jn = j + BLOCK_R
+        rows_next = tl.load(idx_ptr + jn, mask=jn < end, other=0)
         roff = rows * d
+        if EARLY_DOWN:
+            wd = tl.load(wd_ptr + roff[:, None] + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0,
+                         eviction_policy="evict_first")
         a1, a2 = _dot_rows(x_ptr, stride_xb, w1_ptr, w2_ptr, roff, rm, d, d, B,
                            MODE == 1, B_PAD, BLOCK_R, D_PAD)
         if MODE == 0:
@@ -115,9 +129,10 @@ def _fused_ffn_kernel(
                          mask=(bs[:, None] < B) & rm[None, :], other=0.0).to(tl.float32)
             h = sv * a1
         h = tl.where(rm[None, :] & (bs[:, None] < B), h, 0.0)
-        wd = tl.load(wd_ptr + roff[:, None] + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0,
-                     eviction_policy="evict_first").to(tl.float32)
-        acc = _accum_rows(acc, h, wd, B_PAD)
+        if not EARLY_DOWN:
+            wd = tl.load(wd_ptr + roff[:, None] + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0,
+                         eviction_policy="evict_first")
+        acc = _accum_rows(acc, h, wd.to(tl.float32), B_PAD)
     tl.store(ws_ptr + (pid * B + bs[:, None]) * d + cols[None, :], acc,
              mask=(bs[:, None] < B) & cm[None, :])
 
@@ -127,7 +142,8 @@ def _gather_down_kernel(
     h_ptr, stride_hb, wt_ptr, idx_ptr, count_ptr, ws_ptr,
     K, d, B,
     GROUP: tl.constexpr, HAS_COUNT: tl.constexpr,
-    B_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    B_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, USE_DOT: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     """Program (d-chunk, split): partial[split, b, chunk] = sum over the split's rows j of
     h[b, j] * W^T[row(j), chunk], row(j) = idx[j // GROUP] * GROUP + j % GROUP."""
@@ -152,10 +168,17 @@ def _gather_down_kernel(
         head = tl.load(idx_ptr + j // GROUP, mask=rm, other=0).to(tl.int64)
         roff = (head * GROUP + j % GROUP) * d
         w = tl.load(wt_ptr + roff[:, None] + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
+                    eviction_policy="evict_first")
         hv = tl.load(h_ptr + bs[:, None] * stride_hb + j[None, :],
-                     mask=(bs[:, None] < B) & rm[None, :], other=0.0).to(tl.float32)
-        acc = _accum_rows(acc, hv, w, B_PAD)
+                     mask=(bs[:, None] < B) & rm[None, :], other=0.0)
+        if USE_DOT:  # h rounded to the weight dtype (fp16/bf16), fp32 accumulation on tensor cores
+            hv = hv.to(w.dtype)
+            if DOT_F32:
+                acc = tl.dot(hv.to(tl.float32), w.to(tl.float32), acc)
+            else:
+                acc = tl.dot(hv, w, acc)
+        else:
+            acc = _accum_rows(acc, hv.to(tl.float32), w.to(tl.float32), B_PAD)
     tl.store(ws_ptr + (pid_s * B + bs[:, None]) * d + cols[None, :], acc,
              mask=(bs[:, None] < B) & cm[None, :])
 
@@ -227,6 +250,11 @@ def _cfg(name: str, bp: int, override: dict | None, device=None) -> dict:
     return cfg
 
 
+def _use_dot(cfg, t, batch):
+    """Tensor-core tl.dot path: batch >= 2, fp16/bf16 only (fp32 keeps exact FMA math)."""
+    return bool(cfg.get("dot")) and batch >= 2 and t.dtype in (torch.float16, torch.bfloat16)
+
+
 def _launch_gather(x, w1, w2, b1, scale, idx, count, out, keep, thr, mode, act, config=None):
     B, d = x.shape
     K = idx.shape[0]
@@ -235,6 +263,10 @@ def _launch_gather(x, w1, w2, b1, scale, idx, count, out, keep, thr, mode, act, 
     block_k = cfg["BLOCK_K"] or _np2(d)
     block_k = min(block_k, _np2(d))
     block_r = cfg["BLOCK_R"]
+    use_dot = _use_dot(cfg, x, B)
+    if use_dot:
+        bp = 16
+        assert block_r >= 16 and block_k >= 16, "the tl.dot path needs BLOCK_R, BLOCK_K >= 16"
     if K == 0:
         return out
     grid = (triton.cdiv(K, block_r),)
@@ -245,16 +277,16 @@ def _launch_gather(x, w1, w2, b1, scale, idx, count, out, keep, thr, mode, act, 
         out, out.stride(0), keep if keep is not None else idx, float(thr),
         K, d, B,
         MODE=mode, ACT=act_code(act), HAS_COUNT=count is not None, HAS_BIAS=b1 is not None,
-        FILTER=keep is not None, B_PAD=bp, BLOCK_R=block_r, BLOCK_K=block_k,
-        num_warps=cfg["num_warps"],
+        FILTER=keep is not None, B_PAD=bp, BLOCK_R=block_r, BLOCK_K=block_k, USE_DOT=use_dot,
+        DOT_F32=use_dot and x.device.type == "cpu", num_warps=cfg["num_warps"],
     )
     return out
 
 
-def _launch_reduce(ws, nsplit, bias, y):
+def _launch_reduce(ws, nsplit, bias, y, block=None):
     B, d = y.shape
     s_pad = _np2(nsplit)
-    block = max(16, min(1024, 8192 // s_pad))
+    block = block or max(16, min(1024, 8192 // s_pad))
     grid = (triton.cdiv(B * d, block),)
     _reduce_kernel[grid](ws, bias if bias is not None else ws, y, y.stride(0), nsplit, B, d,
                          HAS_BIAS=bias is not None, S_PAD=s_pad, BLOCK=block, num_warps=4)
@@ -268,13 +300,17 @@ def _launch_down(h, w_t, idx, count, bias, group, out_dtype, config=None):
     bp = C.b_pad(B)
     cfg = _cfg("down", bp, config, h.device)
     block_d = min(cfg["BLOCK_D"], _np2(d))
+    use_dot = _use_dot(cfg, w_t, B)
+    if use_dot:
+        bp = 16
+        assert cfg["BLOCK_R"] >= 16 and block_d >= 16, "the tl.dot path needs BLOCK_R, BLOCK_D >= 16"
     nsplit = max(1, min(cfg["splits"], triton.cdiv(K * group, cfg["BLOCK_R"])))
     ws = _c.empty((nsplit, B, d), h.device, torch.float32)
     grid = (triton.cdiv(d, block_d), nsplit)
     _gather_down_kernel[grid](
         h, h.stride(0), w_t, idx, count if count is not None else idx, ws, K, d, B,
         GROUP=group, HAS_COUNT=count is not None, B_PAD=bp, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=block_d,
-        num_warps=cfg["num_warps"],
+        USE_DOT=use_dot, DOT_F32=use_dot and h.device.type == "cpu", num_warps=cfg["num_warps"],
     )
     y = _c.empty((B, d), h.device, out_dtype)
     return _launch_reduce(ws, nsplit, bias, y)
@@ -294,10 +330,11 @@ def _launch_fused(x, w1, w2, b1, scale, w_t, idx, count, bias2, mode, act, confi
         scale if scale is not None else x, scale.stride(0) if scale is not None else 0,
         w_t, idx, count if count is not None else idx, ws, K, d, B,
         MODE=mode, ACT=act_code(act), HAS_COUNT=count is not None, HAS_BIAS=b1 is not None,
-        B_PAD=bp, BLOCK_R=block_r, D_PAD=_np2(d), num_warps=cfg["num_warps"],
+        B_PAD=bp, BLOCK_R=block_r, D_PAD=_np2(d), EARLY_DOWN=cfg.get("early_down", True),
+        num_warps=cfg["num_warps"],
     )
     y = _c.empty((B, d), x.device, x.dtype)
-    return _launch_reduce(ws, nsplit, bias2, y)
+    return _launch_reduce(ws, nsplit, bias2, y, cfg.get("reduce_block"))
 
 
 def _check_count_dev(count, device):

@@ -165,3 +165,38 @@ def test_compact_and_union(n, device, gen, poison):
     u, uc = T.union_active(mask)
     ru, ruc = R.union_active(mask)
     assert torch.equal(u.cpu(), ru.cpu()) and torch.equal(uc.cpu(), ruc.cpu())
+
+
+DOT_CFG = {"gather": {"dot": True, "BLOCK_R": 16, "BLOCK_K": 32},
+           "down": {"dot": True, "BLOCK_R": 16, "BLOCK_D": 32}}
+
+
+@pytest.mark.parametrize("batch", [2, 5, 8])
+@pytest.mark.parametrize("s", [0.0, 0.5, 0.9])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tensor_core_dot_path(dtype, s, batch, device, gen, poison):
+    """Batch > 1 tl.dot variants of the gather GEMV and the down projection (h rounded to the dtype)."""
+    wg, wu, wdt = ffn_weights(gen, dtype, device)
+    x = rnd((batch, D_MODEL), gen, dtype, device)
+    idx, count = make_idx(gen, D_FF, s, "padded", device)
+    out = T.gated_gather_gemv(x, wg, wu, idx, count, "silu", config=DOT_CFG["gather"])
+    _check(out, R.gated_gather_gemv(up(x), up(wg), up(wu), idx, count, "silu"), dtype, gen, "gather")
+    h = rnd((batch, idx.shape[0]), gen, dtype, device)
+    out = T.gather_down(h, wdt, idx, count, config=DOT_CFG["down"])
+    _check(out, R.gather_down(up(h), up(wdt), idx, count), dtype, gen, "down")
+    out = T.sparse_ffn(x, wg, wu, wdt, idx, count, "silu", path="split", config=DOT_CFG)
+    _check(out, R.sparse_ffn(up(x), up(wg), up(wu), up(wdt), idx, count, "silu"), dtype, gen, "ffn")
+    thr = _gap_threshold(x, wg, idx, count, "silu")
+    out = T.sparse_ffn(x, wg, wu, wdt, idx, count, "silu", threshold=thr, path="split", config=DOT_CFG)
+    _check(out, R.sparse_ffn(up(x), up(wg), up(wu), up(wdt), idx, count, "silu", threshold=thr), dtype, gen, "seq")
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_fused_early_down_variants(early, device, gen, poison):
+    dtype = torch.float16
+    wg, wu, wdt = ffn_weights(gen, dtype, device)
+    x = rnd((1, D_MODEL), gen, dtype, device)
+    idx, count = make_idx(gen, D_FF, 0.5, "padded", device)
+    cfg = {"fused": {"early_down": early, "BLOCK_R": 8, "nsplit": 5, "reduce_block": 32}}
+    out = T.sparse_ffn(x, wg, wu, wdt, idx, count, "silu", path="fused", config=cfg)
+    _check(out, R.sparse_ffn(up(x), up(wg), up(wu), up(wdt), idx, count, "silu"), dtype, gen, "fused")
