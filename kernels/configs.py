@@ -33,22 +33,23 @@ def _next_pow2(n: int) -> int:
 #          partials; reduce (3 launches). Used where the fused kernel's registers do not fit.
 FUSED_MAX_ELEMS = 8192  # B_PAD * D_PAD held as an fp32 accumulator per program
 
-# keyed by B_PAD (1, 2, 4, 8)
+# Keyed by B_PAD (1, 2, 4, 8). Frozen from the run-3 tune on an H200 (kernels/NOTES.md): batch 1 uses the
+# fused kernel; at batch 2 the split path with tensor-core tl.dot beat the fused kernel (217.6 vs 236.5 µs
+# summed over the tuned points), so FUSED has no entry for 2 and ffn_path() picks "split" there.
 FUSED = {
-    1: dict(BLOCK_R=4, num_warps=8, progs_per_sm=2),
-    2: dict(BLOCK_R=2, num_warps=8, progs_per_sm=2),
+    1: dict(BLOCK_R=2, num_warps=8, progs_per_sm=2, early_down=True),
 }
-GATHER = {  # gather-GEMV (gate/up, fc1, qkv): rows per program, d chunk
-    1: dict(BLOCK_R=4, BLOCK_K=None, num_warps=8),   # BLOCK_K None -> whole d in one tile
-    2: dict(BLOCK_R=4, BLOCK_K=1024, num_warps=8),
-    4: dict(BLOCK_R=4, BLOCK_K=512, num_warps=8),
-    8: dict(BLOCK_R=4, BLOCK_K=256, num_warps=8),
+GATHER = {  # gather-GEMV (gate/up, fc1, qkv): rows per program, d chunk (None: whole d), tl.dot for batch >= 2
+    1: dict(BLOCK_R=2, BLOCK_K=None, num_warps=4),
+    2: dict(BLOCK_R=32, BLOCK_K=256, num_warps=4, dot=True),
+    4: dict(BLOCK_R=32, BLOCK_K=256, num_warps=4, dot=True),
+    8: dict(BLOCK_R=32, BLOCK_K=256, num_warps=4, dot=True),
 }
 DOWN = {  # down / out projection over W^T rows: d chunk, rows per step, K splits
-    1: dict(BLOCK_D=256, BLOCK_R=32, splits=16, num_warps=4),
-    2: dict(BLOCK_D=256, BLOCK_R=16, splits=16, num_warps=4),
-    4: dict(BLOCK_D=256, BLOCK_R=8, splits=16, num_warps=4),
-    8: dict(BLOCK_D=128, BLOCK_R=8, splits=16, num_warps=4),
+    1: dict(BLOCK_D=128, BLOCK_R=64, splits=8, num_warps=4),
+    2: dict(BLOCK_D=128, BLOCK_R=32, splits=16, num_warps=4, dot=True),
+    4: dict(BLOCK_D=128, BLOCK_R=32, splits=16, num_warps=4, dot=True),
+    8: dict(BLOCK_D=128, BLOCK_R=32, splits=16, num_warps=4, dot=True),
 }
 
 
@@ -76,8 +77,11 @@ def ffn_path(batch: int, d: int) -> str:
 # DENSE_FROM_BATCH[s] = smallest batch at which the dense cuBLAS FFN was measured faster than the
 # sparse kernels for a union sparsity >= s (None: sparse wins up to MAX_BATCH). Looked up with the
 # largest key <= the static sparsity 1 - K/D of the index buffer.
+# Measured (run 3, fp16, Llama-2/Llama-3/Mistral shapes): at s=0 the fused batch-1 kernel beats cuBLAS
+# (1.14-1.23x) but from batch 2 dense is faster (0.98x); from s=0.3 up the sparse kernels win at every
+# batch up to 8 (>= 1.22x).
 DENSE_FROM_BATCH = {
-    0.0: 1,
+    0.0: 2,
     0.3: None,
     0.5: None,
     0.7: None,

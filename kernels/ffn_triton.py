@@ -27,7 +27,8 @@ from . import common as _c
 from .common import MAX_BATCH, act_code, check_idx, check_weight, check_x
 
 MAX_D = 16384
-COMPACT_MAX = 65536
+COMPACT_MAX = 1 << 20
+COMPACT_CHUNK = 8192  # one scan per 8192 entries: its shared memory (~8 B/entry) stays well under 227 KB
 
 
 # ------------------------------------------------------------------------------------------------
@@ -202,18 +203,13 @@ def _reduce_kernel(ws_ptr, bias_ptr, y_ptr, stride_yb, NSPLIT, B, d,
 
 
 @triton.jit
-def _compact_kernel(keep_ptr, idx_ptr, v_ptr, stride_vb, idx2_ptr, v2_ptr, stride_v2b, count2_ptr,
-                    N, B, HAS_IDX: tl.constexpr, HAS_V: tl.constexpr,
-                    B_PAD: tl.constexpr, N_PAD: tl.constexpr):
-    """Stable device-side compaction (one program, one scan): kept positions first in their original
-    order, then the dropped ones; dropped slots get idx 0 and value 0; count2 = number kept."""
-    j = tl.arange(0, N_PAD)
+def _compact_chunk(keep_ptr, idx_ptr, v_ptr, stride_vb, idx2_ptr, v2_ptr, stride_v2b, j, N, B, tot, base_k, base_d,
+                   HAS_IDX: tl.constexpr, HAS_V: tl.constexpr, B_PAD: tl.constexpr):
     m = j < N
     k = tl.load(keep_ptr + j, mask=m, other=0).to(tl.int32)
     k = tl.where(k != 0, 1, 0)
     nk = tl.where(m, 1 - k, 0)
-    tot = tl.sum(k, axis=0)
-    pos = tl.where(k > 0, tl.cumsum(k, axis=0) - k, tot + tl.cumsum(nk, axis=0) - nk)
+    pos = tl.where(k > 0, base_k + tl.cumsum(k, axis=0) - k, tot + base_d + tl.cumsum(nk, axis=0) - nk)
     kept = k > 0
     if HAS_IDX:
         src = tl.load(idx_ptr + j, mask=m & kept, other=0)
@@ -226,7 +222,38 @@ def _compact_kernel(keep_ptr, idx_ptr, v_ptr, stride_vb, idx2_ptr, v2_ptr, strid
             v = tl.load(v_ptr + b * stride_vb + j, mask=m & kept & bm, other=0.0)
             tl.store(v2_ptr + b * stride_v2b + pos, tl.where(kept, v, 0.0).to(v2_ptr.dtype.element_ty),
                      mask=m & bm)
-    tl.store(count2_ptr + j * 0, (j * 0 + tot).to(count2_ptr.dtype.element_ty), mask=j == 0)
+    return tl.sum(k, axis=0), tl.sum(nk, axis=0)
+
+
+@triton.jit
+def _compact_kernel(keep_ptr, idx_ptr, v_ptr, stride_vb, idx2_ptr, v2_ptr, stride_v2b, count2_ptr,
+                    N, B, HAS_IDX: tl.constexpr, HAS_V: tl.constexpr,
+                    B_PAD: tl.constexpr, N_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Stable device-side compaction (one program): kept positions first in their original order, then
+    the dropped ones; dropped slots get idx 0 and value 0; count2 = number kept. One scan when
+    N_PAD <= CHUNK, else a counting pass and a scan pass over CHUNK-sized pieces (shared memory)."""
+    if N_PAD <= CHUNK:
+        j = tl.arange(0, N_PAD)
+        k = tl.load(keep_ptr + j, mask=j < N, other=0).to(tl.int32)
+        tot = tl.sum(tl.where(k != 0, 1, 0), axis=0)
+        _compact_chunk(keep_ptr, idx_ptr, v_ptr, stride_vb, idx2_ptr, v2_ptr, stride_v2b, j, N, B, tot, 0, 0,
+                       HAS_IDX, HAS_V, B_PAD)
+    else:
+        tot = tl.full([], 0, tl.int32)
+        for c0 in range(0, N, CHUNK):
+            j = c0 + tl.arange(0, CHUNK)
+            k = tl.load(keep_ptr + j, mask=j < N, other=0).to(tl.int32)
+            tot += tl.sum(tl.where(k != 0, 1, 0), axis=0)
+        base_k = tl.full([], 0, tl.int32)
+        base_d = tl.full([], 0, tl.int32)
+        for c0 in range(0, N, CHUNK):
+            j = c0 + tl.arange(0, CHUNK)
+            nk_, nd_ = _compact_chunk(keep_ptr, idx_ptr, v_ptr, stride_vb, idx2_ptr, v2_ptr, stride_v2b, j, N, B,
+                                      tot, base_k, base_d, HAS_IDX, HAS_V, B_PAD)
+            base_k += nk_
+            base_d += nd_
+    jj = tl.arange(0, 2)
+    tl.store(count2_ptr + jj * 0, (jj * 0 + tot).to(count2_ptr.dtype.element_ty), mask=jj == 0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -421,7 +448,8 @@ def compact(keep, idx=None, values=None):
         values.stride(0) if values is not None else 0,
         idx2, v2 if v2 is not None else idx2, v2.stride(0) if v2 is not None else 0, count2,
         N, B, HAS_IDX=idx is not None, HAS_V=values is not None, B_PAD=_np2(B), N_PAD=n_pad,
-        num_warps=max(4, min(32, n_pad // 512)),
+        CHUNK=COMPACT_CHUNK if keep.device.type != "cpu" else 256,
+        num_warps=max(4, min(32, min(n_pad, COMPACT_CHUNK) // 512)),
     )
     if values is not None:
         return idx2, count2, v2

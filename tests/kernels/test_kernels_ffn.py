@@ -152,7 +152,7 @@ def test_sparse_mlp_relu(dtype, s, batch, path, device, gen, poison):
     _check(out, ref, dtype, gen, path)
 
 
-@pytest.mark.parametrize("n", [1, 200, 1000])
+@pytest.mark.parametrize("n", [1, 200, 1000, 20000])
 def test_compact_and_union(n, device, gen, poison):
     keep = (torch.rand(n, generator=gen) < 0.4).to(device)
     idx = torch.randperm(n, generator=gen).to(torch.int32).to(device)
