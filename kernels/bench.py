@@ -320,6 +320,87 @@ def tune_candidates(batch):
     return cands
 
 
+def tune_ops(args, copy_bw):
+    """Whole-op timings at batch 1: non-gated MLP (opt-6.7b) fused vs split-with-tl.dot, and the gated FFN's
+    two front-running fused configs vs split-with-tl.dot."""
+    from . import ffn_triton as T
+
+    gen = torch.Generator().manual_seed(5)
+    dot = {"gather": dict(BLOCK_R=32, BLOCK_K=256, num_warps=4, dot=True),
+           "down": dict(BLOCK_D=128, BLOCK_R=32, splits=16, num_warps=4, dot=True)}
+    dot2 = {"gather": dict(BLOCK_R=64, BLOCK_K=256, num_warps=8, dot=True),
+            "down": dict(BLOCK_D=128, BLOCK_R=32, splits=32, num_warps=4, dot=True)}
+    res = []
+    for sname in (["opt-6.7b", "llama2-7b", "llama3-8b"] if not SMOKE else ["tiny-opt", "tiny"]):
+        d, D, gated, act = SHAPES[sname]
+        nl = 2 if SMOKE else 16
+        lay = Layers(d, D, gated, torch.float16, nl)
+        xs = [torch.randn((1, d), device=DEV, dtype=torch.float16) for _ in range(nl)]
+        if gated:
+            cands = [("fused", {"fused": dict(BLOCK_R=1, num_warps=4, progs_per_sm=3, early_down=True)}),
+                     ("fused", {"fused": dict(BLOCK_R=2, num_warps=8, progs_per_sm=2, early_down=True)}),
+                     ("split", dot), ("split", dot2)]
+        else:
+            cands = [("fused", {"fused": dict(BLOCK_R=br, num_warps=nw, progs_per_sm=pps, early_down=True)})
+                     for br, nw, pps in ((1, 4, 3), (2, 8, 2), (2, 4, 3), (4, 8, 2), (2, 8, 3), (4, 16, 2))]
+            cands += [("split", dot), ("split", dot2)]
+        for s in (0.3, 0.5, 0.7, 0.9):
+            k = int(round(D * (1 - s)))
+            sets = make_sets(D, k, nl, gen)
+            line = []
+            for path, cfg in cands:
+                if gated:
+                    fns = [(lambda i=i, p=path, c=cfg: T.sparse_ffn(xs[i], lay.w1[i], lay.w2[i], lay.wdt[i], sets[i],
+                                                                     None, act, path=p, config=c)) for i in range(nl)]
+                else:
+                    fns = [(lambda i=i, p=path, c=cfg: T.sparse_mlp(xs[i], lay.w1[i], lay.b1[i], lay.wdt[i], lay.b2[i],
+                                                                     sets[i], None, act, path=p, config=c))
+                           for i in range(nl)]
+                try:
+                    t, _ = time_graph(fns, 15)
+                except Exception as e:
+                    log(f"  skip {path} {cfg}: {type(e).__name__}: {str(e)[:150]}")
+                    continue
+                res.append(dict(shape=sname, s=s, path=path, cfg=cfg, us=t))
+                line.append(f"{path}{list(cfg.values())[0] if path == 'fused' else ''} {t:.1f}")
+            log(f"tune-op {sname} B=1 s={s}: " + " | ".join(line))
+        lay.free()
+    return res
+
+
+def apply_tuned_ops(res):
+    from . import configs as C
+
+    for gated, shapes in ((False, ("opt-6.7b", "tiny-opt")), (True, ("llama2-7b", "llama3-8b", "tiny"))):
+        rs = [r for r in res if r["shape"] in shapes]
+        if not rs:
+            continue
+        best = {}
+        for r in rs:
+            key = (r["shape"], r["s"])
+            best[key] = min(best.get(key, 1e30), r["us"])
+        score = {}
+        for r in rs:
+            ck = json.dumps([r["path"], r["cfg"]], sort_keys=True)
+            score.setdefault(ck, []).append(r["us"] / best[(r["shape"], r["s"])])
+        full = max(map(len, score.values()))
+        ck = min(score, key=lambda c: statistics.mean(score[c]) if len(score[c]) == full else 1e9)
+        path, cfg = json.loads(ck)
+        log(f"chosen batch-1 {'gated FFN' if gated else 'non-gated MLP'}: {path} {cfg} "
+            f"(mean time / per-point best = {statistics.mean(score[ck]):.3f})")
+        if gated:
+            if path == "fused":
+                C.FUSED[1] = dict(cfg["fused"])
+            else:
+                C.FUSED.pop(1, None)
+                C.GATHER[1], C.DOWN[1] = dict(cfg["gather"]), dict(cfg["down"])
+        else:
+            C.MLP_B1 = dict(path=path, **cfg)
+    log("FUSED = " + repr(C.FUSED))
+    log("MLP_B1 = " + repr(C.MLP_B1))
+    log("GATHER[1] = " + repr(C.GATHER[1]) + "  DOWN[1] = " + repr(C.DOWN[1]))
+
+
 def apply_tuned(results):
     """Pick, per batch and kind, the config with the smallest mean (time / best time) over the tuned
     shapes and sparsities; install it in kernels.configs (this process only) and print the tables
@@ -474,6 +555,7 @@ def main(argv=None):
     ap.add_argument("--tune-batches", default="1,2,4,8")
     ap.add_argument("--tune-sparsities", default="0.5,0.7,0.9")
     ap.add_argument("--apply-tuned", action="store_true", help="use the tuned configs for the rest of this run")
+    ap.add_argument("--tune-ops", action="store_true", help="batch-1 whole-op tune: MLP and FFN, fused vs split")
     ap.add_argument("--profile", action="store_true", help="batch-1 time split: fused kernel vs reduce kernel")
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -512,6 +594,10 @@ def main(argv=None):
         extra["tune"] = tune(args, copy_bw)
         if args.apply_tuned:
             extra["chosen"] = apply_tuned(extra["tune"])
+    if args.tune_ops:
+        extra["tune_ops"] = tune_ops(args, copy_bw)
+        if args.apply_tuned:
+            apply_tuned_ops(extra["tune_ops"])
     if args.profile:
         extra["profile"] = profile(args, copy_bw)
     if args.determinism:

@@ -37,7 +37,7 @@ FUSED_MAX_ELEMS = 8192  # B_PAD * D_PAD held as an fp32 accumulator per program
 # fused kernel; at batch 2 the split path with tensor-core tl.dot beat the fused kernel (217.6 vs 236.5 µs
 # summed over the tuned points), so FUSED has no entry for 2 and ffn_path() picks "split" there.
 FUSED = {
-    1: dict(BLOCK_R=2, num_warps=8, progs_per_sm=2, early_down=True),
+    1: dict(BLOCK_R=1, num_warps=4, progs_per_sm=3, early_down=True),
 }
 GATHER = {  # gather-GEMV (gate/up, fc1, qkv): rows per program, d chunk (None: whole d), tl.dot for batch >= 2
     1: dict(BLOCK_R=2, BLOCK_K=None, num_warps=4),
@@ -52,6 +52,10 @@ DOWN = {  # down / out projection over W^T rows: d chunk, rows per step, K split
     8: dict(BLOCK_D=128, BLOCK_R=32, splits=16, num_warps=4, dot=True),
 }
 
+
+# Non-gated (OPT-style fc1/fc2) MLP at batch 1: its own entry (one weight matrix fewer per row than the
+# gated FFN, so it wants more rows in flight). Sub-dicts override FUSED/GATHER/DOWN for that call.
+MLP_B1 = dict(path="fused", fused=dict(BLOCK_R=1, num_warps=4, progs_per_sm=3, early_down=True))
 
 # CPU (Triton interpreter, CI): few big programs keep the interpreter fast; chunks smaller than the
 # test shapes keep the d-loop and row-tail masking exercised.

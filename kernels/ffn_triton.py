@@ -278,8 +278,8 @@ def _cfg(name: str, bp: int, override: dict | None, device=None) -> dict:
 
 
 def _use_dot(cfg, t, batch):
-    """Tensor-core tl.dot path: batch >= 2, fp16/bf16 only (fp32 keeps exact FMA math)."""
-    return bool(cfg.get("dot")) and batch >= 2 and t.dtype in (torch.float16, torch.bfloat16)
+    """Tensor-core tl.dot path (batch padded to 16): fp16/bf16 only (fp32 keeps exact FMA math)."""
+    return bool(cfg.get("dot")) and t.dtype in (torch.float16, torch.bfloat16)
 
 
 def _launch_gather(x, w1, w2, b1, scale, idx, count, out, keep, thr, mode, act, config=None):
@@ -521,8 +521,10 @@ def sparse_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count=None, act="relu", *, 
     """Non-gated (OPT-style) MLP over the active rows: y = W_fc2[:, I] act(W_fc1[I] x + b_fc1[I]) + b_fc2."""
     _check_ffn(x, w_fc1, None, w_fc2_t, idx, count)
     B, d = x.shape
-    path = path or C.ffn_path(B, d)
     cfg = config or {}
+    if B == 1 and path is None and config is None and x.device.type != "cpu":
+        path, cfg = C.MLP_B1["path"], C.MLP_B1
+    path = path or C.ffn_path(B, d)
     if path == "fused":
         return _launch_fused(x, w_fc1, None, b_fc1, None, w_fc2_t, idx, count, b_fc2, 0, act, cfg.get("fused"))
     h = gather_gemv(x, w_fc1, idx, count, act=act, bias=b_fc1, out_dtype=torch.float32, config=cfg.get("gather"))

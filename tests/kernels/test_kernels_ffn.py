@@ -171,11 +171,11 @@ DOT_CFG = {"gather": {"dot": True, "BLOCK_R": 16, "BLOCK_K": 32},
            "down": {"dot": True, "BLOCK_R": 16, "BLOCK_D": 32}}
 
 
-@pytest.mark.parametrize("batch", [2, 5, 8])
+@pytest.mark.parametrize("batch", [1, 2, 5, 8])
 @pytest.mark.parametrize("s", [0.0, 0.5, 0.9])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_tensor_core_dot_path(dtype, s, batch, device, gen, poison):
-    """Batch > 1 tl.dot variants of the gather GEMV and the down projection (h rounded to the dtype)."""
+    """tl.dot variants of the gather GEMV and the down projection (batch padded to 16; h rounded to the dtype)."""
     wg, wu, wdt = ffn_weights(gen, dtype, device)
     x = rnd((batch, D_MODEL), gen, dtype, device)
     idx, count = make_idx(gen, D_FF, s, "padded", device)
@@ -189,6 +189,9 @@ def test_tensor_core_dot_path(dtype, s, batch, device, gen, poison):
     thr = _gap_threshold(x, wg, idx, count, "silu")
     out = T.sparse_ffn(x, wg, wu, wdt, idx, count, "silu", threshold=thr, path="split", config=DOT_CFG)
     _check(out, R.sparse_ffn(up(x), up(wg), up(wu), up(wdt), idx, count, "silu", threshold=thr), dtype, gen, "seq")
+    b1, b2 = rnd((D_FF,), gen, dtype, device), rnd((D_MODEL,), gen, dtype, device)
+    out = T.sparse_mlp(x, wg, b1, wdt, b2, idx, count, "relu", path="split", config=DOT_CFG)
+    _check(out, R.sparse_mlp(up(x), up(wg), up(b1), up(wdt), up(b2), idx, count, "relu"), dtype, gen, "mlp")
 
 
 @pytest.mark.parametrize("early", [False, True])
