@@ -142,14 +142,19 @@ class FitContext:
         return self.lm.adapter.act_name(self.lm.model.config)
 
     def inputs(self, layer: int, input_kind: str, max_tokens: int | None = None) -> torch.Tensor:
-        """The predictor input for ``layer`` from the cache, [N, d] float32."""
-        if input_kind == "ffn_in":
-            return self.cache.load(layer, "ffn_in", max_tokens=max_tokens)
-        if input_kind == "residual":
-            return self.cache.load(layer, "residual", max_tokens=max_tokens)
-        if input_kind == "lookahead":
-            return self.cache.load(max(layer - 1, 0), "residual", max_tokens=max_tokens)
-        raise ValueError(f"input_kind must be one of {INPUT_KINDS}")
+        """The predictor input for ``layer`` from the calibration cache, [N, d] float32."""
+        return predictor_inputs(self.cache, layer, input_kind, max_tokens)
+
+
+def predictor_inputs(cache, layer: int, input_kind: str, max_tokens: int | None = None) -> torch.Tensor:
+    """A predictor's input for ``layer`` from an activation cache, [N, d] float32 (see INPUT_KINDS)."""
+    if input_kind == "ffn_in":
+        return cache.load(layer, "ffn_in", max_tokens=max_tokens)
+    if input_kind == "residual":
+        return cache.load(layer, "residual", max_tokens=max_tokens)
+    if input_kind == "lookahead":
+        return cache.load(max(layer - 1, 0), "residual", max_tokens=max_tokens)
+    raise ValueError(f"input_kind must be one of {INPUT_KINDS}")
 
 
 FitFn = Callable[..., SparsityPlan]
