@@ -33,11 +33,12 @@ def _next_pow2(n: int) -> int:
 #          partials; reduce (3 launches). Used where the fused kernel's registers do not fit.
 FUSED_MAX_ELEMS = 8192  # B_PAD * D_PAD held as an fp32 accumulator per program
 
-# Keyed by B_PAD (1, 2, 4, 8). Frozen from the run-3 tune on an H200 (kernels/NOTES.md): batch 1 uses the
-# fused kernel; at batch 2 the split path with tensor-core tl.dot beat the fused kernel (217.6 vs 236.5 µs
+# Keyed by B_PAD (1, 2, 4, 8). Frozen from the run-3..5 tunes on an H200 (kernels/NOTES.md): batch 1 uses
+# the fused kernel (BLOCK_R=2/8 warps/2 per SM and BLOCK_R=1/4 warps/3 per SM tie within noise; run 5 picked
+# the first); at batch 2 the split path with tensor-core tl.dot beat the fused kernel (217.6 vs 236.5 µs
 # summed over the tuned points), so FUSED has no entry for 2 and ffn_path() picks "split" there.
 FUSED = {
-    1: dict(BLOCK_R=1, num_warps=4, progs_per_sm=3, early_down=True),
+    1: dict(BLOCK_R=2, num_warps=8, progs_per_sm=2, early_down=True),
 }
 GATHER = {  # gather-GEMV (gate/up, fc1, qkv): rows per program, d chunk (None: whole d), tl.dot for batch >= 2
     1: dict(BLOCK_R=2, BLOCK_K=None, num_warps=4),
@@ -55,7 +56,9 @@ DOWN = {  # down / out projection over W^T rows: d chunk, rows per step, K split
 
 # Non-gated (OPT-style fc1/fc2) MLP at batch 1: its own entry (one weight matrix fewer per row than the
 # gated FFN, so it wants more rows in flight). Sub-dicts override FUSED/GATHER/DOWN for that call.
-MLP_B1 = dict(path="fused", fused=dict(BLOCK_R=1, num_warps=4, progs_per_sm=3, early_down=True))
+# Run 5: BLOCK_R=2, 4 warps, 3/SM beat the gated choice by 8-33 % on opt-6.7b (e.g. s=.5 48.8 vs 54.8 µs)
+# and the tl.dot split path (split lost at every point tuned; see NOTES.md).
+MLP_B1 = dict(path="fused", fused=dict(BLOCK_R=2, num_warps=4, progs_per_sm=3, early_down=True))
 
 # CPU (Triton interpreter, CI): few big programs keep the interpreter fast; chunks smaller than the
 # test shapes keep the d-loop and row-tail masking exercised.
@@ -81,9 +84,9 @@ def ffn_path(batch: int, d: int) -> str:
 # DENSE_FROM_BATCH[s] = smallest batch at which the dense cuBLAS FFN was measured faster than the
 # sparse kernels for a union sparsity >= s (None: sparse wins up to MAX_BATCH). Looked up with the
 # largest key <= the static sparsity 1 - K/D of the index buffer.
-# Measured (run 3, fp16, Llama-2/Llama-3/Mistral shapes): at s=0 the fused batch-1 kernel beats cuBLAS
-# (1.14-1.23x) but from batch 2 dense is faster (0.98x); from s=0.3 up the sparse kernels win at every
-# batch up to 8 (>= 1.22x).
+# Measured (runs 4-5, fp16, Llama-2/Llama-3/Mistral/Qwen2 shapes): at s=0 the fused batch-1 kernel beats
+# cuBLAS (1.10-1.19x) but from batch 2 dense is faster (0.96-0.98x); from s=0.3 up the sparse kernels win at
+# every batch up to 8 (>= 1.22x). The non-gated MLP (opt-6.7b) loses at s=0 already at batch 1 (0.86x).
 DENSE_FROM_BATCH = {
     0.0: 2,
     0.3: None,
@@ -95,10 +98,14 @@ DENSE_FROM_BATCH = {
 }
 
 
-def use_dense(batch: int, k: int, n: int) -> bool:
+DENSE_FROM_BATCH_MLP = {**DENSE_FROM_BATCH, 0.0: 1}
+
+
+def use_dense(batch: int, k: int, n: int, gated: bool = True) -> bool:
+    table = DENSE_FROM_BATCH if gated else DENSE_FROM_BATCH_MLP
     s = 1.0 - k / n
-    keys = [key for key in sorted(DENSE_FROM_BATCH) if key <= s + 1e-9]
+    keys = [key for key in sorted(table) if key <= s + 1e-9]
     if not keys:
         return True
-    lim = DENSE_FROM_BATCH[keys[-1]]
+    lim = table[keys[-1]]
     return lim is not None and batch >= lim

@@ -87,7 +87,7 @@ def sparse_ffn(x, w_gate, w_up, w_down_t, idx, count=None, act="silu", threshold
 
 
 def sparse_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count=None, act="relu", *, allow_dense=True):
-    if x.shape[0] > MAX_BATCH or (allow_dense and C.use_dense(x.shape[0], idx.shape[0], w_fc1.shape[0])):
+    if x.shape[0] > MAX_BATCH or (allow_dense and C.use_dense(x.shape[0], idx.shape[0], w_fc1.shape[0], gated=False)):
         mask = _ref.active_mask(idx, count, w_fc1.shape[0])
         return _ref.dense_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, act, mask)
     return backend(x).sparse_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count, act)

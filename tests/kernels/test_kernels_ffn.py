@@ -91,7 +91,7 @@ def test_gather_down_bit_identical(device, gen, poison):
 
 @pytest.mark.parametrize("path", ["fused", "split"])
 @pytest.mark.parametrize("mode", ["fixed", "padded"])
-@pytest.mark.parametrize("batch", [1, 2, 6])
+@pytest.mark.parametrize("batch", [1, 6])
 @pytest.mark.parametrize("s", SPARS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sparse_ffn_parallel(dtype, s, batch, mode, path, device, gen, poison):
@@ -171,8 +171,8 @@ DOT_CFG = {"gather": {"dot": True, "BLOCK_R": 16, "BLOCK_K": 32},
            "down": {"dot": True, "BLOCK_R": 16, "BLOCK_D": 32}}
 
 
-@pytest.mark.parametrize("batch", [1, 2, 5, 8])
-@pytest.mark.parametrize("s", [0.0, 0.5, 0.9])
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("s", [0.0, 0.9])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_tensor_core_dot_path(dtype, s, batch, device, gen, poison):
     """tl.dot variants of the gather GEMV and the down projection (batch padded to 16; h rounded to the dtype)."""
