@@ -56,8 +56,8 @@ DOWN = {  # down / out projection over W^T rows: d chunk, rows per step, K split
 
 # Non-gated (OPT-style fc1/fc2) MLP at batch 1: its own entry (one weight matrix fewer per row than the
 # gated FFN, so it wants more rows in flight). Sub-dicts override FUSED/GATHER/DOWN for that call.
-# Run 5: BLOCK_R=2, 4 warps, 3/SM beat the gated choice by 8-33 % on opt-6.7b (e.g. s=.5 48.8 vs 54.8 µs)
-# and the tl.dot split path (split lost at every point tuned; see NOTES.md).
+# Run 5 (opt-6.7b, s=.3/.5/.7/.9): BLOCK_R=2, 4 warps, 3/SM had the best mean time over the tuned points;
+# the tl.dot split path lost at s=.3/.7/.9 by 14-52 % but was 13 % faster at s=.5 (see NOTES.md).
 MLP_B1 = dict(path="fused", fused=dict(BLOCK_R=2, num_warps=4, progs_per_sm=3, early_down=True))
 
 # CPU (Triton interpreter, CI): few big programs keep the interpreter fast; chunks smaller than the
