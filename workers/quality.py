@@ -152,6 +152,9 @@ def main(argv=None) -> int:
     ap.add_argument("--options", default="{}", help="JSON dict of method options")
     ap.add_argument("--calib-tokens", type=int, default=16384)
     ap.add_argument("--heldout-tokens", type=int, default=8192)
+    ap.add_argument("--points", default=None,
+                    help="JSON file: a list of {method, sparsity, rank?, attn_sparsity?, allocation?, options?} "
+                         "(replaces --methods/--sparsity/...)")
     ap.add_argument("--jsonl", default=None, help="append one JSON line per point")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
@@ -163,15 +166,25 @@ def main(argv=None) -> int:
     print(f"dense ppl {dense.ppl:.3f} on {dense.n_tokens} held-out tokens", flush=True)
     print(f"{'method':<10} {'s':>5} {'rank':>5} {'ppl':>8} {'Δppl%':>7} {'mlp_sp':>7} {'recall':>7} {'auc':>6} "
           f"{'fit_s':>7} {'eval_s':>7}", flush=True)
-    for method in args.methods.split(","):
-        for s in _floats(args.sparsity):
-            r = run_point(wb, method, s, args.rank, args.attn_sparsity, args.allocation, **json.loads(args.options))
-            print(f"{method:<10} {s:>5.2f} {str(r.rank):>5} {r.ppl:>8.2f} {100 * (r.ppl / r.dense_ppl - 1):>7.1f} "
-                  f"{r.mlp_sparsity:>7.3f} {r.mean_recall:>7.3f} {r.mean_auc:>6.3f} {r.fit_s:>7.1f} {r.eval_s:>7.1f}",
-                  flush=True)
-            if args.jsonl:
-                with open(args.jsonl, "a") as f:
-                    f.write(json.dumps(asdict(r)) + "\n")
+    if args.points:
+        with open(args.points) as f:
+            points = json.load(f)
+    else:
+        points = [{"method": m, "sparsity": s, "rank": args.rank, "attn_sparsity": args.attn_sparsity,
+                   "allocation": args.allocation, "options": json.loads(args.options)}
+                  for m in args.methods.split(",") for s in _floats(args.sparsity)]
+    for pt in points:
+        pt = dict(pt)
+        method, s = pt.pop("method"), pt.pop("sparsity")
+        opts = pt.pop("options", {}) or {}
+        r = run_point(wb, method, s, **pt, **opts)
+        print(f"{method:<10} {s:>5.2f} {str(r.rank):>5} {r.ppl:>8.2f} {100 * (r.ppl / r.dense_ppl - 1):>7.1f} "
+              f"{r.mlp_sparsity:>7.3f} {r.mean_recall:>7.3f} {r.mean_auc:>6.3f} {r.fit_s:>7.1f} {r.eval_s:>7.1f} "
+              f"{r.allocation} attn={r.attn_sparsity} head_sp={r.head_sparsity:.3f} {json.dumps(r.options)}",
+              flush=True)
+        if args.jsonl:
+            with open(args.jsonl, "a") as f:
+                f.write(json.dumps(asdict(r)) + "\n")
     return 0
 
 
