@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -137,6 +138,11 @@ def run_point(wb: Workbench, method: str, sparsity: float, rank: int | None = No
         per_layer_sparsity=per_layer)
 
 
+def _point_key(p: dict) -> str:
+    return json.dumps([p["method"], p["sparsity"], p.get("rank"), p.get("attn_sparsity"),
+                       p.get("allocation", "uniform"), p.get("options") or {}], sort_keys=True)
+
+
 def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x]
 
@@ -173,8 +179,15 @@ def main(argv=None) -> int:
         points = [{"method": m, "sparsity": s, "rank": args.rank, "attn_sparsity": args.attn_sparsity,
                    "allocation": args.allocation, "options": json.loads(args.options)}
                   for m in args.methods.split(",") for s in _floats(args.sparsity)]
+    done = set()
+    if args.jsonl and os.path.exists(args.jsonl):   # resume: points already measured are skipped
+        with open(args.jsonl) as f:
+            done = {_point_key(json.loads(line)) for line in f if line.strip()}
     for pt in points:
-        pt = dict(pt)
+        pt = {"rank": None, "attn_sparsity": None, "allocation": "uniform", "options": {}, **pt}
+        if _point_key(pt) in done:
+            print(f"skip (done): {pt}", flush=True)
+            continue
         method, s = pt.pop("method"), pt.pop("sparsity")
         opts = pt.pop("options", {}) or {}
         r = run_point(wb, method, s, **pt, **opts)

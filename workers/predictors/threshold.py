@@ -44,7 +44,8 @@ def quantile(values: torch.Tensor, q: float, max_samples: int = 4_000_000) -> fl
     """q-quantile of a large tensor (torch.quantile caps its input size: subsample deterministically)."""
     flat = values.reshape(-1)
     if flat.numel() > max_samples:
-        flat = flat[torch.linspace(0, flat.numel() - 1, max_samples).long()]
+        step = (flat.numel() - 1) / (max_samples - 1)   # float64 arithmetic: float32 linspace overruns the end
+        flat = flat[(torch.arange(max_samples, dtype=torch.float64) * step).long()]
     return torch.quantile(flat.float(), q).item()
 
 
