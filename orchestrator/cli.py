@@ -3,6 +3,7 @@
   ctxsparse ppl     [--model REF] [--source SRC] [--tokens N] [--seq-len L] [--dtype D]
   ctxsparse capture [--model REF] [--source SRC] [--tokens N] [--store-dtype D]
   ctxsparse demo    load the default model, capture activations, print held-out perplexity
+  ctxsparse ingest-kernels FILE [--db URL]   load GPU kernel benchmark rows into the store
 """
 from __future__ import annotations
 
@@ -63,6 +64,14 @@ def cmd_demo(args) -> int:
     return rc or cmd_ppl(args)
 
 
+def cmd_ingest_kernels(args) -> int:
+    from orchestrator.ingest import ingest_kernel_results
+
+    n, new = ingest_kernel_results(args.file, args.db)
+    print(json.dumps({"file": args.file, "rows": n, "units_added": new}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ctxsparse", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -86,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp, 2048)
     sp.add_argument("--store-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     sp.set_defaults(fn=cmd_demo)
+    sp = sub.add_parser("ingest-kernels", help="load `kernels.bench --json` results into the SQL store")
+    sp.add_argument("file")
+    sp.add_argument("--db", default=None, help="SQLAlchemy URL (default: $CTXSPARSE_DB_URL or SQLite)")
+    sp.set_defaults(fn=cmd_ingest_kernels)
     return p
 
 

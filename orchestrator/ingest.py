@@ -1,0 +1,87 @@
+"""Load GPU benchmark results (JSON written where no database client exists) into the SQL store.
+
+The GPU machines run ``python -m kernels.bench --json FILE`` (``kernels/`` never imports the DB); this module
+turns each row into a finished work unit of kind ``kernel`` with one latency row, idempotently: a unit's id is
+the hash of the row's identity, so loading the same file twice adds nothing.
+
+How a kernel row maps onto a latency row (the store's latency table is per decode token):
+  * the "model" is the shape with random weights (``llama2-7b-shape``: d, D), fingerprinted by its dimensions;
+  * ``p50/p90_ms_per_token`` = the FFN op's median / p90 time (µs / 1000) for one decode step of ``batch``
+    tokens, ``tokens_per_s`` = batch / that time: one FFN layer, not a whole model;
+  * ``runtime`` = ``kernel:<variant>`` (dense, triton_fused, torch_index, triton_seq50, attn_triton, ...), ``prompt_len`` 0,
+    ``gen_len`` 1, ``realized_sparsity`` = the row's sparsity.
+
+    ctxsparse ingest-kernels kernels/results/h200_2026-11-29.json [--db URL]
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from db import queries
+from db.engine import get_engine, session_scope, upgrade
+from db.schemas import LatencyRow, UnitSpec
+
+CODE_VERSION = "kernels-bench-1"
+_REQUIRED = ("device_type", "accelerator_name", "shape", "d", "D", "dtype", "batch", "sparsity", "variant",
+             "us_median", "us_p90")
+
+
+class IngestError(ValueError):
+    pass
+
+
+def _unit_id(row: dict) -> str:
+    ident = [row[k] for k in ("accelerator_name", "shape", "dtype", "batch", "sparsity", "variant")]
+    ident.append(row.get("run", ""))
+    return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:40]
+
+
+def ingest_kernel_results(path: str | Path, db_url: str | None = None) -> tuple[int, int]:
+    """-> (rows in the file, units newly finished). Raises IngestError on a malformed file."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise IngestError(f"{path}: cannot read benchmark JSON ({e})") from None
+    rows = doc.get("rows") if isinstance(doc, dict) else doc
+    if not isinstance(rows, list) or not rows:
+        raise IngestError(f"{path}: expected a list of rows (or {{'meta', 'rows'}})")
+    for i, r in enumerate(rows):
+        missing = [k for k in _REQUIRED if k not in r]
+        if missing:
+            raise IngestError(f"{path}: row {i} lacks {missing}")
+    meta = doc.get("meta", {}) if isinstance(doc, dict) else {}
+    engine = get_engine(db_url)
+    upgrade(engine)
+    new = 0
+    with session_scope(engine) as s:
+        spec = {"kind": "kernel-bench", "file": Path(path).name, "meta": meta}
+        spec_hash = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+        sweep_id, _ = queries.get_or_create_sweep(s, name=f"kernel-bench {Path(path).stem}", spec_hash=spec_hash,
+                                                  spec=spec)
+        models: dict[str, int] = {}
+        units = []
+        for r in rows:
+            name = f"{r['shape']}-shape"
+            if name not in models:
+                fp = hashlib.sha256(f"random-weights:{r['shape']}:{r['d']}:{r['D']}".encode()).hexdigest()
+                models[name] = queries.upsert_model(s, name=name, fingerprint=fp, family="shape",
+                                                    config={"d": r["d"], "D": r["D"], "weights": "random"})
+            units.append(UnitSpec(id=_unit_id(r), model_id=models[name], kind="kernel", method=r["variant"],
+                                  sparsity=r["sparsity"], device_type=r["device_type"], config=r,
+                                  code_version=CODE_VERSION))
+        queries.register_units(s, sweep_id, units)
+    versions = {k: v for k, v in (("torch", meta.get("torch")), ("triton", meta.get("triton"))) if v}
+    for r, u in zip(rows, units):
+        with session_scope(engine) as s:
+            if not queries.claim_unit(s, u.id, "ingest"):
+                continue
+            lat = LatencyRow(device_type=r["device_type"], accelerator_name=r["accelerator_name"],
+                             batch=r["batch"], prompt_len=0, gen_len=1, p50_ms_per_token=r["us_median"] / 1000,
+                             p90_ms_per_token=r["us_p90"] / 1000,
+                             tokens_per_s=r["batch"] / (r["us_median"] * 1e-6),
+                             realized_sparsity=r["sparsity"], runtime=f"kernel:{r['variant']}",
+                             package_versions=versions or {"unknown": "unknown"}, git_rev=r.get("git_rev", "unknown"))
+            new += queries.finish_unit(s, u.id, latency_rows=[lat])
+    return len(rows), new
