@@ -163,7 +163,7 @@ def apply_sparsity(model: nn.Module, plan: SparsityPlan) -> AppliedSparsity:
     dims = ad.dims(model.config)
     act = ad.act_name(model.config)
     layers = ad.decoder_layers(model)
-    stats = SparseStats(dims.D, dims.n_heads, bool(plan.info.get("dense_gate")))
+    stats = SparseStats(dims.D, dims.n_heads, plan.dense_gate)
     applied = AppliedSparsity(model, stats)
     taps = _Taps()
     need_taps = {p.input_kind for p in [*plan.mlp.values(), *plan.attn.values()]} & {"residual", "lookahead"}

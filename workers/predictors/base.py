@@ -116,6 +116,7 @@ class SparsityPlan:
     mlp_mode: str = "parallel"
     seq_filter: dict[int, float] = field(default_factory=dict)
     info: dict = field(default_factory=dict)     # per-layer facts for the store: targets, thresholds, fit time
+    dense_gate: bool = False                     # the method runs the gate projection dense (threshold, oracle)
 
     def __post_init__(self):
         if self.mlp_mode not in ("parallel", "sequential"):

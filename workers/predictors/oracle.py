@@ -59,7 +59,7 @@ def fit_oracle(ctx: FitContext, sparsity: dict[int, float], rank=None, attn_spar
     if unknown:
         raise ValueError(f"oracle: unknown options {sorted(unknown)}")
     act, dims = ctx.act_name(), ctx.lm.dims
-    plan = SparsityPlan()
+    plan = SparsityPlan(dense_gate=True)   # the oracle needs every gate and up value: it saves nothing
     for l, s in sparsity.items():
         k = k_for(s, dims.D)
         plan.mlp[l] = OracleMLP(ctx.ffn_weights(l), act, k)

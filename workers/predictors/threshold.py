@@ -5,7 +5,7 @@ of |act(gate)| over the calibration tokens, so a fraction s of (token, neuron) p
 data. Up and down then run on the kept rows only. Target: the gate activation's magnitude, which on gated
 SiLU/GeLU models ignores the up projection (the "gate-only" ceiling). For non-gated ReLU models the same rule
 on |act(fc1)| is exact sparsity with t = 0 at the natural zero fraction.
-The best realizable FFN saving is therefore 2/3 (gate stays dense): recorded as ``dense_gate`` in the plan.
+The best realizable FFN saving is therefore 2/3 (gate stays dense): recorded as ``plan.dense_gate``.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def fit_threshold(ctx: FitContext, sparsity: dict[int, float], rank=None, **unkn
     if unknown:
         raise ValueError(f"threshold: unknown options {sorted(unknown)}")
     act = ctx.act_name()
-    plan = SparsityPlan(info={"dense_gate": True})
+    plan = SparsityPlan(dense_gate=True)
     for l, s in sparsity.items():
         w = ctx.ffn_weights(l)
         a = apply_act(ctx.cache.load(l, "gate"), act).abs()
