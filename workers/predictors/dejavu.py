@@ -52,6 +52,14 @@ our ~15k tokens 1e-4 needs all 20 epochs to reach (or not reach) what 1e-3 reach
 layers 0..min(4, L // 6) dense -- the same 5 layers on SmolLM2 (30 layers), 4 of Gemma-3's 18, 1 of a 2-layer
 test model. That is a larger share of a small model's depth, chosen because the first layers change the
 residual stream most (the paper's Fig. 5) and lookahead there reads a very different input; it is not tuned.
+
+Measured (``python -m workers.predictors.dejavu --measure``; SmolLM2-135M, 16,384 LAMBADA calibration tokens,
+last 10 % held out, r = 256, defaults): mean held-out recall of the oracle top-k set, all 30 layers at s = 0.5:
+ffn_in 0.709, residual 0.707, lookahead 0.702 (chance 0.5); every 3rd layer at s = 0.3 / 0.7: about 0.79 / 0.63
+for all three inputs (chance 0.7 / 0.3), lookahead lowest by < 0.01. No BCE epoch beat the regression start on
+any layer; a random start (their recipe) reached 0.685 after all 20 epochs (vs 0.700 on the same layers).
+Heads (layers 5..29, lookahead input): recall of the top-30 % label 0.98 / 0.91 and of the true top-k heads
+0.86 / 0.83 at s_attn = 0.3 / 0.5 (chance 0.67 / 0.44). Fitting takes ~12-30 s per layer on 2 shared CPU cores.
 """
 from __future__ import annotations
 
