@@ -147,6 +147,8 @@ def test_unknown_options_and_bad_values_are_rejected(ctx):
         fit_method("dejavu", ctx, {4: 0.5}, bogus=1, epochs=1)
     with pytest.raises(ValueError, match="input_kind"):
         fit_method("dejavu", ctx, {4: 0.5}, input_kind="attn_out")
+    with pytest.raises(ValueError, match="attn_input_kind"):   # ffn_in comes after the attention it would choose
+        fit_method("dejavu", ctx, {}, attn_sparsity=0.5, attn_input_kind="ffn_in")
     with pytest.raises(ValueError, match="rank"):
         fit_method("dejavu", ctx, {4: 0.5}, rank=0)
 

@@ -80,6 +80,7 @@ log = logging.getLogger(__name__)
 MLP_NEG_OFFSET = 0.005   # trainer_mlp.py: weight = y.sum() / y.numel() + 0.005
 HEAD_NEG_OFFSET = 0.0    # trainer_att.py: weight = y.sum() / y.numel()
 LABELS = ("auto", "active", "topk")
+ATTN_INPUT_KINDS = ("lookahead", "residual")   # known before the layer's attention runs
 INITS = ("svd", "random")
 
 DEFAULTS: dict = {
@@ -314,8 +315,9 @@ def _layer_seed(seed: int, layer: int, part: int) -> int:
 def _check_options(opts: dict) -> None:
     if opts["input_kind"] not in INPUT_KINDS:
         raise ValueError(f"dejavu: input_kind must be one of {INPUT_KINDS}, got {opts['input_kind']!r}")
-    if opts["attn_input_kind"] not in INPUT_KINDS:
-        raise ValueError(f"dejavu: attn_input_kind must be one of {INPUT_KINDS}")
+    if opts["attn_input_kind"] not in ATTN_INPUT_KINDS:
+        raise ValueError(f"dejavu: attn_input_kind must be one of {ATTN_INPUT_KINDS} (a layer's FFN input is "
+                         f"computed from its attention output, too late to choose its heads)")
     for name in ("epochs", "batch_size"):
         if not isinstance(opts[name], int) or opts[name] < 1:
             raise ValueError(f"dejavu: {name} must be a positive int, got {opts[name]!r}")
@@ -411,7 +413,7 @@ def fit_dejavu(ctx: FitContext, sparsity: dict[int, float], rank: int | None = N
     ``batch_size`` (1024), ``weight_decay`` (0.01), ``max_tokens`` (all), ``val_frac`` (0.1), ``patience`` (5),
     ``init`` (svd | random), ``label`` (auto | active | topk), ``attn_sparsity`` (None = no head predictor; a
     float for every layer of ``ctx.layers`` outside ``dense_layers_attn``, or {layer: s}),
-    ``dense_layers_attn`` (default 0..min(4, L // 6)), ``attn_input_kind`` (lookahead), ``attn_lr`` (1e-3),
+    ``dense_layers_attn`` (default 0..min(4, L // 6)), ``attn_input_kind`` (lookahead | residual), ``attn_lr`` (1e-3),
     ``attn_label_frac`` (0.3). A layer with sparsity 0 (k = D) stays dense: no predictor.
     ``plan.info[layer]`` holds the MLP fit facts and, under ``"attn"``, the head predictor's.
     """
