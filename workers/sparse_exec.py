@@ -78,8 +78,9 @@ class _Taps:
         return pre
 
     def get(self, layer: int, input_kind: str) -> torch.Tensor:
-        src = layer if input_kind == "residual" else max(layer - 1, 0)
-        return self.inputs[src]
+        if input_kind not in ("residual", "lookahead"):
+            raise ValueError(f"no tapped input for input kind {input_kind!r}")
+        return self.inputs[layer if input_kind == "residual" else max(layer - 1, 0)]
 
 
 class SparseFFN(nn.Module):

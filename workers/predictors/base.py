@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 INPUT_KINDS = ("ffn_in", "residual", "lookahead")
+# head predictors run before their layer's attention, so the FFN input (computed after it) cannot feed them;
 # the attention oracle ranks heads by their true output norms: its input is every head's output ([T, H*hd])
-HEAD_INPUT_KINDS = INPUT_KINDS + ("head_out",)
+HEAD_INPUT_KINDS = ("residual", "lookahead", "head_out")
 RULES = ("topk", "positive")
 
 
@@ -100,6 +101,11 @@ class HeadPredictor(nn.Module):
     def config(self) -> dict:
         return {"method": self.method, "input_kind": self.input_kind, "k": self.k, "n_heads": self.n_heads}
 
+    @classmethod
+    def from_parts(cls, config: dict, tensors: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]):
+        """Rebuild from a bundle (see MLPPredictor.from_parts)."""
+        raise NotImplementedError
+
     def to_tensors(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().contiguous() for k, v in self.state_dict().items()}
 
@@ -164,7 +170,8 @@ REGISTRY: dict[str, FitFn] = {}
 
 def register(name: str):
     def deco(fn: FitFn) -> FitFn:
-        if name in REGISTRY:
+        # the same function again is fine (a method module run as a script: `python -m workers.predictors.x`)
+        if name in REGISTRY and REGISTRY[name].__qualname__ != fn.__qualname__:
             raise ValueError(f"method {name!r} registered twice")
         REGISTRY[name] = fn
         return fn

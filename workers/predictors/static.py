@@ -29,11 +29,15 @@ class StaticHeads(HeadPredictor):
     method = "static"
 
     def __init__(self, importance: torch.Tensor, k: int):
-        super().__init__("ffn_in", k, importance.numel())
+        super().__init__("residual", k, importance.numel())   # the input only gives the token count
         self.register_buffer("importance", importance.float().clone())
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         return self.importance.expand(x.shape[0], -1)
+
+    @classmethod
+    def from_parts(cls, config, tensors, weights):
+        return cls(tensors["importance"], config["k"])
 
 
 @register("static")
