@@ -174,6 +174,17 @@ class _Recorder:
             h.remove()
 
 
+def _layers(lm: LoadedModel, layers) -> list[int]:
+    layers = list(range(lm.dims.n_layers)) if layers is None else sorted(set(layers))
+    if not layers or layers[0] < 0 or layers[-1] >= lm.dims.n_layers:
+        raise ValueError(f"layers must lie in 0..{lm.dims.n_layers - 1}")
+    return layers
+
+
+def _ordered(components) -> tuple[str, ...]:
+    return tuple(c for c in COMPONENTS if c in components)
+
+
 def _bytes_per_token(lm: LoadedModel, components, n_layers: int, elem: int) -> int:
     dims = lm.dims
     width = {"residual": dims.d, "ffn_in": dims.d, "gate": dims.D, "inter": dims.D, "head_norm": dims.n_heads}
@@ -181,18 +192,33 @@ def _bytes_per_token(lm: LoadedModel, components, n_layers: int, elem: int) -> i
 
 
 def capture_activations(lm: LoadedModel, tokens: TokenSet, components: tuple[str, ...] = COMPONENTS,
-                        layers: list[int] | None = None, dtype: str = "float16", max_buffer_mb: int = 512,
+                        layers: list[int] | None = None, dtype: str = "auto", max_buffer_mb: int = 512,
                         batch_windows: int = 4, root: Path | None = None, progress: bool = True) -> ActivationCache:
-    """Collect (or find in the cache) the activations of ``lm`` on ``tokens``."""
+    """Collect (or find in the cache) the activations of ``lm`` on ``tokens``.
+
+    ``dtype="auto"`` stores float16 (more mantissa for ranking neurons) unless a value overflows it, then
+    bfloat16: Gemma-3's residual stream exceeds float16's range (65504) in its later layers.
+    """
+    if dtype == "auto":
+        kw = dict(components=components, layers=layers, max_buffer_mb=max_buffer_mb, batch_windows=batch_windows,
+                  root=root, progress=progress)
+        for d in ("float16", "bfloat16"):          # an existing cache of either kind is a hit
+            key = cache_key(lm.fingerprint, tokens.fingerprint, tokens.n_tokens, d, _ordered(components),
+                            _layers(lm, layers))
+            if ((root or home() / "activations") / key / "manifest.json").exists():
+                return capture_activations(lm, tokens, dtype=d, **kw)
+        try:
+            return capture_activations(lm, tokens, dtype="float16", **kw)
+        except OverflowError as e:
+            log.info("%s; storing bfloat16 instead", e)
+            return capture_activations(lm, tokens, dtype="bfloat16", **kw)
     bad = set(components) - set(COMPONENTS)
     if bad:
         raise ValueError(f"unknown components {sorted(bad)}; known: {COMPONENTS}")
     if dtype not in _STORE_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_STORE_DTYPES)}")
-    layers = list(range(lm.dims.n_layers)) if layers is None else sorted(set(layers))
-    if not layers or layers[0] < 0 or layers[-1] >= lm.dims.n_layers:
-        raise ValueError(f"layers must lie in 0..{lm.dims.n_layers - 1}")
-    components = tuple(c for c in COMPONENTS if c in components)
+    layers = _layers(lm, layers)
+    components = _ordered(components)
     key = cache_key(lm.fingerprint, tokens.fingerprint, tokens.n_tokens, dtype, components, layers)
     final = (root or home() / "activations") / key
     if final.exists():

@@ -121,3 +121,24 @@ def test_capture_on_other_families(family, tmp_path):
         torch.testing.assert_close(inter, act(gate))
     else:
         assert inter.shape == (48, 80)
+
+
+def test_auto_dtype_falls_back_to_bfloat16_when_float16_overflows(tmp_path):
+    from tests.workers.tiny_models import tiny_model
+    from workers.adapters import adapter_for
+    from workers.data import TokenSet
+    from workers.models import LoadedModel, fingerprint
+
+    m = tiny_model("llama")
+    with torch.no_grad():
+        m.model.embed_tokens.weight.mul_(1e6)          # residual stream far past float16's 65504
+    ad = adapter_for(m)
+    lm = LoadedModel(model=m, tokenizer=None, ref="big", adapter=ad, dims=ad.dims(m.config),
+                     fingerprint=fingerprint(m), source="config")
+    toks = TokenSet(torch.randint(0, 128, (2, 8)), "random", "calib", 16, 0, "fp-big")
+    with pytest.raises(OverflowError, match="non-finite"):
+        capture_activations(lm, toks, root=tmp_path, progress=False, dtype="float16")
+    c = capture_activations(lm, toks, root=tmp_path, progress=False)
+    assert c.manifest["dtype"] == "bfloat16" and not c.hit
+    assert torch.isfinite(c.load(0, "residual")).all()
+    assert capture_activations(lm, toks, root=tmp_path, progress=False).hit
