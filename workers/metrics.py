@@ -85,8 +85,8 @@ def head_quality(pred: HeadPredictor, cache, layer: int, target: float, max_toke
     T, H = norms.shape
     oracle = topk_mask(norms, k_for(target, H))
     with torch.no_grad():
-        scores = norms if pred.input_kind == "head_out" else pred.scores(_inputs(cache, layer, pred.input_kind,
-                                                                                 max_tokens))
+        scores = norms if pred.input_kind == "head_out" else \
+            pred.scores(predictor_inputs(cache, layer, pred.input_kind, max_tokens))
     predicted = topk_mask(scores, pred.k)
     hit = (predicted & oracle).sum().item()
     sp = 1 - predicted.sum().item() / (T * H)

@@ -35,3 +35,12 @@ def test_greedy_allocation_spends_the_same_budget(wb):
     s = list(r.per_layer_sparsity.values())
     assert abs(sum(s) / len(s) - 0.5) < 0.01 and max(s) > min(s)
     assert r.mlp_sparsity == pytest.approx(sum(s) / len(s), abs=0.01)
+
+
+def test_attention_heads_oracle_and_static(wb):
+    oracle = run_point(wb, "oracle", 0.0, attn_sparsity=0.5)
+    static = run_point(wb, "static", 0.0, attn_sparsity=0.5)
+    heads = [q for q in oracle.layers if q["component"] == "attn"]
+    assert len(heads) == 30 and all(q["recall"] > 0.99 for q in heads)
+    assert oracle.head_sparsity == pytest.approx(1 - 4 / 9) and oracle.mlp_sparsity == 0.0
+    assert wb.dense_ppl < oracle.ppl < static.ppl
