@@ -10,34 +10,31 @@ import torch
 from workers.predictors.base import FitContext, HeadPredictor, MLPPredictor, SparsityPlan, k_for, register
 
 
-class StaticMLP(MLPPredictor):
+class _FixedImportance:
+    """Scores every token with the same per-unit importance (a buffer); rebuilt from it in a bundle."""
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        return self.importance.expand(x.shape[0], -1)
+
+    @classmethod
+    def from_parts(cls, config, tensors, weights):
+        return cls(tensors["importance"], config["k"])
+
+
+class StaticMLP(_FixedImportance, MLPPredictor):
     method = "static"
 
     def __init__(self, importance: torch.Tensor, k: int):
         super().__init__("ffn_in", "topk", k, importance.numel())
         self.register_buffer("importance", importance.float().clone())
 
-    def scores(self, x: torch.Tensor) -> torch.Tensor:
-        return self.importance.expand(x.shape[0], -1)
 
-    @classmethod
-    def from_parts(cls, config, tensors, weights):
-        return cls(tensors["importance"], config["k"])
-
-
-class StaticHeads(HeadPredictor):
+class StaticHeads(_FixedImportance, HeadPredictor):
     method = "static"
 
     def __init__(self, importance: torch.Tensor, k: int):
         super().__init__("residual", k, importance.numel())   # the input only gives the token count
         self.register_buffer("importance", importance.float().clone())
-
-    def scores(self, x: torch.Tensor) -> torch.Tensor:
-        return self.importance.expand(x.shape[0], -1)
-
-    @classmethod
-    def from_parts(cls, config, tensors, weights):
-        return cls(tensors["importance"], config["k"])
 
 
 @register("static")
