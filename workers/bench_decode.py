@@ -1,0 +1,147 @@
+"""H200 decode benchmark (issue 8): our runtime dense / sparse vs Hugging Face ``generate``, 7B-class shapes.
+
+    python -m workers.bench_decode --out DIR [--shape llama2-7b] [--prompts 128,512,1024] [--gen 64] [--quick]
+
+Writes ``DIR/decode_<shape>.json`` (one row per measured point: the LatencyRow fields plus details, and the
+ideal speedup from bytes) after every point, and prints a table. Imports no Ray / DB (runs on the GPU image).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+
+import torch
+
+from workers.latency import bench_decode, decode_bytes, random_plan, runtime_for, shape_model
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), median of 20."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ts = []
+    for _ in range(25):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) / 1e3)
+    ts = sorted(ts[5:])
+    del a, b
+    return 2 * (1 << 30) / ts[len(ts) // 2]
+
+
+@torch.no_grad()
+def checks(model, rt) -> dict:
+    """Dense runtime logits vs HF; greedy at s=0 (plan keeps every neuron and head) == dense."""
+    ids = torch.randint(0, 32000, (1, 32), generator=torch.Generator().manual_seed(1)).cuda()
+    ref = model(ids).logits.float()
+    rt.set_plan(None)
+    rt.setup(1, 64)
+    lg = rt.prefill(ids[:, :24]).float()
+    err = [(lg - ref[:, 23]).norm().item() / ref[:, 23].norm().item()]
+    for t in range(24, 32):
+        rt.tok.copy_(ids[:, t])
+        lg = rt.step(keep_logits=True).float()
+        err.append((lg - ref[:, t]).norm().item() / ref[:, t].norm().item())
+    dense = rt.generate(ids[:, :24], 24)
+    rt.set_plan(random_plan(model, 0.0, 0.0), overlap=True)
+    s0 = rt.generate(ids[:, :24], 24)
+    rt.set_plan(None)
+    return dict(max_rel_logit_err=max(err), greedy_s0_equal_dense=bool((s0 == dense).all().item()))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="llama2-7b")
+    ap.add_argument("--prompts", default="128,512,1024")
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rank", type=int, default=256)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-hf", action="store_true")
+    a = ap.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"decode_{a.shape}.json")
+    meta = dict(shape=a.shape, gen_len=a.gen, repeats=a.repeats, rank=a.rank, torch=torch.__version__,
+                device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"))
+    meta["copy_bw"] = bw = copy_bandwidth()
+    rows = []
+
+    def dump():
+        with open(path, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+    t0 = time.time()
+    model = shape_model(a.shape)
+    rt = runtime_for(model, "cuda")
+    meta["build_s"] = time.time() - t0
+    try:
+        meta["checks"] = checks(model, rt)
+    except Exception:
+        meta["checks"] = {"error": traceback.format_exc()[-2000:]}
+    print("checks", meta["checks"], flush=True)
+    dump()
+    points = [("dense", None, None, True, "exact"),
+              ("mlp.5", 0.5, None, True, "exact"), ("mlp.7", 0.7, None, True, "exact"),
+              ("mlp.9", 0.9, None, True, "exact"), ("mlp.5+h.5", 0.5, 0.5, True, "exact"),
+              ("mlp.5+h.5 kv-active", 0.5, 0.5, True, "active"),
+              ("mlp.5 inline", 0.5, None, False, "exact"), ("mlp.9 inline", 0.9, None, False, "exact"),
+              ("mlp.5+h.5 inline", 0.5, 0.5, False, "exact")]
+    prompts = [int(p) for p in a.prompts.split(",")]
+    if a.quick:
+        points, prompts = points[:2], prompts[:1]
+    for P in prompts:
+        for name, ms, hs, ov, kv in points:
+            t1 = time.time()
+            try:
+                plan = random_plan(model, ms, hs, rank=a.rank) if (ms or hs) else None
+                row = bench_decode(rt, plan, device="cuda", batch=1, prompt_len=P, gen_len=a.gen,
+                                   repeats=a.repeats, overlap=ov, kv_mode=kv, detail=True)[0]
+                ctx = P + a.gen // 2
+                dense_b = decode_bytes(rt, 0, 0, 0, ctx)
+                sp_b = decode_bytes(rt, ms or 0, hs or 0, a.rank, ctx, kv_mode=kv)
+                row.update(point=name, mlp_sparsity=ms, head_sparsity_target=hs, bytes=sp_b,
+                           dense_bytes=dense_b["total"], ideal_speedup=dense_b["total"] / sp_b["total"],
+                           floor_ms=sp_b["total"] / bw * 1e3, floor_ms_4300=sp_b["total"] / 4.3e12 * 1e3,
+                           wall_s=time.time() - t1)   # floor: the bytes at the measured copy bandwidth
+            except Exception:
+                row = dict(point=name, prompt_len=P, error=traceback.format_exc()[-3000:])
+            rows.append(row)
+            dump()
+            print(P, name, {k: row.get(k) for k in ("p50_ms_per_token", "p90_ms_per_token", "ideal_speedup",
+                                                   "realized_sparsity", "error")}, flush=True)
+        if not a.no_hf:
+            t1 = time.time()
+            try:
+                row = bench_decode(model, None, device="cuda", batch=1, prompt_len=P, gen_len=min(a.gen, 32),
+                                   runtime="hf-generate", repeats=2, warmup=1, detail=True)[0]
+                row.update(point="hf-generate", wall_s=time.time() - t1)
+            except Exception:
+                row = dict(point="hf-generate", prompt_len=P, error=traceback.format_exc()[-3000:])
+            rows.append(row)
+            dump()
+            print(P, "hf", row.get("p50_ms_per_token"), row.get("error"), flush=True)
+    # table
+    print(f"\ncopy bw {bw / 1e9:.0f} GB/s  device {meta['device']}  checks {meta['checks']}")
+    dense = {r["prompt_len"]: r.get("p50_ms_per_token") for r in rows if r.get("point") == "dense"}
+    hf = {r["prompt_len"]: r.get("p50_ms_per_token") for r in rows if r.get("point") == "hf-generate"}
+    print(f"{'P':>5} {'point':<22} {'p50':>7} {'p90':>7} {'floor':>6} {'speedup':>7} {'ideal':>6} {'frac':>5} {'vsHF':>5}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['prompt_len']:>5} {r['point']:<22} ERROR")
+            continue
+        P, p50 = r["prompt_len"], r["p50_ms_per_token"]
+        sp = dense.get(P, float("nan")) / p50 if dense.get(P) else float("nan")
+        ideal = r.get("ideal_speedup", float("nan"))
+        print(f"{P:>5} {r['point']:<22} {p50:7.3f} {r['p90_ms_per_token']:7.3f} {r.get('floor_ms', float('nan')):6.3f} "
+              f"{sp:7.2f} {ideal:6.2f} {sp / ideal:5.2f} {hf.get(P, float('nan')) / p50:5.1f}")
+
+
+if __name__ == "__main__":
+    main()
