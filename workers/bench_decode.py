@@ -65,6 +65,7 @@ def main(argv=None):
     ap.add_argument("--rank", type=int, default=256)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--diag", action="store_true", help="only the dense variants and the selection costs")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, f"decode_{a.shape}.json")
@@ -87,6 +88,9 @@ def main(argv=None):
         meta["checks"] = {"error": traceback.format_exc()[-2000:]}
     print("checks", meta["checks"], flush=True)
     dump()
+    if a.diag:
+        diag(model, rt, meta, rows, dump, a)
+        return
     points = [("dense", None, None, True, "exact"),
               ("mlp.5", 0.5, None, True, "exact"), ("mlp.7", 0.7, None, True, "exact"),
               ("mlp.9", 0.9, None, True, "exact"), ("mlp.5+h.5", 0.5, 0.5, True, "exact"),
@@ -141,6 +145,54 @@ def main(argv=None):
         ideal = r.get("ideal_speedup", float("nan"))
         print(f"{P:>5} {r['point']:<22} {p50:7.3f} {r['p90_ms_per_token']:7.3f} {r.get('floor_ms', float('nan')):6.3f} "
               f"{sp:7.2f} {ideal:6.2f} {sp / ideal:5.2f} {hf.get(P, float('nan')) / p50:5.1f}")
+
+
+def _time(fn, n=200):
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        for _ in range(10):
+            fn()
+    ts = []
+    for _ in range(n // 10):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) * 100)   # us per call
+    return sorted(ts)[len(ts) // 2]
+
+
+@torch.no_grad()
+def diag(model, rt, meta, rows, dump, a):
+    """Where the dense step's time goes: dense FFN through cuBLAS vs the fused kernel, glue compiled or not;
+    and what one layer's predictor (GEMVs + top-k) costs alone."""
+    for name, ffn, comp in (("dense kernel-ffn compiled", "auto", True), ("dense cublas-ffn compiled", "torch", True),
+                            ("dense kernel-ffn eager-glue", "auto", False)):
+        rt.ffn_dense, rt.compile, rt._fns = ffn, comp, None
+        row = bench_decode(rt, None, device="cuda", batch=1, prompt_len=128, gen_len=a.gen, repeats=a.repeats,
+                           detail=True)[0]
+        row.update(point=name)
+        rows.append(row)
+        dump()
+        print(name, row["p50_ms_per_token"], flush=True)
+    rt.ffn_dense, rt.compile, rt._fns = "auto", True, None
+    plan = random_plan(model, 0.5, 0.5, rank=a.rank)
+    rt.set_plan(plan)
+    x = torch.randn(1, rt.dims.d, device="cuda", dtype=rt.dtype)
+    mp, hp = rt.mlp_pred[0], rt.head_pred[0]
+    sc = mp.scores(x)
+    us = dict(mlp_scores=_time(lambda: mp.scores(x)), mlp_topk=_time(lambda: torch.topk(sc[0], mp.k, sorted=False)),
+              mlp_select=_time(lambda: rt._select(mp, x, rt.dims.D)),
+              head_select=_time(lambda: rt._select(hp, x, rt.dims.n_heads)))
+    meta["selection_us_per_layer"] = us
+    dump()
+    print("selection us/layer", us, flush=True)
 
 
 if __name__ == "__main__":
