@@ -36,7 +36,6 @@ attention. ``overlap=False`` runs them in line, which is what look-ahead is meas
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 import torch.nn.functional as F
