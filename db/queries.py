@@ -401,6 +401,16 @@ def get_unit(session: Session, unit_id: str) -> UnitInfo | None:
     return None if unit is None else UnitInfo.model_validate(unit)
 
 
+def unit_statuses(session: Session, unit_ids: Sequence[str]) -> dict[str, str]:
+    """``{unit id: status}`` for the known ones among ``unit_ids``."""
+    ids = list(unit_ids)
+    out: dict[str, str] = {}
+    for i in range(0, len(ids), 1000):  # chunks: SQLite caps bound parameters
+        stmt = select(WorkUnit.id, WorkUnit.status).where(WorkUnit.id.in_(ids[i : i + 1000]))
+        out.update({k: v for k, v in session.execute(stmt)})
+    return out
+
+
 def pending_units(
     session: Session, sweep_id: int, *, include_failed: bool = False, max_attempts: int | None = None
 ) -> list[UnitInfo]:

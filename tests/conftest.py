@@ -16,3 +16,15 @@ def smollm2():
     from workers.models import load_model
 
     return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray cluster for the session: 2 CPUs, and one custom ``NPU`` unit so the Ascend placement path
+    (Ray sets ASCEND_RT_VISIBLE_DEVICES for it) is exercised on a CPU box. Loopback only, no dashboard."""
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, resources={"NPU": 1}, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    yield ray
+    ray.shutdown()

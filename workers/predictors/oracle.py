@@ -52,6 +52,10 @@ class OracleHeads(HeadPredictor):
     def config(self) -> dict:
         return {**super().config(), "head_dim": self.head_dim}
 
+    @classmethod
+    def from_parts(cls, config, tensors, weights):
+        return cls(config["k"], config["n_heads"], config["head_dim"])
+
 
 @register("oracle")
 def fit_oracle(ctx: FitContext, sparsity: dict[int, float], rank=None, attn_sparsity: float | None = None,

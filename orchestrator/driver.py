@@ -1,0 +1,331 @@
+"""The Ray job entrypoint of a sweep: ``python -m orchestrator.driver SPEC`` (what ``ray job submit`` runs).
+
+1. Validate the spec; open the store (``--db`` / ``$CTXSPARSE_DB_URL`` / SQLite) and migrate it.
+2. Ask a collector actor for each model's and data's fingerprints; plan the units (``orchestrator.plan``)
+   and register them under the sweep (idempotent: units finished by any earlier sweep stay finished).
+3. Run what is not done, in dependency order, on actor pools (``workers.actors``), at most one unit in flight
+   per actor (backpressure through ``ray.wait``). Actors write each unit's rows the moment it finishes. A dead
+   actor is replaced and its unit retried (up to ``resources.max_attempts``); a unit that raises is recorded as
+   failed with its traceback, and what depends on it is marked failed too (a resume retries them).
+4. Units for a device type the cluster does not have (no ``GPU`` / ``NPU`` resource) stay pending, and the log
+   says so: no latency is ever invented.
+5. Print the Pareto front per model and device type.
+
+Exit status: 0 when every placeable unit is done, 1 when some failed, 2 on a bad spec or store.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+from db import queries
+from db.engine import get_engine, session_scope, upgrade
+from db.schemas import UnitSpec
+from orchestrator.plan import PlannedUnit, plan_units
+from orchestrator.spec import SpecError, SweepSpec, load_spec
+
+log = logging.getLogger("ctxsparse.driver")
+
+ROLE_OF_KIND = {"collect": "collectors", "fit": "fitters", "eval": "evaluators", "latency": "benchers"}
+
+
+@dataclass
+class SweepOutcome:
+    sweep_id: int
+    total: int
+    done: int
+    failed: list[str] = field(default_factory=list)
+    unplaceable: list[str] = field(default_factory=list)
+    ran: int = 0                  # units computed by this run (the rest were done already)
+    worker_deaths: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+def _ray():
+    import ray
+
+    if not ray.is_initialized():
+        # inside `ray job submit` RAY_ADDRESS points at the cluster; on its own this starts a local one
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=True)
+    return ray
+
+
+def cluster_device_types(ray) -> set[str]:
+    res = ray.cluster_resources()
+    have = {"cpu"}
+    if res.get("GPU", 0) > 0:
+        have.add("cuda")
+    if res.get("NPU", 0) > 0:
+        have.add("npu")
+    return have
+
+
+class _Pools:
+    """Actor pools keyed by (role, device type), created on demand; dead actors are replaced."""
+
+    def __init__(self, ray, spec: SweepSpec, db_url: str | None):
+        from workers.actors import ROLE_CLASSES, actor_options
+
+        self.ray, self.spec, self.db_url = ray, spec, db_url
+        self._classes, self._options = ROLE_CLASSES, actor_options
+        self.actors: dict[tuple[str, str], list] = defaultdict(list)
+        self.idle: dict[tuple[str, str], deque] = defaultdict(deque)
+
+    def _size(self, kind: str) -> int:
+        return getattr(self.spec.resources, ROLE_OF_KIND[kind])
+
+    def _new(self, kind: str, device: str):
+        r = self.spec.resources
+        opts = self._options(device, cpus=r.cpus_per_actor, gpus=r.gpus_per_actor, npus=r.npus_per_actor,
+                             max_restarts=r.max_restarts)
+        home = os.environ.get("CTXSPARSE_HOME")
+        return self._classes[kind].options(**opts).remote(self.db_url, device, r.torch_threads, home)
+
+    def take(self, kind: str, device: str):
+        key = (kind, device)
+        if self.idle[key]:
+            return self.idle[key].popleft()
+        if len(self.actors[key]) < self._size(kind):
+            if not self._room_for(device):
+                self._retire_idle(but=key)    # an idle actor of another role must not block this one
+            a = self._new(kind, device)
+            self.actors[key].append(a)
+            return a
+        return None
+
+    def _room_for(self, device: str) -> bool:
+        r, free = self.spec.resources, self.ray.available_resources()
+        need = {"CPU": r.cpus_per_actor, **({"GPU": r.gpus_per_actor} if device == "cuda" else {}),
+                **({"NPU": r.npus_per_actor} if device == "npu" else {})}
+        return all(free.get(k, 0.0) >= v for k, v in need.items())
+
+    def _retire_idle(self, but: tuple[str, str]) -> None:
+        for key, q in self.idle.items():
+            if key != but and q:
+                self.replace(*key, q.popleft())
+                return
+
+    def give_back(self, kind: str, device: str, actor) -> None:
+        self.idle[(kind, device)].append(actor)
+
+    def replace(self, kind: str, device: str, dead) -> None:
+        key = (kind, device)
+        try:
+            self.ray.kill(dead, no_restart=True)
+        except Exception:  # already gone
+            pass
+        self.actors[key] = [a for a in self.actors[key] if a is not dead]
+
+    def describe(self, ref: str, spec: SweepSpec) -> dict:
+        a = self.take("collect", spec.resources.accelerator)
+        try:
+            ppl = spec.suites.perplexity.model_dump() if spec.suites.perplexity else None
+            return self.ray.get(a.describe.remote(ref, spec.data.model_dump(), ppl))
+        finally:
+            self.give_back("collect", spec.resources.accelerator, a)
+
+    def shutdown(self) -> None:
+        for actors in self.actors.values():
+            for a in actors:
+                try:
+                    self.ray.kill(a, no_restart=True)
+                except Exception:
+                    pass
+
+
+def _fmt_eta(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def register(engine, spec: SweepSpec, described: dict[str, dict], units: list[PlannedUnit],
+             submission_id: str | None) -> int:
+    with session_scope(engine) as s:
+        sweep_id, created = queries.get_or_create_sweep(s, name=spec.name, spec_hash=spec.spec_hash(),
+                                                        spec=spec.canonical(), submission_id=submission_id)
+        model_ids, dataset_ids = {}, {}
+        for ref in spec.models:
+            d = described[ref]
+            model_ids[ref] = queries.upsert_model(s, name=ref, fingerprint=d["fingerprint"], family=d["family"],
+                                                  config={"dims": d["dims"]}, n_params=d["n_params"])
+            dataset_ids[ref] = queries.upsert_dataset(s, name=f"{spec.data.source}-calib", fingerprint=d["calib_fp"],
+                                                      source=spec.data.source, n_tokens=d["calib_n_tokens"],
+                                                      split="calib")
+        specs = [UnitSpec(model_id=model_ids[u.model], dataset_id=dataset_ids[u.model], **u.columns())
+                 for u in units]
+        queries.register_units(s, sweep_id, specs)
+        queries.set_sweep_status(s, sweep_id, "running")
+    log.info("sweep %s (id %d, %s): %d units registered", spec.name, sweep_id,
+             "new" if created else "known: resuming", len(units))
+    return sweep_id
+
+
+def run_sweep(spec: SweepSpec, db_url: str | None = None, submission_id: str | None = None,
+              heartbeat_s: float = 60.0) -> SweepOutcome:
+    engine = get_engine(db_url)
+    upgrade(engine)
+    ray = _ray()
+    pools = _Pools(ray, spec, db_url if db_url is not None else str(engine.url.render_as_string(hide_password=False)))
+    try:
+        described = {ref: pools.describe(ref, spec) for ref in spec.models}
+        for ref, d in described.items():
+            log.info("model %s: %s, fingerprint %s; calibration data %s (%d tokens)", ref, d["family"],
+                     d["fingerprint"][:12], d["calib_fp"][:12], d["calib_n_tokens"])
+        units = plan_units(spec, described)
+        sweep_id = register(engine, spec, described, units, submission_id)
+        return _execute(ray, engine, pools, spec, sweep_id, units, heartbeat_s)
+    finally:
+        pools.shutdown()
+
+
+def _execute(ray, engine, pools: _Pools, spec: SweepSpec, sweep_id: int, units: list[PlannedUnit],
+             heartbeat_s: float) -> SweepOutcome:
+    from ray.exceptions import RayActorError
+
+    by_id = {u.id: u for u in units}
+    with session_scope(engine) as s:
+        status = queries.unit_statuses(s, list(by_id))
+    done = {k for k, v in status.items() if v == "done"}
+    have = cluster_device_types(ray)
+    unplaceable = [u.id for u in units if u.device_type not in have and u.id not in done]
+    for dev in sorted({by_id[k].device_type for k in unplaceable}):
+        n = sum(by_id[k].device_type == dev for k in unplaceable)
+        log.warning("no %s resources in this cluster (%s): %d %s units stay pending; no %s rows are written",
+                    dev, "GPU" if dev == "cuda" else "NPU", n, dev, dev)
+    todo = [u for u in units if u.id not in done and u.id not in set(unplaceable)]
+    out = SweepOutcome(sweep_id, total=len(units), done=len(done), unplaceable=unplaceable)
+    log.info("%d of %d units already done; %d to run", len(done), len(units), len(todo))
+
+    attempts: dict[str, int] = defaultdict(int)
+    failed: set[str] = set()
+    waiting = {u.id: u for u in todo}
+    ready: dict[tuple[str, str], deque] = defaultdict(deque)
+    inflight: dict = {}          # ObjectRef -> (unit, actor)
+    t_start, n_ran = time.time(), 0
+
+    def release_ready():
+        for uid in list(waiting):
+            u = waiting[uid]
+            if any(d in failed for d in u.deps):
+                waiting.pop(uid)
+                _fail(engine, u, f"not run: a unit it depends on failed ({[d for d in u.deps if d in failed]})")
+                failed.add(uid)
+            elif all(d in done for d in u.deps):
+                ready[(u.kind, u.device_type)].append(waiting.pop(uid))
+
+    def dispatch():
+        for key, q in ready.items():
+            while q:
+                actor = pools.take(*key)
+                if actor is None:
+                    break
+                u = q.popleft()
+                ref = actor.run.remote({"id": u.id, "kind": u.kind, "config": u.config})
+                inflight[ref] = (u, actor)
+
+    release_ready()
+    last_beat = time.time()
+    while True:
+        dispatch()
+        if not inflight:
+            break
+        finished, _ = ray.wait(list(inflight), num_returns=1, timeout=heartbeat_s)
+        if not finished:
+            if time.time() - last_beat >= heartbeat_s:
+                running = ", ".join(u.label for u, _ in inflight.values())
+                log.info("[%d/%d] running: %s", len(done), len(units), running)
+                last_beat = time.time()
+            continue
+        ref = finished[0]
+        u, actor = inflight.pop(ref)
+        try:
+            res = ray.get(ref)
+        except RayActorError as e:
+            out.worker_deaths += 1
+            attempts[u.id] += 1
+            pools.replace(u.kind, u.device_type, actor)
+            msg = f"worker died while running the unit (attempt {attempts[u.id]}): {type(e).__name__}"
+            if attempts[u.id] < spec.resources.max_attempts:
+                log.warning("%s: %s; retrying on a new worker", u.label, msg)
+                ready[(u.kind, u.device_type)].appendleft(u)
+            else:
+                log.error("%s: %s; giving up after %d attempts", u.label, msg, attempts[u.id])
+                _fail(engine, u, msg)
+                failed.add(u.id)
+                release_ready()
+            continue
+        pools.give_back(u.kind, u.device_type, actor)
+        if res["status"] == "done":
+            done.add(u.id)
+            if not res.get("skipped"):
+                n_ran += 1
+            elapsed = time.time() - t_start
+            left = len(waiting) + sum(len(q) for q in ready.values()) + len(inflight)
+            eta = elapsed / max(n_ran, 1) * left    # wall time per unit already reflects parallelism
+            log.info("[%d/%d] %s: %s (%.1fs, %s) ETA %s", len(done), len(units), u.label,
+                     res.get("summary") or ("already done" if res.get("skipped") else ""),
+                     res.get("duration_s") or 0.0, res["worker"], _fmt_eta(eta))
+        else:
+            failed.add(u.id)
+            log.error("[%d/%d] %s FAILED on %s: %s", len(done), len(units), u.label, res["worker"], res["error"])
+        release_ready()
+
+    out.done, out.failed, out.ran = len(done), sorted(failed), n_ran
+    with session_scope(engine) as s:
+        if failed:
+            final = "failed"
+        elif unplaceable:
+            final = "running"   # resumable on a cluster that has the missing devices
+        else:
+            final = "done"
+        queries.set_sweep_status(s, sweep_id, final)
+        prog = queries.sweep_progress(s, sweep_id)
+    log.info("sweep %s: %d/%d units done, %d failed, %d waiting for devices this cluster lacks; %d computed "
+             "now in %s; %d worker deaths", spec.name, prog.done, prog.total, prog.failed, len(unplaceable),
+             n_ran, _fmt_eta(time.time() - t_start), out.worker_deaths)
+    return out
+
+
+def _fail(engine, u: PlannedUnit, msg: str) -> None:
+    with session_scope(engine) as s:
+        queries.fail_unit(s, u.id, msg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m orchestrator.driver", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("spec", help="sweep spec (YAML)")
+    ap.add_argument("--db", default=None, help="SQLAlchemy URL (default: $CTXSPARSE_DB_URL, else SQLite)")
+    ap.add_argument("--submission-id", default=os.environ.get("CTXSPARSE_SUBMISSION_ID"))
+    ap.add_argument("--no-pareto", action="store_true", help="do not print the Pareto fronts at the end")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    try:
+        spec = load_spec(args.spec)
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        outcome = run_sweep(spec, args.db, args.submission_id)
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    if not args.no_pareto:
+        from orchestrator.pareto import print_fronts
+
+        print_fronts(get_engine(args.db, read_only=False), spec.models)
+    return 0 if outcome.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

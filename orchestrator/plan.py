@@ -1,0 +1,123 @@
+"""From a validated spec and the models' fingerprints to the sweep's units and their dependencies.
+
+    collect (model, data) ─▶ fit (method, s, r, attention s, allocation, options) ─┬▶ eval (perplexity | task)
+                                                                                  └▶ latency (device, batch, prompt)
+
+A ``dense`` fit (an empty plan) is always planned: the baseline every setting is compared with, evaluated and
+timed like the others; Hugging Face ``generate`` is timed on it too. A unit's id is the hash of its kind, its
+canonical config (model and data fingerprints included) and ``CODE_VERSION``: the same work always gets the
+same id, whichever sweep asks for it, so finished units are reused and never run twice.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from orchestrator.spec import SweepSpec
+
+CODE_VERSION = "sweep-1"      # bump when a unit's computation changes meaning (old rows then stop matching)
+DENSE = "dense"
+
+
+@dataclass(frozen=True)
+class PlannedUnit:
+    id: str
+    kind: str                  # collect | fit | eval | latency
+    model: str
+    device_type: str
+    config: dict
+    deps: tuple[str, ...] = ()
+    method: str | None = None
+    sparsity: float | None = None
+    rank: int | None = None
+    attn_sparsity: float | None = None
+    label: str = field(default="", compare=False)
+
+    def columns(self) -> dict:
+        """The db.schemas.UnitSpec fields (model/dataset ids added by the driver)."""
+        return {"id": self.id, "kind": self.kind, "method": self.method, "sparsity": self.sparsity,
+                "rank": self.rank, "attn_sparsity": self.attn_sparsity, "device_type": self.device_type,
+                "config": self.config, "code_version": CODE_VERSION}
+
+
+def unit_id(kind: str, config: dict) -> str:
+    blob = json.dumps({"kind": kind, "config": config, "code_version": CODE_VERSION}, sort_keys=True,
+                      separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:40]
+
+
+def _unit(kind: str, model: str, device: str, config: dict, deps=(), label="", **coords) -> PlannedUnit:
+    return PlannedUnit(unit_id(kind, config), kind, model, device, config, tuple(deps), label=label, **coords)
+
+
+def settings(spec: SweepSpec) -> list[dict]:
+    """Every (method, s, r, attention s, allocation, options) of the grid, dense first."""
+    out = [{"method": DENSE, "sparsity": 0.0, "rank": None, "attn_sparsity": None, "allocation": "uniform",
+            "options": {}}]
+    for m in spec.methods:
+        for s in m.sparsity:
+            for r in m.rank:
+                for a in m.attn_sparsity:
+                    out.append({"method": m.name, "sparsity": s, "rank": r, "attn_sparsity": a,
+                                "allocation": m.allocation, "options": dict(m.options)})
+    return out
+
+
+def plan_units(spec: SweepSpec, described: dict[str, dict]) -> list[PlannedUnit]:
+    """All units of the sweep, in dependency order. ``described[model]`` comes from Units.describe."""
+    acc = spec.resources.accelerator
+    data = spec.data.model_dump()
+    units: list[PlannedUnit] = []
+    for ref in spec.models:
+        d = described[ref]
+        base = {"model": ref, "model_fp": d["fingerprint"], "data": data, "calib_fp": d["calib_fp"]}
+        collect = _unit("collect", ref, acc, base, label=f"{ref} collect")
+        units.append(collect)
+        for st in settings(spec):
+            tag = _tag(st)
+            fit = _unit("fit", ref, acc, {**base, **st, "seed": spec.seed}, [collect.id], f"{ref} {tag} fit",
+                        method=st["method"], sparsity=st["sparsity"], rank=st["rank"],
+                        attn_sparsity=st["attn_sparsity"])
+            units.append(fit)
+            coords = dict(method=st["method"], sparsity=st["sparsity"], rank=st["rank"],
+                          attn_sparsity=st["attn_sparsity"])
+            ev = {**base, "fit_unit": fit.id}
+            if spec.suites.perplexity is not None:
+                p = spec.suites.perplexity.model_dump()
+                units.append(_unit("eval", ref, acc, {**ev, "suite": "perplexity", "perplexity": p,
+                                                      "heldout_fp": d["heldout_fp"]},
+                                   [fit.id], f"{ref} {tag} perplexity", **coords))
+            for t in spec.suites.tasks:
+                units.append(_unit("eval", ref, acc, {**ev, "suite": t.name, "limit": t.limit}, [fit.id],
+                                   f"{ref} {tag} {t.name}", **coords))
+            if spec.latency is None:
+                continue
+            lat = spec.latency
+            runtimes = ["ctxsparse"] + (["hf-generate"] if st["method"] == DENSE and lat.hf_generate_baseline
+                                        else [])
+            for dev in lat.devices:
+                for b in lat.batch:
+                    for pl in lat.prompt_len:
+                        for rt in runtimes:
+                            cfg = {"model": ref, "model_fp": d["fingerprint"], "fit_unit": fit.id,
+                                   "device_type": dev, "batch": b, "prompt_len": pl, "gen_len": lat.gen_len,
+                                   "repeats": lat.repeats, "runtime": rt}
+                            units.append(_unit("latency", ref, dev, cfg, [fit.id],
+                                               f"{ref} {tag} latency {dev} b{b} p{pl} {rt}", **coords))
+    return units
+
+
+def _tag(st: dict) -> str:
+    if st["method"] == DENSE:
+        return "dense"
+    parts = [st["method"], f"s={st['sparsity']:g}"]
+    if st["rank"] is not None:
+        parts.append(f"r={st['rank']}")
+    if st["attn_sparsity"] is not None:
+        parts.append(f"heads={st['attn_sparsity']:g}")
+    if st["allocation"] != "uniform":
+        parts.append(st["allocation"])
+    if st["options"]:
+        parts.append(json.dumps(st["options"], sort_keys=True, separators=(",", ":")))
+    return " ".join(parts)

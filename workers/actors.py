@@ -1,0 +1,148 @@
+"""The Ray actors of a sweep: ActivationCollector, PredictorFitter, Evaluator, LatencyBencher.
+
+Each actor runs units (``run(task)``) through ``workers.units.Units`` and writes the unit's rows itself, in one
+transaction (``db.queries.finish_unit``), the moment the unit is done; a failure is recorded with its
+traceback (``fail_unit``) and reported back, never half-written. Resources are declared on the classes
+(one CPU each); the driver adds ``num_gpus`` for NVIDIA nodes or the custom resource ``NPU`` for Ascend
+nodes (Ray then sets ``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES``) with ``actor_options``.
+Construction is cheap (a restarted actor is back at once); models load on first use and stay loaded.
+``torch_npu`` is imported only inside an actor placed on an NPU.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from typing import Any, Literal
+
+import ray
+from pydantic import BaseModel, ConfigDict, Field
+
+from db import queries
+from db.engine import get_engine, session_scope
+from db.provenance import stamp
+from db.schemas import AccuracyRow, ArtifactRow, LatencyRow, LayerRow
+
+DeviceType = Literal["cpu", "cuda", "npu"]
+
+
+class UnitTask(BaseModel):
+    """The payload of one unit (what crosses from the driver to an actor)."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    id: str = Field(pattern=r"^[0-9a-f]{16,64}$")
+    kind: Literal["collect", "fit", "eval", "latency"]
+    config: dict[str, Any]
+
+
+def actor_options(device_type: DeviceType, *, cpus: float = 1.0, gpus: float = 1.0, npus: float = 1.0,
+                  max_restarts: int = 4) -> dict:
+    """Ray ``.options(...)`` placing an actor on a node of ``device_type``."""
+    opts: dict[str, Any] = {"num_cpus": cpus, "max_restarts": max_restarts, "max_task_retries": 0}
+    if device_type == "cuda":
+        opts["num_gpus"] = gpus
+    elif device_type == "npu":
+        opts["resources"] = {"NPU": npus}
+    elif device_type != "cpu":
+        raise ValueError(f"device type must be cpu, cuda or npu, not {device_type!r}")
+    return opts
+
+
+def _torch_device(device_type: DeviceType) -> str:
+    import torch
+
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"actor placed for cuda but sees no GPU (CUDA_VISIBLE_DEVICES="
+                               f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        return "cuda"
+    if device_type == "npu":
+        try:
+            import torch_npu  # noqa: F401  (Ascend plugin; only ever imported here, on an NPU node)
+        except ImportError as e:
+            raise RuntimeError(f"actor placed on an NPU node but torch_npu is not importable ({e})") from None
+        return "npu"
+    return "cpu"
+
+
+class _UnitActor:
+    role = "worker"
+
+    def __init__(self, db_url: str | None, device_type: DeviceType = "cpu", torch_threads: int | None = None,
+                 home: str | None = None):
+        self.db_url, self.device_type, self.torch_threads = db_url, device_type, torch_threads
+        if home:
+            os.environ["CTXSPARSE_HOME"] = home
+        self.name = f"{self.role}@{socket.gethostname()}:{os.getpid()}"
+        self._units = None
+        self._engine = None
+
+    def _setup(self):
+        if self._units is None:
+            import torch
+
+            from workers.units import Units
+
+            if self.torch_threads:
+                torch.set_num_threads(self.torch_threads)
+            st = stamp()
+            self._units = Units(_torch_device(self.device_type), st["package_versions"], st["git_rev"])
+            self._engine = get_engine(self.db_url)
+        return self._units
+
+    def info(self) -> dict:
+        """Where this actor runs and what it sees (placement checks, logs)."""
+        keys = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "CTXSPARSE_HOME")
+        return {"name": self.name, "role": self.role, "device_type": self.device_type,
+                "node_id": ray.get_runtime_context().get_node_id(),
+                "env": {k: os.environ.get(k) for k in keys}, "pid": os.getpid()}
+
+    def describe(self, ref: str, data: dict, ppl: dict | None) -> dict:
+        return self._setup().describe(ref, data, ppl)
+
+    def run(self, task: dict) -> dict:
+        t = UnitTask.model_validate(task)
+        units = self._setup()
+        st = stamp()
+        with session_scope(self._engine) as s:
+            if not queries.mark_running(s, t.id, self.name, **st):
+                return {"id": t.id, "status": "done", "skipped": True, "worker": self.name}
+        t0 = time.time()
+        try:
+            out = units.run(t.kind, t.id, t.config)
+            acc = [AccuracyRow(**r, **st) for r in out.accuracy]
+            lat = [LatencyRow(**r, **st) for r in out.latency]
+            lay = [LayerRow(**r) for r in out.layers]
+            art = [ArtifactRow(**r) for r in out.artifacts]
+            with session_scope(self._engine) as s:
+                queries.finish_unit(s, t.id, acc, lat, lay, art, duration_s=time.time() - t0)
+        except Exception as e:  # recorded on the unit; the driver decides what follows
+            with session_scope(self._engine) as s:
+                queries.fail_unit(s, t.id, f"{self.name}: {traceback.format_exc()}")
+            return {"id": t.id, "status": "failed", "error": f"{type(e).__name__}: {e}", "worker": self.name}
+        return {"id": t.id, "status": "done", "summary": out.summary, "duration_s": round(time.time() - t0, 1),
+                "worker": self.name}
+
+
+@ray.remote(num_cpus=1, max_restarts=4, max_task_retries=0)
+class ActivationCollector(_UnitActor):
+    role = "collector"
+
+
+@ray.remote(num_cpus=1, max_restarts=4, max_task_retries=0)
+class PredictorFitter(_UnitActor):
+    role = "fitter"
+
+
+@ray.remote(num_cpus=1, max_restarts=4, max_task_retries=0)
+class Evaluator(_UnitActor):
+    role = "evaluator"
+
+
+@ray.remote(num_cpus=1, max_restarts=4, max_task_retries=0)
+class LatencyBencher(_UnitActor):
+    role = "bencher"
+
+
+ROLE_CLASSES = {"collect": ActivationCollector, "fit": PredictorFitter, "eval": Evaluator,
+                "latency": LatencyBencher}

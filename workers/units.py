@@ -1,0 +1,216 @@
+"""What one sweep unit computes, without Ray or a database: config in, plain rows out.
+
+A unit's ``config`` (built by the orchestrator, hashed into its id) says everything it needs:
+
+  collect   model, data                 -> the calibration and held-out activation caches
+  fit       + method, sparsity, rank, attn_sparsity, allocation, options, seed
+                                        -> a predictor bundle (``bundle_dir(unit id)``), per-layer quality rows
+  eval      + fit_unit, suite (perplexity or a task), its size
+                                        -> accuracy rows (perplexity, realized sparsity, or task accuracy)
+  latency   + fit_unit, device_type, batch, prompt_len, gen_len, repeats, runtime
+                                        -> latency rows from a real decode loop
+
+Fitted methods reach the evaluators only through the bundle on disk (``$CTXSPARSE_HOME/bundles``), and
+activations only through the activation cache: nothing large travels through Ray's object store.
+``Units`` keeps loaded models between units (one process serves many units of the same model).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from workers.paths import home, sha256_file
+
+log = logging.getLogger(__name__)
+
+DENSE = "dense"       # the method name of the always-present dense setting (an empty plan)
+
+
+def bundle_dir(fit_unit: str) -> Path:
+    return home() / "bundles" / fit_unit
+
+
+@dataclass
+class UnitOutput:
+    accuracy: list[dict] = field(default_factory=list)
+    latency: list[dict] = field(default_factory=list)
+    layers: list[dict] = field(default_factory=list)
+    artifacts: list[dict] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)      # a few figures for the driver's progress log
+
+
+class Units:
+    """Computes units; caches loaded models (by ref and device) across calls."""
+
+    def __init__(self, device: str = "cpu", versions: dict[str, str] | None = None, git_rev: str | None = None):
+        self.device = device
+        self.versions, self.git_rev = dict(versions or {}), git_rev   # stamped into bundles
+        self._lms: dict[str, object] = {}
+
+    # ------------------------------------------------------------------ shared state
+    def lm(self, ref: str, expect_fp: str | None = None):
+        from workers.models import load_model
+
+        if ref not in self._lms:
+            self._lms[ref] = load_model(ref, device=self.device)
+        lm = self._lms[ref]
+        if expect_fp is not None and lm.fingerprint != expect_fp:
+            raise RuntimeError(f"model {ref} now has fingerprint {lm.fingerprint[:12]}, the sweep planned "
+                               f"{expect_fp[:12]}: its weights changed; submit the sweep again")
+        return lm
+
+    def describe(self, ref: str, data: dict, ppl: dict | None) -> dict:
+        """Model and data fingerprints (what unit ids are made of)."""
+        from workers.data import token_windows
+
+        lm = self.lm(ref)
+        calib = token_windows(lm.tokenizer, data["source"], "calib", data["calib_tokens"], data["seq_len"])
+        out = {"fingerprint": lm.fingerprint, "family": lm.family, "ref": lm.ref,
+               "n_params": sum(p.numel() for p in lm.model.parameters()),
+               "dims": {k: v for k, v in vars(lm.dims).items() if isinstance(v, int)},
+               "calib_fp": calib.fingerprint, "calib_n_tokens": calib.n_tokens, "heldout_fp": None}
+        if ppl is not None:
+            held = token_windows(lm.tokenizer, data["source"], "heldout", ppl["tokens"], ppl["seq_len"])
+            out.update(heldout_fp=held.fingerprint, heldout_n_tokens=held.n_tokens)
+        return out
+
+    def _caches(self, cfg: dict):
+        from workers.capture import capture_activations
+        from workers.data import token_windows
+
+        lm = self.lm(cfg["model"], cfg["model_fp"])
+        d = cfg["data"]
+        calib = capture_activations(lm, token_windows(lm.tokenizer, d["source"], "calib", d["calib_tokens"],
+                                                      d["seq_len"]), progress=False)
+        held = capture_activations(lm, token_windows(lm.tokenizer, d["source"], "heldout", d["metric_tokens"],
+                                                     d["seq_len"]), progress=False)
+        return lm, calib, held
+
+    # ------------------------------------------------------------------ kinds
+    def run(self, kind: str, unit_id: str, cfg: dict) -> UnitOutput:
+        fn = {"collect": self.collect, "fit": self.fit, "eval": self.evaluate, "latency": self.latency}.get(kind)
+        if fn is None:
+            raise ValueError(f"unknown unit kind {kind!r}")
+        return fn(unit_id, cfg)
+
+    def collect(self, unit_id: str, cfg: dict) -> UnitOutput:
+        _, calib, held = self._caches(cfg)
+        out = UnitOutput(summary={"calib_tokens": calib.n_tokens, "cache_hit": calib.hit})
+        for name, c in (("calib", calib), ("heldout", held)):
+            out.artifacts.append({"kind": f"activations_{name}", "uri": str(c.path), "size_bytes": c.size_bytes()})
+        return out
+
+    def fit(self, unit_id: str, cfg: dict) -> UnitOutput:
+        from workers.allocation import allocate, damage_curves
+        from workers.bundle import save_bundle
+        from workers.data import token_windows
+        from workers.metrics import plan_quality
+        from workers.predictors import FitContext, SparsityPlan, fit_method
+
+        lm, calib, held = self._caches(cfg)
+        ctx = FitContext(lm, calib, list(range(lm.dims.n_layers)), seed=cfg.get("seed", 0))
+        method, s, rank, attn = cfg["method"], cfg["sparsity"], cfg.get("rank"), cfg.get("attn_sparsity")
+        t0 = time.time()
+        if method == DENSE:
+            plan, per_layer = SparsityPlan(), {}
+        else:
+            if cfg.get("allocation", "uniform") == "greedy":
+                d = cfg["data"]
+                toks = token_windows(lm.tokenizer, d["source"], "calib", 256, 256)
+                per_layer = allocate(damage_curves(ctx, toks), s)
+            else:
+                per_layer = {l: s for l in ctx.layers}
+            opts = dict(cfg.get("options") or {})
+            if attn is not None:
+                opts["attn_sparsity"] = attn
+            plan = fit_method(method, ctx, per_layer, rank=rank, **opts)
+        fit_s = time.time() - t0
+        path = save_bundle(plan, lm, bundle_dir(unit_id), method=method, sparsity=s, rank=rank,
+                           attn_sparsity=attn, allocation=cfg.get("allocation", "uniform"),
+                           options=cfg.get("options"), per_layer_sparsity=per_layer, unit_id=unit_id,
+                           versions=self.versions, git_rev=self.git_rev)
+        out = UnitOutput(summary={"fit_s": round(fit_s, 1)})
+        layers = plan_quality(plan, held, lm.adapter.act_name(lm.model.config), attn_target=attn)
+        for q in layers:
+            out.layers.append({"layer": q.layer, "component": q.component, "recall": _frac(q.recall),
+                               "precision": _frac(q.precision), "realized_sparsity": _frac(q.realized_sparsity),
+                               "target_sparsity": _frac(q.target_sparsity), "auc": _frac(q.auc),
+                               "threshold": _threshold(plan, q)})
+        if layers:
+            mlp = [q.recall for q in layers if q.component == "mlp"]
+            out.summary["mean_recall"] = round(sum(mlp) / len(mlp), 4) if mlp else None
+        for f in sorted(path.iterdir()):
+            out.artifacts.append({"kind": "bundle_file", "uri": str(f), "sha256": sha256_file(f),
+                                  "size_bytes": f.stat().st_size})
+        return out
+
+    def _bundle(self, cfg: dict):
+        """(lm, the fit unit's bundle), checked against the loaded model."""
+        from workers.bundle import BundleError, load_bundle
+
+        lm = self.lm(cfg["model"], cfg["model_fp"])
+        b = load_bundle(bundle_dir(cfg["fit_unit"]))
+        if b.fingerprint != lm.fingerprint:
+            raise BundleError(f"bundle of unit {cfg['fit_unit']} is for another model")
+        return lm, b
+
+    def evaluate(self, unit_id: str, cfg: dict) -> UnitOutput:
+        from workers.data import token_windows
+        from workers.evaluate import perplexity
+        from workers.suites import run_suite
+
+        from workers.bundle import apply_bundle
+
+        lm, b = self._bundle(cfg)
+        applied = apply_bundle(lm.model, b, check_model=False)   # fingerprint compared in _bundle (cached on lm)
+        out = UnitOutput()
+        with applied:
+            if cfg["suite"] == "perplexity":
+                p = cfg["perplexity"]
+                toks = token_windows(lm.tokenizer, cfg["data"]["source"], "heldout", p["tokens"], p["seq_len"])
+                r = perplexity(lm.model, toks)
+                task = f"{cfg['data']['source']}-heldout"
+                n = r.n_tokens
+                out.accuracy += [
+                    {"suite": "perplexity", "task": task, "metric": "ppl", "value": r.ppl, "n": n},
+                    {"suite": "perplexity", "task": task, "metric": "nll", "value": r.nll,
+                     "stderr": r.stderr_nll, "n": n},
+                    {"suite": "perplexity", "task": task, "metric": "mlp_sparsity",
+                     "value": applied.stats.mlp_sparsity(), "n": n},
+                    {"suite": "perplexity", "task": task, "metric": "head_sparsity",
+                     "value": applied.stats.head_sparsity(), "n": n},
+                ]
+                out.summary = {"ppl": round(r.ppl, 3), "mlp_sparsity": round(applied.stats.mlp_sparsity(), 3)}
+            else:
+                rows = run_suite(lm.model, lm.tokenizer, [cfg["suite"]], cfg.get("limit"))
+                for row in rows:
+                    out.accuracy.append({"suite": "mc", "task": row.task, "metric": row.metric,
+                                         "value": row.value, "stderr": row.stderr, "n": row.n})
+                out.summary = {r.metric: round(r.value, 3) for r in rows}
+        return out
+
+    def latency(self, unit_id: str, cfg: dict) -> UnitOutput:
+        from workers.latency import bench_decode
+
+        lm, b = self._bundle(cfg)
+        plan = None if b.manifest["method"] == DENSE else b.plan(lm.model)
+        rows = bench_decode(lm.model, plan, device=self.device,
+                            batch=cfg["batch"], prompt_len=cfg["prompt_len"], gen_len=cfg["gen_len"],
+                            repeats=cfg["repeats"], runtime=cfg["runtime"])
+        return UnitOutput(latency=rows, summary={"p50_ms": round(rows[0]["p50_ms_per_token"], 2)} if rows else {})
+
+
+def _frac(x):
+    return None if x is None or x != x else min(1.0, max(0.0, float(x)))
+
+
+def _threshold(plan, q):
+    if q.component != "mlp":
+        return None
+    info = plan.info.get(q.layer, {})
+    t = info.get("threshold", plan.seq_filter.get(q.layer))
+    return None if t is None else float(t)
