@@ -9,7 +9,7 @@ STAMP      := $(VENV)/.ctxsparse-installed
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-all test-slow demo ppl capture clean
+.PHONY: install test test-all test-slow demo ppl capture clean dashboard test-browser
 
 install: $(STAMP)
 
@@ -38,6 +38,17 @@ test-slow: install
 # Until the sweep exists: load the default model, capture activations, print held-out perplexity.
 demo: install
 	$(PY) -m orchestrator.cli demo
+
+# The dashboard on http://127.0.0.1:$(DASHBOARD_PORT), reading the store read-only ($$CTXSPARSE_DB_URL or the default SQLite).
+DASHBOARD_PORT ?= 8501
+dashboard: install
+	$(PY) -m streamlit run dashboard/app.py --server.address 127.0.0.1 --server.port $(DASHBOARD_PORT) \
+		--server.headless true --browser.gatherUsageStats false
+
+# The real-browser dashboard test: Debian's chromium (installed here if missing) driven by Playwright.
+test-browser: install
+	test -x /usr/bin/chromium || { S=$$([ "$$(id -u)" = 0 ] || echo sudo); $$S apt-get update -q && $$S apt-get install -y -q chromium; }
+	$(PY) -m pytest -q -m browser
 
 clean:
 	rm -rf $(VENV) .pytest_cache

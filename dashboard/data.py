@@ -1,0 +1,331 @@
+"""The dashboard's only door to the store: read-only engine, cached typed reads, bundle archives.
+
+Pages call the functions here and only draw. Every read goes through ``db.queries`` / ``db.settings`` on an
+engine opened with ``read_only=True``; the URL is ``$CTXSPARSE_DB_URL`` or the default SQLite file
+(``db.engine.default_url``). Results are plain picklable data, cached with ``st.cache_data`` for ``TTL_S``
+seconds (a running sweep shows up within that), keyed by the URL.
+
+Bundles: a fit unit's ``bundle_file`` artifacts are the bundle's files (``manifest.json``,
+``predictors.safetensors``) with their sha256. ``bundle_archive`` reads each file once, checks its sha256
+against the artifact row and only then packs the bytes it checked into a ``.tar.gz`` (plain ``tarfile``; no
+torch in the dashboard).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import get_args
+
+import streamlit as st
+from sqlalchemy import inspect
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import OperationalError
+
+from db import queries
+from db.engine import default_url, get_engine, session_scope
+from db.schemas import ArtifactRecord, DeviceType, LatencyRecord, LayerRecord, ModelInfo, SweepInfo, UnitInfo
+from db.settings import BASELINE_RUNTIMES, DENSE, Front, Setting, accuracy_metrics, pareto, settings_for_model
+
+TTL_S = 15
+DEVICE_TYPES: tuple[str, ...] = tuple(get_args(DeviceType))     # cuda, npu, cpu
+BUNDLE_KIND = "bundle_file"
+MANIFEST = "manifest.json"
+
+
+def db_url() -> str:
+    """``$CTXSPARSE_DB_URL`` or the default SQLite file (read at every call: tests and users may set it)."""
+    return default_url()
+
+
+def display_url(url: str | None = None) -> str:
+    """The URL with any password hidden."""
+    return make_url(url or db_url()).render_as_string(hide_password=True)
+
+
+@st.cache_resource(show_spinner=False)
+def _engine(url: str) -> Engine:
+    return get_engine(url, read_only=True)
+
+
+def _session(url: str):
+    return session_scope(_engine(url))
+
+
+# ---------------------------------------------------------------- store state
+
+
+@dataclass(frozen=True)
+class StoreState:
+    ok: bool                    # tables present and readable (possibly empty)
+    empty: bool                 # no model and no sweep yet
+    message: str | None = None  # why not ok / what to do
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def store_state(url: str) -> StoreState:
+    u = make_url(url)
+    if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:":
+        if not Path(u.database).expanduser().exists():
+            return StoreState(False, True, f"no database file at {u.database}: run a sweep first "
+                                           "(`ctxsparse` / `python -m orchestrator.driver`) or set CTXSPARSE_DB_URL")
+    try:
+        with _engine(url).connect() as conn:
+            tables = set(inspect(conn).get_table_names())
+        if not {"models", "sweeps", "work_units"} <= tables:
+            return StoreState(False, True, f"the database has no ctxsparse tables yet: run `python -m db upgrade`")
+        with _session(url) as s:
+            empty = not queries.list_models(s) and not queries.list_sweeps(s)
+    except OperationalError as e:
+        return StoreState(False, True, f"cannot read the database: {e.orig if e.orig is not None else e}")
+    return StoreState(True, empty)
+
+
+# ---------------------------------------------------------------- overview
+
+
+@dataclass(frozen=True)
+class FailedUnit:
+    id: str
+    kind: str
+    what: str          # method s r / suite / runtime, readable
+    attempts: int
+    worker: str | None
+    error: str
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    info: SweepInfo
+    done: int
+    failed: int
+    total: int
+    failures: list[FailedUnit] = field(default_factory=list)
+
+    @property
+    def fraction(self) -> float:
+        return self.done / self.total if self.total else 0.0
+
+
+def _describe(u: UnitInfo) -> str:
+    c = u.config
+    parts = [u.method or ""]
+    if u.sparsity is not None:
+        parts.append(f"s={u.sparsity:g}")
+    if u.rank is not None:
+        parts.append(f"r={u.rank}")
+    if u.kind == "eval":
+        parts.append(str(c.get("suite", "")))
+    if u.kind == "latency":
+        parts += [str(c.get("device_type", "")), f"b{c.get('batch')}", f"p{c.get('prompt_len')}",
+                  str(c.get("runtime", ""))]
+    if u.kind == "collect":
+        parts.append(str(c.get("model", "")))
+    return " ".join(p for p in parts if p)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def models(url: str) -> list[ModelInfo]:
+    with _session(url) as s:
+        return queries.list_models(s)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def sweeps(url: str) -> list[SweepRow]:
+    """Sweeps, newest first, with progress counted from their units and their failed units' errors."""
+    out = []
+    with _session(url) as s:
+        for sw in queries.list_sweeps(s):
+            p = queries.sweep_progress(s, sw.id)
+            failed = [u for u in queries.pending_units(s, sw.id, include_failed=True) if u.status == "failed"]
+            out.append(SweepRow(sw, p.done, p.failed, p.total,
+                                [FailedUnit(u.id, u.kind, _describe(u), u.attempts, u.worker, u.error or "")
+                                 for u in failed]))
+    return out
+
+
+# ---------------------------------------------------------------- settings and the front
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def settings(url: str, model_id: int) -> list[Setting]:
+    with _session(url) as s:
+        return settings_for_model(s, model_id)
+
+
+def metrics(url: str, model_id: int) -> list[str]:
+    return accuracy_metrics(settings(url, model_id))
+
+
+def device_types_with_rows(url: str, model_id: int) -> list[str]:
+    """Device types that have latency rows of the settings' own runtime (what a front needs)."""
+    have = {r.device_type for s in settings(url, model_id) for r in s.latency if r.runtime not in BASELINE_RUNTIMES}
+    return [d for d in DEVICE_TYPES if d in have] + sorted(have - set(DEVICE_TYPES))
+
+
+def front(url: str, model_id: int, metric: str, device_type: str) -> Front:
+    return pareto(settings(url, model_id), metric, device_type)
+
+
+def front_records(fr: Front) -> list[dict]:
+    """One flat row per setting of ``fr`` (what the chart and the table show)."""
+    dense = next((r for r in fr.rows if r.setting.is_dense), None)
+    out = []
+    for r in fr.rows:
+        s = r.setting
+        speedup = (dense.latency_ms / r.latency_ms
+                   if dense is not None and dense.latency_ms and r.latency_ms else None)
+        out.append({
+            "setting": s.label, "method": s.method, "s": s.sparsity, "r": s.rank,
+            "heads": s.attn_sparsity, "accuracy": r.accuracy, "latency_ms": r.latency_ms,
+            "speedup": speedup, "realized_sparsity": s.realized_sparsity, "on_front": r.on_front,
+            "dense": s.is_dense, "accelerator": r.accelerator, "fit_unit": s.fit_unit,
+        })
+    return sorted(out, key=lambda d: (not d["on_front"], d["latency_ms"] if d["latency_ms"] is not None else 1e30,
+                                      d["setting"]))
+
+
+def setting_for(url: str, model_id: int, fit_unit: str) -> Setting | None:
+    return next((s for s in settings(url, model_id) if s.fit_unit == fit_unit), None)
+
+
+# ---------------------------------------------------------------- one setting (its fit unit)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def unit(url: str, unit_id: str) -> UnitInfo | None:
+    with _session(url) as s:
+        return queries.get_unit(s, unit_id)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def layers(url: str, unit_id: str) -> list[LayerRecord]:
+    with _session(url) as s:
+        return queries.layer_metrics_for(s, unit_id)
+
+
+def latency_breakdown(url: str, model_id: int, fit_unit: str) -> list[tuple[str, LatencyRecord]]:
+    """``(whose, row)``: the setting's latency rows (``"this setting"``) and, for reference, the dense setting's
+    (``"dense"``: our runtime with an empty plan and the ``hf-generate`` baseline)."""
+    out: list[tuple[str, LatencyRecord]] = []
+    for s in settings(url, model_id):
+        if s.fit_unit == fit_unit:
+            out += [("this setting", r) for r in s.latency]
+        elif s.method == DENSE:
+            out += [("dense", r) for r in s.latency]
+    return sorted(out, key=lambda t: (t[1].device_type, t[1].accelerator_name, t[1].batch, t[1].prompt_len,
+                                      t[0] != "this setting", t[1].runtime))
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def artifacts(url: str, unit_id: str) -> list[ArtifactRecord]:
+    with _session(url) as s:
+        return queries.artifacts_for(s, unit_id)
+
+
+# ---------------------------------------------------------------- bundles
+
+
+class BundleError(RuntimeError):
+    """A bundle file is missing, or its bytes do not match the sha256 the store recorded."""
+
+
+@dataclass(frozen=True)
+class BundleCheck:
+    files: list[ArtifactRecord]
+    problems: list[str]               # empty: every file present and matching its recorded sha256
+    manifest: dict | None
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.files) and not self.problems
+
+    @property
+    def name(self) -> str:
+        return Path(self.files[0].uri).parent.name if self.files else "bundle"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_file(a: ArtifactRecord, data: bytes | None = None) -> str | None:
+    p = Path(a.uri)
+    if data is None and not p.is_file():
+        return f"{p.name}: missing ({a.uri})"
+    if a.sha256 is None:
+        return f"{p.name}: the store has no sha256 for it"
+    got = hashlib.sha256(data).hexdigest() if data is not None else _sha256(p)
+    if got != a.sha256:
+        return f"{p.name}: sha256 {got[:16]}… does not match the store's {a.sha256[:16]}… ({a.uri})"
+    return None
+
+
+def _bundle_files(url: str, fit_unit: str) -> list[ArtifactRecord]:
+    with _session(url) as s:
+        return sorted(queries.artifacts_for(s, fit_unit, kind=BUNDLE_KIND), key=lambda a: Path(a.uri).name)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def check_bundle(url: str, fit_unit: str) -> BundleCheck:
+    """The bundle's files, each checked against its recorded sha256, and the manifest (when it checks out)."""
+    files = _bundle_files(url, fit_unit)
+    problems = [p for p in (_check_file(a) for a in files) if p]
+    manifest = None
+    m = next((a for a in files if Path(a.uri).name == MANIFEST), None)
+    if files and m is None:
+        problems.append(f"no {MANIFEST} among the bundle's files")
+    if m is not None and not any(p.startswith(MANIFEST) for p in problems):
+        try:
+            manifest = json.loads(Path(m.uri).read_text())
+        except (OSError, ValueError) as e:
+            problems.append(f"{MANIFEST}: unreadable ({e})")
+    return BundleCheck(files, problems, manifest)
+
+
+def bundle_archive(url: str, fit_unit: str) -> bytes:
+    """A ``.tar.gz`` of the bundle's files under one folder; raises ``BundleError`` on a missing or changed file.
+
+    Each file is read once; the bytes that were checked are the bytes that are packed.
+    """
+    files = _bundle_files(url, fit_unit)
+    if not files:
+        raise BundleError(f"unit {fit_unit} has no {BUNDLE_KIND} artifacts")
+    folder = Path(files[0].uri).parent.name
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for a in files:
+            p = Path(a.uri)
+            try:
+                blob = p.read_bytes()
+            except OSError as e:
+                raise BundleError(f"{p.name}: cannot read {a.uri} ({e})") from e
+            problem = _check_file(a, blob)
+            if problem:
+                raise BundleError(problem)
+            info = tarfile.TarInfo(f"{folder}/{p.name}")
+            info.size = len(blob)
+            info.mtime = int(time.time())
+            info.mode = 0o644
+            tar.addfile(info, io.BytesIO(blob))
+    return buf.getvalue()
+
+
+def archive_name(url: str, model_id: int, fit_unit: str) -> str:
+    s = setting_for(url, model_id, fit_unit)
+    base = f"{s.model_name}-{s.label}" if s is not None else "bundle"
+    safe = "".join(c if c.isalnum() or c in "-._" else "-" for c in base.replace("=", ""))
+    return f"{safe}-{fit_unit[:12]}.tar.gz"
+
+
+def clear_caches() -> None:
+    """Drop cached reads (the Refresh button)."""
+    st.cache_data.clear()

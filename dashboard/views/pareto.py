@@ -1,0 +1,98 @@
+"""Pareto: accuracy against latency for every setting of a model on one device type, with the front."""
+from __future__ import annotations
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from dashboard import data
+from dashboard.widgets import model_picker, require_store
+
+url = data.db_url()
+st.title("Pareto front")
+require_store(url)
+
+c1, c2, c3 = st.columns([2, 2, 1])
+with c1:
+    model = model_picker(url, key="pareto_model")
+if model is None:
+    st.stop()
+metrics = data.metrics(url, model.id)
+if not metrics:
+    st.info(f"{model.name} has no accuracy rows yet (its eval units have not finished).")
+    st.stop()
+with_rows = data.device_types_with_rows(url, model.id)
+devices = with_rows + [d for d in data.DEVICE_TYPES if d not in with_rows]
+with c2:
+    metric = st.selectbox("Accuracy metric", metrics, key="pareto_metric")
+with c3:
+    device = st.selectbox("Device type", devices, key="pareto_device",
+                          format_func=lambda d: d if d in with_rows else f"{d} (no latency rows)")
+
+fr = data.front(url, model.id, metric, device)
+df = pd.DataFrame(data.front_records(fr))
+better = "lower" if fr.direction == "lower" else "higher"
+y_title = f"{metric} ({better} is better)"
+if fr.accelerator:
+    st.caption(f"p50 ms per token on {fr.device_type} · {fr.accelerator} · batch {fr.batch} · "
+               f"prompt {fr.prompt_len} tokens; the front: settings no other setting beats on both axes.")
+if fr.message:
+    st.warning(f"No Pareto front for {model.name} on {device}: {fr.message}.")
+
+tooltip = [alt.Tooltip("setting:N"), alt.Tooltip("method:N"), alt.Tooltip("s:Q", format=".2f"),
+           alt.Tooltip("r:Q"), alt.Tooltip("accuracy:Q", title=metric, format=".4g"),
+           alt.Tooltip("latency_ms:Q", title="p50 ms/token", format=".3f"),
+           alt.Tooltip("realized_sparsity:Q", title="realized sparsity", format=".3f"),
+           alt.Tooltip("speedup:Q", format=".2f"), alt.Tooltip("on_front:N", title="on front")]
+y = alt.Y("accuracy:Q", title=y_title, scale=alt.Scale(zero=False, reverse=fr.direction == "lower"))
+timed = df[df["latency_ms"].notna()] if not df.empty else df
+if not timed.empty:
+    base = alt.Chart(timed)
+    x = alt.X("latency_ms:Q", title=f"p50 ms per token ({device})", scale=alt.Scale(zero=False))
+    points = base.mark_point(size=90, filled=True, opacity=0.85).encode(
+        x=x, y=y, color=alt.Color("method:N", title="method"),
+        shape=alt.Shape("dense:N", title="dense baseline", scale=alt.Scale(domain=[True, False],
+                                                                             range=["diamond", "circle"])),
+        tooltip=tooltip)
+    line = alt.Chart(timed[timed["on_front"]].sort_values("latency_ms")).mark_line(
+        color="black", strokeDash=[4, 3], point=alt.OverlayMarkDef(color="black", size=30)).encode(
+        x=x, y=y, order="latency_ms:Q", tooltip=tooltip)
+    dense_label = base.transform_filter(alt.datum.dense).mark_text(
+        align="left", dx=9, dy=-9, fontWeight="bold").encode(x=x, y=y, text=alt.value("dense"))
+    st.altair_chart((line + points + dense_label).properties(height=430).interactive(),
+                    width="stretch")
+elif not df.empty:
+    st.caption("Accuracy only (no latency rows for this device type):")
+    bars = alt.Chart(df).mark_bar().encode(
+        x=alt.X("setting:N", sort=None, title="setting"),
+        y=alt.Y("accuracy:Q", title=y_title, scale=alt.Scale(zero=False)),
+        color=alt.Color("method:N"), tooltip=tooltip)
+    st.altair_chart(bars.properties(height=330), width="stretch")
+
+columns = ["setting", "method", "s", "r", "accuracy", "latency_ms", "speedup", "realized_sparsity", "accelerator",
+           "fit_unit"]
+config = {"accuracy": st.column_config.NumberColumn(metric, format="%.4g"),
+          "latency_ms": st.column_config.NumberColumn("p50 ms/token", format="%.3f"),
+          "speedup": st.column_config.NumberColumn("speedup vs dense", format="%.2fx"),
+          "realized_sparsity": st.column_config.NumberColumn("realized sparsity", format="%.3f"),
+          "s": st.column_config.NumberColumn("s", format="%.2f")}
+st.subheader("Front")
+front = df[df["on_front"]] if not df.empty else df
+if front.empty:
+    st.info("No setting is on a front here (no latency rows for this device type).")
+else:
+    st.dataframe(front[columns], hide_index=True, width="stretch", column_config=config, key="front_table")
+
+st.subheader("All settings")
+picked = st.dataframe(df[columns + ["on_front"]], hide_index=True, width="stretch", column_config=config,
+                      on_select="rerun", selection_mode="single-row", key="all_table")
+rows = picked.selection.rows if picked is not None else []
+if rows:
+    fit_unit = df.iloc[rows[0]]["fit_unit"]
+    st.session_state["fit_unit"] = fit_unit
+    c1, c2 = st.columns(2)
+    c1.page_link("views/unit.py", label=f"Per-layer diagnostics of {df.iloc[rows[0]]['setting']}",
+                 icon=":material/stacked_line_chart:")
+    c2.page_link("views/bundle.py", label="Its bundle", icon=":material/download:")
+else:
+    st.caption("Select a row to open that setting's diagnostics or bundle.")

@@ -1,0 +1,99 @@
+"""Databases for the dashboard tests, filled by real tiny sweeps (tests/sweep_support.py), once per session.
+
+``sweep_dbs`` runs the tiny SmolLM2 sweep twice through the Ray driver:
+  1. with ``latency=None`` into ``nolat.db``: a model with accuracy rows and no latency rows;
+  2. into a copy of that database, with latency on (cpu, plus the ``npu`` the test cluster declares but cannot
+     run): ``full.db``. Fit and eval units are found done and reused; the cpu latency units run, and the npu ones
+     fail on this CPU box, so the store also holds real failed units with their error text.
+The sweeps use their own ``CTXSPARSE_HOME`` whose model / activation caches link to the usual ones, so the bundle
+files are this session's own (a test may damage one to check the sha256 guard, then restores it).
+"""
+from __future__ import annotations
+
+import os
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.sweep_support import TINY_SPEC, run_tiny_sweep
+
+SHARED_CACHES = ("activations", "allocation", "gguf", "models")
+APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py")
+
+
+@dataclass(frozen=True)
+class SweepDBs:
+    full: str            # SQLAlchemy URLs
+    nolat: str
+    home: Path           # CTXSPARSE_HOME of the sweeps (their bundles)
+    outcomes: tuple
+
+
+def _own_home(root: Path) -> Path:
+    real = Path(os.environ.get("CTXSPARSE_HOME") or Path.home() / ".cache" / "ctxsparse").expanduser()
+    home = root / "home"
+    home.mkdir()
+    for name in SHARED_CACHES:
+        (real / name).mkdir(parents=True, exist_ok=True)
+        (home / name).symlink_to(real / name, target_is_directory=True)
+    return home
+
+
+def _copy_sqlite(src: Path, dst: Path) -> None:
+    with sqlite3.connect(src) as a, sqlite3.connect(dst) as b:
+        a.backup(b)
+    b.close()
+    a.close()
+
+
+@pytest.fixture(scope="session")
+def sweep_dbs(ray_local, tmp_path_factory) -> SweepDBs:
+    root = tmp_path_factory.mktemp("dashboard")
+    home = _own_home(root)
+    nolat, full = root / "nolat.db", root / "full.db"
+    old = os.environ.get("CTXSPARSE_HOME")
+    os.environ["CTXSPARSE_HOME"] = str(home)
+    try:
+        first = run_tiny_sweep(f"sqlite:///{nolat}", latency=None)
+        _copy_sqlite(nolat, full)
+        latency = {**TINY_SPEC["latency"], "devices": ["cpu", "npu"]}
+        second = run_tiny_sweep(f"sqlite:///{full}", latency=latency)
+    finally:
+        if old is None:
+            os.environ.pop("CTXSPARSE_HOME", None)
+        else:
+            os.environ["CTXSPARSE_HOME"] = old
+    return SweepDBs(f"sqlite:///{full}", f"sqlite:///{nolat}", home, (first, second))
+
+
+@pytest.fixture(scope="session")
+def empty_db(tmp_path_factory) -> str:
+    """A migrated store with no rows."""
+    from db.engine import upgrade
+
+    url = f"sqlite:///{tmp_path_factory.mktemp('dashboard-empty') / 'empty.db'}"
+    upgrade(url)
+    return url
+
+
+@pytest.fixture(autouse=True)
+def _fresh_caches():
+    import streamlit as st
+
+    st.cache_data.clear()
+    yield
+    st.cache_data.clear()
+
+
+@pytest.fixture
+def app(monkeypatch):
+    """``app(url)`` -> an AppTest of dashboard/app.py reading ``url`` (not yet run)."""
+    from streamlit.testing.v1 import AppTest
+
+    def make(url: str) -> AppTest:
+        monkeypatch.setenv("CTXSPARSE_DB_URL", url)
+        return AppTest.from_file(APP, default_timeout=60)
+
+    return make

@@ -1,0 +1,240 @@
+"""AppTest checks of every page against stores filled by real tiny sweeps (see conftest.py)."""
+from __future__ import annotations
+
+import hashlib
+import io
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from dashboard import data
+
+PAGES = ("views/overview.py", "views/pareto.py", "views/unit.py", "views/bundle.py")
+
+
+def _page(at, page: str):
+    at.run()
+    if page != PAGES[0]:
+        at.switch_page(page)
+        at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def _texts(elements) -> str:
+    return "\n".join(str(e.value) for e in elements)
+
+
+def _charts(at) -> list:
+    return at.get("arrow_vega_lite_chart")
+
+
+def _model_id(url: str) -> int:
+    (m,) = data.models(url)
+    return m.id
+
+
+def _fit_unit(url: str, method: str) -> str:
+    return next(s.fit_unit for s in data.settings(url, _model_id(url)) if s.method == method)
+
+
+# ---------------------------------------------------------------- empty and missing stores
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_empty_store(app, empty_db, page):
+    at = _page(app(empty_db), page)
+    assert "The store is empty" in _texts(at.info)
+    assert not _charts(at)
+
+
+def test_missing_store(app, tmp_path):
+    url = f"sqlite:///{tmp_path / 'nothing-here.db'}"
+    at = _page(app(url), PAGES[1])
+    assert "no database file" in _texts(at.warning)
+    assert not (tmp_path / "nothing-here.db").exists()     # read-only: never created
+
+
+def test_engine_is_read_only(sweep_dbs):
+    from sqlalchemy import text
+
+    from db.engine import ReadOnlyDatabaseError
+
+    with pytest.raises(ReadOnlyDatabaseError):
+        with data._engine(sweep_dbs.full).begin() as conn:
+            conn.execute(text("DELETE FROM models"))
+
+
+# ---------------------------------------------------------------- overview
+
+
+def test_overview(app, sweep_dbs):
+    at = _page(app(sweep_dbs.full), PAGES[0])
+    models, sweeps = at.dataframe[0].value, at.dataframe[1].value
+    assert list(models["model"]) == ["smollm2-135m"]
+    assert int(models["settings"][0]) == 3                      # dense, oracle, threshold
+    assert len(sweeps) == 2
+    assert set(sweeps["name"]) == {"tiny-test"}
+    rows = {s.info.id: s for s in data.sweeps(sweep_dbs.full)}
+    for _, r in sweeps.iterrows():
+        assert (r["done"], r["failed"], r["total"]) == (rows[r["id"]].done, rows[r["id"]].failed,
+                                                        rows[r["id"]].total)
+    newest = sweeps.iloc[0]
+    assert newest["failed"] > 0 and newest["done"] + newest["failed"] == newest["total"]
+    # the npu latency units failed on this CPU box: each one is listed with its error text
+    failures = rows[int(newest["id"])].failures
+    assert failures and all(f.kind == "latency" and "npu" in f.what and f.error for f in failures)
+    code = _texts(at.code)
+    assert all(f.error.strip() in code for f in failures)
+    assert "Failures" in _texts(at.subheader)
+
+
+def test_overview_without_latency(app, sweep_dbs):
+    at = _page(app(sweep_dbs.nolat), PAGES[0])
+    sweeps = at.dataframe[1].value
+    assert len(sweeps) == 1 and sweeps["done"][0] == sweeps["total"][0]
+    assert "No failed units." in _texts(at.success)
+
+
+# ---------------------------------------------------------------- pareto
+
+
+def test_pareto_cpu(app, sweep_dbs):
+    at = _page(app(sweep_dbs.full), PAGES[1])
+    mid = _model_id(sweep_dbs.full)
+    at.selectbox(key="pareto_model").set_value(mid).run()
+    assert at.selectbox(key="pareto_device").value == "cpu"    # the device type with rows comes first
+    metric = at.selectbox(key="pareto_metric").value
+    assert metric.endswith("/ppl")
+    assert not at.exception and not at.warning
+    (chart,) = _charts(at)
+    spec = chart.proto.spec
+    for field in ('"latency_ms"', '"accuracy"', '"realized_sparsity"', '"method"', '"dense"'):
+        assert field in spec
+    front = at.dataframe(key="front_table").value
+    all_rows = at.dataframe(key="all_table").value
+    assert len(all_rows) == 3 and set(all_rows["method"]) == {"dense", "oracle", "threshold"}
+    assert 1 <= len(front) <= 3 and set(front["setting"]) <= set(all_rows["setting"])
+    assert all_rows["latency_ms"].notna().all()
+    expected = data.front(sweep_dbs.full, mid, metric, "cpu")
+    assert set(front["fit_unit"]) == {r.setting.fit_unit for r in expected.front}
+
+
+def test_pareto_other_metric(app, sweep_dbs):
+    at = _page(app(sweep_dbs.full), PAGES[1])
+    metrics = at.selectbox(key="pareto_metric").options
+    task = next(m for m in metrics if m.startswith("mc/") or "copa" in m)
+    at.selectbox(key="pareto_metric").set_value(task).run()
+    assert not at.exception
+    assert len(_charts(at)) == 1 and len(at.dataframe(key="front_table").value) >= 1
+
+
+def test_pareto_device_without_rows(app, sweep_dbs):
+    at = _page(app(sweep_dbs.full), PAGES[1])
+    assert at.selectbox(key="pareto_device").options[0] == "cpu"
+    at.selectbox(key="pareto_device").set_value("npu").run()
+    assert not at.exception
+    assert "no latency rows for device type 'npu'" in _texts(at.warning)
+    assert "No setting is on a front" in _texts(at.info)
+    assert len(_charts(at)) == 1                                 # accuracy-only bars
+    assert at.dataframe(key="all_table").value["latency_ms"].isna().all()
+
+
+def test_pareto_model_without_latency(app, sweep_dbs):
+    at = _page(app(sweep_dbs.nolat), PAGES[1])
+    assert "no latency rows" in _texts(at.warning)
+    assert "No setting is on a front" in _texts(at.info)
+    assert len(at.dataframe(key="all_table").value) == 3
+
+
+# ---------------------------------------------------------------- unit
+
+
+def test_unit_page(app, sweep_dbs):
+    url = sweep_dbs.full
+    fit = _fit_unit(url, "threshold")
+    at = _page(app(url), PAGES[2])
+    at.selectbox(key="unit_setting").set_value(fit).run()
+    assert not at.exception
+    text = _texts(at.markdown) + _texts(at.caption)
+    assert fit in text
+    # recall, sparsity, threshold (threshold keeps one per layer), latency
+    assert len(_charts(at)) == 4
+    layer_df = next(d.value for d in at.dataframe if "recall" in d.value.columns)
+    assert len(layer_df[layer_df["component"] == "mlp"]) == 30 and layer_df["threshold"].notna().any()
+    lat = next(d.value for d in at.dataframe if "series" in d.value.columns)
+    assert {"this setting · ctxsparse", "dense · ctxsparse", "dense · hf-generate"} <= set(lat["series"])
+    assert set(lat["device"]) == {f"cpu · {a}" for a in lat["device"].str.split(" · ").str[1]}
+    configs = [j.value for j in at.json]
+    assert any('"fit_unit"' not in c and '"method": "threshold"' in c.replace("'", '"') for c in configs) or \
+        any("threshold" in c for c in configs)
+
+
+def test_unit_page_dense(app, sweep_dbs):
+    url = sweep_dbs.nolat
+    at = _page(app(url), PAGES[2])
+    at.selectbox(key="unit_setting").set_value(_fit_unit(url, "dense")).run()
+    assert not at.exception
+    assert "the dense setting skips nothing" in _texts(at.info)
+    assert "No latency rows" in _texts(at.info)
+
+
+def test_selection_follows_pages(app, sweep_dbs):
+    url = sweep_dbs.full
+    fit = _fit_unit(url, "oracle")
+    at = _page(app(url), PAGES[2])
+    at.selectbox(key="unit_setting").set_value(fit).run()
+    at.switch_page(PAGES[3]).run()
+    assert at.selectbox(key="bundle_setting").value == fit
+
+
+# ---------------------------------------------------------------- bundle
+
+
+def test_bundle_page(app, sweep_dbs):
+    url = sweep_dbs.full
+    fit = _fit_unit(url, "oracle")
+    at = _page(app(url), PAGES[3])
+    at.selectbox(key="bundle_setting").set_value(fit).run()
+    assert not at.exception and not at.error
+    assert len(at.get("download_button")) == 1
+    files = at.dataframe[0].value
+    assert sorted(files["file"]) == ["manifest.json", "predictors.safetensors"]
+    manifest = data.check_bundle(url, fit).manifest
+    assert manifest["method"] == "oracle" and manifest["unit_id"] == fit if "unit_id" in manifest else True
+    assert any('"ctxsparse-bundle"' in j.value for j in at.json)
+
+
+def test_bundle_archive_matches_the_store(sweep_dbs):
+    url = sweep_dbs.full
+    fit = _fit_unit(url, "threshold")
+    blob = data.bundle_archive(url, fit)
+    rows = {Path(a.uri).name: a for a in data._bundle_files(url, fit)}
+    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tar:
+        members = {Path(m.name).name: tar.extractfile(m).read() for m in tar.getmembers()}
+        assert {Path(m.name).parent.name for m in tar.getmembers()} == {fit}
+    assert set(members) == set(rows) == {"manifest.json", "predictors.safetensors"}
+    for name, content in members.items():
+        assert hashlib.sha256(content).hexdigest() == rows[name].sha256
+
+
+def test_bundle_sha_mismatch(app, sweep_dbs):
+    """A bundle file changed on disk after the sweep: an error, and no download."""
+    url = sweep_dbs.full
+    fit = _fit_unit(url, "threshold")
+    target = next(Path(a.uri) for a in data._bundle_files(url, fit) if a.uri.endswith(".safetensors"))
+    assert sweep_dbs.home in target.parents                     # this session's own bundle
+    original = target.read_bytes()
+    try:
+        target.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+        with pytest.raises(data.BundleError, match="does not match"):
+            data.bundle_archive(url, fit)
+        at = _page(app(url), PAGES[3])
+        at.selectbox(key="bundle_setting").set_value(fit).run()
+        assert not at.exception
+        assert "does not match" in _texts(at.error)
+        assert not at.get("download_button")
+    finally:
+        target.write_bytes(original)
+    assert data.bundle_archive(url, fit)
