@@ -101,8 +101,8 @@ else:
                  alt.Tooltip("p50_ms_per_token:Q", format=".3f"), alt.Tooltip("p90_ms_per_token:Q", format=".3f"),
                  alt.Tooltip("tokens_per_s:Q", format=".1f")]).properties(height=260, width=260)
     st.altair_chart(chart)
-    st.caption("Dense rows are the reference: `ctxsparse` is our runtime with an empty plan, `hf-generate` the "
-               "Hugging Face generate loop.")
+    st.caption("The dense rows are the reference: the dense setting in our decode runtime, and `hf-generate` "
+               "(the Hugging Face generate loop).")
     st.dataframe(ldf, hide_index=True, width="stretch")
 
 # ---------------------------------------------------------------- provenance

@@ -2,9 +2,11 @@
 
 ``sweep_dbs`` runs the tiny SmolLM2 sweep twice through the Ray driver:
   1. with ``latency=None`` into ``nolat.db``: a model with accuracy rows and no latency rows;
-  2. into a copy of that database, with latency on (cpu, plus the ``npu`` the test cluster declares but cannot
-     run): ``full.db``. Fit and eval units are found done and reused; the cpu latency units run, and the npu ones
-     fail on this CPU box, so the store also holds real failed units with their error text.
+  2. into a copy of that database, with latency on and one more setting whose fit must fail (``threshold`` given
+     an option it does not take): ``full.db``. Fit and eval units of the first sweep are found done and reused,
+     the latency units run, and the failing fit (and the units that depend on it) are recorded as failed with
+     their error text: the store holds two sweeps, latency rows and real failures.
+     Actors get half a CPU there: the 2-CPU test cluster then holds collector, fitter and bencher at once.
 The sweeps use their own ``CTXSPARSE_HOME`` whose model / activation caches link to the usual ones, so the bundle
 files are this session's own (a test may damage one to check the sha256 guard, then restores it).
 """
@@ -42,10 +44,12 @@ def _own_home(root: Path) -> Path:
 
 
 def _copy_sqlite(src: Path, dst: Path) -> None:
-    with sqlite3.connect(src) as a, sqlite3.connect(dst) as b:
+    a, b = sqlite3.connect(src), sqlite3.connect(dst)
+    try:
         a.backup(b)
-    b.close()
-    a.close()
+    finally:
+        b.close()
+        a.close()
 
 
 @pytest.fixture(scope="session")
@@ -58,8 +62,10 @@ def sweep_dbs(ray_local, tmp_path_factory) -> SweepDBs:
     try:
         first = run_tiny_sweep(f"sqlite:///{nolat}", latency=None)
         _copy_sqlite(nolat, full)
-        latency = {**TINY_SPEC["latency"], "devices": ["cpu", "npu"]}
-        second = run_tiny_sweep(f"sqlite:///{full}", latency=latency)
+        methods = TINY_SPEC["methods"] + [{"name": "threshold", "sparsity": [0.5],
+                                           "options": {"no_such_option": 1}}]
+        resources = {**TINY_SPEC["resources"], "cpus_per_actor": 0.5}
+        second = run_tiny_sweep(f"sqlite:///{full}", methods=methods, resources=resources)
     finally:
         if old is None:
             os.environ.pop("CTXSPARSE_HOME", None)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import tarfile
 from pathlib import Path
 
@@ -27,7 +28,18 @@ def _texts(elements) -> str:
 
 
 def _charts(at) -> list:
-    return at.get("arrow_vega_lite_chart")
+    return at.get("vega_lite_chart")
+
+
+def _all_table(at):
+    """The Pareto page's table of every setting (it has the on_front column)."""
+    (df,) = [d.value for d in at.dataframe if "on_front" in d.value.columns]
+    return df
+
+
+def _front_table(at):
+    (df,) = [d.value for d in at.dataframe if "on_front" not in d.value.columns]
+    return df
 
 
 def _model_id(url: str) -> int:
@@ -73,21 +85,26 @@ def test_overview(app, sweep_dbs):
     at = _page(app(sweep_dbs.full), PAGES[0])
     models, sweeps = at.dataframe[0].value, at.dataframe[1].value
     assert list(models["model"]) == ["smollm2-135m"]
-    assert int(models["settings"][0]) == 3                      # dense, oracle, threshold
-    assert len(sweeps) == 2
-    assert set(sweeps["name"]) == {"tiny-test"}
+    assert int(models["settings"][0]) == 4                      # dense, oracle, threshold, the failed fit
+    assert len(sweeps) == 2 and set(sweeps["name"]) == {"tiny-test"}
     rows = {s.info.id: s for s in data.sweeps(sweep_dbs.full)}
     for _, r in sweeps.iterrows():
-        assert (r["done"], r["failed"], r["total"]) == (rows[r["id"]].done, rows[r["id"]].failed,
-                                                        rows[r["id"]].total)
-    newest = sweeps.iloc[0]
-    assert newest["failed"] > 0 and newest["done"] + newest["failed"] == newest["total"]
-    # the npu latency units failed on this CPU box: each one is listed with its error text
+        sw = rows[int(r["id"])]
+        assert (r["done"], r["failed"], r["total"]) == (sw.done, sw.failed, sw.total)
+        assert r["status"] == sw.info.status
+    newest, first = sweeps.iloc[0], sweeps.iloc[1]
+    assert first["done"] == first["total"] == 10 and first["failed"] == 0
+    assert newest["status"] == "failed" and newest["failed"] == 4 and newest["done"] + 4 == newest["total"]
+    # the failed fit with its real error, and the units that depended on it
     failures = rows[int(newest["id"])].failures
-    assert failures and all(f.kind == "latency" and "npu" in f.what and f.error for f in failures)
+    assert sorted(f.kind for f in failures) == ["eval", "eval", "fit", "latency"]
+    fit = next(f for f in failures if f.kind == "fit")
+    assert "unknown options ['no_such_option']" in fit.error and "threshold" in fit.what
+    assert all("depends on failed" in f.error for f in failures if f is not fit)
+    assert "Failures" in _texts(at.subheader)
     code = _texts(at.code)
     assert all(f.error.strip() in code for f in failures)
-    assert "Failures" in _texts(at.subheader)
+    assert any("unknown options" in e.label for e in at.expander)
 
 
 def test_overview_without_latency(app, sweep_dbs):
@@ -112,9 +129,9 @@ def test_pareto_cpu(app, sweep_dbs):
     spec = chart.proto.spec
     for field in ('"latency_ms"', '"accuracy"', '"realized_sparsity"', '"method"', '"dense"'):
         assert field in spec
-    front = at.dataframe(key="front_table").value
-    all_rows = at.dataframe(key="all_table").value
-    assert len(all_rows) == 3 and set(all_rows["method"]) == {"dense", "oracle", "threshold"}
+    front = _front_table(at)
+    all_rows = _all_table(at)
+    assert len(all_rows) == 3 and set(all_rows["method"]) == {"dense", "oracle", "threshold"}  # failed fit: no rows
     assert 1 <= len(front) <= 3 and set(front["setting"]) <= set(all_rows["setting"])
     assert all_rows["latency_ms"].notna().all()
     expected = data.front(sweep_dbs.full, mid, metric, "cpu")
@@ -127,7 +144,7 @@ def test_pareto_other_metric(app, sweep_dbs):
     task = next(m for m in metrics if m.startswith("mc/") or "copa" in m)
     at.selectbox(key="pareto_metric").set_value(task).run()
     assert not at.exception
-    assert len(_charts(at)) == 1 and len(at.dataframe(key="front_table").value) >= 1
+    assert len(_charts(at)) == 1 and len(_front_table(at)) >= 1
 
 
 def test_pareto_device_without_rows(app, sweep_dbs):
@@ -138,14 +155,14 @@ def test_pareto_device_without_rows(app, sweep_dbs):
     assert "no latency rows for device type 'npu'" in _texts(at.warning)
     assert "No setting is on a front" in _texts(at.info)
     assert len(_charts(at)) == 1                                 # accuracy-only bars
-    assert at.dataframe(key="all_table").value["latency_ms"].isna().all()
+    assert _all_table(at)["latency_ms"].isna().all()
 
 
 def test_pareto_model_without_latency(app, sweep_dbs):
     at = _page(app(sweep_dbs.nolat), PAGES[1])
     assert "no latency rows" in _texts(at.warning)
     assert "No setting is on a front" in _texts(at.info)
-    assert len(at.dataframe(key="all_table").value) == 3
+    assert len(_all_table(at)) == 3
 
 
 # ---------------------------------------------------------------- unit
@@ -164,11 +181,13 @@ def test_unit_page(app, sweep_dbs):
     layer_df = next(d.value for d in at.dataframe if "recall" in d.value.columns)
     assert len(layer_df[layer_df["component"] == "mlp"]) == 30 and layer_df["threshold"].notna().any()
     lat = next(d.value for d in at.dataframe if "series" in d.value.columns)
-    assert {"this setting · ctxsparse", "dense · ctxsparse", "dense · hf-generate"} <= set(lat["series"])
+    series = set(lat["series"])
+    assert "dense · hf-generate" in series                                   # the Hugging Face baseline
+    assert any(x.startswith("this setting · ") for x in series)
+    assert any(x.startswith("dense · ") and x != "dense · hf-generate" for x in series)
     assert set(lat["device"]) == {f"cpu · {a}" for a in lat["device"].str.split(" · ").str[1]}
-    configs = [j.value for j in at.json]
-    assert any('"fit_unit"' not in c and '"method": "threshold"' in c.replace("'", '"') for c in configs) or \
-        any("threshold" in c for c in configs)
+    config = json.loads(at.json[0].value)                     # the unit config that produced the setting
+    assert config == data.unit(url, fit).config and config["method"] == "threshold" and config["sparsity"] == 0.5
 
 
 def test_unit_page_dense(app, sweep_dbs):
@@ -201,9 +220,9 @@ def test_bundle_page(app, sweep_dbs):
     assert len(at.get("download_button")) == 1
     files = at.dataframe[0].value
     assert sorted(files["file"]) == ["manifest.json", "predictors.safetensors"]
-    manifest = data.check_bundle(url, fit).manifest
-    assert manifest["method"] == "oracle" and manifest["unit_id"] == fit if "unit_id" in manifest else True
-    assert any('"ctxsparse-bundle"' in j.value for j in at.json)
+    manifest = json.loads(at.json[0].value)
+    assert manifest == data.check_bundle(url, fit).manifest
+    assert manifest["format"] == "ctxsparse-bundle" and manifest["method"] == "oracle"
 
 
 def test_bundle_archive_matches_the_store(sweep_dbs):
