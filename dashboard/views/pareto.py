@@ -44,29 +44,30 @@ tooltip = [alt.Tooltip("setting:N"), alt.Tooltip("method:N"), alt.Tooltip("s:Q",
            alt.Tooltip("latency_ms:Q", title="p50 ms/token", format=".3f"),
            alt.Tooltip("realized_sparsity:Q", title="realized sparsity", format=".3f"),
            alt.Tooltip("speedup:Q", format=".2f"), alt.Tooltip("on_front:N", title="on front")]
-y = alt.Y("accuracy:Q", title=y_title, scale=alt.Scale(zero=False, reverse=fr.direction == "lower"))
+y = alt.Y("accuracy:Q", title=y_title, scale=alt.Scale(zero=False, padding=24, reverse=fr.direction == "lower"))
+color = alt.Color("method:N", title="method", scale=alt.Scale(scheme="tableau10"))
 timed = df[df["latency_ms"].notna()] if not df.empty else df
 if not timed.empty:
     base = alt.Chart(timed)
-    x = alt.X("latency_ms:Q", title=f"p50 ms per token ({device})", scale=alt.Scale(zero=False))
-    points = base.mark_point(size=90, filled=True, opacity=0.85).encode(
-        x=x, y=y, color=alt.Color("method:N", title="method"),
-        shape=alt.Shape("dense:N", title="dense baseline", scale=alt.Scale(domain=[True, False],
-                                                                             range=["diamond", "circle"])),
-        tooltip=tooltip)
+    x = alt.X("latency_ms:Q", title=f"p50 ms per token ({device})", scale=alt.Scale(zero=False, padding=24))
+    points = base.mark_point(size=110, filled=True, opacity=0.9).encode(x=x, y=y, color=color, tooltip=tooltip)
     line = alt.Chart(timed[timed["on_front"]].sort_values("latency_ms")).mark_line(
-        color="black", strokeDash=[4, 3], point=alt.OverlayMarkDef(color="black", size=30)).encode(
+        color="black", strokeDash=[5, 3], point=alt.OverlayMarkDef(color="black", size=25)).encode(
         x=x, y=y, order="latency_ms:Q", tooltip=tooltip)
-    dense_label = base.transform_filter(alt.datum.dense).mark_text(
-        align="left", dx=9, dy=-9, fontWeight="bold").encode(x=x, y=y, text=alt.value("dense"))
-    st.altair_chart((line + points + dense_label).properties(height=430).interactive(),
+    dense = base.transform_filter(alt.datum.dense)
+    dense_ring = dense.mark_point(shape="diamond", size=420, filled=False, color="black", strokeWidth=1.5).encode(
+        x=x, y=y, tooltip=tooltip)
+    dense_label = dense.mark_text(align="left", dx=13, dy=-11, fontWeight="bold").encode(
+        x=x, y=y, text=alt.value("dense baseline"))
+    st.altair_chart((line + points + dense_ring + dense_label).properties(height=430).interactive(),
                     width="stretch")
+    st.caption("Dashed black line: the Pareto front. Black diamond: the dense baseline.")
 elif not df.empty:
     st.caption("Accuracy only (no latency rows for this device type):")
     bars = alt.Chart(df).mark_bar().encode(
         x=alt.X("setting:N", sort=None, title="setting"),
         y=alt.Y("accuracy:Q", title=y_title, scale=alt.Scale(zero=False)),
-        color=alt.Color("method:N"), tooltip=tooltip)
+        color=color, tooltip=tooltip)
     st.altair_chart(bars.properties(height=330), width="stretch")
 
 columns = ["setting", "method", "s", "r", "accuracy", "latency_ms", "speedup", "realized_sparsity", "accelerator",
