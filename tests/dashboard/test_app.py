@@ -127,7 +127,7 @@ def test_pareto_cpu(app, sweep_dbs):
     assert not at.exception and not at.warning
     (chart,) = _charts(at)
     spec = chart.proto.spec
-    for field in ('"latency_ms"', '"accuracy"', '"realized_sparsity"', '"method"', '"dense"'):
+    for field in ('"latency_ms"', '"accuracy"', '"realized_sparsity"', '"method"', "datum.dense"):
         assert field in spec
     front = _front_table(at)
     all_rows = _all_table(at)
