@@ -142,6 +142,7 @@ def sweeps(url: str) -> list[SweepRow]:
         for sw in queries.list_sweeps(s):
             p = queries.sweep_progress(s, sw.id)
             failed = [u for u in queries.pending_units(s, sw.id, include_failed=True) if u.status == "failed"]
+            failed.sort(key=lambda u: ((u.error or "").startswith("not run"), u.kind, u.id))   # root causes first
             out.append(SweepRow(sw, p.done, p.failed, p.total,
                                 [FailedUnit(u.id, u.kind, _describe(u), u.attempts, u.worker, u.error or "")
                                  for u in failed]))

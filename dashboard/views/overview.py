@@ -20,8 +20,8 @@ failed = sum(s.failed for s in sweeps)
 c1, c2, c3, c4 = st.columns(4)
 c1.metric("Models", len(models))
 c2.metric("Sweeps", len(sweeps))
-c3.metric("Units done", f"{done} / {total}")
-c4.metric("Units failed", failed)
+c3.metric("Sweep units done", f"{done} / {total}", help="summed over sweeps (a unit shared by two sweeps counts twice)")
+c4.metric("Sweep units failed", failed)
 
 st.subheader("Models")
 if models:
