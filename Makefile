@@ -35,9 +35,9 @@ test-all: install
 test-slow: install
 	$(PY) -m pytest -q -m slow
 
-# Until the sweep exists: load the default model, capture activations, print held-out perplexity.
+# The default sweep on a local Ray head (loopback): submit, follow, Pareto front, bundles. ~10 min on 2 cores.
 demo: install
-	$(PY) -m orchestrator.cli demo
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash orchestrator/demo.sh
 
 # The dashboard on http://127.0.0.1:$(DASHBOARD_PORT), reading the store read-only ($$CTXSPARSE_DB_URL or the default SQLite).
 DASHBOARD_PORT ?= 8501

@@ -401,6 +401,14 @@ def get_unit(session: Session, unit_id: str) -> UnitInfo | None:
     return None if unit is None else UnitInfo.model_validate(unit)
 
 
+def unit_ids_with_prefix(session: Session, prefix: str, limit: int = 10) -> list[str]:
+    """Unit ids starting with ``prefix`` (hex only), at most ``limit``."""
+    if not prefix or any(c not in "0123456789abcdef" for c in prefix):
+        return []
+    stmt = select(WorkUnit.id).where(WorkUnit.id.like(prefix + "%")).order_by(WorkUnit.id).limit(limit)
+    return list(session.scalars(stmt))
+
+
 def unit_statuses(session: Session, unit_ids: Sequence[str]) -> dict[str, str]:
     """``{unit id: status}`` for the known ones among ``unit_ids``."""
     ids = list(unit_ids)

@@ -1,15 +1,26 @@
 """The ``ctxsparse`` command line.
 
+Sweeps (a thin layer over Ray's job API and the store):
+  ctxsparse submit SPEC [--address URL] [--db URL] [--follow]   validate, then `ray job submit` the driver
+  ctxsparse status [SWEEP] [--db URL] [--address URL]           sweeps, progress, failures, Ray job state
+  ctxsparse logs SWEEP|SUBMISSION_ID [--address URL] [--follow] the driver's log
+  ctxsparse resume SWEEP [--address URL]                        submit a stored sweep again (finished units skipped)
+  ctxsparse pareto MODEL [--metric M] [--device cpu|cuda|npu]   the Pareto front from the store
+  ctxsparse bundle export UNIT|--best MODEL --out PATH          a setting's predictor bundle (folder or .tar.gz)
+  ctxsparse bundle download SRC --out DIR                       unpack + verify a bundle archive (file or URL)
+Single steps:
   ctxsparse ppl     [--model REF] [--source SRC] [--tokens N] [--seq-len L] [--dtype D]
   ctxsparse capture [--model REF] [--source SRC] [--tokens N] [--store-dtype D]
-  ctxsparse demo    load the default model, capture activations, print held-out perplexity
   ctxsparse ingest-kernels FILE [--db URL]   load GPU kernel benchmark rows into the store
+
+Errors (a bad spec, an unknown model or unit, a damaged bundle) print one message and exit with status 2.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -58,17 +69,178 @@ def cmd_capture(args) -> int:
     return 0
 
 
-def cmd_demo(args) -> int:
-    args.twice = True
-    rc = cmd_capture(args)
-    return rc or cmd_ppl(args)
-
-
 def cmd_ingest_kernels(args) -> int:
     from orchestrator.ingest import ingest_kernel_results
 
     n, new = ingest_kernel_results(args.file, args.db)
     print(json.dumps({"file": args.file, "rows": n, "units_added": new}))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- sweeps
+def _address(args) -> str:
+    return args.address or os.environ.get("RAY_ADDRESS") or "http://127.0.0.1:8265"
+
+
+def _client(args):
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        return JobSubmissionClient(_address(args))
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise RuntimeError(f"cannot reach the Ray cluster at {_address(args)} ({e}); start one with "
+                           "`ray start --head` or pass --address") from None
+
+
+def _job_status(client, sid: str) -> str | None:
+    try:
+        return str(client.get_job_status(sid).value)
+    except RuntimeError:   # no such job
+        return None
+
+
+def submit_spec(args, spec, resume: bool = False) -> int:
+    sid = f"ctxsparse-{spec.name}-{spec.spec_hash()[:12]}"
+    client = _client(args)
+    status = _job_status(client, sid)
+    if status in ("PENDING", "RUNNING") or (status == "SUCCEEDED" and not resume):
+        print(json.dumps({"submission_id": sid, "status": status, "submitted": False,
+                          "note": "this sweep was already submitted; not submitting it twice"}))
+        return _follow(client, sid) if args.follow else 0
+    if status is not None:          # a finished attempt: a new id for the resubmission, same units
+        n = 2
+        while _job_status(client, f"{sid}-r{n}") is not None:
+            n += 1
+        sid = f"{sid}-r{n}"
+    env = {"CTXSPARSE_SPEC": json.dumps(spec.canonical()), "CTXSPARSE_SUBMISSION_ID": sid}
+    for var in ("CTXSPARSE_DB_URL", "CTXSPARSE_HOME"):
+        if os.environ.get(var):
+            env[var] = os.environ[var]
+    if args.db:
+        env["CTXSPARSE_DB_URL"] = args.db
+    runtime_env = {"env_vars": env}
+    if args.working_dir:
+        runtime_env["working_dir"] = args.working_dir
+    client.submit_job(entrypoint="python -m orchestrator.driver -", submission_id=sid, runtime_env=runtime_env,
+                      metadata={"sweep": spec.name, "spec_hash": spec.spec_hash()})
+    print(json.dumps({"submission_id": sid, "status": "PENDING", "submitted": True, "address": _address(args)}))
+    return _follow(client, sid) if args.follow else 0
+
+
+def _follow(client, sid: str) -> int:
+    import asyncio
+
+    async def tail():
+        async for chunk in client.tail_job_logs(sid):
+            print(chunk, end="", flush=True)
+
+    asyncio.run(tail())
+    status = _job_status(client, sid)
+    print(f"job {sid}: {status}", flush=True)
+    return 0 if status == "SUCCEEDED" else 1
+
+
+def cmd_submit(args) -> int:
+    from orchestrator.spec import load_spec
+
+    return submit_spec(args, load_spec(args.spec))   # SpecError (a ValueError) names the field: exit 2
+
+
+def _engine(args, read_only=True):
+    from db.engine import get_engine, upgrade
+
+    engine = get_engine(args.db)
+    upgrade(engine)
+    return get_engine(args.db, read_only=True) if read_only else engine
+
+
+def _find_sweep(session, ref: str):
+    from db import queries
+
+    sweeps = queries.list_sweeps(session)
+    hits = [s for s in sweeps if ref in (str(s.id), s.name, s.submission_id) or
+            (s.submission_id or "").startswith(ref)]
+    if not hits:
+        raise KeyError(f"no sweep {ref!r} in the store (known: {', '.join(s.name for s in sweeps) or 'none'})")
+    return hits[0]   # newest first
+
+
+def cmd_resume(args) -> int:
+    from db.engine import session_scope
+    from orchestrator.spec import parse_spec
+
+    with session_scope(_engine(args)) as s:
+        sweep = _find_sweep(s, args.sweep)
+    return submit_spec(args, parse_spec(sweep.spec, f"stored spec of sweep {sweep.name}"), resume=True)
+
+
+def cmd_status(args) -> int:
+    from db import queries
+    from db.engine import session_scope
+
+    with session_scope(_engine(args)) as s:
+        sweeps = [_find_sweep(s, args.sweep)] if args.sweep else queries.list_sweeps(s)
+        out = []
+        for sw in sweeps:
+            prog = queries.sweep_progress(s, sw.id)
+            failures = [{"unit": u.id[:12], "kind": u.kind, "method": u.method, "error": (u.error or "")[-300:]}
+                        for u in queries.pending_units(s, sw.id, include_failed=True) if u.status == "failed"]
+            out.append({"sweep": sw.name, "id": sw.id, "status": sw.status, "done": prog.done, "total": prog.total,
+                        "failed": prog.failed, "submission_id": sw.submission_id, "failures": failures[:5]})
+    if args.address or os.environ.get("RAY_ADDRESS"):
+        client = _client(args)
+        for o in out:
+            if o["submission_id"]:
+                o["ray_job"] = _job_status(client, o["submission_id"])
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+def cmd_logs(args) -> int:
+    from db.engine import session_scope
+
+    sid = args.ref
+    if not sid.startswith("ctxsparse-") or args.db:
+        try:
+            with session_scope(_engine(args)) as s:
+                sid = _find_sweep(s, args.ref).submission_id or sid
+        except KeyError:
+            pass
+    client = _client(args)
+    if _job_status(client, sid) is None:
+        raise KeyError(f"no Ray job {sid!r} at {_address(args)}")
+    if args.follow:
+        return _follow(client, sid)
+    print(client.get_job_logs(sid), end="")
+    return 0
+
+
+def cmd_pareto(args) -> int:
+    from db.engine import session_scope
+    from orchestrator.pareto import format_front, front_for
+
+    with session_scope(_engine(args)) as s:
+        _, front = front_for(s, args.model, args.metric, args.device, args.batch)
+    print(format_front(front, args.model))
+    return 0
+
+
+def cmd_bundle(args) -> int:
+    from db.engine import session_scope
+    from orchestrator import bundles
+
+    if args.action == "download":
+        out, m = bundles.download(args.src, args.out)
+    else:
+        if bool(args.unit) == bool(args.best):
+            raise ValueError("bundle export: give a fit unit id or --best MODEL (one of them)")
+        with session_scope(_engine(args)) as s:
+            unit = (bundles.resolve_unit(s, args.unit) if args.unit else
+                    bundles.best_unit(s, args.best, args.metric, args.device, args.max_loss, args.by))
+            out, m = bundles.export(s, unit, args.out)
+    print(json.dumps({"bundle": str(out), "model": m["model"]["ref"], "fingerprint": m["model"]["fingerprint"][:12],
+                      "method": m["method"], "sparsity": m["sparsity"], "rank": m["rank"],
+                      "attn_sparsity": m["attn_sparsity"], "unit": (m.get("unit_id") or "")[:12]}))
     return 0
 
 
@@ -91,10 +263,56 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--store-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"])
     sp.add_argument("--twice", action="store_true", help="call twice to show the cache hit")
     sp.set_defaults(fn=cmd_capture)
-    sp = sub.add_parser("demo", help="load, capture (twice: cache hit), perplexity")
-    common(sp, 2048)
-    sp.add_argument("--store-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"])
-    sp.set_defaults(fn=cmd_demo)
+    def cluster(sp):
+        sp.add_argument("--address", default=None, help="Ray dashboard address (default: $RAY_ADDRESS or "
+                        "http://127.0.0.1:8265)")
+        sp.add_argument("--db", default=None, help="SQLAlchemy URL (default: $CTXSPARSE_DB_URL or SQLite)")
+
+    sp = sub.add_parser("submit", help="validate a sweep spec and submit it as a Ray job")
+    sp.add_argument("spec")
+    cluster(sp)
+    sp.add_argument("--follow", action="store_true", help="stream the job's log until it ends")
+    sp.add_argument("--working-dir", default=None, help="upload this folder as the job's working_dir")
+    sp.set_defaults(fn=cmd_submit)
+    sp = sub.add_parser("resume", help="submit a stored sweep again; finished units are skipped")
+    sp.add_argument("sweep", help="sweep name, id or submission id")
+    cluster(sp)
+    sp.add_argument("--follow", action="store_true")
+    sp.add_argument("--working-dir", default=None)
+    sp.set_defaults(fn=cmd_resume)
+    sp = sub.add_parser("status", help="sweeps and their progress (from the store)")
+    sp.add_argument("sweep", nargs="?")
+    cluster(sp)
+    sp.set_defaults(fn=cmd_status)
+    sp = sub.add_parser("logs", help="a sweep's driver log (from Ray)")
+    sp.add_argument("ref", help="sweep name/id or Ray submission id")
+    cluster(sp)
+    sp.add_argument("--follow", action="store_true")
+    sp.set_defaults(fn=cmd_logs)
+    sp = sub.add_parser("pareto", help="the Pareto front of a model from the store")
+    sp.add_argument("model", help="model name or fingerprint prefix")
+    sp.add_argument("--metric", default=None, help="e.g. perplexity/lambada-heldout/ppl, mc/mean/acc")
+    sp.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
+    sp.add_argument("--batch", type=int, default=1)
+    sp.add_argument("--db", default=None)
+    sp.set_defaults(fn=cmd_pareto)
+    sp = sub.add_parser("bundle", help="export or download a predictor bundle")
+    bsub = sp.add_subparsers(dest="action", required=True)
+    be = bsub.add_parser("export", help="a fit unit's bundle (or the best on a front) to a folder or .tar.gz")
+    be.add_argument("unit", nargs="?", help="fit unit id (or a unique prefix)")
+    be.add_argument("--best", metavar="MODEL", help="the fastest front setting within --max-loss of dense")
+    be.add_argument("--by", default="latency", choices=["latency", "sparsity"],
+                    help="latency: fastest front setting on --device; sparsity: sparsest setting (any device)")
+    be.add_argument("--metric", default=None)
+    be.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
+    be.add_argument("--max-loss", type=float, default=0.05, help="relative accuracy loss allowed (0.05 = 5%%)")
+    be.add_argument("--out", required=True)
+    be.add_argument("--db", default=None)
+    be.set_defaults(fn=cmd_bundle)
+    bd = bsub.add_parser("download", help="unpack and verify a bundle archive (path or http(s) URL)")
+    bd.add_argument("src")
+    bd.add_argument("--out", required=True)
+    bd.set_defaults(fn=cmd_bundle)
     sp = sub.add_parser("ingest-kernels", help="load `kernels.bench --json` results into the SQL store")
     sp.add_argument("file")
     sp.add_argument("--db", default=None, help="SQLAlchemy URL (default: $CTXSPARSE_DB_URL or SQLite)")
@@ -104,11 +322,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, RuntimeError, KeyError, FileNotFoundError) as e:
-        print(f"ctxsparse {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, RuntimeError, LookupError, OSError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"ctxsparse {args.command}: error: {msg}", file=sys.stderr)
         return 2
 
 

@@ -27,7 +27,7 @@ from db import queries
 from db.engine import get_engine, session_scope, upgrade
 from db.schemas import UnitSpec
 from orchestrator.plan import PlannedUnit, plan_units
-from orchestrator.spec import SpecError, SweepSpec, load_spec
+from orchestrator.spec import SpecError, SweepSpec, load_spec, parse_spec
 
 log = logging.getLogger("ctxsparse.driver")
 
@@ -78,6 +78,7 @@ class _Pools:
         self._classes, self._options = ROLE_CLASSES, actor_options
         self.actors: dict[tuple[str, str], list] = defaultdict(list)
         self.idle: dict[tuple[str, str], deque] = defaultdict(deque)
+        self.started: set[int] = set()      # actors that have answered at least once (so were placed)
 
     def _size(self, kind: str) -> int:
         return getattr(self.spec.resources, ROLE_OF_KIND[kind])
@@ -94,26 +95,29 @@ class _Pools:
         if self.idle[key]:
             return self.idle[key].popleft()
         if len(self.actors[key]) < self._size(kind):
-            if not self._room_for(device):
-                self._retire_idle(but=key)    # an idle actor of another role must not block this one
             a = self._new(kind, device)
             self.actors[key].append(a)
             return a
         return None
 
-    def _room_for(self, device: str) -> bool:
-        r, free = self.spec.resources, self.ray.available_resources()
-        need = {"CPU": r.cpus_per_actor, **({"GPU": r.gpus_per_actor} if device == "cuda" else {}),
-                **({"NPU": r.npus_per_actor} if device == "npu" else {})}
-        return all(free.get(k, 0.0) >= v for k, v in need.items())
+    def rebalance(self, ready: dict, inflight_actors) -> None:
+        """Retire idle actors that have nothing ready while other work waits for room.
 
-    def _retire_idle(self, but: tuple[str, str]) -> None:
+        Idle actors keep their CPU/GPU reservation: on a small cluster an idle fitter and an idle evaluator can
+        hold every CPU while a new latency bencher waits to be placed, forever. So whenever some ready unit
+        has no actor, or a unit waits on an actor that has not answered yet (maybe not placed), every idle
+        actor whose own queue is empty is released; it is created again (cheaply) when its work comes.
+        """
+        blocked = any(q and not self.idle[key] for key, q in ready.items())
+        unplaced = any(id(a) not in self.started for a in inflight_actors)
+        if not (blocked or unplaced):
+            return
         for key, q in self.idle.items():
-            if key != but and q:
+            while q and not ready.get(key):
                 self.replace(*key, q.popleft())
-                return
 
     def give_back(self, kind: str, device: str, actor) -> None:
+        self.started.add(id(actor))
         self.idle[(kind, device)].append(actor)
 
     def replace(self, kind: str, device: str, dead) -> None:
@@ -222,7 +226,12 @@ def _execute(ray, engine, pools: _Pools, spec: SweepSpec, sweep_id: int, units: 
                 ready[(u.kind, u.device_type)].append(waiting.pop(uid))
 
     def dispatch():
+        # latency is timed alone when the spec says so: no other unit of this sweep runs beside a bencher
+        others_busy = any(k[0] != "latency" and q for k, q in ready.items()) or \
+            any(u.kind != "latency" for u in waiting.values()) or any(u.kind != "latency" for u, _ in inflight.values())
         for key, q in ready.items():
+            if key[0] == "latency" and exclusive and others_busy:
+                continue
             while q:
                 actor = pools.take(*key)
                 if actor is None:
@@ -230,7 +239,9 @@ def _execute(ray, engine, pools: _Pools, spec: SweepSpec, sweep_id: int, units: 
                 u = q.popleft()
                 ref = actor.run.remote({"id": u.id, "kind": u.kind, "config": u.config})
                 inflight[ref] = (u, actor)
+        pools.rebalance(ready, [a for _, a in inflight.values()])
 
+    exclusive = spec.latency is not None and spec.latency.exclusive
     release_ready()
     last_beat = time.time()
     while True:
@@ -299,10 +310,23 @@ def _fail(engine, u: PlannedUnit, msg: str) -> None:
         queries.fail_unit(s, u.id, msg)
 
 
+def spec_from_env(var: str = "CTXSPARSE_SPEC") -> SweepSpec:
+    import json
+
+    text = os.environ.get(var)
+    if not text:
+        raise SpecError(f"spec '-' given but ${var} is empty")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SpecError(f"${var}: not JSON ({e})") from None
+    return parse_spec(data, f"${var}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m orchestrator.driver", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("spec", help="sweep spec (YAML)")
+    ap.add_argument("spec", help="sweep spec (YAML); '-' reads it from $CTXSPARSE_SPEC (what `ctxsparse submit` sets)")
     ap.add_argument("--db", default=None, help="SQLAlchemy URL (default: $CTXSPARSE_DB_URL, else SQLite)")
     ap.add_argument("--submission-id", default=os.environ.get("CTXSPARSE_SUBMISSION_ID"))
     ap.add_argument("--no-pareto", action="store_true", help="do not print the Pareto fronts at the end")
@@ -311,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                         datefmt="%H:%M:%S")
     logging.getLogger("alembic").setLevel(logging.WARNING)
     try:
-        spec = load_spec(args.spec)
+        spec = load_spec(args.spec) if args.spec != "-" else spec_from_env()
     except SpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

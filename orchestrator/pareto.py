@@ -4,6 +4,7 @@
 
 ``choose`` returns the fastest setting on the front whose accuracy loss against dense is within ``max_loss``
 (relative: ppl may rise by that fraction, a task accuracy fall by it); without such a setting, none.
+``choose_sparsest`` returns the sparsest setting within ``max_loss`` (for a target device with no latency rows).
 """
 from __future__ import annotations
 
@@ -54,6 +55,15 @@ def choose(front: Front, max_loss: float) -> FrontRow | None:
     """The fastest front setting within ``max_loss`` of dense (the dense setting itself qualifies)."""
     ok = [r for r in front.front if (loss_vs_dense(front, r) or 0.0) <= max_loss]
     return min(ok, key=lambda r: r.latency_ms, default=None)
+
+
+def choose_sparsest(front: Front, max_loss: float) -> FrontRow | None:
+    """The setting with the highest realized MLP sparsity within ``max_loss`` of dense (no latency needed):
+    where this machine's latency says nothing about the target (a CPU sweep for a GPU deployment), sparsity
+    is what the GPU kernels turn into speed."""
+    ok = [r for r in front.rows if not r.setting.is_dense and r.setting.realized_sparsity is not None
+          and (loss_vs_dense(front, r) if loss_vs_dense(front, r) is not None else 1e9) <= max_loss]
+    return max(ok, key=lambda r: (r.setting.realized_sparsity, -abs(loss_vs_dense(front, r))), default=None)
 
 
 def format_front(front: Front, model: str) -> str:

@@ -125,6 +125,7 @@ class LatencySpec(_Strict):
     gen_len: Annotated[int, Field(ge=2, le=4096)] = 16
     repeats: Annotated[int, Field(ge=1, le=100)] = 3
     hf_generate_baseline: bool = True
+    exclusive: bool = True     # time latency after every other unit, alone (CPU timings beside busy workers lie)
 
     @field_validator("devices", "batch", "prompt_len")
     @classmethod

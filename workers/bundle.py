@@ -93,7 +93,8 @@ def _predictor_classes() -> dict[tuple[str, str], type]:
 
     def walk(base, comp):
         for c in base.__subclasses__():
-            if c.__dict__.get("method"):
+            # only our own predictor modules: a subclass defined elsewhere (a test's, a user's) is not trusted
+            if c.__dict__.get("method") and c.__module__.startswith("workers.predictors."):
                 if (comp, c.method) in out and out[(comp, c.method)] is not c:
                     raise RuntimeError(f"two {comp} predictor classes claim method {c.method!r}")
                 out[(comp, c.method)] = c
@@ -214,3 +215,51 @@ def apply_bundle(model: torch.nn.Module, bundle: str | Path | Bundle, *, check_m
                               f"(fingerprint {b.fingerprint[:12]}), this model's fingerprint is {fp[:12]}")
     plan = b.plan(model)
     return apply_sparsity(model, plan)
+
+
+def pack_bundle(path: str | Path, out: str | Path) -> Path:
+    """Verify a bundle folder and write it as a ``.tar.gz`` (the two files, under the folder's name)."""
+    import tarfile
+
+    b = load_bundle(path)
+    out = Path(out)
+    with tarfile.open(out, "w:gz") as tar:
+        for name in (MANIFEST, *_DATA_FILES):
+            tar.add(b.path / name, arcname=f"{b.path.name}/{name}", recursive=False)
+    return out
+
+
+def extract_bundle(archive: str | Path, out: str | Path) -> Bundle:
+    """Unpack a bundle archive into the folder ``out`` and verify it.
+
+    Only the bundle's own regular files are taken (``manifest.json``, ``predictors.safetensors``, optionally
+    under one top folder); links, devices, other names and paths that would leave ``out`` are refused.
+    """
+    import tarfile
+
+    out = Path(out)
+    if out.exists():
+        raise BundleError(f"{out}: already exists (choose a new folder)")
+    wanted = {MANIFEST, *_DATA_FILES}
+    try:
+        tar = tarfile.open(archive, "r:*")
+    except (OSError, tarfile.TarError) as e:
+        raise BundleError(f"{archive}: not a readable bundle archive ({e})") from None
+    with tar, atomic_dir(out) as tmp:
+        found = set()
+        for m in tar.getmembers():
+            parts = Path(m.name).parts
+            if m.isdir() and len(parts) == 1 and ".." not in parts:
+                continue
+            name = parts[-1] if parts else ""
+            if not m.isfile() or name not in wanted or len(parts) > 2 or ".." in parts or Path(m.name).is_absolute():
+                raise BundleError(f"{archive}: unexpected member {m.name!r} (a bundle holds only {sorted(wanted)})")
+            if name in found:
+                raise BundleError(f"{archive}: {name} appears twice")
+            src = tar.extractfile(m)
+            (tmp / name).write_bytes(src.read())
+            found.add(name)
+        if found != wanted:
+            raise BundleError(f"{archive}: missing {sorted(wanted - found)}")
+        load_bundle(tmp)
+    return load_bundle(out)

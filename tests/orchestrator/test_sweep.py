@@ -1,0 +1,146 @@
+"""The sweep service end to end on a local Ray cluster and real SmolLM2: rows, resume, a killed worker, placement."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from db import queries
+from db.engine import get_engine, session_scope
+from db.settings import pareto, settings_for_model
+from tests.sweep_support import run_tiny_sweep, tiny_spec
+
+
+def _counts(url: str) -> dict:
+    with session_scope(get_engine(url)) as s:
+        acc = queries.accuracy_table(s)
+        lat = queries.latency_table(s)
+        keys_acc = [(r.unit_id, r.suite, r.task, r.metric) for r in acc]
+        keys_lat = [(r.unit_id, r.device_type, r.batch, r.prompt_len, r.runtime) for r in lat]
+        sweeps = queries.list_sweeps(s)
+        units = {u.id: u for sw in sweeps for u in queries.pending_units(s, sw.id, include_failed=True)}
+        return {"acc": keys_acc, "lat": keys_lat, "left": units, "sweeps": sweeps}
+
+
+@pytest.fixture(scope="module")
+def swept(ray_local, tmp_path_factory):
+    url = f"sqlite:///{tmp_path_factory.mktemp('sweep') / 'store.db'}"
+    t0 = time.time()
+    outcome = run_tiny_sweep(url)
+    return url, outcome, time.time() - t0
+
+
+def test_tiny_sweep_writes_every_row_once(swept):
+    url, outcome, _ = swept
+    spec = tiny_spec()
+    n_settings = 1 + sum(len(m.sparsity) for m in spec.methods)
+    assert outcome.ok and outcome.failed == [] and outcome.unplaceable == []
+    assert outcome.done == outcome.total == 1 + n_settings * (1 + 2 + 1) + 1   # collect, fit+2 evals+latency, hf
+    c = _counts(url)
+    assert c["left"] == {}
+    assert len(c["acc"]) == len(set(c["acc"]))                  # no duplicate rows
+    assert len(c["lat"]) == len(set(c["lat"])) == n_settings + 1
+    with session_scope(get_engine(url)) as s:
+        assert [sw.status for sw in queries.list_sweeps(s)] == ["done"]
+        model = queries.list_models(s)[0]
+        settings = settings_for_model(s, model.id)
+        assert {st.method for st in settings} == {"dense", "oracle", "threshold"}
+        for st in settings:
+            assert st.accuracy["perplexity/lambada-heldout/ppl"] > 1
+            assert 0 <= st.accuracy["mc/copa/acc"] <= 1
+            assert [r.runtime for r in st.latency if r.runtime != "hf-generate"] == \
+                   ["ctxsparse-dense" if st.is_dense else "ctxsparse-sparse"]
+        dense = next(st for st in settings if st.is_dense)
+        assert dense.realized_sparsity == 0.0
+        for st in settings:
+            if not st.is_dense:   # sparsity really applied: fewer neurons and a worse perplexity than dense
+                assert st.realized_sparsity == pytest.approx(0.5, abs=0.05)
+                assert st.accuracy["perplexity/lambada-heldout/ppl"] > dense.accuracy["perplexity/lambada-heldout/ppl"]
+        fit = next(st for st in settings if st.method == "threshold")
+        layers = queries.layer_metrics_for(s, fit.fit_unit)
+        assert len(layers) == 30 and all(0 <= r.recall <= 1 for r in layers)
+        front = pareto(settings, "perplexity/lambada-heldout/ppl", "cpu")
+        assert front.message is None and front.front
+        best_ppl = min(st.accuracy["perplexity/lambada-heldout/ppl"] for st in settings)
+        assert any(r.accuracy == best_ppl for r in front.front)    # the most accurate setting is never dominated
+        assert pareto(settings, "perplexity/lambada-heldout/ppl", "cuda").message.startswith("no latency rows")
+
+
+def test_resubmitted_sweep_recomputes_nothing(swept):
+    url, _, _ = swept
+    before = _counts(url)
+    again = run_tiny_sweep(url)
+    after = _counts(url)
+    assert again.ok and again.ran == 0 and again.done == again.total
+    assert sorted(after["acc"]) == sorted(before["acc"]) and sorted(after["lat"]) == sorted(before["lat"])
+    assert len(after["sweeps"]) == 1                  # the same spec finds its sweep
+
+
+def test_device_types_the_cluster_lacks_stay_pending(swept):
+    url, _, _ = swept
+    out = run_tiny_sweep(url, latency={"devices": ["cpu", "cuda"], "prompt_len": [16], "gen_len": 4, "repeats": 1})
+    assert out.ok and out.ran == 0 and len(out.unplaceable) == 4     # 3 settings + the HF baseline on cuda
+    with session_scope(get_engine(url)) as s:
+        assert queries.latency_table(s, device_type="cuda") == []
+        sw = next(x for x in queries.list_sweeps(s) if x.spec["latency"]["devices"] == ["cpu", "cuda"])
+        assert sw.status == "running" and queries.sweep_progress(s, sw.id).done == out.total - 4
+
+
+def test_worker_killed_mid_unit_loses_nothing_and_duplicates_nothing(ray_local, tmp_path):
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    engine = get_engine(url)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(out=run_tiny_sweep(url, name="tiny-kill")), daemon=True)
+    t.start()
+    victim = None
+    deadline = time.time() + 600
+    while victim is None and time.time() < deadline and t.is_alive():
+        time.sleep(0.2)
+        try:
+            with session_scope(engine) as s:
+                models = queries.list_models(s)
+                running = queries.units_for_model(s, models[0].id, status="running") if models else []
+        except Exception:   # the store is being created by the sweep thread
+            continue
+        evals = [u for u in running if u.kind == "eval" and u.worker]
+        if evals:
+            victim = evals[0]
+    assert victim is not None, "no eval unit was seen running"
+    pid = int(victim.worker.rsplit(":", 1)[1])
+    os.kill(pid, signal.SIGKILL)
+    t.join(timeout=900)
+    out = result["out"]
+    assert out.ok and out.worker_deaths >= 1 and out.done == out.total
+    c = _counts(url)
+    assert c["left"] == {}
+    assert len(c["acc"]) == len(set(c["acc"])) and len(c["lat"]) == len(set(c["lat"]))
+    with session_scope(engine) as s:
+        u = queries.get_unit(s, victim.id)
+        assert u.status == "done" and u.attempts >= 2 and u.worker != victim.worker
+        rows = [r for r in queries.accuracy_table(s) if r.unit_id == victim.id]
+        from workers.suites import SUITES
+
+        suite = victim.config["suite"]
+        expected = 4 if suite == "perplexity" else len(SUITES[suite].metrics)   # ppl, nll, 2 sparsities
+        assert len(rows) == expected
+
+
+def test_npu_actor_is_placed_on_the_npu_node_and_sees_its_device(ray_local):
+    from workers.actors import Evaluator, actor_options
+
+    ray = ray_local
+    npu_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("NPU")}
+    assert npu_nodes, "the test cluster declares an NPU resource"
+    a = Evaluator.options(**actor_options("npu")).remote(None, "npu")
+    try:
+        info = ray.get(a.info.remote(), timeout=120)
+        assert info["node_id"] in npu_nodes
+        assert info["env"]["ASCEND_RT_VISIBLE_DEVICES"] == "0"
+        # without the Ascend plugin the actor says so instead of silently running on the CPU
+        with pytest.raises(Exception, match="torch_npu is not importable"):
+            ray.get(a.describe.remote("smollm2-135m", tiny_spec().data.model_dump(), None), timeout=300)
+    finally:
+        ray.kill(a)
