@@ -42,7 +42,7 @@ def test_every_manifest_is_in_the_kustomization_or_applied_separately(kustomizat
 def test_rendered_kustomization_has_the_expected_objects(rendered):
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in rendered)
     assert kinds == sorted([
-        ("RayCluster", "ctxsparse"),
+        ("RayCluster", "ctxsparse"), ("PersistentVolumeClaim", "ctxsparse-home"),
         ("StatefulSet", "ctxsparse-postgres"), ("Service", "ctxsparse-postgres"),
         ("Job", "ctxsparse-db-migrate"),
         ("Deployment", "ctxsparse-dashboard"), ("Service", "ctxsparse-dashboard"),

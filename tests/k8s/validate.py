@@ -4,6 +4,9 @@
     render_kustomization(dir) -> list[dict]  what ``kubectl apply -k dir`` would send (the subset
                                              of kustomize we use: resources, namespace, images,
                                              configMapGenerator, labels)
+    shared_home_problems(docs) -> list[str]  every Ray pod mounts the same ReadWriteMany claim at the
+                                             CTXSPARSE_HOME its env declares (checked on the rendered
+                                             kustomization: the objects deployed together)
     python -m tests.k8s.validate k8s/         prints OK or the errors; exit status 1 on errors
 
 Schemas (see schemas/README.md): KubeRay's RayCluster/RayJob CRD ``openAPIV3Schema`` and the
@@ -40,6 +43,7 @@ _CORE_KINDS = {
     ("v1", "Service"): "io.k8s.api.core.v1.Service",
     ("v1", "ConfigMap"): "io.k8s.api.core.v1.ConfigMap",
     ("v1", "Secret"): "io.k8s.api.core.v1.Secret",
+    ("v1", "PersistentVolumeClaim"): "io.k8s.api.core.v1.PersistentVolumeClaim",
 }
 _CRDS = {
     ("ray.io/v1", "RayCluster"): f"kuberay-{KUBERAY_VERSION}-raycluster.json",
@@ -138,6 +142,100 @@ def validate_manifest(doc: Any) -> list[str]:
                 f"(known: {', '.join(KNOWN_KINDS)})"]
     errors = sorted(validator.iter_errors(doc), key=lambda e: ([str(p) for p in e.absolute_path], e.message))
     return [f"{label}: {_path(e.absolute_path)}: {_message(e)}" for e in errors]
+
+
+# ---------------------------------------------------------------- cross-object rules
+
+HOME_ENV = "CTXSPARSE_HOME"
+
+
+def _ray_groups(rc: dict) -> list[tuple[str, str, dict]]:
+    """(path, group name, group spec) of the head and every worker group of a RayCluster."""
+    spec = rc.get("spec") or {}
+    out = [("spec.headGroupSpec", "head", spec.get("headGroupSpec") or {})]
+    for i, g in enumerate(spec.get("workerGroupSpecs") or []):
+        out.append((f"spec.workerGroupSpecs[{i}]", str(g.get("groupName", "?")), g))
+    return out
+
+
+def shared_home_problems(docs: list[dict]) -> list[str]:
+    """Sweep actors exchange activations and predictor bundles through ``$CTXSPARSE_HOME``, and the driver
+    (on the head) hands its ``CTXSPARSE_HOME`` to every actor. So in every RayCluster the Ray container
+    (``containers[0]``) of each group must declare ``CTXSPARSE_HOME`` as a literal absolute path and mount
+    there, writable and without ``subPath``, a ``persistentVolumeClaim`` volume; path and claim must be the
+    same in every group, and the claim must be among ``docs`` with access mode ``ReadWriteMany``.
+    One message per problem, each naming the group and the path in the object."""
+    errors: list[str] = []
+    pvcs = {((d.get("metadata") or {}).get("namespace"), (d.get("metadata") or {}).get("name")): d
+            for d in docs if isinstance(d, dict) and d.get("kind") == "PersistentVolumeClaim"}
+    for rc in docs:
+        if not isinstance(rc, dict) or rc.get("kind") != "RayCluster":
+            continue
+        meta = rc.get("metadata") or {}
+        label = f"RayCluster/{meta.get('name', '?')}"
+        seen: dict[tuple, list[str]] = {}     # (home path, claim) -> groups
+        for path, group, g in _ray_groups(rc):
+            pod = (g.get("template") or {}).get("spec") or {}
+            containers = pod.get("containers") or []
+            if not containers:
+                errors.append(f"{label}: {path}.template.spec ({group}): no containers")
+                continue
+            c = containers[0]
+            cpath = f"{path}.template.spec.containers[0]"
+            env = {e.get("name"): e for e in c.get("env") or [] if isinstance(e, dict)}
+            if HOME_ENV not in env:
+                errors.append(f"{label}: {cpath}.env ({group}): {HOME_ENV} is not set: every Ray pod needs the "
+                              f"path of the shared cache")
+                continue
+            home = env[HOME_ENV].get("value")
+            if not isinstance(home, str) or not home.startswith("/"):
+                errors.append(f"{label}: {cpath}.env ({group}): {HOME_ENV} must be a literal absolute path, "
+                              f"got {home!r}")
+                continue
+            home = home.rstrip("/") or "/"
+            mounts = [(i, m) for i, m in enumerate(c.get("volumeMounts") or [])
+                      if isinstance(m, dict) and str(m.get("mountPath", "")).rstrip("/") == home]
+            if not mounts:
+                errors.append(f"{label}: {cpath}.volumeMounts ({group}): nothing is mounted at "
+                              f"{HOME_ENV}={home}: mount the shared ReadWriteMany claim there")
+                continue
+            i, m = mounts[0]
+            mpath = f"{cpath}.volumeMounts[{i}]"
+            if m.get("readOnly"):
+                errors.append(f"{label}: {mpath} ({group}): {HOME_ENV} is mounted readOnly; actors write there")
+            if m.get("subPath") or m.get("subPathExpr"):
+                errors.append(f"{label}: {mpath} ({group}): {HOME_ENV} is mounted with a subPath; every pod must "
+                              f"see the whole shared volume")
+            vols = {v.get("name"): (j, v) for j, v in enumerate(pod.get("volumes") or []) if isinstance(v, dict)}
+            if m.get("name") not in vols:
+                errors.append(f"{label}: {mpath} ({group}): volume {m.get('name')!r} is not in the pod's volumes")
+                continue
+            j, vol = vols[m["name"]]
+            vpath = f"{path}.template.spec.volumes[{j}]"
+            src = vol.get("persistentVolumeClaim")
+            if not isinstance(src, dict):
+                kind = next((k for k in vol if k != "name"), "nothing")
+                errors.append(f"{label}: {vpath} ({group}): volume {m['name']!r} mounted at {HOME_ENV}={home} is "
+                              f"{kind}, not a persistentVolumeClaim: every Ray pod must mount the same "
+                              f"ReadWriteMany claim there")
+                continue
+            if src.get("readOnly"):
+                errors.append(f"{label}: {vpath} ({group}): claim {src.get('claimName')!r} is attached readOnly")
+            seen.setdefault((home, src.get("claimName")), []).append(group)
+        if len(seen) > 1:
+            shown = "; ".join(f"{', '.join(gs)}: claim {c!r} at {h}" for (h, c), gs in seen.items())
+            errors.append(f"{label}: the Ray pods do not share one {HOME_ENV} ({shown})")
+        for (home, claim), groups in seen.items():
+            pvc = pvcs.get((meta.get("namespace"), claim))
+            if pvc is None:
+                errors.append(f"{label}: claim {claim!r} (mounted at {HOME_ENV} by {', '.join(groups)}) is not "
+                              f"defined: add its PersistentVolumeClaim to the kustomization")
+                continue
+            modes = (pvc.get("spec") or {}).get("accessModes") or []
+            if "ReadWriteMany" not in modes:
+                errors.append(f"PersistentVolumeClaim/{claim}: spec.accessModes: {modes} lacks 'ReadWriteMany' "
+                              f"(Ray pods on different nodes mount it at {HOME_ENV})")
+    return errors
 
 
 # ---------------------------------------------------------------- files and kustomize
@@ -246,7 +344,9 @@ def validate_dir(kdir: Path) -> list[str]:
         if not problems:
             k = yaml.safe_load((kdir / "kustomization.yaml").read_text())
             listed = set(k.get("resources", []))
-            errors += [f"kustomize build: {e}" for d in render_kustomization(kdir) for e in validate_manifest(d)]
+            docs = render_kustomization(kdir)
+            errors += [f"kustomize build: {e}" for d in docs for e in validate_manifest(d)]
+            errors += [f"kustomize build: {e}" for e in shared_home_problems(docs)]
     for f in sorted([*kdir.glob("*.yaml"), *kdir.glob("*.yml")]):
         if f.name == "kustomization.yaml" or f.name in listed:
             continue

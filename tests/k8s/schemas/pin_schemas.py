@@ -26,6 +26,7 @@ CORE_KINDS = [
     "io.k8s.api.core.v1.Service",
     "io.k8s.api.core.v1.ConfigMap",
     "io.k8s.api.core.v1.Secret",
+    "io.k8s.api.core.v1.PersistentVolumeClaim",  # the shared CTXSPARSE_HOME (already in the StatefulSet closure)
     "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta",  # for the metadata of the Ray CRs
 ]
 
