@@ -5,6 +5,8 @@ set -euo pipefail
 SPEC=${SPEC:-orchestrator/sweeps/demo.yaml}
 OUT=${OUT:-demo-out}
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0
+# Ray 2.60 enables token authentication; in token mode the head writes ~/.ray/auth_token and clients read it
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
 export RAY_ADDRESS=http://127.0.0.1:8265
 started=0
 t0=$(date +%s)

@@ -158,11 +158,12 @@ def register(engine, spec: SweepSpec, described: dict[str, dict], units: list[Pl
         model_ids, dataset_ids = {}, {}
         for ref in spec.models:
             d = described[ref]
-            model_ids[ref] = queries.upsert_model(s, name=ref, fingerprint=d["fingerprint"], family=d["family"],
-                                                  config={"dims": d["dims"]}, n_params=d["n_params"])
-            dataset_ids[ref] = queries.upsert_dataset(s, name=f"{spec.data.source}-calib", fingerprint=d["calib_fp"],
-                                                      source=spec.data.source, n_tokens=d["calib_n_tokens"],
-                                                      split="calib")
+            model_ids[ref] = queries.upsert_model(s, name=d["name"], fingerprint=d["fingerprint"],
+                                                  family=d["family"], config={"dims": d["dims"]},
+                                                  n_params=d["n_params"])
+            dataset_ids[ref] = None if d["calib_fp"] is None else queries.upsert_dataset(
+                s, name=f"{spec.data.source}-calib", fingerprint=d["calib_fp"], source=spec.data.source,
+                n_tokens=d["calib_n_tokens"], split="calib")
         specs = [UnitSpec(model_id=model_ids[u.model], dataset_id=dataset_ids[u.model], **u.columns())
                  for u in units]
         queries.register_units(s, sweep_id, specs)

@@ -51,9 +51,13 @@ def loss_vs_dense(front: Front, row: FrontRow) -> float | None:
     return 1.0 - row.accuracy / dense.accuracy
 
 
+NOT_DEPLOYABLE = ("oracle",)   # upper bounds: they read the dense activations they are meant to skip
+
+
 def choose(front: Front, max_loss: float) -> FrontRow | None:
     """The fastest front setting within ``max_loss`` of dense (the dense setting itself qualifies)."""
-    ok = [r for r in front.front if (loss_vs_dense(front, r) or 0.0) <= max_loss]
+    ok = [r for r in front.front if (loss_vs_dense(front, r) or 0.0) <= max_loss
+          and r.setting.method not in NOT_DEPLOYABLE]
     return min(ok, key=lambda r: r.latency_ms, default=None)
 
 
@@ -62,6 +66,7 @@ def choose_sparsest(front: Front, max_loss: float) -> FrontRow | None:
     where this machine's latency says nothing about the target (a CPU sweep for a GPU deployment), sparsity
     is what the GPU kernels turn into speed."""
     ok = [r for r in front.rows if not r.setting.is_dense and r.setting.realized_sparsity is not None
+          and r.setting.method not in NOT_DEPLOYABLE
           and (loss_vs_dense(front, r) if loss_vs_dense(front, r) is not None else 1e9) <= max_loss]
     return max(ok, key=lambda r: (r.setting.realized_sparsity, -abs(loss_vs_dense(front, r))), default=None)
 
@@ -79,15 +84,15 @@ def format_front(front: Front, model: str) -> str:
     rows = sorted(front.rows, key=lambda r: (not r.on_front, r.latency_ms if r.latency_ms is not None else 1e30,
                                              r.setting.label))
     for r in rows:
-        loss = loss_vs_dense(front, r)
+        change = (r.accuracy / dense.accuracy - 1.0) if dense and dense.accuracy else None
         spd = (dense.latency_ms / r.latency_ms) if dense and dense.latency_ms and r.latency_ms else None
         rs = r.setting.realized_sparsity
         lines.append(f"  {'*' if r.on_front else ' ':2}{r.setting.label:<40} {r.accuracy:>10.4g} "
-                     f"{'' if loss is None else f'{100 * loss:+.1f}%':>10} "
+                     f"{'' if change is None else f'{100 * change:+.1f}%':>10} "
                      f"{'-' if r.latency_ms is None else f'{r.latency_ms:.2f}':>9} "
                      f"{'' if spd is None else f'{spd:.2f}x':>8} {'' if rs is None else f'{rs:.3f}':>7}  "
                      f"{r.setting.fit_unit[:12]}")
-    lines.append("  (* = on the front)")
+    lines.append("  (* = on the front; Δ = the metric's relative change; the oracle is a bound, never chosen)")
     return "\n".join(lines)
 
 

@@ -3,7 +3,9 @@
     collect (model, data) ─▶ fit (method, s, r, attention s, allocation, options) ─┬▶ eval (perplexity | task)
                                                                                   └▶ latency (device, batch, prompt)
 
-A ``dense`` fit (an empty plan) is always planned: the baseline every setting is compared with, evaluated and
+A ``shape:NAME`` model (a 7B-class shape with random weights) gets only fit placeholders and latency units: its
+predictors are drawn at random with the real shapes at each grid sparsity, so the timing is real and the accuracy
+meaningless. A ``dense`` fit (an empty plan) is always planned: the baseline every setting is compared with, evaluated and
 timed like the others; Hugging Face ``generate`` is timed on it too. A unit's id is the hash of its kind, its
 canonical config (model and data fingerprints included) and ``CODE_VERSION``: the same work always gets the
 same id, whichever sweep asks for it, so finished units are reused and never run twice.
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.spec import SweepSpec
 
+SHAPE_PREFIX = "shape:"        # a model given by its real shape with random weights (see workers.units)
 CODE_VERSION = "sweep-1"      # bump when a unit's computation changes meaning (old rows then stop matching)
 DENSE = "dense"
 
@@ -71,24 +74,29 @@ def plan_units(spec: SweepSpec, described: dict[str, dict]) -> list[PlannedUnit]
     units: list[PlannedUnit] = []
     for ref in spec.models:
         d = described[ref]
-        base = {"model": ref, "model_fp": d["fingerprint"], "data": data, "calib_fp": d["calib_fp"]}
-        collect = _unit("collect", ref, acc, base, label=f"{ref} collect")
-        units.append(collect)
+        shape = ref.startswith(SHAPE_PREFIX)   # random weights: latency only, nothing to collect or evaluate
+        base = {"model": ref, "model_fp": d["fingerprint"]}
+        if not shape:
+            base.update(data=data, calib_fp=d["calib_fp"])
+            collect = _unit("collect", ref, acc, base, label=f"{ref} collect")
+            units.append(collect)
         for st in settings(spec):
             tag = _tag(st)
-            fit = _unit("fit", ref, acc, {**base, **st, "seed": spec.seed}, [collect.id], f"{ref} {tag} fit",
-                        method=st["method"], sparsity=st["sparsity"], rank=st["rank"],
+            fit = _unit("fit", ref, acc, {**base, **st, "seed": spec.seed}, [] if shape else [collect.id],
+                        f"{ref} {tag} fit", method=st["method"], sparsity=st["sparsity"], rank=st["rank"],
                         attn_sparsity=st["attn_sparsity"])
             units.append(fit)
             coords = dict(method=st["method"], sparsity=st["sparsity"], rank=st["rank"],
                           attn_sparsity=st["attn_sparsity"])
             ev = {**base, "fit_unit": fit.id}
-            if spec.suites.perplexity is not None:
+            if shape:
+                pass
+            elif spec.suites.perplexity is not None:
                 p = spec.suites.perplexity.model_dump()
                 units.append(_unit("eval", ref, acc, {**ev, "suite": "perplexity", "perplexity": p,
                                                       "heldout_fp": d["heldout_fp"]},
                                    [fit.id], f"{ref} {tag} perplexity", **coords))
-            for t in spec.suites.tasks:
+            for t in ([] if shape else spec.suites.tasks):
                 units.append(_unit("eval", ref, acc, {**ev, "suite": t.name, "limit": t.limit}, [fit.id],
                                    f"{ref} {tag} {t.name}", **coords))
             if spec.latency is None:
@@ -103,6 +111,8 @@ def plan_units(spec: SweepSpec, described: dict[str, dict]) -> list[PlannedUnit]
                             cfg = {"model": ref, "model_fp": d["fingerprint"], "fit_unit": fit.id,
                                    "device_type": dev, "batch": b, "prompt_len": pl, "gen_len": lat.gen_len,
                                    "repeats": lat.repeats, "runtime": rt}
+                            if shape:
+                                cfg["setting"] = st
                             units.append(_unit("latency", ref, dev, cfg, [fit.id],
                                                f"{ref} {tag} latency {dev} b{b} p{pl} {rt}", **coords))
     return units

@@ -160,6 +160,16 @@ class SweepSpec(_Strict):
     @model_validator(mode="after")
     def _check(self) -> "SweepSpec":
         _unique(self.models, "models")
+        shapes = [m for m in self.models if m.startswith("shape:")]
+        if shapes:
+            from workers.latency import SHAPES
+
+            unknown = [m for m in shapes if m[len("shape:"):] not in SHAPES]
+            if unknown:
+                raise ValueError(f"models: unknown shape(s) {unknown}; known: {['shape:' + k for k in SHAPES]}")
+            if self.latency is None or "cpu" in self.latency.devices:
+                raise ValueError(f"models {shapes} are 7B-class shapes with random weights, for GPU/NPU latency "
+                                 "only: give latency.devices without cpu (or sweep them in a separate spec)")
         keys = [json.dumps([m.name, m.allocation, m.options], sort_keys=True) for m in self.methods]
         if len(set(keys)) != len(keys):
             raise ValueError("methods: the same method with the same allocation and options is listed twice "

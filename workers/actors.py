@@ -65,6 +65,21 @@ def _torch_device(device_type: DeviceType) -> str:
     return "cpu"
 
 
+def _quiet_progress_bars() -> None:
+    """Per-batch progress bars (weights loading, lm-eval requests) from many actors drown the driver's log."""
+    import logging
+
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+    for name in ("lm-eval", "lm_eval"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 class _UnitActor:
     role = "worker"
 
@@ -79,6 +94,7 @@ class _UnitActor:
 
     def _setup(self):
         if self._units is None:
+            _quiet_progress_bars()     # first: tqdm reads TQDM_DISABLE when it is imported
             import torch
 
             from workers.units import Units

@@ -28,6 +28,22 @@ from workers.paths import home, sha256_file
 log = logging.getLogger(__name__)
 
 DENSE = "dense"       # the method name of the always-present dense setting (an empty plan)
+SHAPE_PREFIX = "shape:"   # "shape:llama2-7b": the real shapes with random weights (GPU latency only)
+
+
+def is_shape(ref: str) -> bool:
+    return ref.startswith(SHAPE_PREFIX)
+
+
+def shape_identity(name: str) -> tuple[str, str]:
+    """(store name, fingerprint) of a random-weights shape; the same as the kernel benchmark rows use."""
+    import hashlib
+
+    from workers.latency import shape_config
+
+    cfg = shape_config(name)
+    d, D = cfg.hidden_size, getattr(cfg, "intermediate_size", None) or cfg.ffn_dim
+    return f"{name}-shape", hashlib.sha256(f"random-weights:{name}:{d}:{D}".encode()).hexdigest()
 
 
 def bundle_dir(fit_unit: str) -> Path:
@@ -56,20 +72,44 @@ class Units:
         from workers.models import load_model
 
         if ref not in self._lms:
-            self._lms[ref] = load_model(ref, device=self.device)
+            self._lms[ref] = self._shape_lm(ref) if is_shape(ref) else load_model(ref, device=self.device)
         lm = self._lms[ref]
         if expect_fp is not None and lm.fingerprint != expect_fp:
             raise RuntimeError(f"model {ref} now has fingerprint {lm.fingerprint[:12]}, the sweep planned "
                                f"{expect_fp[:12]}: its weights changed; submit the sweep again")
         return lm
 
+    def _shape_lm(self, ref: str):
+        from workers.adapters import adapter_for
+        from workers.latency import shape_model
+        from workers.models import LoadedModel
+
+        name = ref[len(SHAPE_PREFIX):]
+        dtype = torch.float32 if self.device == "cpu" else torch.float16
+        model = shape_model(name, dtype=dtype, device=self.device)
+        ad = adapter_for(model)
+        return LoadedModel(model, None, ref, ad, ad.dims(model.config), shape_identity(name)[1],
+                           "random weights", {"shape": name})
+
     def describe(self, ref: str, data: dict, ppl: dict | None) -> dict:
         """Model and data fingerprints (what unit ids are made of)."""
         from workers.data import token_windows
 
+        if is_shape(ref):      # from the config alone: no weights, no data
+            from workers.adapters import adapter_for
+            from workers.latency import shape_config
+
+            name = ref[len(SHAPE_PREFIX):]
+            cfg = shape_config(name)
+            store_name, fp = shape_identity(name)
+            dims = adapter_for(cfg).dims(cfg)
+            return {"fingerprint": fp, "family": adapter_for(cfg).family, "ref": ref, "name": store_name,
+                    "n_params": None, "dims": {k: v for k, v in vars(dims).items() if isinstance(v, int)},
+                    "calib_fp": None, "calib_n_tokens": 0, "heldout_fp": None}
+
         lm = self.lm(ref)
         calib = token_windows(lm.tokenizer, data["source"], "calib", data["calib_tokens"], data["seq_len"])
-        out = {"fingerprint": lm.fingerprint, "family": lm.family, "ref": lm.ref,
+        out = {"fingerprint": lm.fingerprint, "family": lm.family, "ref": lm.ref, "name": lm.ref,
                "n_params": sum(p.numel() for p in lm.model.parameters()),
                "dims": {k: v for k, v in vars(lm.dims).items() if isinstance(v, int)},
                "calib_fp": calib.fingerprint, "calib_n_tokens": calib.n_tokens, "heldout_fp": None}
@@ -111,6 +151,8 @@ class Units:
         from workers.metrics import plan_quality
         from workers.predictors import FitContext, SparsityPlan, fit_method
 
+        if is_shape(cfg["model"]):   # random predictors of the real shapes are drawn by the latency unit itself
+            return UnitOutput(summary={"random_predictors": cfg["method"] != DENSE})
         lm, calib, held = self._caches(cfg)
         ctx = FitContext(lm, calib, list(range(lm.dims.n_layers)), seed=cfg.get("seed", 0))
         method, s, rank, attn = cfg["method"], cfg["sparsity"], cfg.get("rank"), cfg.get("attn_sparsity")
@@ -194,10 +236,16 @@ class Units:
         return out
 
     def latency(self, unit_id: str, cfg: dict) -> UnitOutput:
-        from workers.latency import bench_decode
+        from workers.latency import bench_decode, random_plan
 
-        lm, b = self._bundle(cfg)
-        plan = None if b.manifest["method"] == DENSE else b.plan(lm.model)
+        if is_shape(cfg["model"]):
+            lm = self.lm(cfg["model"], cfg["model_fp"])
+            st = cfg["setting"]
+            plan = None if st["method"] == DENSE else random_plan(
+                lm.model, st["sparsity"], st.get("attn_sparsity"), rank=st.get("rank") or 256)
+        else:
+            lm, b = self._bundle(cfg)
+            plan = None if b.manifest["method"] == DENSE else b.plan(lm.model)
         rows = bench_decode(lm.model, plan, device=self.device,
                             batch=cfg["batch"], prompt_len=cfg["prompt_len"], gen_len=cfg["gen_len"],
                             repeats=cfg["repeats"], runtime=cfg["runtime"])

@@ -144,3 +144,47 @@ def test_npu_actor_is_placed_on_the_npu_node_and_sees_its_device(ray_local):
             ray.get(a.describe.remote("smollm2-135m", tiny_spec().data.model_dump(), None), timeout=300)
     finally:
         ray.kill(a)
+
+
+def test_exported_bundle_on_a_fresh_model_reproduces_the_sweep_perplexity(swept, tmp_path, capsys):
+    from orchestrator.cli import main as cli
+    from workers.bundle import apply_bundle
+    from workers.data import token_windows
+    from workers.evaluate import perplexity
+    from workers.models import load_model
+
+    url, _, _ = swept
+    spec = tiny_spec()
+    with session_scope(get_engine(url)) as s:
+        st = next(x for x in settings_for_model(s, queries.list_models(s)[0].id) if x.method == "threshold")
+    out = tmp_path / "bundle"
+    assert cli(["bundle", "export", st.fit_unit[:12], "--out", str(out), "--db", url]) == 0
+    assert f'"unit": "{st.fit_unit[:12]}"' in capsys.readouterr().out
+    lm = load_model("smollm2-135m")                       # a new model object, not the workers'
+    toks = token_windows(lm.tokenizer, spec.data.source, "heldout", spec.suites.perplexity.tokens,
+                         spec.suites.perplexity.seq_len)
+    with apply_bundle(lm.model, out) as applied:
+        ppl = perplexity(lm.model, toks).ppl
+        assert applied.stats.mlp_sparsity() == pytest.approx(st.realized_sparsity, abs=1e-6)
+    assert ppl == pytest.approx(st.accuracy["perplexity/lambada-heldout/ppl"], rel=1e-4)
+    assert perplexity(lm.model, toks).ppl < ppl            # reverted: dense again
+
+
+def test_cli_pareto_and_bundle_errors(swept, tmp_path, capsys):
+    from orchestrator.cli import main as cli
+
+    url, _, _ = swept
+    assert cli(["pareto", "smollm2-135m", "--db", url]) == 0
+    text = capsys.readouterr().out
+    assert "Pareto front: smollm2-135m" in text and "(* = on the front" in text
+    assert cli(["pareto", "smollm2-135m", "--db", url, "--device", "cuda"]) == 0
+    assert "no latency rows for device type 'cuda'" in capsys.readouterr().out
+    assert cli(["pareto", "gpt-17", "--db", url]) == 2
+    assert "no model 'gpt-17'" in capsys.readouterr().err
+    assert cli(["pareto", "smollm2-135m", "--db", url, "--metric", "mc/nope/acc"]) == 2
+    assert cli(["bundle", "export", "ffff", "--out", str(tmp_path / "x"), "--db", url]) == 2
+    assert "no unit with id 'ffff'" in capsys.readouterr().err
+    assert cli(["bundle", "export", "--best", "smollm2-135m", "--by", "sparsity", "--max-loss", "0.0001",
+                "--out", str(tmp_path / "y"), "--db", url]) == 2
+    assert "no sparse setting" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
