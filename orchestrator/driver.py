@@ -42,6 +42,7 @@ class SweepOutcome:
     failed: list[str] = field(default_factory=list)
     unplaceable: list[str] = field(default_factory=list)
     ran: int = 0                  # units computed by this run (the rest were done already)
+    model_names: list[str] = field(default_factory=list)   # as stored (a shape:NAME model is NAME-shape)
     worker_deaths: int = 0
 
     @property
@@ -182,11 +183,14 @@ def run_sweep(spec: SweepSpec, db_url: str | None = None, submission_id: str | N
     try:
         described = {ref: pools.describe(ref, spec) for ref in spec.models}
         for ref, d in described.items():
-            log.info("model %s: %s, fingerprint %s; calibration data %s (%d tokens)", ref, d["family"],
-                     d["fingerprint"][:12], d["calib_fp"][:12], d["calib_n_tokens"])
+            data = (f"calibration data {d['calib_fp'][:12]} ({d['calib_n_tokens']} tokens)" if d["calib_fp"]
+                    else "random weights: latency only")
+            log.info("model %s: %s, fingerprint %s; %s", ref, d["family"], d["fingerprint"][:12], data)
         units = plan_units(spec, described)
         sweep_id = register(engine, spec, described, units, submission_id)
-        return _execute(ray, engine, pools, spec, sweep_id, units, heartbeat_s)
+        out = _execute(ray, engine, pools, spec, sweep_id, units, heartbeat_s)
+        out.model_names = [described[m]["name"] for m in spec.models]
+        return out
     finally:
         pools.shutdown()
 
@@ -348,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_pareto:
         from orchestrator.pareto import print_fronts
 
-        print_fronts(get_engine(args.db, read_only=False), spec.models)
+        print_fronts(get_engine(args.db, read_only=False), outcome.model_names)
     return 0 if outcome.ok else 1
 
 
