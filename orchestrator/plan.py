@@ -17,10 +17,9 @@ import json
 from dataclasses import dataclass, field
 
 from orchestrator.spec import SweepSpec
+from workers.units import DENSE, SHAPE_PREFIX
 
-SHAPE_PREFIX = "shape:"        # a model given by its real shape with random weights (see workers.units)
 CODE_VERSION = "sweep-1"      # bump when a unit's computation changes meaning (old rows then stop matching)
-DENSE = "dense"
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 ``Workbench`` holds what every point of a model shares (the loaded model, the calibration activations, the
 held-out tokens and held-out activations); ``run_point`` fits one (method, sparsity, rank, options) and
-measures it. The sweep's evaluator calls the same function.
+measures it, in one process: the tool behind the issue-3 measurements. A sweep splits the same steps into
+units run by Ray actors (``workers.units``).
 
     python -m workers.quality --model smollm2-135m --methods oracle,static,threshold,svd,dejavu \\
         --sparsity 0.3,0.5,0.7 --heldout-tokens 8192 --jsonl results.jsonl

@@ -57,6 +57,8 @@ BAD = [
     ("negative gpus", _with(resources={"gpus_per_actor": -1}), "resources.gpus_per_actor"),
     ("bad accelerator", _with(resources={"accelerator": "tpu"}), "resources.accelerator"),
     ("max_attempts zero", _with(resources={"max_attempts": 0}), "resources.max_attempts"),
+    ("unknown shape", _with(models=["shape:llama9-1t"], latency={"devices": ["cuda"]}), "unknown shape(s)"),
+    ("shape timed on cpu", _with(models=["shape:llama2-7b"]), "for GPU/NPU latency only"),
 ]
 
 
@@ -114,3 +116,16 @@ def test_plan_has_one_unit_per_grid_point_and_stable_ids():
     assert [u.id for u in plan_units(spec, _described(spec))] == [u.id for u in units]   # deterministic
     other = {m: {**d, "fingerprint": "changed"} for m, d in _described(spec).items()}
     assert not ids & {u.id for u in plan_units(spec, other)}       # new weights: nothing reused
+
+
+def test_shape_models_get_latency_units_only():
+    from workers.units import Units
+
+    spec = parse_spec({**GOOD, "models": ["shape:llama2-7b"], "latency": {"devices": ["cuda"]}})
+    d = {m: Units().describe(m, spec.data.model_dump(), None) for m in spec.models}
+    assert d["shape:llama2-7b"]["name"] == "llama2-7b-shape" and d["shape:llama2-7b"]["dims"]["D"] == 11008
+    units = plan_units(spec, d)
+    assert {u.kind for u in units} == {"fit", "latency"} and all(u.device_type == "cuda" for u in units
+                                                                  if u.kind == "latency")
+    lat = [u for u in units if u.kind == "latency" and u.config["runtime"] == "ctxsparse"]
+    assert sorted(u.config["setting"]["sparsity"] for u in lat) == [0.0, 0.5]
