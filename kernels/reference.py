@@ -169,3 +169,12 @@ def head_sparse_out(attn, w_o_t, q_idx, q_count=None, head_dim=None, bias=None, 
     B = attn.shape[0]
     return gather_down(attn.reshape(B, -1), w_o_t, q_idx, q_count, bias=bias, group=head_dim,
                        out_dtype=attn.dtype)
+
+
+def topk_select(scores, k):
+    """Indices of the ``k`` largest entries of each row of ``scores`` [B, n] (or [n]), int32, ascending; ties at
+    the k-th value go to the lowest indices (stable descending sort). Same output as kernels.select_triton."""
+    s = scores.float()
+    s = torch.where(s == 0, torch.zeros((), device=s.device), s)          # -0.0 == +0.0
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k]
+    return order.sort(dim=-1).values.to(torch.int32)

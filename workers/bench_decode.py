@@ -1,6 +1,8 @@
 """H200 decode benchmark (issue 8): our runtime dense / sparse vs Hugging Face ``generate``, 7B-class shapes.
 
     python -m workers.bench_decode --out DIR [--shape llama2-7b] [--prompts 128,512,1024] [--gen 64] [--quick]
+        [--select-impl auto|torch|triton] [--points dense,mlp.5,...] [--no-hf]
+    python -m workers.bench_decode --out DIR --select     # top-k candidates alone: µs per layer -> select_bench.json
 
 Writes ``DIR/decode_<shape>.json`` (one row per measured point: the LatencyRow fields plus details, and the
 ideal speedup from bytes) after every point, and prints a table. Imports no Ray / DB (runs on the GPU image).
@@ -66,10 +68,17 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--diag", action="store_true", help="only the dense variants and the selection costs")
+    ap.add_argument("--select", action="store_true", help="only the top-k selection candidates (µs per layer)")
+    ap.add_argument("--select-impl", default="auto", choices=("auto", "torch", "triton"),
+                    help="the runtime's top-k (DecodeRuntime.select_impl)")
+    ap.add_argument("--points", default=None, help="comma-separated point names to run (default: all)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
+    if a.select:
+        return select_bench(a.out)
     path = os.path.join(a.out, f"decode_{a.shape}.json")
     meta = dict(shape=a.shape, gen_len=a.gen, repeats=a.repeats, rank=a.rank, torch=torch.__version__,
+                select_impl=a.select_impl,
                 device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"))
     meta["copy_bw"] = bw = copy_bandwidth()
     rows = []
@@ -81,6 +90,7 @@ def main(argv=None):
     t0 = time.time()
     model = shape_model(a.shape)
     rt = runtime_for(model, "cuda")
+    rt.select_impl = a.select_impl
     meta["build_s"] = time.time() - t0
     try:
         meta["checks"] = checks(model, rt)
@@ -100,6 +110,9 @@ def main(argv=None):
     prompts = [int(p) for p in a.prompts.split(",")]
     if a.quick:
         points, prompts = points[:2], prompts[:1]
+    if a.points:
+        want = a.points.split(",")
+        points = [p for p in points if p[0] in want]
     for P in prompts:
         for name, ms, hs, ov, kv in points:
             t1 = time.time()
@@ -193,6 +206,49 @@ def diag(model, rt, meta, rows, dump, a):
     meta["selection_us_per_layer"] = us
     dump()
     print("selection us/layer", us, flush=True)
+
+
+@torch.no_grad()
+def select_bench(out_dir: str, n: int = 11008, n_heads: int = 32) -> dict:
+    """Per-layer cost (µs, CUDA graph of 10 calls, median) of the top-k candidates on fp16 scores of a Llama-2
+    FFN (n = 11008) at s = .5/.7/.9 and of the heads (32, k = 16), and whether each gives the reference's set."""
+    from kernels import ops
+    from kernels import reference as ref
+    from kernels.select_triton import topk_select
+    from workers.predictors.base import k_for
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"), rows=[])
+    for N, sp in [(n, 0.5), (n, 0.7), (n, 0.9), (n_heads, 0.5)]:
+        k = k_for(sp, N)
+        sc = torch.randn(1, N, device="cuda", dtype=torch.float16, generator=g)
+        want = ref.topk_select(sc, k)
+        cands = {"torch.topk": lambda: torch.topk(sc, k, dim=-1, sorted=False).indices,
+                 "torch.topk fp32": lambda: torch.topk(sc.float(), k, dim=-1, sorted=False).indices,
+                 "torch.sort": lambda: torch.sort(sc, dim=-1, descending=True).indices[:, :k],
+                 "torch.kthvalue+compact": lambda: ops.compact(sc[0] >= torch.kthvalue(sc[0], N - k + 1).values)}
+        for bits in (1, 2):
+            for w in (4, 8, 16, 32):
+                cands[f"triton bits={bits} warps={w}"] = (lambda bits=bits, w=w: topk_select(sc, k, bits=bits,
+                                                                                            num_warps=w))
+        cands["triton default"] = lambda: topk_select(sc, k)
+        for name, fn in cands.items():
+            row = dict(n=N, k=k, sparsity=sp, cand=name)
+            try:
+                r = fn()
+                if name.startswith("triton"):
+                    row["equal_reference"] = bool(torch.equal(r, want))
+                elif name != "torch.kthvalue+compact":
+                    got = sc[0].index_select(0, r[0].long()).float().sort().values
+                    row["same_values"] = bool(torch.equal(got, sc[0].float().index_select(0, want[0].long()).sort().values))
+                row["us"] = _time(fn)
+            except Exception:
+                row["error"] = traceback.format_exc()[-1500:]
+            res["rows"].append(row)
+            print(row, flush=True)
+    with open(os.path.join(out_dir, "select_bench.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ compiled with ``torch.compile`` (fused elementwise work; falls back to eager if 
 step is captured in one CUDA graph. On CPU everything runs eagerly (the sparse ops use the torch reference).
 
 Sparse layers (``plan.mlp`` / ``plan.attn``): the predictor's own ``scores`` (its GEMVs), then the active set on
-the device -- batch 1 top-k: ``torch.topk`` indices (static k); ``positive`` rule or batch > 1: a compaction into
-(idx, count) (``kernels.ops.compact`` / ``union_active``) -- then ``kernels.ops.sparse_ffn`` / ``sparse_mlp``
+the device -- batch 1 top-k: a fixed-size index buffer of the k largest scores (static k; on CUDA the one-CTA
+radix select of ``kernels.select_triton``, indices ascending, ties to the lowest index; ``torch.topk`` elsewhere);
+``positive`` rule or batch > 1: a compaction into (idx, count) (``kernels.ops.compact`` / ``union_active``) -- then ``kernels.ops.sparse_ffn`` / ``sparse_mlp``
 and, for heads, ``head_sparse_qkv`` + ``head_sparse_out``. K and V are computed for every head
 (``kv_mode="exact"``: the cache stays exact, the semantics of workers.sparse_exec); ``kv_mode="active"`` computes
 K/V only for the KV heads the active query heads need and masks the skipped (head, position) entries out of
@@ -144,6 +145,7 @@ class DecodeRuntime:
         self.overlap = True
         self.kv_mode = "exact"
         self.ffn_dense = "auto"
+        self.select_impl = "auto"     # top-k: "auto" (Triton select where the Triton kernels run), "torch", "triton"
         self.batch = 0
         self.max_len = 0
         self._graph = None
@@ -424,13 +426,22 @@ class DecodeRuntime:
         s = pred.scores(xin)
         if getattr(pred, "rule", "topk") == "topk":
             k = max(1, min(n, int(pred.k)))
-            top = torch.topk(s, k, dim=-1, sorted=False).indices
+            top = self._topk(s, k)
             if s.shape[0] == 1:
                 return top.reshape(-1), None
-            m = torch.zeros(s.shape, dtype=torch.bool, device=s.device).scatter_(1, top, True)
+            m = torch.zeros(s.shape, dtype=torch.bool, device=s.device).scatter_(1, top.long(), True)
             return ops.union_active(m)
         keep = s > 0
         return ops.compact(keep[0]) if s.shape[0] == 1 else ops.union_active(keep)
+
+    def _topk(self, s, k: int):
+        """Top-k indices per row of the scores [B, n]: the one-CTA radix select (kernels.select_triton; indices
+        ascending, ties to the lowest index) where the Triton kernels run, else ``torch.topk``."""
+        if self.select_impl == "triton" or (self.select_impl == "auto" and ops.backend_name(s) == "triton"):
+            from kernels.select_triton import topk_select
+
+            return topk_select(s, k)
+        return torch.topk(s, k, dim=-1, sorted=False).indices
 
     # ------------------------------------------------------------------ the one-token step
     def _step(self, keep_logits: bool = False):

@@ -148,6 +148,10 @@ for backend in ("reference", "triton"):
     rt.prefill(ids)
     out[backend] = torch.stack([rt.step(keep_logits=True) for _ in range(3)])
 torch.testing.assert_close(out["triton"], out["reference"], atol=1e-4, rtol=1e-3)
+s = torch.randn(2, 50, generator=torch.Generator().manual_seed(6))
+for impl in ("auto", "triton"):    # the Triton select: ascending top-k indices of every row
+    rt.select_impl = impl
+    assert torch.equal(rt._topk(s, 20), torch.topk(s, 20).indices.sort().values.int())
 print("OK")
 """
 
@@ -166,6 +170,17 @@ def test_triton_interpreter_path():
     r = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_select_impl_torch_and_reference_backend():
+    """select_impl "torch" (and "auto" on the reference backend) is torch.topk's set; "triton" is forced only
+    by name (the interpreter path is tested above)."""
+    rt = DecodeRuntime()
+    s = torch.randn(3, 40, generator=torch.Generator().manual_seed(7))
+    want = torch.topk(s, 9).indices.sort().values
+    for impl in ("auto", "torch"):
+        rt.select_impl = impl
+        assert torch.equal(rt._topk(s, 9).sort().values, want)
 
 
 def test_bench_decode_rows():

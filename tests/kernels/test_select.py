@@ -1,0 +1,65 @@
+"""kernels.select_triton.topk_select (Triton; interpreted on CPU) vs torch.topk and the reference."""
+import pytest
+import torch
+
+from kernels import reference as ref
+
+
+def _sel(scores, k, **kw):
+    from kernels.select_triton import topk_select
+
+    return topk_select(scores, k, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n, k", [(1, 1), (7, 3), (32, 16), (300, 150), (1000, 100), (2500, 2499)])
+@pytest.mark.parametrize("bits", [1, 2])
+def test_matches_topk(device, gen, dtype, n, k, bits):
+    # distinct values: distinct finite positive bit patterns, half of them negated (no ties)
+    pats = (torch.randperm(0x7AFF, generator=gen)[:n] + 1).to(torch.int16)
+    v = pats.view(torch.bfloat16 if dtype == torch.bfloat16 else torch.float16)
+    sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    s = (v.float() * sign).to(dtype).to(device)
+    assert s.float().unique().numel() == n
+    idx = _sel(s, k, bits=bits)
+    assert idx.dtype == torch.int32 and idx.shape == (k,)
+    want = torch.topk(s.float(), k).indices.sort().values.to(torch.int32)
+    assert torch.equal(idx.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rows_and_random_values(device, gen, dtype):
+    s = torch.randn(3, 777, generator=gen).to(dtype).to(device)
+    idx = _sel(s, 200)
+    assert idx.shape == (3, 200)
+    assert torch.equal(idx.cpu(), ref.topk_select(s, 200).cpu())
+    for b in range(3):   # the chosen values are the top-k values (as a multiset, ties aside)
+        got = s[b].float().index_select(0, idx[b].long()).sort().values
+        assert torch.equal(got.cpu(), torch.topk(s[b].float(), 200).values.sort().values.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_ties_lowest_index_first(device, gen, dtype):
+    s = torch.randint(-3, 4, (513,), generator=gen).to(dtype)
+    s[::7] = -0.0
+    s[1::11] = 0.0
+    s = s.to(device)
+    for k in (1, 50, 256, 400, 513):
+        assert torch.equal(_sel(s, k).cpu(), ref.topk_select(s, k).cpu()), k
+
+
+def test_negative_and_extreme_values(device):
+    s = torch.tensor([-float("inf"), -1e4, -1.0, -0.5, 0.0, 1e-7, 0.5, 6e4, float("inf")], dtype=torch.float16)
+    s = s[torch.randperm(9, generator=torch.Generator().manual_seed(0))].to(device)
+    for k in range(1, 10):
+        assert torch.equal(_sel(s, k).cpu(), ref.topk_select(s, k).cpu()), k
+
+
+def test_out_buffer_and_checks(device):
+    s = torch.randn(2, 64).to(device)
+    out = torch.full((2, 10), -1, dtype=torch.int32, device=device)
+    assert _sel(s, 10, out=out) is out and torch.equal(out.cpu(), ref.topk_select(s, 10).cpu())
+    with pytest.raises(AssertionError):
+        _sel(s, 65)
+    with pytest.raises(AssertionError):
+        _sel(s.long(), 3)
