@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -241,46 +242,75 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_submitting_twice_to_a_real_ray_job_server(tmp_path, capsys):
-    """A real Ray head with its job server (own ports, own temp dir, own process group; stopped at the end)."""
-    from ray.job_submission import JobSubmissionClient
-
-    from orchestrator.cli import main as cli
-
-    ray_bin = Path(sys.executable).with_name("ray")
+def test_submitting_twice_to_a_real_ray_job_server(tmp_path):
+    """``ctxsparse submit`` (the installed command, as a user runs it) twice against a real Ray head with its job
+    server: own ports, own temp dir, own process group, stopped at the end. Ray 2.60 guards the job API with a
+    token: as in orchestrator/demo.sh, RAY_AUTH_MODE=token (the head writes ~/.ray/auth_token if missing and
+    clients read it); Ray reads that setting once per process, hence subprocesses here."""
+    bindir = Path(sys.executable).parent
     gcs, dash = _free_port(), _free_port()
     temp = Path(f"/tmp/rb{os.getpid()}")
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
+    address = f"http://127.0.0.1:{dash}"
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_AUTH_MODE": "token", "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("RAY_ADDRESS", None)        # the job runs `python -m orchestrator.driver`: this venv's python
+    jobs_py = ("import json, sys; from ray.job_submission import JobSubmissionClient as C; c = C(sys.argv[1]); "
+               "[c.stop_job(s) for s in sys.argv[2:]]; "
+               "print(json.dumps(sorted(j.submission_id for j in c.list_jobs() if j.submission_id)))")
+
+    def jobs(*stop: str):
+        r = subprocess.run([sys.executable, "-c", jobs_py, address, *stop], env=env, capture_output=True, text=True,
+                           timeout=60)
+        return json.loads(r.stdout) if r.returncode == 0 else None
+
+    def submit(spec: Path) -> dict:
+        r = subprocess.run([str(bindir / "ctxsparse"), "submit", str(spec), "--address", address,
+                            "--db", f"sqlite:///{tmp_path / 's.db'}"], env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
     head = subprocess.Popen(
-        [str(ray_bin), "start", "--head", "--block", f"--port={gcs}", "--num-cpus=1", "--include-dashboard=true",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp}",
+        [str(bindir / "ray"), "start", "--head", "--block", f"--port={gcs}", "--num-cpus=1",
+         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp}",
          "--disable-usage-stats"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    address = f"http://127.0.0.1:{dash}"
     try:
-        deadline = time.time() + 120
-        client = None
-        while client is None:
-            try:
-                client = JobSubmissionClient(address)
-                client.list_jobs()
-            except Exception:
-                client = None
-                assert head.poll() is None and time.time() < deadline, "the Ray head did not come up"
-                time.sleep(1)
+        deadline = time.time() + 180
+        while jobs() is None:
+            assert head.poll() is None and time.time() < deadline, "the Ray head did not come up"
+            time.sleep(2)
         spec = _spec_file(tmp_path, "battery-real-submit")
-        first = _submit(cli, capsys, str(spec), "--address", address, "--db", f"sqlite:///{tmp_path / 's.db'}")
-        second = _submit(cli, capsys, str(spec), "--address", address, "--db", f"sqlite:///{tmp_path / 's.db'}")
-        assert first["submitted"] is True and second["submitted"] is False
+        first, second = submit(spec), submit(spec)
+        assert first["submitted"] is True and second["submitted"] is False, (first, second)
         assert second["submission_id"] == first["submission_id"]
-        jobs = [j for j in client.list_jobs() if (j.submission_id or "").startswith("ctxsparse-battery-real")]
-        assert [j.submission_id for j in jobs] == [first["submission_id"]]
-        client.stop_job(first["submission_id"])
+        assert jobs(first["submission_id"]) == [first["submission_id"]]     # one job; stopped now
     finally:
-        try:
-            os.killpg(head.pid, 15)
-            head.wait(timeout=60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(head.pid, 9)
+        for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):   # the whole group: gcs, raylet, ...
+            try:
+                os.killpg(head.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                head.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                pass
+        _kill_leftovers(str(temp))
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _kill_leftovers(marker: str) -> None:
+    """Ray worker processes start their own session, so the head's process group does not hold them: end the
+    ones of this test's head (their command line names its temp dir) by pid."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmd:
+            try:
+                os.kill(int(proc.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
