@@ -107,11 +107,16 @@ def submit_spec(args, spec, resume: bool = False) -> int:
         print(json.dumps({"submission_id": sid, "status": status, "submitted": False,
                           "note": "this sweep was already submitted; not submitting it twice"}))
         return _follow(client, sid) if args.follow else 0
+    previous = None
     if status is not None:          # a finished attempt: a new id for the resubmission, same units
+        previous = {"submission_id": sid, "status": status}
         n = 2
-        while _job_status(client, f"{sid}-r{n}") is not None:
+        while (st := _job_status(client, f"{sid}-r{n}")) is not None:
+            previous = {"submission_id": f"{sid}-r{n}", "status": st}
             n += 1
         sid = f"{sid}-r{n}"
+        print(f"previous attempt {previous['submission_id']} ended {previous['status']}; submitting again as "
+              f"{sid} (finished units are skipped)", file=sys.stderr)
     env = {"CTXSPARSE_SPEC": json.dumps(spec.canonical()), "CTXSPARSE_SUBMISSION_ID": sid}
     for var in ("CTXSPARSE_DB_URL", "CTXSPARSE_HOME"):
         if os.environ.get(var):
@@ -123,7 +128,8 @@ def submit_spec(args, spec, resume: bool = False) -> int:
         runtime_env["working_dir"] = args.working_dir
     client.submit_job(entrypoint="python -m orchestrator.driver -", submission_id=sid, runtime_env=runtime_env,
                       metadata={"sweep": spec.name, "spec_hash": spec.spec_hash()})
-    print(json.dumps({"submission_id": sid, "status": "PENDING", "submitted": True, "address": _address(args)}))
+    print(json.dumps({"submission_id": sid, "status": "PENDING", "submitted": True, "address": _address(args),
+                      "previous": previous}))
     return _follow(client, sid) if args.follow else 0
 
 
