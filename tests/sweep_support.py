@@ -6,6 +6,10 @@ methods plus dense, perplexity on 512 held-out tokens and 8 COPA items, CPU late
 from __future__ import annotations
 
 import copy
+import os
+from pathlib import Path
+
+SHARED_CACHES = ("activations", "allocation", "gguf", "models")
 
 TINY_SPEC = {
     "name": "tiny-test",
@@ -34,3 +38,15 @@ def run_tiny_sweep(db_url: str, **overrides):
     from orchestrator.driver import run_sweep
 
     return run_sweep(tiny_spec(**overrides), db_url, heartbeat_s=30.0)
+
+
+def private_home(root: Path) -> Path:
+    """A CTXSPARSE_HOME of its own under ``root`` (bundles, store), sharing the slow caches (models, activations)
+    with the user's: tests that damage bundle files touch only their own."""
+    real = Path(os.environ.get("CTXSPARSE_HOME") or Path.home() / ".cache" / "ctxsparse").expanduser()
+    home = root / "home"
+    home.mkdir()
+    for name in SHARED_CACHES:
+        (real / name).mkdir(parents=True, exist_ok=True)
+        (home / name).symlink_to(real / name, target_is_directory=True)
+    return home

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.sweep_support import TINY_SPEC, run_tiny_sweep
+from tests.sweep_support import TINY_SPEC, private_home, run_tiny_sweep
 
-SHARED_CACHES = ("activations", "allocation", "gguf", "models")
 APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py")
 
 
@@ -33,14 +32,6 @@ class SweepDBs:
     outcomes: tuple
 
 
-def _own_home(root: Path) -> Path:
-    real = Path(os.environ.get("CTXSPARSE_HOME") or Path.home() / ".cache" / "ctxsparse").expanduser()
-    home = root / "home"
-    home.mkdir()
-    for name in SHARED_CACHES:
-        (real / name).mkdir(parents=True, exist_ok=True)
-        (home / name).symlink_to(real / name, target_is_directory=True)
-    return home
 
 
 def _copy_sqlite(src: Path, dst: Path) -> None:
@@ -55,7 +46,7 @@ def _copy_sqlite(src: Path, dst: Path) -> None:
 @pytest.fixture(scope="session")
 def sweep_dbs(ray_local, tmp_path_factory) -> SweepDBs:
     root = tmp_path_factory.mktemp("dashboard")
-    home = _own_home(root)
+    home = private_home(root)
     nolat, full = root / "nolat.db", root / "full.db"
     old = os.environ.get("CTXSPARSE_HOME")
     os.environ["CTXSPARSE_HOME"] = str(home)

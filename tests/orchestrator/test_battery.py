@@ -36,29 +36,20 @@ import yaml
 from db import queries
 from db.engine import get_engine, session_scope
 from tests.db.conftest import pg_cluster  # noqa: F401  (the throwaway PostgreSQL, a session fixture)
-from tests.sweep_support import TINY_SPEC, run_tiny_sweep
+from tests.sweep_support import TINY_SPEC, private_home, run_tiny_sweep
 
-SHARED_CACHES = ("activations", "allocation", "gguf", "models")
 BAD_OPTION = {"name": "threshold", "sparsity": [0.3], "options": {"bogus": 1}}
 LOCK_TROUBLE = re.compile(r"deadlock|could not obtain lock|could not serialize|lock timeout|database is locked",
                           re.I)
 
 
-def _own_home(root: Path) -> Path:
-    real = Path(os.environ.get("CTXSPARSE_HOME") or Path.home() / ".cache" / "ctxsparse").expanduser()
-    home = root / "home"
-    home.mkdir()
-    for name in SHARED_CACHES:
-        (real / name).mkdir(parents=True, exist_ok=True)
-        (home / name).symlink_to(real / name, target_is_directory=True)
-    return home
 
 
 @pytest.fixture(scope="module")
 def pg_sweep(ray_local, pg_cluster, tmp_path_factory):  # noqa: F811
     """The tiny sweep on PostgreSQL: 2 evaluators, and a third method whose fit raises."""
     root = tmp_path_factory.mktemp("battery")
-    home = _own_home(root)
+    home = private_home(root)
     url = pg_cluster.empty_schema_url("ctxsparse_test")
     old = os.environ.get("CTXSPARSE_HOME")
     os.environ["CTXSPARSE_HOME"] = str(home)
