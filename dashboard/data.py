@@ -204,6 +204,12 @@ def unit(url: str, unit_id: str) -> UnitInfo | None:
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
+def sweeps_of(url: str, unit_id: str) -> list[SweepInfo]:
+    with _session(url) as s:
+        return queries.sweeps_for_unit(s, unit_id)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
 def layers(url: str, unit_id: str) -> list[LayerRecord]:
     with _session(url) as s:
         return queries.layer_metrics_for(s, unit_id)

@@ -556,6 +556,17 @@ def list_models(session: Session) -> list[ModelInfo]:
     return [ModelInfo.model_validate(m) for m in _scalars(session, select(Model).order_by(Model.name, Model.id))]
 
 
+def sweeps_for_unit(session: Session, unit_id: str) -> list[SweepInfo]:
+    """The sweeps a unit belongs to (a unit shared by several sweeps has several), newest first."""
+    stmt = (
+        select(Sweep)
+        .join(SweepUnit, SweepUnit.sweep_id == Sweep.id)
+        .where(SweepUnit.unit_id == unit_id)
+        .order_by(Sweep.created_at.desc(), Sweep.id.desc())
+    )
+    return [SweepInfo.model_validate(s) for s in _scalars(session, stmt)]
+
+
 def list_sweeps(session: Session) -> list[SweepInfo]:
     """Newest first."""
     stmt = select(Sweep).order_by(Sweep.created_at.desc(), Sweep.id.desc())

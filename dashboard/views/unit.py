@@ -114,6 +114,9 @@ else:
                f"attempts {info.attempts}")
     st.markdown("Unit config (hashed into its id):")
     st.json(info.config, expanded=2)
+    for sw in data.sweeps_of(url, info.id):
+        with st.expander(f"Sweep spec: {sw.name} (sweep {sw.id}, {sw.status})"):
+            st.json(sw.spec, expanded=2)
     if info.package_versions:
         with st.expander("Package versions"):
             st.json(info.package_versions)

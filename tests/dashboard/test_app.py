@@ -188,6 +188,10 @@ def test_unit_page(app, sweep_dbs):
     assert set(lat["device"]) == {f"cpu · {a}" for a in lat["device"].str.split(" · ").str[1]}
     config = json.loads(at.json[0].value)                     # the unit config that produced the setting
     assert config == data.unit(url, fit).config and config["method"] == "threshold" and config["sparsity"] == 0.5
+    # and the spec of every sweep the setting belongs to (the full store holds two sweeps sharing this unit)
+    specs = [json.loads(j.value) for j in at.json[1:] if "methods" in json.loads(j.value)]
+    assert specs and all({"threshold"} <= {m["name"] for m in sp["methods"]} for sp in specs)
+    assert sorted(sp["name"] for sp in specs) == sorted(sw.name for sw in data.sweeps_of(url, fit))
 
 
 def test_unit_page_dense(app, sweep_dbs):

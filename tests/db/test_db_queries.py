@@ -64,6 +64,11 @@ def test_register_units_idempotent_and_shared_between_sweeps(engine):
         cached = {w.id: (w.n_units_done, w.n_units_total) for w in q.list_sweeps(s)}
         assert cached == {sweep_a: (1, 7), sweep_b: (1, 3)}
         assert [u.id for u in q.pending_units(s, sweep_b)] == [uid(6), uid(7)]
+        assert [w.id for w in q.sweeps_for_unit(s, uid(5))] == [sweep_b, sweep_a]     # shared, newest first
+        assert [w.id for w in q.sweeps_for_unit(s, uid(0))] == [sweep_a]
+        assert q.sweeps_for_unit(s, uid(99)) == []
+        assert q.unit_statuses(s, [uid(5), uid(6), uid(99)]) == {uid(5): "done", uid(6): "pending"}
+        assert q.unit_ids_with_prefix(s, uid(5)[:12]) == [uid(5)] and q.unit_ids_with_prefix(s, "zz") == []
     with pytest.raises(q.SweepNotFound):
         with session_scope(engine) as s:
             q.register_units(s, 12345, [unit_spec(0, model_id)])
