@@ -157,7 +157,12 @@ class Units:
         ctx = FitContext(lm, calib, list(range(lm.dims.n_layers)), seed=cfg.get("seed", 0))
         method, s, rank, attn = cfg["method"], cfg["sparsity"], cfg.get("rank"), cfg.get("attn_sparsity")
         t0 = time.time()
-        if method == DENSE:
+        dest = bundle_dir(unit_id)
+        cached = self._cached_bundle(dest, lm)
+        if cached is not None:     # the same unit (same id: same config and code) was fitted before: reuse it
+            plan = cached.plan(lm.model)
+            per_layer = {int(k): v for k, v in cached.manifest["per_layer_sparsity"].items()}
+        elif method == DENSE:
             plan, per_layer = SparsityPlan(), {}
         else:
             if cfg.get("allocation", "uniform") == "greedy":
@@ -171,11 +176,11 @@ class Units:
                 opts["attn_sparsity"] = attn
             plan = fit_method(method, ctx, per_layer, rank=rank, **opts)
         fit_s = time.time() - t0
-        path = save_bundle(plan, lm, bundle_dir(unit_id), method=method, sparsity=s, rank=rank,
-                           attn_sparsity=attn, allocation=cfg.get("allocation", "uniform"),
-                           options=cfg.get("options"), per_layer_sparsity=per_layer, unit_id=unit_id,
-                           versions=self.versions, git_rev=self.git_rev)
-        out = UnitOutput(summary={"fit_s": round(fit_s, 1)})
+        path = dest if cached is not None else save_bundle(
+            plan, lm, dest, method=method, sparsity=s, rank=rank, attn_sparsity=attn,
+            allocation=cfg.get("allocation", "uniform"), options=cfg.get("options"), per_layer_sparsity=per_layer,
+            unit_id=unit_id, versions=self.versions, git_rev=self.git_rev)
+        out = UnitOutput(summary={"fit_s": round(fit_s, 1), **({"bundle_cache_hit": True} if cached else {})})
         layers = plan_quality(plan, held, lm.adapter.act_name(lm.model.config), attn_target=attn)
         for q in layers:
             out.layers.append({"layer": q.layer, "component": q.component, "recall": _frac(q.recall),
@@ -189,6 +194,24 @@ class Units:
             out.artifacts.append({"kind": "bundle_file", "uri": str(f), "sha256": sha256_file(f),
                                   "size_bytes": f.stat().st_size})
         return out
+
+    @staticmethod
+    def _cached_bundle(dest: Path, lm):
+        """The bundle a previous run of this fit unit published, if it is intact and for this model.
+
+        Bundles are keyed by unit id (config + code version), so the first one published stays: every store
+        that records it sees the same files. A damaged one is set aside and fitted again."""
+        from workers.bundle import BundleError, load_bundle
+
+        if not dest.exists():
+            return None
+        try:
+            b = load_bundle(dest)
+        except BundleError as e:
+            log.warning("%s: %s; fitting again", dest, e)
+            dest.rename(dest.with_name(f".damaged-{dest.name}-{int(time.time())}"))
+            return None
+        return b if b.fingerprint == lm.fingerprint else None
 
     def _bundle(self, cfg: dict):
         """(lm, the fit unit's bundle), checked against the loaded model."""
