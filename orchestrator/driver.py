@@ -209,7 +209,8 @@ def _execute(ray, engine, pools: _Pools, spec: SweepSpec, sweep_id: int, units: 
         n = sum(by_id[k].device_type == dev for k in unplaceable)
         log.warning("no %s resources in this cluster (%s): %d %s units stay pending; no %s rows are written",
                     dev, "GPU" if dev == "cuda" else "NPU", n, dev, dev)
-    todo = [u for u in units if u.id not in done and u.id not in set(unplaceable)]
+    skip = done | set(unplaceable)
+    todo = [u for u in units if u.id not in skip]
     out = SweepOutcome(sweep_id, total=len(units), done=len(done), unplaceable=unplaceable)
     log.info("%d of %d units already done; %d to run", len(done), len(units), len(todo))
 
@@ -278,6 +279,9 @@ def _execute(ray, engine, pools: _Pools, spec: SweepSpec, sweep_id: int, units: 
                 failed.add(u.id)
                 release_ready()
             continue
+        except Exception as e:   # the actor's own bookkeeping failed (e.g. the store was unreachable from it)
+            res = {"status": "failed", "error": f"{type(e).__name__}: {e}", "worker": "?"}
+            _fail(engine, u, f"the worker could not run or record the unit: {res['error']}")
         pools.give_back(u.kind, u.device_type, actor)
         if res["status"] == "done":
             done.add(u.id)
