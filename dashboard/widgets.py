@@ -62,3 +62,18 @@ def setting_picker(url: str, model_id: int, key: str) -> Setting | None:
     if st.query_params.get("unit") not in (None, s.fit_unit):
         st.query_params["unit"] = s.fit_unit
     return s
+
+
+def pick_setting(url: str, page: str) -> tuple[ModelInfo, Setting]:
+    """The model and setting pickers side by side (keys ``<page>_model`` / ``<page>_setting``); stops the page
+    when there is nothing to pick."""
+    c1, c2 = st.columns([1, 2])
+    with c1:
+        model = model_picker(url, key=f"{page}_model")
+    if model is None:
+        st.stop()
+    with c2:
+        setting = setting_picker(url, model.id, key=f"{page}_setting")
+    if setting is None:
+        st.stop()
+    return model, setting

@@ -28,6 +28,22 @@ def metric_direction(metric: str) -> str:
     return "lower" if metric.rsplit("/", 1)[-1] in LOWER_IS_BETTER else "higher"
 
 
+def setting_label(method: str, sparsity: float, rank: int | None, attn_sparsity: float | None,
+                  allocation: str, options: dict) -> str:
+    """``svd s=0.5 r=256 heads=0.3 greedy target=product``; the dense baseline is ``dense``."""
+    if method == DENSE:
+        return "dense"
+    parts = [method, f"s={sparsity:g}"]
+    if rank is not None:
+        parts.append(f"r={rank}")
+    if attn_sparsity is not None:
+        parts.append(f"heads={attn_sparsity:g}")
+    if allocation != "uniform":
+        parts.append(allocation)
+    parts += [f"{k}={v}" for k, v in sorted(options.items())]
+    return " ".join(parts)
+
+
 @dataclass
 class Setting:
     fit_unit: str
@@ -50,17 +66,8 @@ class Setting:
 
     @property
     def label(self) -> str:
-        if self.is_dense:
-            return "dense"
-        parts = [self.method, f"s={self.sparsity:g}"]
-        if self.rank is not None:
-            parts.append(f"r={self.rank}")
-        if self.attn_sparsity is not None:
-            parts.append(f"heads={self.attn_sparsity:g}")
-        if self.allocation != "uniform":
-            parts.append(self.allocation)
-        parts += [f"{k}={v}" for k, v in sorted(self.options.items())]
-        return " ".join(parts)
+        return setting_label(self.method, self.sparsity, self.rank, self.attn_sparsity, self.allocation,
+                             self.options)
 
     @property
     def realized_sparsity(self) -> float | None:

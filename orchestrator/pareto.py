@@ -65,10 +65,10 @@ def choose_sparsest(front: Front, max_loss: float) -> FrontRow | None:
     """The setting with the highest realized MLP sparsity within ``max_loss`` of dense (no latency needed):
     where this machine's latency says nothing about the target (a CPU sweep for a GPU deployment), sparsity
     is what the GPU kernels turn into speed."""
+    losses = {id(r): loss_vs_dense(front, r) for r in front.rows}
     ok = [r for r in front.rows if not r.setting.is_dense and r.setting.realized_sparsity is not None
-          and r.setting.method not in NOT_DEPLOYABLE
-          and (loss_vs_dense(front, r) if loss_vs_dense(front, r) is not None else 1e9) <= max_loss]
-    return max(ok, key=lambda r: (r.setting.realized_sparsity, -abs(loss_vs_dense(front, r))), default=None)
+          and r.setting.method not in NOT_DEPLOYABLE and losses[id(r)] is not None and losses[id(r)] <= max_loss]
+    return max(ok, key=lambda r: (r.setting.realized_sparsity, -abs(losses[id(r)])), default=None)
 
 
 def format_front(front: Front, model: str) -> str:

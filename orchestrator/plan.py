@@ -16,6 +16,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from db.settings import setting_label
 from orchestrator.spec import SweepSpec
 from workers.units import DENSE, SHAPE_PREFIX
 
@@ -118,15 +119,5 @@ def plan_units(spec: SweepSpec, described: dict[str, dict]) -> list[PlannedUnit]
 
 
 def _tag(st: dict) -> str:
-    if st["method"] == DENSE:
-        return "dense"
-    parts = [st["method"], f"s={st['sparsity']:g}"]
-    if st["rank"] is not None:
-        parts.append(f"r={st['rank']}")
-    if st["attn_sparsity"] is not None:
-        parts.append(f"heads={st['attn_sparsity']:g}")
-    if st["allocation"] != "uniform":
-        parts.append(st["allocation"])
-    if st["options"]:
-        parts.append(json.dumps(st["options"], sort_keys=True, separators=(",", ":")))
-    return " ".join(parts)
+    return setting_label(st["method"], st["sparsity"], st["rank"], st["attn_sparsity"], st["allocation"],
+                         st["options"])

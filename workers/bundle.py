@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -130,7 +130,7 @@ def save_bundle(plan, lm, out: str | Path, *, method: str, sparsity: float, rank
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "model": {"ref": lm.ref, "fingerprint": lm.fingerprint, "family": lm.family,
-                  "dims": {k: int(v) for k, v in vars(lm.dims).items() if isinstance(v, int)}},
+                  "dims": {k: int(v) for k, v in asdict(lm.dims).items()}},
         "method": method, "sparsity": float(sparsity), "rank": rank,
         "attn_sparsity": None if attn_sparsity is None else float(attn_sparsity),
         "allocation": allocation, "options": dict(options or {}),

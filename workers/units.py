@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -104,14 +104,14 @@ class Units:
             store_name, fp = shape_identity(name)
             dims = adapter_for(cfg).dims(cfg)
             return {"fingerprint": fp, "family": adapter_for(cfg).family, "ref": ref, "name": store_name,
-                    "n_params": None, "dims": {k: v for k, v in vars(dims).items() if isinstance(v, int)},
+                    "n_params": None, "dims": asdict(dims),
                     "calib_fp": None, "calib_n_tokens": 0, "heldout_fp": None}
 
         lm = self.lm(ref)
         calib = token_windows(lm.tokenizer, data["source"], "calib", data["calib_tokens"], data["seq_len"])
         out = {"fingerprint": lm.fingerprint, "family": lm.family, "ref": lm.ref, "name": lm.ref,
                "n_params": sum(p.numel() for p in lm.model.parameters()),
-               "dims": {k: v for k, v in vars(lm.dims).items() if isinstance(v, int)},
+               "dims": asdict(lm.dims),
                "calib_fp": calib.fingerprint, "calib_n_tokens": calib.n_tokens, "heldout_fp": None}
         if ppl is not None:
             held = token_windows(lm.tokenizer, data["source"], "heldout", ppl["tokens"], ppl["seq_len"])

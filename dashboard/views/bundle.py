@@ -5,21 +5,13 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import data
-from dashboard.widgets import model_picker, require_store, setting_picker
+from dashboard.widgets import pick_setting, require_store
 
 url = data.db_url()
 st.title("Bundle")
 require_store(url)
 
-c1, c2 = st.columns([1, 2])
-with c1:
-    model = model_picker(url, key="bundle_model")
-if model is None:
-    st.stop()
-with c2:
-    setting = setting_picker(url, model.id, key="bundle_setting")
-if setting is None:
-    st.stop()
+model, setting = pick_setting(url, "bundle")
 
 check = data.check_bundle(url, setting.fit_unit)
 if not check.files:

@@ -6,21 +6,13 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import data
-from dashboard.widgets import model_picker, require_store, setting_picker
+from dashboard.widgets import pick_setting, require_store
 
 url = data.db_url()
 st.title("Setting diagnostics")
 require_store(url)
 
-c1, c2 = st.columns([1, 2])
-with c1:
-    model = model_picker(url, key="unit_model")
-if model is None:
-    st.stop()
-with c2:
-    setting = setting_picker(url, model.id, key="unit_setting")
-if setting is None:
-    st.stop()
+model, setting = pick_setting(url, "unit")
 info = data.unit(url, setting.fit_unit)
 
 st.subheader(setting.label)
