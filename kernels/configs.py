@@ -1,6 +1,6 @@
 """Frozen launch configurations and the dense-fallback crossover table.
 
-Both are measured with ``python -m kernels.bench`` on an H200 (see kernels/NOTES.md for the runs) and
+Both are measured with ``python -m benchmarks.kernels`` on an H200 (see kernels/NOTES.md for the runs) and
 frozen here: nothing is autotuned at run time, so a CUDA-graph capture never triggers a tuning sweep.
 """
 from __future__ import annotations

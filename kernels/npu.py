@@ -4,7 +4,7 @@ matmuls in the model dtype. Same signatures as kernels.reference.
 ``torch_npu`` is imported lazily, only when a tensor lives on an ``npu`` device; it is never needed
 elsewhere (the CPU CI runs this module on CPU tensors). On an NPU the gathered copy costs one extra
 read+write of the active rows (the price of having no fused gather kernel there); on CUDA the Triton
-kernels avoid it and kernels.bench shows the gap ("torch_index" rows).
+kernels avoid it and benchmarks.kernels shows the gap ("torch_index" rows).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ One program per row holds the whole row in registers (n up to MAX_N):
      + min(# == T before it, k - # > T); store the index there.
 So 16-bit scores cost 8 reductions + 1 scan in one CTA, no atomics, no host sync.
 
-Measured (H200, fp16 scores, CUDA graph, µs per call; workers/results/h200_select_2026-11-29.json): n = 11008
+Measured (H200, fp16 scores, CUDA graph, µs per call; benchmarks/results/h200_select_2026-11-29.json): n = 11008
 (Llama-2 FFN), any k: this kernel 30.4–31.0 (BITS=2, 16 warps; BITS=1: 29.3–29.6), torch.topk 40.8–42.2,
 torch.sort 31.2–31.9, kthvalue + compaction 48–52; n = 32 heads: 2.4 vs torch.topk 4.7. One CTA is
 issue-bound: 4 warps 58 µs, 8 warps 32, 16 warps 30, 32 warps 35; sm_90 SASS of the 16-warp kernel is

@@ -18,7 +18,7 @@ from pathlib import Path
 from db import queries
 from db.engine import session_scope
 from orchestrator.pareto import choose, choose_sparsest, front_for
-from workers.bundle import BundleError, extract_bundle, load_bundle, pack_bundle
+from workers.sparsity.bundle import BundleError, extract_bundle, load_bundle, pack_bundle
 from workers.paths import sha256_file
 
 

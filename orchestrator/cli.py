@@ -26,7 +26,7 @@ import time
 
 
 def _load(args):
-    from workers.models import load_model
+    from workers.loading.models import load_model
 
     t0 = time.time()
     lm = load_model(args.model, dtype=args.dtype)
@@ -36,8 +36,8 @@ def _load(args):
 
 
 def cmd_ppl(args) -> int:
-    from workers.data import token_windows
-    from workers.evaluate import perplexity
+    from workers.loading.data import token_windows
+    from workers.evals.perplexity import perplexity
 
     lm = _load(args)
     toks = token_windows(lm.tokenizer, args.source, "heldout", args.tokens, args.seq_len)
@@ -52,8 +52,8 @@ def cmd_ppl(args) -> int:
 
 
 def cmd_capture(args) -> int:
-    from workers.capture import capture_activations
-    from workers.data import token_windows
+    from workers.sparsity.capture import capture_activations
+    from workers.loading.data import token_windows
 
     lm = _load(args)
     toks = token_windows(lm.tokenizer, args.source, "calib", args.tokens, args.seq_len)
@@ -319,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("src")
     bd.add_argument("--out", required=True)
     bd.set_defaults(fn=cmd_bundle)
-    sp = sub.add_parser("ingest-kernels", help="load `kernels.bench --json` results into the SQL store")
+    sp = sub.add_parser("ingest-kernels", help="load `benchmarks.kernels --json` results into the SQL store")
     sp.add_argument("file")
     sp.add_argument("--db", default=None, help="SQLAlchemy URL (default: $CTXSPARSE_DB_URL or SQLite)")
     sp.set_defaults(fn=cmd_ingest_kernels)

@@ -1,6 +1,6 @@
 """Load GPU benchmark results (JSON written where no database client exists) into the SQL store.
 
-The GPU machines run ``python -m kernels.bench --json FILE`` (``kernels/`` never imports the DB); this module
+The GPU machines run ``python -m benchmarks.kernels --json FILE`` (``kernels/`` never imports the DB); this module
 turns each row into a finished work unit of kind ``kernel`` with one latency row, idempotently: a unit's id is
 the hash of the row's identity, so loading the same file twice adds nothing.
 
@@ -11,7 +11,7 @@ How a kernel row maps onto a latency row (the store's latency table is per decod
   * ``runtime`` = ``kernel:<variant>`` (dense, triton_fused, torch_index, triton_seq50, attn_triton, ...), ``prompt_len`` 0,
     ``gen_len`` 1, ``realized_sparsity`` = the row's sparsity.
 
-    ctxsparse ingest-kernels kernels/results/h200_2026-11-29.json [--db URL]
+    ctxsparse ingest-kernels benchmarks/results/h200_2026-11-29.json [--db URL]
 """
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ class MethodSpec(_Strict):
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
-        from workers.predictors import REGISTRY
+        from workers.sparsity.predictors import REGISTRY
 
         if v not in REGISTRY:
             raise ValueError(f"unknown method {v!r}; known: {sorted(REGISTRY)}")
@@ -99,7 +99,7 @@ class TaskSpec(_Strict):
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
-        from workers.suites import SUITES
+        from workers.evals.suites import SUITES
 
         if v not in SUITES:
             raise ValueError(f"unknown task {v!r}; known: {sorted(SUITES)}")
@@ -162,7 +162,7 @@ class SweepSpec(_Strict):
         _unique(self.models, "models")
         shapes = [m for m in self.models if m.startswith("shape:")]
         if shapes:
-            from workers.latency import SHAPES
+            from workers.decode.latency import SHAPES
 
             unknown = [m for m in shapes if m[len("shape:"):] not in SHAPES]
             if unknown:

@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from workers.models import load_model
+    from workers.loading.models import load_model
 
     return load_model("smollm2-135m")
 

@@ -39,7 +39,7 @@ def shape_identity(name: str) -> tuple[str, str]:
     """(store name, fingerprint) of a random-weights shape; the same as the kernel benchmark rows use."""
     import hashlib
 
-    from workers.latency import shape_config
+    from workers.decode.latency import shape_config
 
     cfg = shape_config(name)
     d, D = cfg.hidden_size, getattr(cfg, "intermediate_size", None) or cfg.ffn_dim
@@ -69,7 +69,7 @@ class Units:
 
     # ------------------------------------------------------------------ shared state
     def lm(self, ref: str, expect_fp: str | None = None):
-        from workers.models import load_model
+        from workers.loading.models import load_model
 
         if ref not in self._lms:
             self._lms[ref] = self._shape_lm(ref) if is_shape(ref) else load_model(ref, device=self.device)
@@ -80,9 +80,9 @@ class Units:
         return lm
 
     def _shape_lm(self, ref: str):
-        from workers.adapters import adapter_for
-        from workers.latency import shape_model
-        from workers.models import LoadedModel
+        from workers.loading.adapters import adapter_for
+        from workers.decode.latency import shape_model
+        from workers.loading.models import LoadedModel
 
         name = ref[len(SHAPE_PREFIX):]
         dtype = torch.float32 if self.device == "cpu" else torch.float16
@@ -93,11 +93,11 @@ class Units:
 
     def describe(self, ref: str, data: dict, ppl: dict | None) -> dict:
         """Model and data fingerprints (what unit ids are made of)."""
-        from workers.data import token_windows
+        from workers.loading.data import token_windows
 
         if is_shape(ref):      # from the config alone: no weights, no data
-            from workers.adapters import adapter_for
-            from workers.latency import shape_config
+            from workers.loading.adapters import adapter_for
+            from workers.decode.latency import shape_config
 
             name = ref[len(SHAPE_PREFIX):]
             cfg = shape_config(name)
@@ -119,8 +119,8 @@ class Units:
         return out
 
     def _caches(self, cfg: dict):
-        from workers.capture import capture_activations
-        from workers.data import token_windows
+        from workers.sparsity.capture import capture_activations
+        from workers.loading.data import token_windows
 
         lm = self.lm(cfg["model"], cfg["model_fp"])
         d = cfg["data"]
@@ -145,11 +145,11 @@ class Units:
         return out
 
     def fit(self, unit_id: str, cfg: dict) -> UnitOutput:
-        from workers.allocation import allocate, damage_curves
-        from workers.bundle import save_bundle
-        from workers.data import token_windows
-        from workers.metrics import plan_quality
-        from workers.predictors import FitContext, SparsityPlan, fit_method
+        from workers.sparsity.allocation import allocate, damage_curves
+        from workers.sparsity.bundle import save_bundle
+        from workers.loading.data import token_windows
+        from workers.sparsity.metrics import plan_quality
+        from workers.sparsity.predictors import FitContext, SparsityPlan, fit_method
 
         if is_shape(cfg["model"]):   # random predictors of the real shapes are drawn by the latency unit itself
             return UnitOutput(summary={"random_predictors": cfg["method"] != DENSE})
@@ -201,7 +201,7 @@ class Units:
 
         Bundles are keyed by unit id (config + code version), so the first one published stays: every store
         that records it sees the same files. A damaged one is set aside and fitted again."""
-        from workers.bundle import BundleError, load_bundle
+        from workers.sparsity.bundle import BundleError, load_bundle
 
         if not dest.exists():
             return None
@@ -215,7 +215,7 @@ class Units:
 
     def _bundle(self, cfg: dict):
         """(lm, the fit unit's bundle), checked against the loaded model."""
-        from workers.bundle import BundleError, load_bundle
+        from workers.sparsity.bundle import BundleError, load_bundle
 
         lm = self.lm(cfg["model"], cfg["model_fp"])
         b = load_bundle(bundle_dir(cfg["fit_unit"]))
@@ -224,11 +224,11 @@ class Units:
         return lm, b
 
     def evaluate(self, unit_id: str, cfg: dict) -> UnitOutput:
-        from workers.data import token_windows
-        from workers.evaluate import perplexity
-        from workers.suites import run_suite
+        from workers.loading.data import token_windows
+        from workers.evals.perplexity import perplexity
+        from workers.evals.suites import run_suite
 
-        from workers.bundle import apply_bundle
+        from workers.sparsity.bundle import apply_bundle
 
         lm, b = self._bundle(cfg)
         applied = apply_bundle(lm.model, b, check_model=False)   # fingerprint compared in _bundle (cached on lm)
@@ -259,7 +259,7 @@ class Units:
         return out
 
     def latency(self, unit_id: str, cfg: dict) -> UnitOutput:
-        from workers.latency import bench_decode, random_plan
+        from workers.decode.latency import bench_decode, random_plan
 
         if is_shape(cfg["model"]):
             lm = self.lm(cfg["model"], cfg["model_fp"])

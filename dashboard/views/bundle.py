@@ -32,7 +32,7 @@ else:
         help="every file checked against its recorded sha256 first", key="bundle_download")
     st.caption("Apply it to the same model (its fingerprint is checked):")
     st.code(f"tar xzf {data.archive_name(url, model.id, setting.fit_unit)}\n"
-            "from workers.bundle import apply_bundle\n"
+            "from workers.sparsity.bundle import apply_bundle\n"
             f"applied = apply_bundle(model, \"{check.name}\")   # .revert() undoes it", language="python")
 
 if check.manifest is not None:

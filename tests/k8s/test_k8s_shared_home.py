@@ -1,6 +1,6 @@
 """Every Ray pod (head and all worker groups) mounts the same ReadWriteMany claim at the CTXSPARSE_HOME its env
 declares: sweep actors exchange activations and predictor bundles through that folder (workers/units.py
-``bundle_dir``, workers/capture.py), and the driver on the head hands its CTXSPARSE_HOME to every actor."""
+``bundle_dir``, workers/sparsity/capture.py), and the driver on the head hands its CTXSPARSE_HOME to every actor."""
 from __future__ import annotations
 
 import copy

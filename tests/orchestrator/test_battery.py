@@ -74,7 +74,7 @@ def _units(url: str, sweep_id: int) -> dict:
 
 
 def _expected_rows(u) -> int:
-    from workers.suites import SUITES
+    from workers.evals.suites import SUITES
 
     if u.kind == "eval":
         suite = u.config["suite"]

@@ -121,7 +121,7 @@ def test_worker_killed_mid_unit_loses_nothing_and_duplicates_nothing(ray_local, 
         u = queries.get_unit(s, victim.id)
         assert u.status == "done" and u.attempts >= 2 and u.worker != victim.worker
         rows = [r for r in queries.accuracy_table(s) if r.unit_id == victim.id]
-        from workers.suites import SUITES
+        from workers.evals.suites import SUITES
 
         suite = victim.config["suite"]
         expected = 4 if suite == "perplexity" else len(SUITES[suite].metrics)   # ppl, nll, 2 sparsities
@@ -150,10 +150,10 @@ def test_exported_bundle_on_a_fresh_model_reproduces_the_sweep_perplexity(swept,
     import torch
 
     from orchestrator.cli import main as cli
-    from workers.bundle import apply_bundle
-    from workers.data import token_windows
-    from workers.evaluate import perplexity
-    from workers.models import load_model
+    from workers.sparsity.bundle import apply_bundle
+    from workers.loading.data import token_windows
+    from workers.evals.perplexity import perplexity
+    from workers.loading.models import load_model
 
     url, _, _ = swept
     spec = tiny_spec()

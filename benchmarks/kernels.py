@@ -1,0 +1,655 @@
+"""GPU benchmark of the sparse FFN / head-sparse attention kernels against dense cuBLAS.
+
+    python -m benchmarks.kernels [--quick] [--json PATH] [--dtypes fp16,bf16] [--tune] [--determinism N]
+
+Timing: each op runs over L layers of distinct weights (so the 60 MB L2 cannot serve a repeat),
+captured once in a CUDA graph; the graph is replayed `reps` times, each replay timed with CUDA
+events; per-op time = replay time / L; median and p90 over the replays. Bytes counted are the ones
+the op must read (active weight rows, plus x, biases and output, which are negligible); achieved
+GB/s is over that, and % of a device-to-device copy bandwidth measured at start (bytes read+written).
+Sparsity at batch > 1 is the sparsity of the union of the batch's active sets (what is read).
+Imports only torch/triton/numpy/stdlib.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # name: (d, D, gated, act)
+    "llama2-7b": (4096, 11008, True, "silu"),
+    "llama3-8b": (4096, 14336, True, "silu"),
+    "mistral-7b": (4096, 14336, True, "silu"),
+    "qwen2-7b": (3584, 18944, True, "silu"),
+    "opt-6.7b": (4096, 16384, False, "relu"),
+}
+ATTN_SHAPES = {"llama2-7b": (4096, 32, 32, 128), "llama3-8b": (4096, 32, 8, 128)}
+SPARSITIES = [0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95]
+BATCHES = [1, 2, 4, 8]
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+L2_BYTES = 60e6
+DEV = "cuda"
+SMOKE = False  # --smoke: CPU + Triton interpreter, tiny shapes, wall-clock timing (CI check of this script)
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+def copy_bandwidth(nbytes=2 << 30, reps=20):
+    if SMOKE:
+        return 1.0
+    src = torch.empty(nbytes, dtype=torch.uint8, device=DEV).random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        dst.copy_(src)
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e-3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(ts) / 1e9  # GB/s, read + write
+
+
+def time_graph(fns, reps=30, warm=3):
+    """Median and p90 µs per op of a CUDA graph that runs every fn in `fns` once."""
+    if SMOKE:
+        for f in fns:
+            f()
+        t = time.perf_counter()
+        for f in fns:
+            f()
+        us = (time.perf_counter() - t) * 1e6 / len(fns)
+        return us, us
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    for _ in range(warm):
+        g.replay()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for e0, e1 in ev:
+        e0.record()
+        g.replay()
+        e1.record()
+    torch.cuda.synchronize()
+    ts = sorted(e0.elapsed_time(e1) * 1e3 / len(fns) for e0, e1 in ev)
+    del g
+    return statistics.median(ts), ts[min(len(ts) - 1, int(math.ceil(0.9 * len(ts))) - 1)]
+
+
+# ---------------------------------------------------------------------------------------------
+class Layers:
+    """L layers of random weights for one FFN shape, in both layouts (dense: nn.Linear layout)."""
+
+    def __init__(self, d, D, gated, dtype, n_layers):
+        self.d, self.D, self.gated, self.dtype, self.L = d, D, gated, dtype, n_layers
+        s_in, s_out = d**-0.5, D**-0.5
+        mk = lambda shape, sc: (torch.randn(shape, device=DEV, dtype=dtype) * sc)  # noqa: E731
+        self.w1 = [mk((D, d), s_in) for _ in range(n_layers)]            # gate / fc1
+        self.w2 = [mk((D, d), s_in) for _ in range(n_layers)] if gated else None  # up
+        self.wdt = [mk((D, d), s_out) for _ in range(n_layers)]          # W_down^T (sparse layout)
+        self.wd = [w.t().contiguous() for w in self.wdt]                 # W_down [d, D] (dense layout)
+        self.b1 = None if gated else [mk((D,), 0.1) for _ in range(n_layers)]
+        self.b2 = None if gated else [mk((d,), 0.1) for _ in range(n_layers)]
+
+    def free(self):
+        for k in ("w1", "w2", "wdt", "wd", "b1", "b2"):
+            setattr(self, k, None)
+        torch.cuda.empty_cache()
+
+
+def make_sets(D, k, n_layers, gen):
+    return [torch.randperm(D, generator=gen)[:k].to(torch.int32).to(DEV) for _ in range(n_layers)]
+
+
+def ffn_bytes(d, k, gated, elt, batch):
+    mats = 3 if gated else 2
+    return mats * k * d * elt + 2 * batch * d * elt + k * 4
+
+
+# ---------------------------------------------------------------------------------------------
+def run_ffn(args, rows, copy_bw, accel):
+    from . import configs as C
+    from . import ffn_triton as T
+    from . import npu as NP
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = args.shapes
+    for dname in args.dtypes:
+        dtype = DTYPES[dname]
+        elt = torch.tensor([], dtype=dtype).element_size()
+        for sname in shapes:
+            d, D, gated, act = SHAPES[sname]
+            min_bytes = ffn_bytes(d, int(D * (1 - max(args.sparsities))), gated, elt, 1)
+            n_layers = max(args.layers, math.ceil(3 * L2_BYTES / max(min_bytes, 1)))
+            n_layers = 2 if SMOKE else min(n_layers, 32)
+            lay = Layers(d, D, gated, dtype, n_layers)
+            log(f"\n== {sname} d={d} D={D} {dname} {'gated/' + act if gated else 'fc1/' + act}, {n_layers} layers")
+            for batch in args.batches:
+                xs = [torch.randn((batch, d), device=DEV, dtype=dtype) for _ in range(n_layers)]
+                if gated:
+                    dense_fns = [(lambda i=i: F.linear(
+                        F.silu(F.linear(xs[i], lay.w1[i])) * F.linear(xs[i], lay.w2[i]), lay.wd[i]))
+                        for i in range(n_layers)]
+                else:
+                    dense_fns = [(lambda i=i: F.linear(
+                        torch.relu(F.linear(xs[i], lay.w1[i], lay.b1[i])), lay.wd[i], lay.b2[i]))
+                        for i in range(n_layers)]
+                t_dense, p_dense = time_graph(dense_fns, args.reps)
+                b_dense = ffn_bytes(d, D, gated, elt, batch)
+                rows.append(row(accel, sname, d, D, dname, batch, 0.0, "dense", t_dense, p_dense, b_dense,
+                                copy_bw, t_dense, D))
+                log(f"  B={batch} dense {t_dense:8.1f} us  {b_dense / t_dense / 1e3:7.0f} GB/s")
+                for s in args.sparsities:
+                    k = max(1, int(round(D * (1 - s))))
+                    sets = make_sets(D, k, n_layers, gen)
+                    variants = {}
+                    if gated:
+                        variants["torch_index"] = [(lambda i=i: NP.sparse_ffn(
+                            xs[i], lay.w1[i], lay.w2[i], lay.wdt[i], sets[i], None, act)) for i in range(n_layers)]
+                        variants["triton"] = [(lambda i=i: T.sparse_ffn(
+                            xs[i], lay.w1[i], lay.w2[i], lay.wdt[i], sets[i], None, act)) for i in range(n_layers)]
+                        if not args.quick or batch == 1:
+                            thr = [seq_threshold(xs[i], lay.w1[i], sets[i], act) for i in range(n_layers)]
+                            variants["triton_seq50"] = [(lambda i=i: T.sparse_ffn(
+                                xs[i], lay.w1[i], lay.w2[i], lay.wdt[i], sets[i], None, act, threshold=thr[i]))
+                                for i in range(n_layers)]
+                    else:
+                        variants["torch_index"] = [(lambda i=i: NP.sparse_mlp(
+                            xs[i], lay.w1[i], lay.b1[i], lay.wdt[i], lay.b2[i], sets[i], None, act))
+                            for i in range(n_layers)]
+                        variants["triton"] = [(lambda i=i: T.sparse_mlp(
+                            xs[i], lay.w1[i], lay.b1[i], lay.wdt[i], lay.b2[i], sets[i], None, act))
+                            for i in range(n_layers)]
+                    line = []
+                    for vname, fns in variants.items():
+                        try:
+                            t, p = time_graph(fns, args.reps)
+                        except Exception as e:  # keep the rest of the run
+                            log(f"  FAILED {sname} B={batch} s={s} {vname}: {type(e).__name__}: {str(e)[:200]}")
+                            continue
+                        if vname == "triton_seq50":
+                            nb = (k + 2 * (k // 2)) * d * elt + 2 * batch * d * elt + k * 8
+                        else:
+                            nb = ffn_bytes(d, k, gated, elt, batch)
+                        vn = vname
+                        if vname == "triton":
+                            vn = "triton_" + C.ffn_path(batch, d)
+                        rows.append(row(accel, sname, d, D, dname, batch, s, vn, t, p, nb, copy_bw, t_dense, k))
+                        line.append(f"{vn} {t:7.1f}us {nb / t / 1e3:6.0f}GB/s {100 * nb / t / 1e3 / copy_bw:3.0f}% "
+                                    f"x{t_dense / t:4.2f}")
+                    log(f"  B={batch} s={s:4.2f} k={k:5d} | " + " | ".join(line))
+                    del sets
+            lay.free()
+            if args.json:  # partial results survive a later failure
+                with open(args.json + ".partial", "w") as f:
+                    json.dump(rows, f)
+
+
+def seq_threshold(x, w_gate, idx, act):
+    """Threshold that keeps about half the predicted rows (median of max_b |act(gate)|)."""
+    from . import reference as R
+
+    a = R.gather_gemv(x, w_gate, idx, None, act=act, out_dtype=torch.float32).abs().max(dim=0).values
+    return float(a.median())
+
+
+def row(accel, sname, d, D, dname, batch, s, variant, t, p, nbytes, copy_bw, t_dense, k):
+    gbps = nbytes / t / 1e3
+    return dict(device_type=DEV, accelerator_name=accel, shape=sname, d=d, D=D, dtype=dname, batch=batch,
+                sparsity=s, k=k, variant=variant, us_median=round(t, 3), us_p90=round(p, 3),
+                bytes_needed=int(nbytes), gbps=round(gbps, 1), pct_copy_bw=round(100 * gbps / copy_bw, 1),
+                speedup_vs_dense=round(t_dense / t, 3))
+
+
+# ---------------------------------------------------------------------------------------------
+def run_attn(args, rows, copy_bw, accel):
+    from . import attn_triton as A
+
+    gen = torch.Generator().manual_seed(1)
+    dtype, dname = torch.float16, "fp16"
+    for sname, (d, nh, nkv, hd) in ATTN_SHAPES.items():
+        n_layers = 2 if SMOKE else 16
+        wqkv = [torch.randn(((nh + 2 * nkv) * hd, d), device=DEV, dtype=dtype) * d**-0.5 for _ in range(n_layers)]
+        wo = [torch.randn((d, nh * hd), device=DEV, dtype=dtype) * d**-0.5 for _ in range(n_layers)]
+        wot = [w.t().contiguous() for w in wo]
+        xs = [torch.randn((1, d), device=DEV, dtype=dtype) for _ in range(n_layers)]
+        at = [torch.randn((1, nh * hd), device=DEV, dtype=dtype) for _ in range(n_layers)]
+        dense = [(lambda i=i: (F.linear(xs[i], wqkv[i]), F.linear(at[i], wo[i]))) for i in range(n_layers)]
+        t_dense, p_dense = time_graph(dense, args.reps)
+        nb_dense = ((nh + 2 * nkv) * hd + nh * hd) * d * 2
+        rows.append(row(accel, sname + "-attn", d, nh, dname, 1, 0.0, "attn_dense", t_dense, p_dense, nb_dense,
+                        copy_bw, t_dense, nh))
+        log(f"\n== attention projections {sname} H={nh} KV={nkv}: dense {t_dense:.1f} us")
+        for s in (0.0, 0.5, 0.7):
+            kq = int(round(nh * (1 - s)))
+            qsets = [torch.randperm(nh, generator=gen)[:kq].to(torch.int32).to(DEV) for _ in range(n_layers)]
+
+            def fn(i):
+                kv_idx, kv_count, _ = A.kv_heads_for(qsets[i], None, nh, nkv)
+                A.head_sparse_qkv(xs[i], wqkv[i], qsets[i], None, kv_idx, kv_count, nh, nkv, hd)
+                return A.head_sparse_out(at[i][:, : kq * hd], wot[i], qsets[i], None, hd)
+
+            t, p = time_graph([lambda i=i: fn(i) for i in range(n_layers)], args.reps)
+            kv_act = [len(set((qsets[i] // (nh // nkv)).tolist())) for i in range(n_layers)]
+            nb = (2 * kq * hd + 2 * statistics.mean(kv_act) * hd) * d * 2
+            rows.append(row(accel, sname + "-attn", d, nh, dname, 1, s, "attn_triton", t, p, nb, copy_bw, t_dense, kq))
+            log(f"  s={s:.2f} heads={kq}: {t:6.1f} us  {nb / t / 1e3:5.0f} GB/s  x{t_dense / t:4.2f} vs dense")
+        del wqkv, wo, wot
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+def determinism(n_runs, accel):
+    from . import ffn_triton as T
+
+    d, D = (72, 200) if SMOKE else (4096, 11008)
+    g = torch.Generator(device=DEV).manual_seed(3)
+    out = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        wg, wu, wdt = (torch.randn((D, d), device=DEV, dtype=dtype, generator=g) * 0.02 for _ in range(3))
+        idx = torch.randperm(D, device=DEV, generator=g)[: D // 2].to(torch.int32)
+        for batch in (1, 4):
+            x = torch.randn((batch, d), device=DEV, dtype=dtype, generator=g)
+            h = torch.randn((batch, idx.shape[0]), device=DEV, dtype=dtype, generator=g)
+            ref_down = T.gather_down(h, wdt, idx)
+            ref_ffn = T.sparse_ffn(x, wg, wu, wdt, idx)
+            same_down = sum(torch.equal(T.gather_down(h, wdt, idx), ref_down) for _ in range(n_runs))
+            same_ffn = sum(torch.equal(T.sparse_ffn(x, wg, wu, wdt, idx), ref_ffn) for _ in range(n_runs))
+            key = f"{str(dtype)[6:]} B={batch}"
+            out[key] = (same_down, same_ffn)
+            log(f"determinism {key}: gather_down {same_down}/{n_runs} bit-identical, "
+                f"sparse_ffn {same_ffn}/{n_runs} bit-identical")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+def tune_candidates(batch):
+    """Hand-picked configs (registers checked offline: none of these spills on sm_90)."""
+    cands = []
+    if batch == 1:  # run 3 narrowed this to the front-runners plus fewer, larger programs (fewer partials)
+        for br, nw, pps, ed, rb in ((2, 8, 2, True, None), (2, 8, 2, True, 32), (2, 8, 2, True, 64),
+                                    (1, 4, 3, True, None), (1, 4, 2, True, None), (8, 4, 2, False, None),
+                                    (2, 8, 1, True, None), (2, 16, 1, True, None), (4, 16, 1, True, None),
+                                    (4, 16, 1, True, 64), (4, 32, 1, True, None)):
+            cfg = dict(BLOCK_R=br, num_warps=nw, progs_per_sm=pps, early_down=ed)
+            if rb:
+                cfg["reduce_block"] = rb
+            cands.append(("fused", {"fused": cfg}))
+        for dbd, dbr, dsp, dw in ((128, 64, 8, 4), (128, 32, 64, 4)):
+            cands.append(("down", {"down": dict(BLOCK_D=dbd, BLOCK_R=dbr, splits=dsp, num_warps=dw)}))
+        for gbr, gw in ((2, 4), (4, 4)):
+            cands.append(("gather", {"gather": dict(BLOCK_R=gbr, BLOCK_K=None, num_warps=gw)}))
+        return cands
+    if batch == 2:
+        for br, nw, ed in ((2, 4, False), (4, 4, False), (1, 4, True), (1, 8, True), (2, 8, True), (2, 16, True)):
+            cands.append(("fused", {"fused": dict(BLOCK_R=br, num_warps=nw, progs_per_sm=2, early_down=ed)}))
+    for gbr, gbk, gw, dot in ((4, 1024, 4, False), (2, 1024, 4, False), (16, 256, 4, True), (32, 256, 4, True),
+                              (64, 256, 8, True), (32, 512, 8, True), (16, 512, 4, True)):
+        cands.append(("gather", {"gather": dict(BLOCK_R=gbr, BLOCK_K=gbk, num_warps=gw, dot=dot)}))
+    for dbd, dbr, dsp, dw, dot in ((128, 32, 64, 4, False), (256, 16, 32, 4, False), (128, 32, 16, 4, True),
+                                   (256, 32, 16, 4, True), (256, 64, 8, 8, True), (128, 32, 32, 4, True),
+                                   (512, 16, 16, 4, True)):
+        cands.append(("down", {"down": dict(BLOCK_D=dbd, BLOCK_R=dbr, splits=dsp, num_warps=dw, dot=dot)}))
+    return cands
+
+
+def tune_ops(args, copy_bw):
+    """Whole-op timings at batch 1: non-gated MLP (opt-6.7b) fused vs split-with-tl.dot, and the gated FFN's
+    two front-running fused configs vs split-with-tl.dot."""
+    from . import ffn_triton as T
+
+    gen = torch.Generator().manual_seed(5)
+    dot = {"gather": dict(BLOCK_R=32, BLOCK_K=256, num_warps=4, dot=True),
+           "down": dict(BLOCK_D=128, BLOCK_R=32, splits=16, num_warps=4, dot=True)}
+    dot2 = {"gather": dict(BLOCK_R=64, BLOCK_K=256, num_warps=8, dot=True),
+            "down": dict(BLOCK_D=128, BLOCK_R=32, splits=32, num_warps=4, dot=True)}
+    res = []
+    for sname in (["opt-6.7b", "llama2-7b", "llama3-8b"] if not SMOKE else ["tiny-opt", "tiny"]):
+        d, D, gated, act = SHAPES[sname]
+        nl = 2 if SMOKE else 16
+        lay = Layers(d, D, gated, torch.float16, nl)
+        xs = [torch.randn((1, d), device=DEV, dtype=torch.float16) for _ in range(nl)]
+        if gated:
+            cands = [("fused", {"fused": dict(BLOCK_R=1, num_warps=4, progs_per_sm=3, early_down=True)}),
+                     ("fused", {"fused": dict(BLOCK_R=2, num_warps=8, progs_per_sm=2, early_down=True)}),
+                     ("split", dot), ("split", dot2)]
+        else:
+            cands = [("fused", {"fused": dict(BLOCK_R=br, num_warps=nw, progs_per_sm=pps, early_down=True)})
+                     for br, nw, pps in ((1, 4, 3), (2, 8, 2), (2, 4, 3), (4, 8, 2), (2, 8, 3), (4, 16, 2))]
+            cands += [("split", dot), ("split", dot2)]
+        for s in (0.3, 0.5, 0.7, 0.9):
+            k = int(round(D * (1 - s)))
+            sets = make_sets(D, k, nl, gen)
+            line = []
+            for path, cfg in cands:
+                if gated:
+                    fns = [(lambda i=i, p=path, c=cfg: T.sparse_ffn(xs[i], lay.w1[i], lay.w2[i], lay.wdt[i], sets[i],
+                                                                     None, act, path=p, config=c)) for i in range(nl)]
+                else:
+                    fns = [(lambda i=i, p=path, c=cfg: T.sparse_mlp(xs[i], lay.w1[i], lay.b1[i], lay.wdt[i], lay.b2[i],
+                                                                     sets[i], None, act, path=p, config=c))
+                           for i in range(nl)]
+                try:
+                    t, _ = time_graph(fns, 15)
+                except Exception as e:
+                    log(f"  skip {path} {cfg}: {type(e).__name__}: {str(e)[:150]}")
+                    continue
+                res.append(dict(shape=sname, s=s, path=path, cfg=cfg, us=t))
+                line.append(f"{path}{list(cfg.values())[0] if path == 'fused' else ''} {t:.1f}")
+            log(f"tune-op {sname} B=1 s={s}: " + " | ".join(line))
+        lay.free()
+    return res
+
+
+def apply_tuned_ops(res):
+    from . import configs as C
+
+    for gated, shapes in ((False, ("opt-6.7b", "tiny-opt")), (True, ("llama2-7b", "llama3-8b", "tiny"))):
+        rs = [r for r in res if r["shape"] in shapes]
+        if not rs:
+            continue
+        best = {}
+        for r in rs:
+            key = (r["shape"], r["s"])
+            best[key] = min(best.get(key, 1e30), r["us"])
+        score = {}
+        for r in rs:
+            ck = json.dumps([r["path"], r["cfg"]], sort_keys=True)
+            score.setdefault(ck, []).append(r["us"] / best[(r["shape"], r["s"])])
+        full = max(map(len, score.values()))
+        ck = min(score, key=lambda c: statistics.mean(score[c]) if len(score[c]) == full else 1e9)
+        path, cfg = json.loads(ck)
+        log(f"chosen batch-1 {'gated FFN' if gated else 'non-gated MLP'}: {path} {cfg} "
+            f"(mean time / per-point best = {statistics.mean(score[ck]):.3f})")
+        if gated:
+            if path == "fused":
+                C.FUSED[1] = dict(cfg["fused"])
+            else:
+                C.FUSED.pop(1, None)
+                C.GATHER[1], C.DOWN[1] = dict(cfg["gather"]), dict(cfg["down"])
+        else:
+            C.MLP_B1 = dict(path=path, **cfg)
+    log("FUSED = " + repr(C.FUSED))
+    log("MLP_B1 = " + repr(C.MLP_B1))
+    log("GATHER[1] = " + repr(C.GATHER[1]) + "  DOWN[1] = " + repr(C.DOWN[1]))
+
+
+def apply_tuned(results):
+    """Pick, per batch and kind, the config with the smallest mean (time / best time) over the tuned
+    shapes and sparsities; install it in kernels.configs (this process only) and print the tables
+    to freeze in code. Batch 2 keeps the fused path only where it beat gather + down."""
+    from . import configs as C
+
+    by = {}
+    for r in results:
+        by.setdefault((r["batch"], r["kind"]), []).append(r)
+    best_t = {}
+    for r in results:
+        key = (r["shape"], r["batch"], r["s"], r["kind"])
+        best_t[key] = min(best_t.get(key, 1e30), r["us"])
+    chosen = {}
+    for (batch, kind), rs in by.items():
+        score = {}
+        for r in rs:
+            ck = json.dumps(r["cfg"], sort_keys=True)
+            score.setdefault(ck, []).append(r["us"] / best_t[(r["shape"], r["batch"], r["s"], kind)])
+        ck = min(score, key=lambda c: statistics.mean(score[c]) if len(score[c]) == max(map(len, score.values()))
+                 else 1e9)
+        chosen[(batch, kind)] = (json.loads(ck)[kind], statistics.mean(score[ck]))
+    tables = {"fused": C.FUSED, "gather": C.GATHER, "down": C.DOWN}
+    for (batch, kind), (cfg, sc) in sorted(chosen.items()):
+        bp = C.b_pad(batch)
+        tables[kind][bp] = dict(cfg)
+        log(f"chosen B={batch} {kind}: {cfg}  (mean time / per-point best = {sc:.3f})")
+    # batch 2: fused vs split on summed per-point times
+    if (2, "fused") in chosen and (2, "gather") in chosen:
+        tot = {"fused": 0.0, "split": 0.0}
+        for r in results:
+            if r["batch"] != 2:
+                continue
+            if r["kind"] == "fused" and r["cfg"]["fused"] == chosen[(2, "fused")][0]:
+                tot["fused"] += r["us"]
+            if r["kind"] in ("gather", "down") and r["cfg"][r["kind"]] == chosen[(2, r["kind"])][0]:
+                tot["split"] += r["us"]
+        if tot["split"] < tot["fused"]:
+            C.FUSED.pop(2, None)
+        log(f"batch 2: fused {tot['fused']:.1f} us vs split {tot['split']:.1f} us (summed over tuned points)")
+    log("FUSED = " + repr(C.FUSED))
+    log("GATHER = " + repr(C.GATHER))
+    log("DOWN = " + repr(C.DOWN))
+    return {f"{b}/{k}": v[0] for (b, k), v in chosen.items()}
+
+
+def tune(args, copy_bw):
+    """Hand-picked config sweep (never inside a capture); prints the best per (shape, batch, s)."""
+    from . import ffn_triton as T
+
+    gen = torch.Generator().manual_seed(2)
+    dtype = torch.float16
+    results = []
+    for sname in args.tune_shapes:
+        d, D, gated, act = SHAPES[sname]
+        nl = 2 if SMOKE else 16
+        lay = Layers(d, D, True, dtype, nl)
+        for batch in args.tune_batches:
+            xs = [torch.randn((batch, d), device=DEV, dtype=dtype) for _ in range(nl)]
+            for s in args.tune_sparsities:
+                k = int(round(D * (1 - s)))
+                sets = make_sets(D, k, nl, gen)
+                nb = ffn_bytes(d, k, True, 2, batch)
+                cands = tune_candidates(batch)
+                if SMOKE:
+                    cands = [c for i, c in enumerate(cands) if i % 9 == 0]
+                best = {}
+                for kind, cfg in cands:
+                    try:
+                        if kind == "fused":
+                            fns = [(lambda i=i, cfg=cfg: T.sparse_ffn(xs[i], lay.w1[i], lay.w2[i], lay.wdt[i], sets[i],
+                                                                       None, act, path="fused", config=cfg))
+                                   for i in range(nl)]
+                            byts = nb
+                        elif kind == "gather":
+                            fns = [(lambda i=i, cfg=cfg: T.gated_gather_gemv(xs[i], lay.w1[i], lay.w2[i], sets[i],
+                                                                              None, act, torch.float32,
+                                                                              config=cfg["gather"]))
+                                   for i in range(nl)]
+                            byts = 2 * k * d * 2
+                        else:
+                            hs = [torch.randn((batch, k), device=DEV, dtype=torch.float32) for _ in range(nl)]
+                            fns = [(lambda i=i, cfg=cfg, hs=hs: T.gather_down(hs[i], lay.wdt[i], sets[i],
+                                                                               config=cfg["down"]))
+                                   for i in range(nl)]
+                            byts = k * d * 2
+                        t, _ = time_graph(fns, 15)
+                    except Exception as e:  # a config that does not compile / fit is skipped
+                        log(f"  skip {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                        continue
+                    results.append(dict(shape=sname, batch=batch, s=s, kind=kind, cfg=cfg, us=t,
+                                        pct=100 * byts / t / 1e3 / copy_bw))
+                    if kind not in best or t < best[kind][0]:
+                        best[kind] = (t, cfg)
+                msg = " | ".join(f"{kd}: {v[0]:.1f}us {list(v[1].values())[0]}" for kd, v in best.items())
+                log(f"tune {sname} B={batch} s={s}: {msg}")
+        lay.free()
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+def profile(args, copy_bw):
+    """Batch 1, llama2/llama3: whole fused op vs its reduce kernel alone (on a filled workspace)."""
+    from . import configs as C
+    from . import ffn_triton as T
+
+    gen = torch.Generator().manual_seed(4)
+    out = []
+    for sname in ("llama2-7b", "llama3-8b") if not SMOKE else ("tiny",):
+        d, D, _, act = SHAPES[sname]
+        nl = 2 if SMOKE else 16
+        lay = Layers(d, D, True, torch.float16, nl)
+        xs = [torch.randn((1, d), device=DEV, dtype=torch.float16) for _ in range(nl)]
+        for s in (0.5, 0.7, 0.9):
+            k = int(round(D * (1 - s)))
+            sets = make_sets(D, k, nl, gen)
+            t_all, _ = time_graph([lambda i=i: T.sparse_ffn(xs[i], lay.w1[i], lay.w2[i], lay.wdt[i], sets[i], None, act)
+                                   for i in range(nl)], args.reps)
+            cfg = C.FUSED[1]
+            nsplit = min(cfg.get("nsplit") or cfg["progs_per_sm"] * C.num_sms(0 if not SMOKE else None),
+                         -(-k // cfg["BLOCK_R"]))
+            wss = [torch.randn((nsplit, 1, d), device=DEV) for _ in range(nl)]
+            ys = [torch.empty((1, d), device=DEV, dtype=torch.float16) for _ in range(nl)]
+            t_red, _ = time_graph([lambda i=i: T._launch_reduce(wss[i], nsplit, None, ys[i], cfg.get("reduce_block"))
+                                   for i in range(nl)], args.reps)
+            nb = ffn_bytes(d, k, True, 2, 1)
+            log(f"profile {sname} s={s}: op {t_all:.1f} us = reduce alone {t_red:.1f} us + rest {t_all - t_red:.1f} us;"
+                f" bytes at copy BW {nb / copy_bw / 1e3:.1f} us; nsplit {nsplit}")
+            out.append(dict(shape=sname, s=s, us_op=t_all, us_reduce=t_red, nsplit=nsplit,
+                            us_bytes_at_copy_bw=nb / copy_bw / 1e3))
+        lay.free()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+def main(argv=None):
+    global DEV, SMOKE, SHAPES, ATTN_SHAPES
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="llama2-7b + llama3-8b, batch 1 and 4, s in .5/.7/.9")
+    ap.add_argument("--json", help="write all rows to this JSON file")
+    ap.add_argument("--dtypes", default="fp16")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--sparsities", default=",".join(map(str, SPARSITIES)))
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--no-attn", action="store_true")
+    ap.add_argument("--no-ffn", action="store_true")
+    ap.add_argument("--determinism", type=int, default=0, help="N repeated runs checked bit-for-bit")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune-shapes", default="llama2-7b,llama3-8b")
+    ap.add_argument("--tune-batches", default="1,2,4,8")
+    ap.add_argument("--tune-sparsities", default="0.5,0.7,0.9")
+    ap.add_argument("--apply-tuned", action="store_true", help="use the tuned configs for the rest of this run")
+    ap.add_argument("--tune-ops", action="store_true", help="batch-1 whole-op tune: MLP and FFN, fused vs split")
+    ap.add_argument("--profile", action="store_true", help="batch-1 time split: fused kernel vs reduce kernel")
+    ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        import os
+
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        DEV, SMOKE = "cpu", True
+        SHAPES = {"tiny": (72, 200, True, "silu"), "tiny-opt": (72, 200, False, "relu")}
+        ATTN_SHAPES = {"tiny": (72, 6, 2, 12)}
+        args.shapes, args.tune_shapes = ",".join(SHAPES), "tiny"
+        args.batches, args.tune_batches, args.sparsities, args.tune_sparsities = "1,3", "1,2", "0,0.5,0.95", "0.5"
+        args.layers, args.reps = 2, 1
+    elif not torch.cuda.is_available():
+        log("benchmarks.kernels needs a CUDA GPU (or --smoke)")
+        return 2
+    args.dtypes = args.dtypes.split(",")
+    args.shapes = args.shapes.split(",")
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.sparsities = [float(s) for s in args.sparsities.split(",")]
+    args.tune_shapes = args.tune_shapes.split(",")
+    args.tune_batches = [int(b) for b in args.tune_batches.split(",")]
+    args.tune_sparsities = [float(s) for s in args.tune_sparsities.split(",")]
+    if args.quick:
+        args.shapes, args.batches, args.sparsities = ["llama2-7b", "llama3-8b"], [1, 4], [0.5, 0.7, 0.9]
+    import triton
+
+    accel = torch.cuda.get_device_name() if not SMOKE else "cpu-interpreter"
+    t0 = time.time()
+    copy_bw = copy_bandwidth()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if not SMOKE else 0
+    log(f"device {accel}, {sms} SMs; torch {torch.__version__}, "
+        f"triton {triton.__version__}; copy bandwidth {copy_bw:.0f} GB/s (read+write)")
+    rows, extra = [], {}
+    if args.tune:
+        extra["tune"] = tune(args, copy_bw)
+        if args.apply_tuned:
+            extra["chosen"] = apply_tuned(extra["tune"])
+    if args.tune_ops:
+        extra["tune_ops"] = tune_ops(args, copy_bw)
+        if args.apply_tuned:
+            apply_tuned_ops(extra["tune_ops"])
+    if args.profile:
+        extra["profile"] = profile(args, copy_bw)
+    if args.determinism:
+        extra["determinism"] = determinism(args.determinism, accel)
+    if not args.no_ffn:
+        run_ffn(args, rows, copy_bw, accel)
+    if not args.no_attn:
+        run_attn(args, rows, copy_bw, accel)
+    meta = dict(date=_dt.date.today().isoformat(), accelerator_name=accel, copy_bw_gbps=round(copy_bw, 1),
+                torch=torch.__version__, triton=triton.__version__, argv=sys.argv[1:], seconds=round(time.time() - t0))
+    for r in rows:
+        r.update(torch_version=torch.__version__, triton_version=triton.__version__, copy_bw_gbps=round(copy_bw, 1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows, **extra), f, indent=1, default=str)
+        log(f"wrote {len(rows)} rows to {args.json}")
+    summary(rows)
+    log(f"bench took {time.time() - t0:.0f} s")
+    return 0
+
+
+def _is_sparse_main(r):
+    return r["variant"] in ("triton_fused", "triton_split")
+
+
+def summary(rows):
+    """Batch-1 table for the goal shapes, and the crossover batch per (shape, s)."""
+    dense = {(r["shape"], r["dtype"], r["batch"]): r for r in rows if r["variant"] == "dense"}
+    index = {(r["shape"], r["dtype"], r["batch"], r["sparsity"]): r for r in rows if r["variant"] == "torch_index"}
+    seq = {(r["shape"], r["dtype"], r["batch"], r["sparsity"]): r for r in rows if r["variant"] == "triton_seq50"}
+    log("\nshape      dtype B   s   | dense us | triton us  x dense  %copyBW | index us x dense | seq50 us x dense")
+    for r in rows:
+        if r["batch"] == 1 and _is_sparse_main(r) and r["shape"] in ("llama2-7b", "llama3-8b", "tiny"):
+            key = (r["shape"], r["dtype"], 1, r["sparsity"])
+            dn, ix, sq = dense.get(key[:3]), index.get(key), seq.get(key)
+            nan = float("nan")
+            log(f"{r['shape']:10s} {r['dtype']} 1 {r['sparsity']:4.2f} | {dn['us_median'] if dn else nan:8.1f} | "
+                f"{r['us_median']:8.1f}  {r['speedup_vs_dense']:6.2f}  {r['pct_copy_bw']:6.1f} | "
+                f"{ix['us_median'] if ix else nan:8.1f} {ix['speedup_vs_dense'] if ix else nan:6.2f} | "
+                f"{sq['us_median'] if sq else nan:8.1f} {sq['speedup_vs_dense'] if sq else nan:6.2f}")
+    cross, seen = {}, set()
+    for r in rows:
+        if _is_sparse_main(r):
+            key = (r["shape"], r["dtype"], r["sparsity"])
+            seen.add(key)
+            if r["speedup_vs_dense"] < 1.0:
+                cross[key] = min(cross.get(key, 99), r["batch"])
+    if seen:
+        log("\ncrossover (smallest batch where dense is faster; '-' = sparse faster at every batch run):")
+        for key in sorted(seen):
+            log(f"  {key[0]:10s} {key[1]} s={key[2]:4.2f}: {cross.get(key, '-')}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

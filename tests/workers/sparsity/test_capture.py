@@ -1,0 +1,144 @@
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import workers.sparsity.capture as capture_mod
+from workers.sparsity.capture import CacheCorruptError, capture_activations, open_cache
+from workers.loading.data import token_windows
+
+LAYERS = [0, 7, 29]
+
+
+@pytest.fixture(scope="module")
+def calib(smollm2):
+    return token_windows(smollm2.tokenizer, "lambada", "calib", 1024, 256)
+
+
+def test_capture_records_consistent_components_and_hits_the_cache(smollm2, calib, tmp_path):
+    c = capture_activations(smollm2, calib, layers=LAYERS, root=tmp_path, progress=False)
+    assert not c.hit and c.n_tokens == 1024
+    again = capture_activations(smollm2, calib, layers=LAYERS, root=tmp_path, progress=False)
+    assert again.hit and again.path == c.path
+    mlp = smollm2.model.model.layers[7].mlp
+    x = c.load(7, "ffn_in")
+    gate, inter = c.load(7, "gate"), c.load(7, "inter")
+    assert x.shape == (1024, 576) and gate.shape == inter.shape == (1024, 1536)
+    assert c.load(7, "head_norm").shape == (1024, 9) and c.load(7, "residual").shape == (1024, 576)
+    with torch.no_grad():
+        ref_gate = mlp.gate_proj(x)
+        ref_inter = F.silu(ref_gate) * mlp.up_proj(x)
+    # stored as float16: compare at that precision
+    assert torch.allclose(gate, ref_gate, rtol=2e-2, atol=2e-2)
+    assert (inter - ref_inter).norm() / ref_inter.norm() < 5e-3
+    # the FFN input is the normed residual stream after attention, not the raw residual
+    assert not torch.allclose(x, c.load(7, "residual"), atol=1e-2)
+    with pytest.raises(KeyError, match="cache has no"):
+        c.load(3, "gate")
+
+
+def test_small_memory_budget_streams_many_shards_with_the_same_content(smollm2, calib, tmp_path):
+    one = capture_activations(smollm2, calib, layers=[7], components=("inter",), root=tmp_path / "a",
+                              progress=False)
+    many = capture_activations(smollm2, calib, layers=[7], components=("inter",), root=tmp_path / "b",
+                               max_buffer_mb=1, progress=False)
+    assert len(one.manifest["shards"]) == 1 and len(many.manifest["shards"]) == 4   # one 256-token window each
+    assert torch.equal(one.load(7, "inter"), many.load(7, "inter"))
+
+
+def test_interrupted_write_leaves_no_cache_that_looks_complete(smollm2, calib, tmp_path, monkeypatch):
+    real = capture_mod.save_file
+    calls = {"n": 0}
+
+    def dying_save(tensors, path):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("killed mid-write")
+        real(tensors, path)
+
+    monkeypatch.setattr(capture_mod, "save_file", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        capture_activations(smollm2, calib, layers=[0], components=("gate",), root=tmp_path,
+                            max_buffer_mb=1, progress=False)
+    assert list(tmp_path.iterdir()) == []      # nothing published, scratch removed
+    monkeypatch.setattr(capture_mod, "save_file", real)
+    c = capture_activations(smollm2, calib, layers=[0], components=("gate",), root=tmp_path,
+                            max_buffer_mb=1, progress=False)
+    assert not c.hit and c.n_tokens == 1024
+
+
+def test_corrupted_cache_is_detected_and_collected_again(smollm2, calib, tmp_path):
+    c = capture_activations(smollm2, calib, layers=[0], components=("gate",), root=tmp_path, progress=False)
+    shard = c.path / c.manifest["shards"][0]["file"]
+    data = bytearray(shard.read_bytes())
+    data[-100:] = b"\x00" * 100                 # same size, different bytes
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CacheCorruptError, match="sha256"):
+        open_cache(c.path, checksums=True)
+    shard.write_bytes(bytes(data[:1000]))       # truncated: caught by the cheap size check on every open
+    with pytest.raises(CacheCorruptError, match="size"):
+        open_cache(c.path)
+    fresh = capture_activations(smollm2, calib, layers=[0], components=("gate",), root=tmp_path, progress=False)
+    assert not fresh.hit
+    open_cache(fresh.path, checksums=True)
+    assert any(p.name.startswith(".corrupt-") for p in tmp_path.iterdir())
+
+
+def test_manifest_says_what_it_holds(smollm2, calib, tmp_path):
+    c = capture_activations(smollm2, calib, layers=[0], components=("head_norm",), root=tmp_path, progress=False)
+    m = json.loads((c.path / "manifest.json").read_text())
+    assert m["complete"] and m["model_fingerprint"] == smollm2.fingerprint
+    assert m["data_fingerprint"] == calib.fingerprint and m["n_tokens"] == 1024 and m["dtype"] == "float16"
+    assert m["tokens_per_s"] > 0
+
+
+def test_bad_arguments(smollm2, calib, tmp_path):
+    with pytest.raises(ValueError, match="unknown components"):
+        capture_activations(smollm2, calib, components=("attn_probs",), root=tmp_path)
+    with pytest.raises(ValueError, match="layers must lie in"):
+        capture_activations(smollm2, calib, layers=[30], root=tmp_path)
+
+
+@pytest.mark.parametrize("family", ["opt", "gpt2", "gemma3"])
+def test_capture_on_other_families(family, tmp_path):
+    from tests.workers.tiny_models import tiny_model
+    from workers.loading.adapters import activation_fn, adapter_for
+    from workers.loading.data import TokenSet
+    from workers.loading.models import LoadedModel, fingerprint
+
+    m = tiny_model(family)
+    ad = adapter_for(m)
+    lm = LoadedModel(model=m, tokenizer=None, ref=family, adapter=ad, dims=ad.dims(m.config),
+                     fingerprint=fingerprint(m), source="config")
+    ids = torch.randint(0, 128, (3, 16))
+    toks = TokenSet(ids, "random", "calib", 48, 0, "fp-" + family)
+    c = capture_activations(lm, toks, root=tmp_path, progress=False, dtype="float32")
+    x, gate, inter = c.load(1, "ffn_in"), c.load(1, "gate"), c.load(1, "inter")
+    assert gate.shape == (48, 80) and c.load(1, "head_norm").shape == (48, 4)
+    act = activation_fn(ad.act_name(m.config))
+    if not ad.ffn.gated:
+        torch.testing.assert_close(inter, act(gate))
+    else:
+        assert inter.shape == (48, 80)
+
+
+def test_auto_dtype_falls_back_to_bfloat16_when_float16_overflows(tmp_path):
+    from tests.workers.tiny_models import tiny_model
+    from workers.loading.adapters import adapter_for
+    from workers.loading.data import TokenSet
+    from workers.loading.models import LoadedModel, fingerprint
+
+    m = tiny_model("llama")
+    with torch.no_grad():
+        m.model.embed_tokens.weight.mul_(1e6)          # residual stream far past float16's 65504
+    ad = adapter_for(m)
+    lm = LoadedModel(model=m, tokenizer=None, ref="big", adapter=ad, dims=ad.dims(m.config),
+                     fingerprint=fingerprint(m), source="config")
+    toks = TokenSet(torch.randint(0, 128, (2, 8)), "random", "calib", 16, 0, "fp-big")
+    with pytest.raises(OverflowError, match="non-finite"):
+        capture_activations(lm, toks, root=tmp_path, progress=False, dtype="float16")
+    c = capture_activations(lm, toks, root=tmp_path, progress=False)
+    assert c.manifest["dtype"] == "bfloat16" and not c.hit
+    assert torch.isfinite(c.load(0, "residual")).all()
+    assert capture_activations(lm, toks, root=tmp_path, progress=False).hit

@@ -1,0 +1,250 @@
+"""Decode latency rows: our runtime (dense / sparse) and Hugging Face ``generate``, as plain dicts.
+
+    rows = bench_decode(model, plan, device="cuda", batch=1, prompt_len=128, gen_len=64)
+
+Each row has exactly the fields of ``db.schemas.LatencyRow`` that a worker fills (device_type, accelerator_name,
+batch, prompt_len, gen_len, p50_ms_per_token, p90_ms_per_token, tokens_per_s, realized_sparsity, runtime);
+``detail=True`` adds measurement details under keys the store does not take (strip them before a LatencyRow).
+No Ray, no DB imports: the GPU benchmark script runs this module on a machine without either.
+
+Per-token times: our runtime times every decode step with device events around each graph replay (no host
+sync inside the loop; CPU: a host clock); HF ``generate`` with a logits processor that synchronizes and reads
+the clock once per generated token. p50/p90 are over all decode tokens of all repeats; tokens/s =
+batch · 1000 / p50. The first generated token comes from the prefill and is not a decode step.
+
+Shape-only models (7B class, random weights of the real shapes; GPU): :func:`shape_model`; a random Deja Vu
+style plan with a given MLP / head sparsity for them: :func:`random_plan` (what sparsity a method realizes comes
+from the real small models; these rows measure the runtime at that sparsity).
+"""
+from __future__ import annotations
+
+import math
+import platform
+import time
+import weakref
+
+import torch
+
+from workers.sparsity.predictors.base import SparsityPlan, k_for
+from workers.decode.runtime import DecodeRuntime, random_hf_model
+
+SHAPES = {
+    "llama2-7b": ("llama", dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                                rms_norm_eps=1e-5, rope_theta=10000.0)),
+    "llama3-8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                                rms_norm_eps=1e-5, rope_theta=500000.0)),
+    "qwen2-7b": ("qwen2", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                               num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                               rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)),
+    "opt-6.7b": ("opt", dict(vocab_size=50272, hidden_size=4096, ffn_dim=16384, num_hidden_layers=32,
+                             num_attention_heads=32, max_position_embeddings=2048, word_embed_proj_dim=4096,
+                             do_layer_norm_before=True)),
+}
+
+
+def shape_config(name: str):
+    import transformers as tf
+
+    try:
+        family, kw = SHAPES[name]
+    except KeyError:
+        raise ValueError(f"unknown shape {name!r}; known: {sorted(SHAPES)}") from None
+    cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "opt": tf.OPTConfig}[family]
+    return cls(**kw)
+
+
+def shape_model(name: str, dtype=torch.float16, device="cuda", seed: int = 0):
+    """An HF model of a 7B-class shape with random weights (``name`` in SHAPES), on ``device``."""
+    return random_hf_model(shape_config(name), dtype, device, seed)
+
+
+def random_plan(model_or_config, mlp_sparsity: float | None, head_sparsity: float | None = None, *,
+                rank: int = 256, input_kind: str = "lookahead", seed: int = 0, layers=None) -> SparsityPlan:
+    """Deja Vu predictors (rank ``rank``, top-k) with random weights for every layer (or ``layers``): the
+    predictor GEMVs, top-k and kernels cost what a fitted plan costs; the chosen sets are arbitrary."""
+    from workers.loading.adapters import adapter_for
+    from workers.sparsity.predictors.dejavu import DejaVuHeadPredictor, DejaVuMLPPredictor
+
+    cfg = getattr(model_or_config, "config", model_or_config)
+    dims = adapter_for(cfg).dims(cfg)
+    g = torch.Generator().manual_seed(seed)
+    plan = SparsityPlan()
+    for l in (layers if layers is not None else range(dims.n_layers)):
+        if mlp_sparsity is not None:
+            p = DejaVuMLPPredictor(dims.d, min(rank, dims.d), dims.D, k_for(mlp_sparsity, dims.D), input_kind)
+            p.reset_random(g)
+            plan.mlp[l] = p
+        if head_sparsity is not None:
+            h = DejaVuHeadPredictor(dims.d, min(rank, dims.d), dims.n_heads, k_for(head_sparsity, dims.n_heads),
+                                    input_kind)
+            h.reset_random(g)
+            plan.attn[l] = h
+        plan.info[l] = {"target_sparsity": mlp_sparsity, "head_sparsity": head_sparsity}
+    return plan
+
+
+# ------------------------------------------------------------------------------------------------------------
+def accelerator_name(device) -> str:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    if dev.type == "npu":  # pragma: no cover - Ascend only
+        return str(torch.npu.get_device_name(dev))
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    i = (len(xs) - 1) * q
+    lo, hi = math.floor(i), math.ceil(i)
+    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+
+def _row(device, batch, prompt_len, gen_len, times_ms, runtime, sparsity, extra):
+    p50 = _pct(times_ms, 0.5)
+    row = dict(device_type=torch.device(device).type, accelerator_name=accelerator_name(device), batch=batch,
+               prompt_len=prompt_len, gen_len=gen_len, p50_ms_per_token=p50, p90_ms_per_token=_pct(times_ms, 0.9),
+               tokens_per_s=batch * 1000.0 / p50 if p50 > 0 else 0.0, realized_sparsity=sparsity, runtime=runtime)
+    if extra is not None:
+        row.update(extra)
+    return row
+
+
+_RUNTIMES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def runtime_for(model, device=None) -> DecodeRuntime:
+    """The decode runtime built from ``model`` (cached per model object; weights copied once)."""
+    if isinstance(model, DecodeRuntime):
+        return model
+    rt = _RUNTIMES.get(model)
+    if rt is None or (device is not None and rt.device != torch.device(device)):
+        rt = DecodeRuntime.from_hf(model, device=device)
+        _RUNTIMES[model] = rt
+    return rt
+
+
+@torch.no_grad()
+def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch: int = 1, prompt_len: int = 128,
+                 gen_len: int = 32, runtime: str = "ctxsparse", repeats: int = 3, warmup: int = 1,
+                 overlap: bool = True, kv_mode: str = "exact", seed: int = 0, detail: bool = False,
+                 vocab: int | None = None) -> list[dict]:
+    """Time greedy decoding of ``gen_len`` tokens after a ``prompt_len`` random prompt, ``batch`` sequences.
+
+    ``model``: an HF causal LM (or a :class:`DecodeRuntime` for ``runtime="ctxsparse"``). ``runtime``:
+    ``"ctxsparse"`` (our runtime; row runtime ``ctxsparse-dense`` without a plan, ``ctxsparse-sparse`` with
+    one) or ``"hf-generate"`` (the plan is ignored: HF runs dense). Returns one row (a list, for the store).
+    """
+    device = torch.device(device)
+    if gen_len < 2:
+        raise ValueError("gen_len must be >= 2 (the first token comes from the prefill)")
+    g = torch.Generator().manual_seed(seed)
+    if runtime == "hf-generate":
+        return [_bench_hf(model, device, batch, prompt_len, gen_len, repeats, warmup, g, detail, vocab)]
+    if runtime != "ctxsparse":
+        raise ValueError(f"runtime must be 'ctxsparse' or 'hf-generate', got {runtime!r}")
+    rt = runtime_for(model, device)
+    rt.set_plan(plan, overlap=overlap, kv_mode=kv_mode)
+    rt.setup(batch, prompt_len + gen_len)
+    V = vocab or rt.vocab
+    times, sparsities, prefill_ms = [], [], []
+    cuda = device.type == "cuda"
+    for r in range(warmup + repeats):
+        ids = torch.randint(0, V, (batch, prompt_len), generator=g)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        rt.prefill(ids)
+        if cuda:
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        steps = gen_len - 1
+        if cuda:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+            ev[0].record()
+            for i in range(steps):
+                rt.step()
+                ev[i + 1].record()
+            torch.cuda.synchronize()
+            ts = [ev[i].elapsed_time(ev[i + 1]) for i in range(steps)]
+        else:
+            ts = []
+            for _ in range(steps):
+                a = time.perf_counter()
+                rt.step()
+                ts.append((time.perf_counter() - a) * 1e3)
+        if r >= warmup:
+            times.extend(ts)
+            prefill_ms.append((t1 - t0) * 1e3)
+            sparsities.append(rt.realized_sparsity())
+    sp = None
+    if plan is not None:
+        mlp = [s["mlp"] for s in sparsities if "mlp" in s]
+        sp = float(sum(mlp) / len(mlp)) if mlp else None
+    extra = None
+    if detail:
+        heads = [s["heads"] for s in sparsities if "heads" in s]
+        extra = dict(prefill_ms=_pct(prefill_ms, 0.5), mean_ms_per_token=sum(times) / len(times),
+                     head_sparsity=(sum(heads) / len(heads)) if heads else None, overlap=overlap, kv_mode=kv_mode,
+                     repeats=repeats, weight_bytes=rt.weight_bytes())
+    name = "ctxsparse-sparse" if plan is not None else "ctxsparse-dense"
+    return [_row(device, batch, prompt_len, gen_len, times, name, sp, extra)]
+
+
+def _bench_hf(model, device, batch, prompt_len, gen_len, repeats, warmup, g, detail, vocab):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    cuda = device.type == "cuda"
+
+    class _Clock(LogitsProcessor):
+        def __init__(self):
+            self.t = []
+
+        def __call__(self, input_ids, scores):
+            if cuda:
+                torch.cuda.synchronize()
+            self.t.append(time.perf_counter())
+            return scores
+
+    V = vocab or model.config.vocab_size
+    model = model.to(device)
+    times = []
+    for r in range(warmup + repeats):
+        ids = torch.randint(0, V, (batch, prompt_len), generator=g).to(device)
+        clock = _Clock()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len, min_new_tokens=gen_len,
+                       do_sample=False, logits_processor=LogitsProcessorList([clock]), pad_token_id=0)
+        if r >= warmup:
+            times.extend((b - a) * 1e3 for a, b in zip(clock.t, clock.t[1:]))
+    extra = dict(mean_ms_per_token=sum(times) / len(times), repeats=repeats) if detail else None
+    return _row(device, batch, prompt_len, gen_len, times, "hf-generate", None, extra)
+
+
+# ------------------------------------------------------------------------------------------------------------
+def decode_bytes(rt: DecodeRuntime, mlp_sparsity: float = 0.0, head_sparsity: float = 0.0, rank: int = 0,
+                 context: int = 0, kv_mode: str = "exact", head_rank: int | None = None) -> dict:
+    """Bytes one batch-1 decode step must read: weights (the sparse fraction of the FFN and of the attention
+    projections), predictor weights (rank-``rank`` Deja Vu: r·(d + D) per layer, r·(d + H) for heads) and the
+    KV cache of ``context`` positions. ``kv_mode="exact"`` reads K/V projections dense."""
+    dims = rt.dims
+    es = rt.lm_head.element_size()
+    d, D, H, KV, hd, nl = dims.d, dims.D, dims.n_heads, dims.n_kv_heads, dims.head_dim, len(rt.layers)
+    ffn = (3 if rt.gated else 2) * d * D * (1 - mlp_sparsity)
+    q_o = 2 * H * hd * d * (1 - head_sparsity)
+    kv_frac = (1 - head_sparsity) if kv_mode == "active" else 1.0
+    kv = 2 * KV * hd * d * kv_frac
+    pred = (rank * (d + D) if mlp_sparsity > 0 else 0) + ((head_rank or rank) * (d + H) if head_sparsity > 0 else 0)
+    weights = nl * (ffn + q_o + kv) * es + rt.lm_head.numel() * es
+    return dict(weights=weights, predictor=nl * pred * es, kv_cache=nl * 2 * KV * hd * context * es,
+                total=weights + nl * pred * es + nl * 2 * KV * hd * context * es)

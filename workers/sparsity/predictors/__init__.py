@@ -1,0 +1,6 @@
+"""Sparsity predictors. Each method lives in one module and registers itself by name (see base.REGISTRY)."""
+from workers.sparsity.predictors.base import (  # noqa: F401
+    REGISTRY, FitContext, HeadPredictor, MLPPredictor, SparsityPlan, fit_method, get_method, register,
+)
+# importing registers; kept explicit so a sweep can name any of them
+from workers.sparsity.predictors import dejavu, oracle, static, svd, threshold  # noqa: F401,E402

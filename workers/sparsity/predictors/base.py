@@ -1,0 +1,199 @@
+"""What every sparsity predictor is, and the registry a sweep names methods from.
+
+A method fits, per decoder layer, an :class:`MLPPredictor` (which FFN neurons a token needs) and optionally a
+:class:`HeadPredictor` (which attention heads a token needs), from calibration activations
+(:class:`workers.sparsity.capture.ActivationCache`). The result is a :class:`SparsityPlan`, which
+:func:`workers.sparsity.sparse_exec.apply_sparsity` puts on a model and which a bundle stores (tensors in safetensors,
+config in JSON: every predictor round-trips through ``to_tensors`` / ``config`` / ``from_parts``).
+
+Predictor inputs (``input_kind``), all recorded by activation capture:
+  ``ffn_in``    the FFN input of the same layer (after attention and the norm)           -- same-layer
+  ``residual``  the residual stream entering the same layer (before attention)             -- Deja Vu's MLP input
+  ``lookahead`` the residual stream entering the *previous* layer (layer l's set from l-1) -- overlappable
+
+Selection rules (``rule``):
+  ``topk``      keep the ``k`` highest scores per token (Deja Vu; oracle; static)
+  ``positive``  keep neurons whose score is > 0 (SVDP: score = B A x + b with a calibrated bias b;
+                threshold methods: score = |a| - t)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+INPUT_KINDS = ("ffn_in", "residual", "lookahead")
+# head predictors run before their layer's attention, so the FFN input (computed after it) cannot feed them;
+# the attention oracle ranks heads by their true output norms: its input is every head's output ([T, H*hd])
+HEAD_INPUT_KINDS = ("residual", "lookahead", "head_out")
+RULES = ("topk", "positive")
+
+
+class MLPPredictor(nn.Module):
+    """Scores FFN neurons per token; ``mask(x)`` is the selected set. Subclasses define ``scores``."""
+
+    method: str = "base"
+
+    def __init__(self, input_kind: str = "ffn_in", rule: str = "topk", k: int | None = None, n_neurons: int = 0):
+        super().__init__()
+        if input_kind not in INPUT_KINDS:
+            raise ValueError(f"input_kind must be one of {INPUT_KINDS}")
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}")
+        if rule == "topk" and (k is None or not 0 <= k <= n_neurons):
+            raise ValueError(f"topk needs 0 <= k <= {n_neurons}, got {k}")
+        self.input_kind, self.rule, self.k, self.n_neurons = input_kind, rule, k, n_neurons
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] -> [T, D]
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def mask(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, d] -> bool [T, D]: the neurons each token computes."""
+        s = self.scores(x)
+        if self.rule == "positive":
+            return s > 0
+        m = torch.zeros_like(s, dtype=torch.bool)
+        if self.k:
+            m.scatter_(1, s.topk(self.k, dim=1).indices, True)
+        return m
+
+    # ---- serialization (bundles): tensors + JSON config, never pickle ----
+    def config(self) -> dict:
+        return {"method": self.method, "input_kind": self.input_kind, "rule": self.rule, "k": self.k,
+                "n_neurons": self.n_neurons}
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+
+    @classmethod
+    def from_parts(cls, config: dict, tensors: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]):
+        """Rebuild from a bundle. ``weights`` are the layer's own FFN weights (for methods that use them)."""
+        raise NotImplementedError
+
+
+class HeadPredictor(nn.Module):
+    """Scores attention heads per token; keeps the top ``k`` heads. Subclasses define ``scores``."""
+
+    method: str = "base"
+
+    def __init__(self, input_kind: str, k: int, n_heads: int):
+        super().__init__()
+        if input_kind not in HEAD_INPUT_KINDS:
+            raise ValueError(f"input_kind must be one of {HEAD_INPUT_KINDS}")
+        if not 0 <= k <= n_heads:
+            raise ValueError(f"need 0 <= k <= {n_heads}")
+        self.input_kind, self.k, self.n_heads = input_kind, k, n_heads
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] -> [T, H]
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def mask(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.scores(x)
+        m = torch.zeros_like(s, dtype=torch.bool)
+        if self.k:
+            m.scatter_(1, s.topk(self.k, dim=1).indices, True)
+        return m
+
+    def config(self) -> dict:
+        return {"method": self.method, "input_kind": self.input_kind, "k": self.k, "n_heads": self.n_heads}
+
+    @classmethod
+    def from_parts(cls, config: dict, tensors: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]):
+        """Rebuild from a bundle (see MLPPredictor.from_parts)."""
+        raise NotImplementedError
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+
+
+@dataclass
+class SparsityPlan:
+    """Per-layer predictors plus how the sparse FFN runs.
+
+    ``mlp_mode``: ``parallel`` computes gate, up and down on the predicted set; ``sequential`` computes gate on
+    the predicted set, then drops the rows whose |act(gate)| <= ``seq_filter[layer]`` before up and down.
+    """
+    mlp: dict[int, MLPPredictor] = field(default_factory=dict)
+    attn: dict[int, HeadPredictor] = field(default_factory=dict)
+    mlp_mode: str = "parallel"
+    seq_filter: dict[int, float] = field(default_factory=dict)
+    info: dict = field(default_factory=dict)     # per-layer facts for the store: targets, thresholds, fit time
+    dense_gate: bool = False                     # the method runs the gate projection dense (threshold, oracle)
+
+    def __post_init__(self):
+        if self.mlp_mode not in ("parallel", "sequential"):
+            raise ValueError("mlp_mode must be 'parallel' or 'sequential'")
+
+
+@dataclass
+class FitContext:
+    """What a method fits from: the model (weights, adapter, dims) and the calibration activations."""
+    lm: object                    # workers.loading.models.LoadedModel
+    cache: object                 # workers.sparsity.capture.ActivationCache
+    layers: list[int]
+    seed: int = 0
+    device: str = "cpu"
+
+    def ffn_weights(self, layer: int) -> dict[str, torch.Tensor]:
+        """``gate`` (absent for non-gated), ``up`` [D, d], ``down`` [d, D] as float32 nn.Linear-layout tensors,
+        plus ``b_up`` / ``b_down`` where the projections have biases (OPT, GPT-2)."""
+        ad = self.lm.adapter
+        layer_module = ad.decoder_layers(self.lm.model)[layer]
+        return {k: v.float() for k, v in ad.ffn_weights(layer_module).items()}
+
+    def act_name(self) -> str:
+        return self.lm.adapter.act_name(self.lm.model.config)
+
+    def inputs(self, layer: int, input_kind: str, max_tokens: int | None = None) -> torch.Tensor:
+        """The predictor input for ``layer`` from the calibration cache, [N, d] float32."""
+        return predictor_inputs(self.cache, layer, input_kind, max_tokens)
+
+
+def predictor_inputs(cache, layer: int, input_kind: str, max_tokens: int | None = None) -> torch.Tensor:
+    """A predictor's input for ``layer`` from an activation cache, [N, d] float32 (see INPUT_KINDS)."""
+    if input_kind == "ffn_in":
+        return cache.load(layer, "ffn_in", max_tokens=max_tokens)
+    if input_kind == "residual":
+        return cache.load(layer, "residual", max_tokens=max_tokens)
+    if input_kind == "lookahead":
+        return cache.load(max(layer - 1, 0), "residual", max_tokens=max_tokens)
+    raise ValueError(f"input_kind must be one of {INPUT_KINDS}")
+
+
+FitFn = Callable[..., SparsityPlan]
+REGISTRY: dict[str, FitFn] = {}
+
+
+def register(name: str):
+    def deco(fn: FitFn) -> FitFn:
+        if name in REGISTRY:
+            raise ValueError(f"method {name!r} registered twice")
+        REGISTRY[name] = fn
+        return fn
+    return deco
+
+
+def get_method(name: str) -> FitFn:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; registered: {sorted(REGISTRY)}") from None
+
+
+def fit_method(name: str, ctx: FitContext, sparsity: float | dict[int, float], rank: int | None = None,
+               **options) -> SparsityPlan:
+    """Fit ``name`` for every layer of ``ctx``. ``sparsity`` is one MLP sparsity for all layers or per layer."""
+    per_layer = sparsity if isinstance(sparsity, dict) else {l: float(sparsity) for l in ctx.layers}
+    for l, s in per_layer.items():
+        if not 0.0 <= s < 1.0:
+            raise ValueError(f"sparsity must be in [0, 1), got {s} for layer {l}")
+    return get_method(name)(ctx, per_layer, rank=rank, **options)
+
+
+def k_for(sparsity: float, n: int) -> int:
+    """Neurons kept at a sparsity: round((1 - s) * n), at least 1."""
+    return max(1, min(n, int(round((1.0 - sparsity) * n))))

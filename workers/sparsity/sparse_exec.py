@@ -1,0 +1,198 @@
+"""Sparse execution on a Hugging Face model: ``apply_sparsity(model, plan)`` and its ``revert``.
+
+Modules are swapped, never ``forward`` patched:
+  * the FFN module of each planned layer (``mlp``; for OPT, whose FFN is inline in the layer, ``fc1`` and the
+    activation become identities and ``fc2`` becomes the sparse FFN) -> :class:`SparseFFN`, which asks the
+    layer's predictor for each token's neuron set and computes only those rows
+    (:func:`kernels.token_sparse.token_sparse_ffn`: sampled products, no dense product masked afterwards);
+  * the attention output projection of each layer with a head predictor -> :class:`HeadSparseOut`, which
+    projects only each token's active heads.
+Predictor inputs other than the FFN's own input (``residual``, ``lookahead``) come from forward pre-hooks on
+the decoder layers that keep the last hidden state entering each layer (removed again by ``revert``).
+
+Attention heads skipped for a token: their query/output are not used, but **K and V are computed for every
+head and every token** (the KV cache stays exact). A later token that keeps a head therefore attends to the
+true keys/values of every earlier token, whether or not that earlier token used the head. This is the
+semantics of Deja Vu's "keep the hidden state, compute K/V when needed" without the bookkeeping; the decode
+runtime accounts for the K/V cost in its latency rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kernels.token_sparse import head_sparse_out, token_sparse_ffn
+from workers.loading.adapters import adapter_for, get_path, linear_weight, set_path
+from workers.sparsity.predictors.base import HeadPredictor, MLPPredictor, SparsityPlan
+
+
+@dataclass
+class LayerStats:
+    tokens: int = 0
+    first_pairs: int = 0      # (token, neuron) pairs computed in the first projection (gate / fc1)
+    kept_pairs: int = 0       # pairs computed in up and down
+    heads_kept: int = 0
+    head_tokens: int = 0
+
+
+@dataclass
+class SparseStats:
+    n_neurons: int
+    n_heads: int
+    dense_first: bool                       # the method runs the gate projection dense (threshold, oracle)
+    layers: dict[int, LayerStats] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.layers.clear()
+
+    def mlp_sparsity(self, layer: int | None = None) -> float:
+        """Realized FFN sparsity: fraction of (token, neuron) pairs not computed in up/down."""
+        ls = [self.layers[layer]] if layer is not None else [v for v in self.layers.values() if v.tokens]
+        tot = sum(v.tokens for v in ls) * self.n_neurons
+        return 1.0 - sum(v.kept_pairs for v in ls) / tot if tot else 0.0
+
+    def gate_sparsity(self) -> float:
+        if self.dense_first:
+            return 0.0
+        ls = [v for v in self.layers.values() if v.tokens]
+        tot = sum(v.tokens for v in ls) * self.n_neurons
+        return 1.0 - sum(v.first_pairs for v in ls) / tot if tot else 0.0
+
+    def head_sparsity(self) -> float:
+        ls = [v for v in self.layers.values() if v.head_tokens]
+        tot = sum(v.head_tokens for v in ls) * self.n_heads
+        return 1.0 - sum(v.heads_kept for v in ls) / tot if tot else 0.0
+
+
+class _Taps:
+    """Last hidden state entering each decoder layer, kept by forward pre-hooks."""
+
+    def __init__(self):
+        self.inputs: dict[int, torch.Tensor] = {}
+
+    def hook(self, layer: int):
+        def pre(module, args, kwargs):
+            self.inputs[layer] = args[0] if args else kwargs["hidden_states"]
+        return pre
+
+    def get(self, layer: int, input_kind: str) -> torch.Tensor:
+        if input_kind not in ("residual", "lookahead"):
+            raise ValueError(f"no tapped input for input kind {input_kind!r}")
+        return self.inputs[layer if input_kind == "residual" else max(layer - 1, 0)]
+
+
+class SparseFFN(nn.Module):
+    def __init__(self, layer: int, weights: dict[str, torch.Tensor], act: str, predictor: MLPPredictor,
+                 filter_threshold: float | None, taps: _Taps, stats: SparseStats):
+        super().__init__()
+        self.layer, self.act, self.predictor = layer, act, predictor
+        self.filter_threshold = filter_threshold
+        self._taps, self._stats = taps, stats
+        self.w_gate = weights.get("gate")
+        self.w_up = weights["up"]
+        self.register_buffer("w_down_t", weights["down"].t().contiguous(), persistent=False)
+        self.b_up, self.b_down = weights.get("b_up"), weights.get("b_down")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        kind = self.predictor.input_kind
+        pin = x2 if kind == "ffn_in" else self._taps.get(self.layer, kind).reshape(-1, shape[-1])
+        mask = self.predictor.mask(pin)
+        y, n_first, n_kept = token_sparse_ffn(x2, self.w_up, self.w_down_t, mask, self.act, w_gate=self.w_gate,
+                                              b_up=self.b_up, b_down=self.b_down,
+                                              filter_threshold=self.filter_threshold)
+        st = self._stats.layers.setdefault(self.layer, LayerStats())
+        st.tokens += x2.shape[0]
+        st.first_pairs += n_first
+        st.kept_pairs += n_kept
+        return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
+
+
+class HeadSparseOut(nn.Module):
+    def __init__(self, layer: int, orig: nn.Module, predictor: HeadPredictor, head_dim: int, taps: _Taps,
+                 stats: SparseStats):
+        super().__init__()
+        self.layer, self.predictor, self.head_dim = layer, predictor, head_dim
+        self.orig = orig                      # kept so revert and state_dict see the same parameters
+        self._taps, self._stats = taps, stats
+
+    def forward(self, attn: torch.Tensor) -> torch.Tensor:
+        shape = attn.shape
+        a2 = attn.reshape(-1, shape[-1])
+        kind = self.predictor.input_kind
+        if kind == "head_out":
+            pin = a2
+        else:
+            res = self._taps.get(self.layer, kind)
+            pin = res.reshape(-1, res.shape[-1])
+        mask = self.predictor.mask(pin)
+        y = head_sparse_out(a2, linear_weight(self.orig), mask, self.head_dim, getattr(self.orig, "bias", None))
+        st = self._stats.layers.setdefault(self.layer, LayerStats())
+        st.head_tokens += a2.shape[0]
+        st.heads_kept += int(mask.sum())
+        return y.reshape(*shape[:-1], y.shape[-1]).to(attn.dtype)
+
+
+@dataclass
+class AppliedSparsity:
+    model: nn.Module
+    stats: SparseStats
+    _swaps: list = field(default_factory=list)     # (root, path, original module)
+    _hooks: list = field(default_factory=list)
+
+    def revert(self) -> None:
+        for root, path, orig in reversed(self._swaps):
+            set_path(root, path, orig)
+        for h in self._hooks:
+            h.remove()
+        self._swaps.clear()
+        self._hooks.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.revert()
+
+
+def apply_sparsity(model: nn.Module, plan: SparsityPlan) -> AppliedSparsity:
+    """Swap in sparse modules for every layer in ``plan``; ``.revert()`` (or ``with``) restores the model."""
+    ad = adapter_for(model)
+    dims = ad.dims(model.config)
+    act = ad.act_name(model.config)
+    layers = ad.decoder_layers(model)
+    stats = SparseStats(dims.D, dims.n_heads, plan.dense_gate)
+    applied = AppliedSparsity(model, stats)
+    taps = _Taps()
+    need_taps = {p.input_kind for p in [*plan.mlp.values(), *plan.attn.values()]} & {"residual", "lookahead"}
+    try:
+        if need_taps:
+            for i, layer in enumerate(layers):
+                applied._hooks.append(layer.register_forward_pre_hook(taps.hook(i), with_kwargs=True))
+        for l, pred in plan.mlp.items():
+            layer = layers[l]
+            weights = ad.ffn_weights(layer)
+            thr = plan.seq_filter.get(l) if plan.mlp_mode == "sequential" else None
+            sparse = SparseFFN(l, weights, act, pred, thr, taps, stats)
+            if ad.ffn.module:
+                _swap(applied, layer, ad.ffn.module, sparse)
+            else:  # FFN inline in the layer (OPT): fc1 and act become identities, fc2 the whole sparse FFN
+                _swap(applied, layer, ad.ffn.up, nn.Identity())
+                _swap(applied, layer, ad.ffn.inline_act, nn.Identity())
+                _swap(applied, layer, ad.ffn.down, sparse)
+        for l, pred in plan.attn.items():
+            attn = ad.attn_module(layers[l])
+            orig = get_path(attn, ad.attn.o)
+            _swap(applied, attn, ad.attn.o, HeadSparseOut(l, orig, pred, dims.head_dim, taps, stats))
+    except Exception:
+        applied.revert()
+        raise
+    return applied
+
+
+def _swap(applied: AppliedSparsity, root: nn.Module, path: str, new: nn.Module) -> None:
+    applied._swaps.append((root, path, get_path(root, path)))
+    set_path(root, path, new)
