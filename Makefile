@@ -9,7 +9,7 @@ STAMP      := $(VENV)/.ctxsparse-installed
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-all test-slow demo ppl capture clean dashboard test-browser
+.PHONY: install postgres test test-all test-slow demo ppl capture clean dashboard test-browser
 
 install: $(STAMP)
 
@@ -24,15 +24,31 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PY) -c "import torch, transformers, ray, sqlalchemy; print('torch', torch.__version__, '| transformers', transformers.__version__, '| ray', ray.__version__)"
 	touch $@
 
-# Fast default suite (CI): everything but tests marked slow/browser. pytest's exit 5 (no tests) fails.
-test: install
+# The store tests run on SQLite and on a throwaway PostgreSQL (tests/db/conftest.py): they need the server
+# binaries (initdb, pg_ctl: $$CTXSPARSE_PG_BINDIR, /usr/lib/postgresql/*/bin, /usr/local/pgsql/bin or PATH) and psql.
+# Installed here when missing (Debian/Ubuntu: apt-get, through sudo when not root); elsewhere this stops and says so.
+PG_FOUND = { for d in "$$CTXSPARSE_PG_BINDIR" /usr/lib/postgresql/*/bin /usr/local/pgsql/bin \
+	"$$(dirname "$$(command -v initdb 2>/dev/null || echo /nonexistent/initdb)")"; do \
+	test -x "$$d/initdb" && test -x "$$d/pg_ctl" && break; d=; done; test -n "$$d"; } && command -v psql >/dev/null
+
+postgres:
+	@$(PG_FOUND) || { \
+	  command -v apt-get >/dev/null || { echo "PostgreSQL (initdb, pg_ctl, psql) not found and no apt-get here:" \
+	    "install PostgreSQL, or set CTXSPARSE_PG_BINDIR to the folder holding initdb and pg_ctl" >&2; exit 1; }; \
+	  S=$$([ "$$(id -u)" = 0 ] || echo sudo); echo "installing PostgreSQL (apt-get install postgresql postgresql-client)"; \
+	  $$S apt-get update -q && $$S env DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql postgresql-client; }
+	@$(PG_FOUND) || { echo "PostgreSQL binaries still not found (initdb, pg_ctl, psql)" >&2; exit 1; }
+
+# Fast default suite (CI): everything but tests marked slow/browser. pytest's exit 5 (no tests) fails, as does
+# any other non-zero status; PostgreSQL cases fail (never skip) without PostgreSQL.
+test: install postgres
 	$(PY) -m pytest -q
 
 # Everything, real-model accuracy tests included.
-test-all: install
+test-all: install postgres
 	$(PY) -m pytest -q -m ""
 
-test-slow: install
+test-slow: install postgres
 	$(PY) -m pytest -q -m slow
 
 # The default sweep on a local Ray head (loopback): submit, follow, Pareto front, bundles. ~10 min on 2 cores.

@@ -1,40 +1,40 @@
-"""H200 decode benchmark (issue 8): our runtime dense / sparse vs Hugging Face ``generate``, 7B-class shapes.
+"""Decode benchmark on a GPU: our runtime dense / sparse vs Hugging Face ``generate``, 7B-class shapes.
 
-    python -m benchmarks.decode --out DIR [--shape llama2-7b] [--prompts 128,512,1024] [--gen 64] [--quick]
-        [--select-impl auto|torch|triton] [--points dense,mlp.5,...] [--no-hf]
-    python -m benchmarks.decode --out DIR --select     # top-k candidates alone: µs per layer -> select_bench.json
+    python -m benchmarks.decode [--shape llama2-7b] [--prompts 128,512,1024] [--gen 64] [--quick]
+        [--select-impl auto|torch|triton] [--points dense,mlp.5,...] [--no-hf] [--json NAME]
+    python -m benchmarks.decode --diag       # dense variants and the per-layer selection costs only
+    python -m benchmarks.decode --select     # top-k candidates alone: µs per layer
 
-Writes ``DIR/decode_<shape>.json`` (one row per measured point: the LatencyRow fields plus details, and the
-ideal speedup from bytes) after every point, and prints a table. Imports no Ray / DB (runs on the GPU image).
+Writes ``benchmarks/results/decode_<shape>.json`` (or ``--json NAME``; ``decode_select.json`` for ``--select``)
+after every point: one ``benchmarks.harness.Row`` per measured point (ms per token, p50 / p90; bytes read per
+token and their fraction of the measured copy bandwidth; the bench_decode fields, bytes breakdown and the ideal
+speedup from bytes in ``extra``), and prints a table. Imports no Ray / DB (runs on the GPU image).
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 import traceback
 
 import torch
 
+from benchmarks.harness import Row, command_line, copy_bandwidth, device_name, time_graph, write_results
 from workers.decode.latency import bench_decode, decode_bytes, random_plan, runtime_for, shape_model
 
+_MAIN_FIELDS = ("p50_ms_per_token", "p90_ms_per_token", "accelerator_name", "batch", "point")
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second), median of 20."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ts = []
-    for _ in range(25):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a)
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) / 1e3)
-    ts = sorted(ts[5:])
-    del a, b
-    return 2 * (1 << 30) / ts[len(ts) // 2]
+
+def decode_row(r: dict, shape: str, device: str, copy_bw: float | None = None, nbytes: float | None = None) -> Row:
+    """A bench_decode row (plus ``point``) as a harness Row in ms per token; an error row keeps no timing."""
+    extra = {k: v for k, v in r.items() if k not in _MAIN_FIELDS}
+    return Row.measured("decode", r["point"], unit="ms", median=r.get("p50_ms_per_token"),
+                        p90=r.get("p90_ms_per_token"), nbytes=nbytes, copy_bw_gbps=copy_bw, shape=shape,
+                        dtype="fp16", batch=r.get("batch", 1), device=device, extra=extra)
+
+
+def time_per_call(fn, calls: int = 10, reps: int = 20):
+    """µs per call of ``fn``: ``calls`` calls in one CUDA graph, ``reps`` replays (the harness's graph timer)."""
+    return time_graph(lambda: [fn() for _ in range(calls)], reps=reps, per_replay=calls)
 
 
 @torch.no_grad()
@@ -58,8 +58,9 @@ def checks(model, rt) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None,
+                    help="result file (a bare name goes under benchmarks/results/); default decode_<shape>.json")
     ap.add_argument("--shape", default="llama2-7b")
     ap.add_argument("--prompts", default="128,512,1024")
     ap.add_argument("--gen", type=int, default=64)
@@ -73,19 +74,21 @@ def main(argv=None):
                     help="the runtime's top-k (DecodeRuntime.select_impl)")
     ap.add_argument("--points", default=None, help="comma-separated point names to run (default: all)")
     a = ap.parse_args(argv)
-    os.makedirs(a.out, exist_ok=True)
+    if not torch.cuda.is_available():
+        print("benchmarks.decode needs a CUDA GPU")
+        return 2
+    command = command_line("benchmarks.decode")
     if a.select:
-        return select_bench(a.out)
-    path = os.path.join(a.out, f"decode_{a.shape}.json")
-    meta = dict(shape=a.shape, gen_len=a.gen, repeats=a.repeats, rank=a.rank, torch=torch.__version__,
-                select_impl=a.select_impl,
-                device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"))
-    meta["copy_bw"] = bw = copy_bandwidth()
-    rows = []
+        select_bench(a.json or "decode_select.json", command)
+        return 0
+    out = a.json or f"decode_{a.shape}.json"
+    dev = device_name("cuda")
+    meta = dict(shape=a.shape, gen_len=a.gen, repeats=a.repeats, rank=a.rank, select_impl=a.select_impl)
+    meta["copy_bw_gbps"] = bw = round(copy_bandwidth(), 1)
+    rows: list[Row] = []
 
     def dump():
-        with open(path, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        return write_results(out, rows, command=command, meta=meta)
 
     t0 = time.time()
     model = shape_model(a.shape)
@@ -99,8 +102,8 @@ def main(argv=None):
     print("checks", meta["checks"], flush=True)
     dump()
     if a.diag:
-        diag(model, rt, meta, rows, dump, a)
-        return
+        diag(model, rt, meta, rows, dump, a, dev)
+        return 0
     points = [("dense", None, None, True, "exact"),
               ("mlp.5", 0.5, None, True, "exact"), ("mlp.7", 0.7, None, True, "exact"),
               ("mlp.9", 0.9, None, True, "exact"), ("mlp.5+h.5", 0.5, 0.5, True, "exact"),
@@ -116,100 +119,88 @@ def main(argv=None):
     for P in prompts:
         for name, ms, hs, ov, kv in points:
             t1 = time.time()
+            nbytes = None
             try:
                 plan = random_plan(model, ms, hs, rank=a.rank) if (ms or hs) else None
-                row = bench_decode(rt, plan, device="cuda", batch=1, prompt_len=P, gen_len=a.gen,
-                                   repeats=a.repeats, overlap=ov, kv_mode=kv, detail=True)[0]
+                r = bench_decode(rt, plan, device="cuda", batch=1, prompt_len=P, gen_len=a.gen,
+                                 repeats=a.repeats, overlap=ov, kv_mode=kv, detail=True)[0]
                 ctx = P + a.gen // 2
                 dense_b = decode_bytes(rt, 0, 0, 0, ctx)
                 sp_b = decode_bytes(rt, ms or 0, hs or 0, a.rank, ctx, kv_mode=kv)
-                row.update(point=name, mlp_sparsity=ms, head_sparsity_target=hs, bytes=sp_b,
-                           dense_bytes=dense_b["total"], ideal_speedup=dense_b["total"] / sp_b["total"],
-                           floor_ms=sp_b["total"] / bw * 1e3, floor_ms_4300=sp_b["total"] / 4.3e12 * 1e3,
-                           wall_s=time.time() - t1)   # floor: the bytes at the measured copy bandwidth
+                nbytes = sp_b["total"]
+                r.update(point=name, mlp_sparsity=ms, head_sparsity_target=hs, bytes=sp_b,
+                         dense_bytes=dense_b["total"], ideal_speedup=dense_b["total"] / sp_b["total"],
+                         floor_ms=sp_b["total"] / (bw * 1e9) * 1e3, floor_ms_4300=sp_b["total"] / 4.3e12 * 1e3,
+                         wall_s=time.time() - t1)   # floor: the bytes at the measured copy bandwidth
             except Exception:
-                row = dict(point=name, prompt_len=P, error=traceback.format_exc()[-3000:])
-            rows.append(row)
+                r = dict(point=name, prompt_len=P, error=traceback.format_exc()[-3000:])
+            rows.append(decode_row(r, a.shape, dev, bw, nbytes))
             dump()
-            print(P, name, {k: row.get(k) for k in ("p50_ms_per_token", "p90_ms_per_token", "ideal_speedup",
-                                                   "realized_sparsity", "error")}, flush=True)
+            print(P, name, {k: r.get(k) for k in ("p50_ms_per_token", "p90_ms_per_token", "ideal_speedup",
+                                                 "realized_sparsity", "error")}, flush=True)
         if not a.no_hf:
             t1 = time.time()
             try:
-                row = bench_decode(model, None, device="cuda", batch=1, prompt_len=P, gen_len=min(a.gen, 32),
-                                   runtime="hf-generate", repeats=2, warmup=1, detail=True)[0]
-                row.update(point="hf-generate", wall_s=time.time() - t1)
+                r = bench_decode(model, None, device="cuda", batch=1, prompt_len=P, gen_len=min(a.gen, 32),
+                                 runtime="hf-generate", repeats=2, warmup=1, detail=True)[0]
+                r.update(point="hf-generate", wall_s=time.time() - t1)
             except Exception:
-                row = dict(point="hf-generate", prompt_len=P, error=traceback.format_exc()[-3000:])
-            rows.append(row)
+                r = dict(point="hf-generate", prompt_len=P, error=traceback.format_exc()[-3000:])
+            rows.append(decode_row(r, a.shape, dev))
             dump()
-            print(P, "hf", row.get("p50_ms_per_token"), row.get("error"), flush=True)
-    # table
-    print(f"\ncopy bw {bw / 1e9:.0f} GB/s  device {meta['device']}  checks {meta['checks']}")
-    dense = {r["prompt_len"]: r.get("p50_ms_per_token") for r in rows if r.get("point") == "dense"}
-    hf = {r["prompt_len"]: r.get("p50_ms_per_token") for r in rows if r.get("point") == "hf-generate"}
-    print(f"{'P':>5} {'point':<22} {'p50':>7} {'p90':>7} {'floor':>6} {'speedup':>7} {'ideal':>6} {'frac':>5} {'vsHF':>5}")
+            print(P, "hf", r.get("p50_ms_per_token"), r.get("error"), flush=True)
+    print(f"wrote {len(rows)} rows to {dump()}")
+    table(rows, bw, dev, meta["checks"])
+    return 0
+
+
+def table(rows: list[Row], bw: float, dev: str, checks_: dict) -> None:
+    print(f"\ncopy bw {bw:.0f} GB/s  device {dev}  checks {checks_}")
+    dense = {r.extra["prompt_len"]: r.median for r in rows if r.op == "dense" and r.median}
+    hf = {r.extra["prompt_len"]: r.median for r in rows if r.op == "hf-generate" and r.median}
+    nan = float("nan")
+    print(f"{'P':>5} {'point':<22} {'p50':>7} {'p90':>7} {'floor':>6} {'speedup':>7} {'ideal':>6} {'frac':>5} "
+          f"{'vsHF':>5}")
     for r in rows:
-        if "error" in r:
-            print(f"{r['prompt_len']:>5} {r['point']:<22} ERROR")
+        P = r.extra["prompt_len"]
+        if "error" in r.extra:
+            print(f"{P:>5} {r.op:<22} ERROR")
             continue
-        P, p50 = r["prompt_len"], r["p50_ms_per_token"]
-        sp = dense.get(P, float("nan")) / p50 if dense.get(P) else float("nan")
-        ideal = r.get("ideal_speedup", float("nan"))
-        print(f"{P:>5} {r['point']:<22} {p50:7.3f} {r['p90_ms_per_token']:7.3f} {r.get('floor_ms', float('nan')):6.3f} "
-              f"{sp:7.2f} {ideal:6.2f} {sp / ideal:5.2f} {hf.get(P, float('nan')) / p50:5.1f}")
-
-
-def _time(fn, n=200):
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        for _ in range(10):
-            fn()
-    ts = []
-    for _ in range(n // 10):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 100)   # us per call
-    return sorted(ts)[len(ts) // 2]
+        sp = dense[P] / r.median if dense.get(P) else nan
+        ideal = r.extra.get("ideal_speedup", nan)
+        print(f"{P:>5} {r.op:<22} {r.median:7.3f} {r.p90:7.3f} {r.extra.get('floor_ms', nan):6.3f} "
+              f"{sp:7.2f} {ideal:6.2f} {sp / ideal:5.2f} {hf.get(P, nan) / r.median:5.1f}")
 
 
 @torch.no_grad()
-def diag(model, rt, meta, rows, dump, a):
+def diag(model, rt, meta, rows, dump, a, dev):
     """Where the dense step's time goes: dense FFN through cuBLAS vs the fused kernel, glue compiled or not;
     and what one layer's predictor (GEMVs + top-k) costs alone."""
     for name, ffn, comp in (("dense kernel-ffn compiled", "auto", True), ("dense cublas-ffn compiled", "torch", True),
                             ("dense kernel-ffn eager-glue", "auto", False)):
         rt.ffn_dense, rt.compile, rt._fns = ffn, comp, None
-        row = bench_decode(rt, None, device="cuda", batch=1, prompt_len=128, gen_len=a.gen, repeats=a.repeats,
-                           detail=True)[0]
-        row.update(point=name)
-        rows.append(row)
+        r = bench_decode(rt, None, device="cuda", batch=1, prompt_len=128, gen_len=a.gen, repeats=a.repeats,
+                         detail=True)[0]
+        r.update(point=name)
+        rows.append(decode_row(r, a.shape, dev))
         dump()
-        print(name, row["p50_ms_per_token"], flush=True)
+        print(name, r["p50_ms_per_token"], flush=True)
     rt.ffn_dense, rt.compile, rt._fns = "auto", True, None
     plan = random_plan(model, 0.5, 0.5, rank=a.rank)
     rt.set_plan(plan)
     x = torch.randn(1, rt.dims.d, device="cuda", dtype=rt.dtype)
     mp, hp = rt.mlp_pred[0], rt.head_pred[0]
     sc = mp.scores(x)
-    us = dict(mlp_scores=_time(lambda: mp.scores(x)), mlp_topk=_time(lambda: torch.topk(sc[0], mp.k, sorted=False)),
-              mlp_select=_time(lambda: rt._select(mp, x, rt.dims.D)),
-              head_select=_time(lambda: rt._select(hp, x, rt.dims.n_heads)))
+    fns = dict(mlp_scores=lambda: mp.scores(x), mlp_topk=lambda: torch.topk(sc[0], mp.k, sorted=False),
+               mlp_select=lambda: rt._select(mp, x, rt.dims.D), head_select=lambda: rt._select(hp, x, rt.dims.n_heads))
+    us = {k: time_per_call(fn).median for k, fn in fns.items()}
     meta["selection_us_per_layer"] = us
     dump()
     print("selection us/layer", us, flush=True)
 
 
 @torch.no_grad()
-def select_bench(out_dir: str, n: int = 11008, n_heads: int = 32) -> dict:
+def select_bench(out: str, command: str, n: int = 11008, n_heads: int = 32) -> list[Row]:
     """Per-layer cost (µs, CUDA graph of 10 calls, median) of the top-k candidates on fp16 scores of a Llama-2
     FFN (n = 11008) at s = .5/.7/.9 and of the heads (32, k = 16), and whether each gives the reference's set."""
     from kernels import ops
@@ -218,7 +209,8 @@ def select_bench(out_dir: str, n: int = 11008, n_heads: int = 32) -> dict:
     from workers.sparsity.predictors.base import k_for
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"), rows=[])
+    dev = device_name("cuda")
+    rows: list[Row] = []
     for N, sp in [(n, 0.5), (n, 0.7), (n, 0.9), (n_heads, 0.5)]:
         k = k_for(sp, N)
         sc = torch.randn(1, N, device="cuda", dtype=torch.float16, generator=g)
@@ -233,23 +225,26 @@ def select_bench(out_dir: str, n: int = 11008, n_heads: int = 32) -> dict:
                                                                                             num_warps=w))
         cands["triton default"] = lambda: topk_select(sc, k)
         for name, fn in cands.items():
-            row = dict(n=N, k=k, sparsity=sp, cand=name)
+            extra, timing = dict(n=N, k=k, sparsity=sp), None
             try:
                 r = fn()
                 if name.startswith("triton"):
-                    row["equal_reference"] = bool(torch.equal(r, want))
+                    extra["equal_reference"] = bool(torch.equal(r, want))
                 elif name != "torch.kthvalue+compact":
                     got = sc[0].index_select(0, r[0].long()).float().sort().values
-                    row["same_values"] = bool(torch.equal(got, sc[0].float().index_select(0, want[0].long()).sort().values))
-                row["us"] = _time(fn)
+                    ref_vals = sc[0].float().index_select(0, want[0].long()).sort().values
+                    extra["same_values"] = bool(torch.equal(got, ref_vals))
+                timing = time_per_call(fn)
             except Exception:
-                row["error"] = traceback.format_exc()[-1500:]
-            res["rows"].append(row)
-            print(row, flush=True)
-    with open(os.path.join(out_dir, "select_bench.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    return res
+                extra["error"] = traceback.format_exc()[-1500:]
+            row = (Row.measured("decode-select", name, timing, shape=f"n={N}", dtype="fp16", batch=1, device=dev,
+                                extra=extra) if timing else
+                   Row("decode-select", name, shape=f"n={N}", dtype="fp16", device=dev, extra=extra))
+            rows.append(row)
+            print(name, N, k, row.median, {k_: v for k_, v in extra.items() if k_ != "error"}, flush=True)
+    print("wrote", write_results(out, rows, command=command))
+    return rows
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

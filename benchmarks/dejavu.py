@@ -15,7 +15,7 @@ def main(argv=None) -> None:
     import argparse
     import statistics
 
-    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.dejavu", description=main.__doc__)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--layers", default="all", help="'all' or comma-separated layer indices")

@@ -1,19 +1,21 @@
 """GPU benchmark of the sparse FFN / head-sparse attention kernels against dense cuBLAS.
 
-    python -m benchmarks.kernels [--quick] [--json PATH] [--dtypes fp16,bf16] [--tune] [--determinism N]
+    python -m benchmarks.kernels [--quick] [--json NAME] [--dtypes fp16,bf16] [--tune] [--determinism N]
+    python -m benchmarks.kernels --smoke        # CPU, Triton interpreter, tiny shapes: checks the script runs
 
-Timing: each op runs over L layers of distinct weights (so the 60 MB L2 cannot serve a repeat),
-captured once in a CUDA graph; the graph is replayed `reps` times, each replay timed with CUDA
-events; per-op time = replay time / L; median and p90 over the replays. Bytes counted are the ones
-the op must read (active weight rows, plus x, biases and output, which are negligible); achieved
-GB/s is over that, and % of a device-to-device copy bandwidth measured at start (bytes read+written).
-Sparsity at batch > 1 is the sparsity of the union of the batch's active sets (what is read).
-Imports only torch/triton/numpy/stdlib.
+Timing (``benchmarks.harness.time_graph``): each op runs over L layers of distinct weights (so the 60 MB L2
+cannot serve a repeat), captured once in a CUDA graph; the graph is replayed ``reps`` times, each replay timed
+with CUDA events; per-op time = replay time / L; median, p10 and p90 over the replays. Bytes counted are the
+ones the op must read (active weight rows, plus x, biases and output, which are negligible); achieved GB/s is
+over that, and its fraction of the device-to-device copy bandwidth measured at start
+(``benchmarks.harness.copy_bandwidth``, bytes read + written). Sparsity at batch > 1 is the sparsity of the
+union of the batch's active sets (what is read). ``--json NAME`` writes ``benchmarks.harness.Row`` rows
+(op = variant; d, D, sparsity, k, speedup over dense in ``extra``) to ``benchmarks/results/NAME``, which
+``ctxsparse ingest-kernels`` loads into the store. Imports only torch/triton/numpy/stdlib.
 """
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
 import statistics
@@ -23,14 +25,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-SHAPES = {  # name: (d, D, gated, act)
-    "llama2-7b": (4096, 11008, True, "silu"),
-    "llama3-8b": (4096, 14336, True, "silu"),
-    "mistral-7b": (4096, 14336, True, "silu"),
-    "qwen2-7b": (3584, 18944, True, "silu"),
-    "opt-6.7b": (4096, 16384, False, "relu"),
-}
-ATTN_SHAPES = {"llama2-7b": (4096, 32, 32, 128), "llama3-8b": (4096, 32, 8, 128)}
+from benchmarks.harness import Row, command_line, copy_bandwidth, device_name, time_graph, write_results
+from workers.decode.shapes import attn_shape, ffn_shape
+
+# views of the one shape table (workers.decode.shapes): name -> (d, D, gated, act) / (d, heads, kv heads, head dim)
+FFN_SHAPES = {n: ffn_shape(n) for n in ("llama2-7b", "llama3-8b", "mistral-7b", "qwen2-7b", "opt-6.7b")}
+ATTN_SHAPES = {n: attn_shape(n) for n in ("llama2-7b", "llama3-8b")}
 SPARSITIES = [0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95]
 BATCHES = [1, 2, 4, 8]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -43,64 +43,9 @@ def log(*a):
     print(*a, flush=True)
 
 
-# ---------------------------------------------------------------------------------------------
-def copy_bandwidth(nbytes=2 << 30, reps=20):
-    if SMOKE:
-        return 1.0
-    src = torch.empty(nbytes, dtype=torch.uint8, device=DEV).random_(0, 255)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        dst.copy_(src)
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e-3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / statistics.median(ts) / 1e9  # GB/s, read + write
-
-
-def time_graph(fns, reps=30, warm=3):
-    """Median and p90 µs per op of a CUDA graph that runs every fn in `fns` once."""
-    if SMOKE:
-        for f in fns:
-            f()
-        t = time.perf_counter()
-        for f in fns:
-            f()
-        us = (time.perf_counter() - t) * 1e6 / len(fns)
-        return us, us
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    for _ in range(warm):
-        g.replay()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for e0, e1 in ev:
-        e0.record()
-        g.replay()
-        e1.record()
-    torch.cuda.synchronize()
-    ts = sorted(e0.elapsed_time(e1) * 1e3 / len(fns) for e0, e1 in ev)
-    del g
-    return statistics.median(ts), ts[min(len(ts) - 1, int(math.ceil(0.9 * len(ts))) - 1)]
+def time_layers(fns, reps=30):
+    """Timing (µs per op) of one CUDA graph that runs every fn in ``fns`` once (one fn per layer)."""
+    return time_graph(lambda: [f() for f in fns], reps=1 if SMOKE else reps, per_replay=len(fns), device=DEV)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,10 +79,10 @@ def ffn_bytes(d, k, gated, elt, batch):
 
 
 # ---------------------------------------------------------------------------------------------
-def run_ffn(args, rows, copy_bw, accel):
-    from . import configs as C
-    from . import ffn_triton as T
-    from . import npu as NP
+def run_ffn(args, rows, copy_bw, accel, save=None):
+    from kernels import configs as C
+    from kernels import ffn_triton as T
+    from kernels import npu as NP
 
     gen = torch.Generator().manual_seed(0)
     shapes = args.shapes
@@ -145,7 +90,7 @@ def run_ffn(args, rows, copy_bw, accel):
         dtype = DTYPES[dname]
         elt = torch.tensor([], dtype=dtype).element_size()
         for sname in shapes:
-            d, D, gated, act = SHAPES[sname]
+            d, D, gated, act = FFN_SHAPES[sname]
             min_bytes = ffn_bytes(d, int(D * (1 - max(args.sparsities))), gated, elt, 1)
             n_layers = max(args.layers, math.ceil(3 * L2_BYTES / max(min_bytes, 1)))
             n_layers = 2 if SMOKE else min(n_layers, 32)
@@ -161,11 +106,11 @@ def run_ffn(args, rows, copy_bw, accel):
                     dense_fns = [(lambda i=i: F.linear(
                         torch.relu(F.linear(xs[i], lay.w1[i], lay.b1[i])), lay.wd[i], lay.b2[i]))
                         for i in range(n_layers)]
-                t_dense, p_dense = time_graph(dense_fns, args.reps)
+                t_dense = time_layers(dense_fns, args.reps)
                 b_dense = ffn_bytes(d, D, gated, elt, batch)
-                rows.append(row(accel, sname, d, D, dname, batch, 0.0, "dense", t_dense, p_dense, b_dense,
-                                copy_bw, t_dense, D))
-                log(f"  B={batch} dense {t_dense:8.1f} us  {b_dense / t_dense / 1e3:7.0f} GB/s")
+                rows.append(row(accel, sname, d, D, dname, batch, 0.0, "dense", t_dense, b_dense, copy_bw,
+                                t_dense.median, D))
+                log(f"  B={batch} dense {t_dense.median:8.1f} us  {b_dense / t_dense.median / 1e3:7.0f} GB/s")
                 for s in args.sparsities:
                     k = max(1, int(round(D * (1 - s))))
                     sets = make_sets(D, k, n_layers, gen)
@@ -190,7 +135,7 @@ def run_ffn(args, rows, copy_bw, accel):
                     line = []
                     for vname, fns in variants.items():
                         try:
-                            t, p = time_graph(fns, args.reps)
+                            t = time_layers(fns, args.reps)
                         except Exception as e:  # keep the rest of the run
                             log(f"  FAILED {sname} B={batch} s={s} {vname}: {type(e).__name__}: {str(e)[:200]}")
                             continue
@@ -201,36 +146,37 @@ def run_ffn(args, rows, copy_bw, accel):
                         vn = vname
                         if vname == "triton":
                             vn = "triton_" + C.ffn_path(batch, d)
-                        rows.append(row(accel, sname, d, D, dname, batch, s, vn, t, p, nb, copy_bw, t_dense, k))
-                        line.append(f"{vn} {t:7.1f}us {nb / t / 1e3:6.0f}GB/s {100 * nb / t / 1e3 / copy_bw:3.0f}% "
-                                    f"x{t_dense / t:4.2f}")
+                        r = row(accel, sname, d, D, dname, batch, s, vn, t, nb, copy_bw, t_dense.median, k)
+                        rows.append(r)
+                        line.append(f"{vn} {r.median:7.1f}us {r.gbps:6.0f}GB/s {100 * r.frac_copy_bw:3.0f}% "
+                                    f"x{r.extra['speedup_vs_dense']:4.2f}")
                     log(f"  B={batch} s={s:4.2f} k={k:5d} | " + " | ".join(line))
                     del sets
             lay.free()
-            if args.json:  # partial results survive a later failure
-                with open(args.json + ".partial", "w") as f:
-                    json.dump(rows, f)
+            if save:  # partial results survive a later failure
+                save(complete=False)
 
 
 def seq_threshold(x, w_gate, idx, act):
     """Threshold that keeps about half the predicted rows (median of max_b |act(gate)|)."""
-    from . import reference as R
+    from kernels import reference as R
 
     a = R.gather_gemv(x, w_gate, idx, None, act=act, out_dtype=torch.float32).abs().max(dim=0).values
     return float(a.median())
 
 
-def row(accel, sname, d, D, dname, batch, s, variant, t, p, nbytes, copy_bw, t_dense, k):
-    gbps = nbytes / t / 1e3
-    return dict(device_type=DEV, accelerator_name=accel, shape=sname, d=d, D=D, dtype=dname, batch=batch,
-                sparsity=s, k=k, variant=variant, us_median=round(t, 3), us_p90=round(p, 3),
-                bytes_needed=int(nbytes), gbps=round(gbps, 1), pct_copy_bw=round(100 * gbps / copy_bw, 1),
-                speedup_vs_dense=round(t_dense / t, 3))
+def row(accel, sname, d, D, dname, batch, s, variant, timing, nbytes, copy_bw, t_dense, k) -> Row:
+    """One kernels row: op = the variant; extra holds what the store's ingest reads besides the Row fields
+    (device_type, d, D, sparsity) and k, speedup over dense at the same batch."""
+    return Row.measured("kernels", variant, timing, nbytes=nbytes, copy_bw_gbps=copy_bw, shape=sname, dtype=dname,
+                        batch=batch, device=accel,
+                        extra=dict(device_type=DEV, d=d, D=D, sparsity=s, k=k,
+                                   speedup_vs_dense=round(t_dense / timing.median, 3)))
 
 
 # ---------------------------------------------------------------------------------------------
 def run_attn(args, rows, copy_bw, accel):
-    from . import attn_triton as A
+    from kernels import attn_triton as A
 
     gen = torch.Generator().manual_seed(1)
     dtype, dname = torch.float16, "fp16"
@@ -242,11 +188,11 @@ def run_attn(args, rows, copy_bw, accel):
         xs = [torch.randn((1, d), device=DEV, dtype=dtype) for _ in range(n_layers)]
         at = [torch.randn((1, nh * hd), device=DEV, dtype=dtype) for _ in range(n_layers)]
         dense = [(lambda i=i: (F.linear(xs[i], wqkv[i]), F.linear(at[i], wo[i]))) for i in range(n_layers)]
-        t_dense, p_dense = time_graph(dense, args.reps)
+        t_dense = time_layers(dense, args.reps)
         nb_dense = ((nh + 2 * nkv) * hd + nh * hd) * d * 2
-        rows.append(row(accel, sname + "-attn", d, nh, dname, 1, 0.0, "attn_dense", t_dense, p_dense, nb_dense,
-                        copy_bw, t_dense, nh))
-        log(f"\n== attention projections {sname} H={nh} KV={nkv}: dense {t_dense:.1f} us")
+        rows.append(row(accel, sname + "-attn", d, nh, dname, 1, 0.0, "attn_dense", t_dense, nb_dense, copy_bw,
+                        t_dense.median, nh))
+        log(f"\n== attention projections {sname} H={nh} KV={nkv}: dense {t_dense.median:.1f} us")
         for s in (0.0, 0.5, 0.7):
             kq = int(round(nh * (1 - s)))
             qsets = [torch.randperm(nh, generator=gen)[:kq].to(torch.int32).to(DEV) for _ in range(n_layers)]
@@ -256,18 +202,20 @@ def run_attn(args, rows, copy_bw, accel):
                 A.head_sparse_qkv(xs[i], wqkv[i], qsets[i], None, kv_idx, kv_count, nh, nkv, hd)
                 return A.head_sparse_out(at[i][:, : kq * hd], wot[i], qsets[i], None, hd)
 
-            t, p = time_graph([lambda i=i: fn(i) for i in range(n_layers)], args.reps)
+            t = time_layers([lambda i=i: fn(i) for i in range(n_layers)], args.reps)
             kv_act = [len(set((qsets[i] // (nh // nkv)).tolist())) for i in range(n_layers)]
             nb = (2 * kq * hd + 2 * statistics.mean(kv_act) * hd) * d * 2
-            rows.append(row(accel, sname + "-attn", d, nh, dname, 1, s, "attn_triton", t, p, nb, copy_bw, t_dense, kq))
-            log(f"  s={s:.2f} heads={kq}: {t:6.1f} us  {nb / t / 1e3:5.0f} GB/s  x{t_dense / t:4.2f} vs dense")
+            r = row(accel, sname + "-attn", d, nh, dname, 1, s, "attn_triton", t, nb, copy_bw, t_dense.median, kq)
+            rows.append(r)
+            log(f"  s={s:.2f} heads={kq}: {r.median:6.1f} us  {r.gbps:5.0f} GB/s  "
+                f"x{r.extra['speedup_vs_dense']:4.2f} vs dense")
         del wqkv, wo, wot
         torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------
 def determinism(n_runs, accel):
-    from . import ffn_triton as T
+    from kernels import ffn_triton as T
 
     d, D = (72, 200) if SMOKE else (4096, 11008)
     g = torch.Generator(device=DEV).manual_seed(3)
@@ -323,7 +271,7 @@ def tune_candidates(batch):
 def tune_ops(args, copy_bw):
     """Whole-op timings at batch 1: non-gated MLP (opt-6.7b) fused vs split-with-tl.dot, and the gated FFN's
     two front-running fused configs vs split-with-tl.dot."""
-    from . import ffn_triton as T
+    from kernels import ffn_triton as T
 
     gen = torch.Generator().manual_seed(5)
     dot = {"gather": dict(BLOCK_R=32, BLOCK_K=256, num_warps=4, dot=True),
@@ -332,7 +280,7 @@ def tune_ops(args, copy_bw):
             "down": dict(BLOCK_D=128, BLOCK_R=32, splits=32, num_warps=4, dot=True)}
     res = []
     for sname in (["opt-6.7b", "llama2-7b", "llama3-8b"] if not SMOKE else ["tiny-opt", "tiny"]):
-        d, D, gated, act = SHAPES[sname]
+        d, D, gated, act = FFN_SHAPES[sname]
         nl = 2 if SMOKE else 16
         lay = Layers(d, D, gated, torch.float16, nl)
         xs = [torch.randn((1, d), device=DEV, dtype=torch.float16) for _ in range(nl)]
@@ -357,7 +305,7 @@ def tune_ops(args, copy_bw):
                                                                      sets[i], None, act, path=p, config=c))
                            for i in range(nl)]
                 try:
-                    t, _ = time_graph(fns, 15)
+                    t = time_layers(fns, 15).median
                 except Exception as e:
                     log(f"  skip {path} {cfg}: {type(e).__name__}: {str(e)[:150]}")
                     continue
@@ -369,7 +317,7 @@ def tune_ops(args, copy_bw):
 
 
 def apply_tuned_ops(res):
-    from . import configs as C
+    from kernels import configs as C
 
     for gated, shapes in ((False, ("opt-6.7b", "tiny-opt")), (True, ("llama2-7b", "llama3-8b", "tiny"))):
         rs = [r for r in res if r["shape"] in shapes]
@@ -405,7 +353,7 @@ def apply_tuned(results):
     """Pick, per batch and kind, the config with the smallest mean (time / best time) over the tuned
     shapes and sparsities; install it in kernels.configs (this process only) and print the tables
     to freeze in code. Batch 2 keeps the fused path only where it beat gather + down."""
-    from . import configs as C
+    from kernels import configs as C
 
     by = {}
     for r in results:
@@ -449,13 +397,13 @@ def apply_tuned(results):
 
 def tune(args, copy_bw):
     """Hand-picked config sweep (never inside a capture); prints the best per (shape, batch, s)."""
-    from . import ffn_triton as T
+    from kernels import ffn_triton as T
 
     gen = torch.Generator().manual_seed(2)
     dtype = torch.float16
     results = []
     for sname in args.tune_shapes:
-        d, D, gated, act = SHAPES[sname]
+        d, D, gated, act = FFN_SHAPES[sname]
         nl = 2 if SMOKE else 16
         lay = Layers(d, D, True, dtype, nl)
         for batch in args.tune_batches:
@@ -487,7 +435,7 @@ def tune(args, copy_bw):
                                                                                config=cfg["down"]))
                                    for i in range(nl)]
                             byts = k * d * 2
-                        t, _ = time_graph(fns, 15)
+                        t = time_layers(fns, 15).median
                     except Exception as e:  # a config that does not compile / fit is skipped
                         log(f"  skip {cfg}: {type(e).__name__}: {str(e)[:120]}")
                         continue
@@ -504,28 +452,31 @@ def tune(args, copy_bw):
 # ---------------------------------------------------------------------------------------------
 def profile(args, copy_bw):
     """Batch 1, llama2/llama3: whole fused op vs its reduce kernel alone (on a filled workspace)."""
-    from . import configs as C
-    from . import ffn_triton as T
+    from kernels import configs as C
+    from kernels import ffn_triton as T
 
     gen = torch.Generator().manual_seed(4)
     out = []
     for sname in ("llama2-7b", "llama3-8b") if not SMOKE else ("tiny",):
-        d, D, _, act = SHAPES[sname]
+        d, D, _, act = FFN_SHAPES[sname]
         nl = 2 if SMOKE else 16
         lay = Layers(d, D, True, torch.float16, nl)
         xs = [torch.randn((1, d), device=DEV, dtype=torch.float16) for _ in range(nl)]
         for s in (0.5, 0.7, 0.9):
             k = int(round(D * (1 - s)))
             sets = make_sets(D, k, nl, gen)
-            t_all, _ = time_graph([lambda i=i: T.sparse_ffn(xs[i], lay.w1[i], lay.w2[i], lay.wdt[i], sets[i], None, act)
-                                   for i in range(nl)], args.reps)
-            cfg = C.FUSED[1]
+            t_all = time_layers([lambda i=i: T.sparse_ffn(xs[i], lay.w1[i], lay.w2[i], lay.wdt[i], sets[i], None,
+                                                          act) for i in range(nl)], args.reps).median
+            cfg = C.FUSED.get(1)
+            if cfg is None:  # --apply-tuned chose the split path at batch 1: no fused op to split up
+                log("profile: batch 1 does not use the fused kernel with these configs; skipped")
+                return out
             nsplit = min(cfg.get("nsplit") or cfg["progs_per_sm"] * C.num_sms(0 if not SMOKE else None),
                          -(-k // cfg["BLOCK_R"]))
             wss = [torch.randn((nsplit, 1, d), device=DEV) for _ in range(nl)]
             ys = [torch.empty((1, d), device=DEV, dtype=torch.float16) for _ in range(nl)]
-            t_red, _ = time_graph([lambda i=i: T._launch_reduce(wss[i], nsplit, None, ys[i], cfg.get("reduce_block"))
-                                   for i in range(nl)], args.reps)
+            t_red = time_layers([lambda i=i: T._launch_reduce(wss[i], nsplit, None, ys[i], cfg.get("reduce_block"))
+                                 for i in range(nl)], args.reps).median
             nb = ffn_bytes(d, k, True, 2, 1)
             log(f"profile {sname} s={s}: op {t_all:.1f} us = reduce alone {t_red:.1f} us + rest {t_all - t_red:.1f} us;"
                 f" bytes at copy BW {nb / copy_bw / 1e3:.1f} us; nsplit {nsplit}")
@@ -537,12 +488,12 @@ def profile(args, copy_bw):
 
 # ---------------------------------------------------------------------------------------------
 def main(argv=None):
-    global DEV, SMOKE, SHAPES, ATTN_SHAPES
+    global DEV, SMOKE, FFN_SHAPES, ATTN_SHAPES
     ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="llama2-7b + llama3-8b, batch 1 and 4, s in .5/.7/.9")
-    ap.add_argument("--json", help="write all rows to this JSON file")
+    ap.add_argument("--json", help="write the rows to this JSON file (a bare name goes under benchmarks/results/)")
     ap.add_argument("--dtypes", default="fp16")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(FFN_SHAPES))
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--sparsities", default=",".join(map(str, SPARSITIES)))
     ap.add_argument("--layers", type=int, default=8)
@@ -557,16 +508,17 @@ def main(argv=None):
     ap.add_argument("--apply-tuned", action="store_true", help="use the tuned configs for the rest of this run")
     ap.add_argument("--tune-ops", action="store_true", help="batch-1 whole-op tune: MLP and FFN, fused vs split")
     ap.add_argument("--profile", action="store_true", help="batch-1 time split: fused kernel vs reduce kernel")
-    ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU + Triton interpreter, tiny shapes: checks the script runs")
     args = ap.parse_args(argv)
     if args.smoke:
         import os
 
         os.environ.setdefault("TRITON_INTERPRET", "1")
         DEV, SMOKE = "cpu", True
-        SHAPES = {"tiny": (72, 200, True, "silu"), "tiny-opt": (72, 200, False, "relu")}
+        FFN_SHAPES = {"tiny": (72, 200, True, "silu"), "tiny-opt": (72, 200, False, "relu")}
         ATTN_SHAPES = {"tiny": (72, 6, 2, 12)}
-        args.shapes, args.tune_shapes = ",".join(SHAPES), "tiny"
+        args.shapes, args.tune_shapes = ",".join(FFN_SHAPES), "tiny"
         args.batches, args.tune_batches, args.sparsities, args.tune_sparsities = "1,3", "1,2", "0,0.5,0.95", "0.5"
         args.layers, args.reps = 2, 1
     elif not torch.cuda.is_available():
@@ -583,13 +535,19 @@ def main(argv=None):
         args.shapes, args.batches, args.sparsities = ["llama2-7b", "llama3-8b"], [1, 4], [0.5, 0.7, 0.9]
     import triton
 
-    accel = torch.cuda.get_device_name() if not SMOKE else "cpu-interpreter"
+    accel = device_name(DEV) if not SMOKE else "cpu (Triton interpreter)"
     t0 = time.time()
-    copy_bw = copy_bandwidth()
+    copy_bw = copy_bandwidth(device=DEV) if not SMOKE else copy_bandwidth(1 << 20, reps=3, device=DEV)
     sms = torch.cuda.get_device_properties(0).multi_processor_count if not SMOKE else 0
     log(f"device {accel}, {sms} SMs; torch {torch.__version__}, "
         f"triton {triton.__version__}; copy bandwidth {copy_bw:.0f} GB/s (read+write)")
     rows, extra = [], {}
+
+    def save(complete=True):
+        if args.json:
+            return write_results(args.json, rows, command=command_line("benchmarks.kernels"), device=DEV,
+                                 meta=dict(copy_bw_gbps=round(copy_bw, 1), seconds=round(time.time() - t0),
+                                           complete=complete), sections=extra)
     if args.tune:
         extra["tune"] = tune(args, copy_bw)
         if args.apply_tuned:
@@ -603,52 +561,59 @@ def main(argv=None):
     if args.determinism:
         extra["determinism"] = determinism(args.determinism, accel)
     if not args.no_ffn:
-        run_ffn(args, rows, copy_bw, accel)
+        run_ffn(args, rows, copy_bw, accel, save)
     if not args.no_attn:
         run_attn(args, rows, copy_bw, accel)
-    meta = dict(date=_dt.date.today().isoformat(), accelerator_name=accel, copy_bw_gbps=round(copy_bw, 1),
-                torch=torch.__version__, triton=triton.__version__, argv=sys.argv[1:], seconds=round(time.time() - t0))
-    for r in rows:
-        r.update(torch_version=torch.__version__, triton_version=triton.__version__, copy_bw_gbps=round(copy_bw, 1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=rows, **extra), f, indent=1, default=str)
-        log(f"wrote {len(rows)} rows to {args.json}")
+    path = save()
+    if path:
+        log(f"wrote {len(rows)} rows to {path}")
     summary(rows)
     log(f"bench took {time.time() - t0:.0f} s")
     return 0
 
 
 def _is_sparse_main(r):
-    return r["variant"] in ("triton_fused", "triton_split")
+    return r.op in ("triton_fused", "triton_split")
 
 
 def summary(rows):
     """Batch-1 table for the goal shapes, and the crossover batch per (shape, s)."""
-    dense = {(r["shape"], r["dtype"], r["batch"]): r for r in rows if r["variant"] == "dense"}
-    index = {(r["shape"], r["dtype"], r["batch"], r["sparsity"]): r for r in rows if r["variant"] == "torch_index"}
-    seq = {(r["shape"], r["dtype"], r["batch"], r["sparsity"]): r for r in rows if r["variant"] == "triton_seq50"}
+    def key(r, *more):
+        return (r.shape, r.dtype, r.batch, *more)
+
+    def sp(r):
+        return r.extra["sparsity"]
+
+    dense = {key(r): r for r in rows if r.op == "dense"}
+    index = {key(r, sp(r)): r for r in rows if r.op == "torch_index"}
+    seq = {key(r, sp(r)): r for r in rows if r.op == "triton_seq50"}
+    nan = float("nan")
+
+    def us(r):
+        return r.median if r else nan
+
+    def x(r):
+        return r.extra["speedup_vs_dense"] if r else nan
+
     log("\nshape      dtype B   s   | dense us | triton us  x dense  %copyBW | index us x dense | seq50 us x dense")
     for r in rows:
-        if r["batch"] == 1 and _is_sparse_main(r) and r["shape"] in ("llama2-7b", "llama3-8b", "tiny"):
-            key = (r["shape"], r["dtype"], 1, r["sparsity"])
-            dn, ix, sq = dense.get(key[:3]), index.get(key), seq.get(key)
-            nan = float("nan")
-            log(f"{r['shape']:10s} {r['dtype']} 1 {r['sparsity']:4.2f} | {dn['us_median'] if dn else nan:8.1f} | "
-                f"{r['us_median']:8.1f}  {r['speedup_vs_dense']:6.2f}  {r['pct_copy_bw']:6.1f} | "
-                f"{ix['us_median'] if ix else nan:8.1f} {ix['speedup_vs_dense'] if ix else nan:6.2f} | "
-                f"{sq['us_median'] if sq else nan:8.1f} {sq['speedup_vs_dense'] if sq else nan:6.2f}")
+        if r.batch == 1 and _is_sparse_main(r) and r.shape in ("llama2-7b", "llama3-8b", "tiny"):
+            k = key(r, sp(r))
+            dn, ix, sq = dense.get(k[:3]), index.get(k), seq.get(k)
+            log(f"{r.shape:10s} {r.dtype} 1 {sp(r):4.2f} | {us(dn):8.1f} | "
+                f"{r.median:8.1f}  {x(r):6.2f}  {100 * r.frac_copy_bw:6.1f} | "
+                f"{us(ix):8.1f} {x(ix):6.2f} | {us(sq):8.1f} {x(sq):6.2f}")
     cross, seen = {}, set()
     for r in rows:
         if _is_sparse_main(r):
-            key = (r["shape"], r["dtype"], r["sparsity"])
-            seen.add(key)
-            if r["speedup_vs_dense"] < 1.0:
-                cross[key] = min(cross.get(key, 99), r["batch"])
+            k = (r.shape, r.dtype, sp(r))
+            seen.add(k)
+            if x(r) < 1.0:
+                cross[k] = min(cross.get(k, 99), r.batch)
     if seen:
         log("\ncrossover (smallest batch where dense is faster; '-' = sparse faster at every batch run):")
-        for key in sorted(seen):
-            log(f"  {key[0]:10s} {key[1]} s={key[2]:4.2f}: {cross.get(key, '-')}")
+        for k in sorted(seen):
+            log(f"  {k[0]:10s} {k[1]} s={k[2]:4.2f}: {cross.get(k, '-')}")
 
 
 if __name__ == "__main__":

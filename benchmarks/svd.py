@@ -1,38 +1,36 @@
 """Benchmark of the SVDP fit on SmolLM2 (CPU): the greedy bias calibration (sort / heap / the paper's argmin loop)
 on one layer, and the SVD build + calibration of every layer.
 
-    python -m benchmarks.svd [--tokens 8192] [--layer 15] [--rank 64] [--sparsity 0.5]
+    python -m benchmarks.svd [--tokens 8192] [--layer 15] [--rank 64] [--sparsity 0.5] [--json NAME]
 
 Calibration activations (``ffn_in``, all layers) are captured once and then read from the activation cache.
+The three greedy implementations are timed interleaved (``benchmarks.harness.time_cpu``: median and IQR of
+``--repeats`` rounds, speedup over the argmin loop). ``--json NAME`` writes ``benchmarks.harness.Row`` rows
+(seconds) to ``benchmarks/results/NAME``.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 import numpy as np
 import torch
 
-
-def _best(fn, repeat: int):
-    times, out = [], None
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return min(times), out
+from benchmarks.harness import Row, command_line, device_name, time_cpu, write_results
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> list[Row]:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.svd",
+                                 description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tokens", type=int, default=8192, help="calibration tokens (half fit, half calibration)")
     ap.add_argument("--layer", type=int, default=15, help="layer for the greedy comparison")
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--sparsity", type=float, default=0.5)
-    ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the greedy comparison")
+    ap.add_argument("--json", default=None,
+                    help="also write the rows to this file (a bare name goes under benchmarks/results/)")
     args = ap.parse_args(argv)
 
     from workers.sparsity.capture import capture_activations
@@ -70,16 +68,16 @@ def main(argv: list[str] | None = None) -> dict:
     c = calibration_costs(P, dmg, Q_STEPS)
     costs, free, sizes, nq = c["costs"], c["free"], c["sizes"], c["nq"]
     budget = args.sparsity * N2 * D - int(nq[free].sum())
-    t_sort, s_sort = _best(lambda: greedy_allocate(costs, budget, free, sizes, impl="sort"), 3)
-    t_heap, s_heap = _best(lambda: greedy_allocate(costs, budget, free, sizes, impl="heap"), 2)
-    t_ref, s_ref = _best(lambda: _greedy_reference(costs, budget, free, sizes), 1)
+    cmp = time_cpu({"argmin loop (reference)": lambda: _greedy_reference(costs, budget, free, sizes),
+                    "heap": lambda: greedy_allocate(costs, budget, free, sizes, impl="heap"),
+                    "sort (default)": lambda: greedy_allocate(costs, budget, free, sizes, impl="sort")},
+                   repeats=args.repeats)
+    s_ref, s_heap, s_sort = (cmp.outputs[n] for n in ("argmin loop (reference)", "heap", "sort (default)"))
     same = bool(np.array_equal(s_sort, s_ref) and np.array_equal(s_heap, s_ref))
     n_steps = int((s_ref - free).sum())
     print(f"\ngreedy on layer {l} (rank {args.rank}, s={args.sparsity}, {D} neurons x {Q_STEPS} steps, "
-          f"{n_steps} steps taken; identical allocations: {same})")
-    print(f"  {'implementation':<28}{'time (s)':>10}{'speedup':>10}")
-    for name, t in (("argmin loop (reference)", t_ref), ("heap", t_heap), ("sort (default)", t_sort)):
-        print(f"  {name:<28}{t:>10.3f}{t_ref / t:>9.1f}x")
+          f"{n_steps} steps taken; identical allocations: {same}; {args.repeats} interleaved rounds)")
+    print(cmp.table())
 
     # ---- every layer: whitened SVD + calibration, through the registered method -------------------------------
     sp = {layer: args.sparsity for layer in layers}
@@ -96,15 +94,21 @@ def main(argv: list[str] | None = None) -> dict:
         fs = [plan.info[x]["fit_s"] for x in layers]
         off = float(np.mean([plan.info[x]["calib_offfrac"] for x in layers]))
         print(f"  {target:<10}{t:>10.2f}{cpu:>10.2f}{t / len(layers):>11.3f}{max(fs):>11.3f}{off:>10.4f}")
-    res = {"model": args.model, "tokens": cache.n_tokens, "layer": l, "rank": args.rank, "sparsity": args.sparsity,
-           "greedy_s": {"reference": t_ref, "heap": t_heap, "sort": t_sort}, "greedy_identical": same,
-           "greedy_steps": n_steps, "all_layers_s": {k: v[0] for k, v in full.items()},
-           "all_layers_cpu_s": {k: v[2] for k, v in full.items()},
-           "threads": torch.get_num_threads(), "load_avg": load}
+    common = dict(shape=f"{args.model} d={lm.dims.d} D={lm.dims.D}", dtype="fp32", batch=None,
+                  device=device_name("cpu"))
+    setting = dict(rank=args.rank, sparsity=args.sparsity)
+    rows = [Row.measured("svd-greedy", name, t, **common,
+                         extra=dict(setting, layer=l, tokens=N2, steps=n_steps, identical=same,
+                                    speedup_vs_reference=round(cmp.ratio(name), 2)))
+            for name, t in cmp.timings.items()]
+    rows += [Row.measured("svd-fit", f"all layers, target={target}", unit="s", median=t, **common,
+                          extra=dict(setting, layers=len(layers), tokens=cache.n_tokens, cpu_s=cpu,
+                                     max_layer_s=max(plan.info[x]["fit_s"] for x in layers)))
+             for target, (t, plan, cpu) in full.items()]
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
-    return res
+        print("wrote", write_results(args.json, rows, command=command_line("benchmarks.svd"), device="cpu",
+                                     meta=dict(threads=torch.get_num_threads(), load_avg=load)))
+    return rows
 
 
 if __name__ == "__main__":

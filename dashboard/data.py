@@ -1,7 +1,8 @@
 """The dashboard's only door to the store: read-only engine, cached typed reads, bundle archives.
 
-Pages call the functions here and only draw. Every read goes through ``db.queries`` / ``db.settings`` on an
-engine opened with ``read_only=True``; the URL is ``$CTXSPARSE_DB_URL`` or the default SQLite file
+Pages call the functions here and only draw. Every read goes through ``db.queries`` (settings and their front
+through ``orchestrator.settings`` / ``orchestrator.pareto``, pure functions with no Ray or torch) on an engine
+opened with ``read_only=True``; the URL is ``$CTXSPARSE_DB_URL`` or the default SQLite file
 (``db.engine.default_url``). Results are plain picklable data, cached with ``st.cache_data`` for ``TTL_S``
 seconds (a running sweep shows up within that), keyed by the URL.
 
@@ -29,7 +30,9 @@ from sqlalchemy.exc import OperationalError
 from db import queries
 from db.engine import default_url, get_engine, session_scope
 from db.schemas import ArtifactRecord, DeviceType, LatencyRecord, LayerRecord, ModelInfo, SweepInfo, UnitInfo
-from db.settings import BASELINE_RUNTIMES, DENSE, Front, Setting, accuracy_metrics, pareto, settings_for_model
+from orchestrator.pareto import Front, pareto
+from orchestrator.settings import BASELINE_RUNTIMES, Setting, accuracy_metrics, settings_for_model
+from workers.names import DENSE
 
 TTL_S = 15
 DEVICE_TYPES: tuple[str, ...] = tuple(get_args(DeviceType))     # cuda, npu, cpu
@@ -237,7 +240,7 @@ def artifacts(url: str, unit_id: str) -> list[ArtifactRecord]:
 # ---------------------------------------------------------------- bundles
 
 
-class BundleError(RuntimeError):
+class BundleDownloadError(RuntimeError):
     """A bundle file is missing, or its bytes do not match the sha256 the store recorded."""
 
 
@@ -299,13 +302,14 @@ def check_bundle(url: str, fit_unit: str) -> BundleCheck:
 
 
 def bundle_archive(url: str, fit_unit: str) -> bytes:
-    """A ``.tar.gz`` of the bundle's files under one folder; raises ``BundleError`` on a missing or changed file.
+    """A ``.tar.gz`` of the bundle's files under one folder; raises ``BundleDownloadError`` on a missing or
+    changed file.
 
     Each file is read once; the bytes that were checked are the bytes that are packed.
     """
     files = _bundle_files(url, fit_unit)
     if not files:
-        raise BundleError(f"unit {fit_unit} has no {BUNDLE_KIND} artifacts")
+        raise BundleDownloadError(f"unit {fit_unit} has no {BUNDLE_KIND} artifacts")
     folder = Path(files[0].uri).parent.name
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
@@ -314,10 +318,10 @@ def bundle_archive(url: str, fit_unit: str) -> bytes:
             try:
                 blob = p.read_bytes()
             except OSError as e:
-                raise BundleError(f"{p.name}: cannot read {a.uri} ({e})") from e
+                raise BundleDownloadError(f"{p.name}: cannot read {a.uri} ({e})") from e
             problem = _check_file(a, blob)
             if problem:
-                raise BundleError(problem)
+                raise BundleDownloadError(problem)
             info = tarfile.TarInfo(f"{folder}/{p.name}")
             info.size = len(blob)
             info.mtime = int(time.time())

@@ -9,7 +9,7 @@ import streamlit as st
 
 from dashboard import data
 from db.schemas import ModelInfo
-from db.settings import Setting
+from orchestrator.settings import Setting
 
 
 def require_store(url: str) -> None:

@@ -6,7 +6,7 @@ unit's canonical config), and every natural key is a UNIQUE constraint so that w
 can rely on ``INSERT ... ON CONFLICT DO NOTHING`` for idempotence.
 
 Changing anything here needs a new Alembic revision in ``db/migrations/versions``;
-``tests/db/test_migrations.py`` fails while the two disagree.
+``tests/db/test_db_migrations.py`` fails while the two disagree.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     Double,
@@ -70,8 +71,8 @@ class Model(Base):
     __tablename__ = "models"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(String(255))  # HF id, local path or GGUF file name
-    family: Mapped[str | None] = mapped_column(String(64))  # llama, gemma3, opt, ...
+    name: Mapped[str] = mapped_column(String(255))  # model ref (smollm2-135m, HF id, path) or shape name
+    family: Mapped[str | None] = mapped_column(String(64))  # llama, gemma3, qwen2, opt, shape, ...
     fingerprint: Mapped[str] = mapped_column(String(128), unique=True)
     config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     n_params: Mapped[int | None] = mapped_column(BigInteger)
@@ -106,7 +107,7 @@ class Sweep(Base):
     submission_id: Mapped[str | None] = mapped_column(String(255))  # Ray job submission id
     created_at: Mapped[datetime] = _created_at()
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    # Cached counters (kept up to date by register_units / finish_unit); the
+    # Cached counters (kept up to date by queries.register_units / queries.finish_unit); the
     # authoritative numbers are computed by queries.sweep_progress.
     n_units_total: Mapped[int] = mapped_column(Integer, default=0)
     n_units_done: Mapped[int] = mapped_column(Integer, default=0)
@@ -136,8 +137,9 @@ class WorkUnit(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     model_id: Mapped[int] = mapped_column(Integer, ForeignKey("models.id"), index=True)
     dataset_id: Mapped[int | None] = mapped_column(Integer, ForeignKey("datasets.id"))
-    kind: Mapped[str] = mapped_column(String(32))  # collect / fit / eval / latency / ...
-    method: Mapped[str | None] = mapped_column(String(64))  # dejavu / svdp / teal / oracle / ...
+    kind: Mapped[str] = mapped_column(String(32))  # collect / fit / eval / latency / kernel
+    # fit: dense / dejavu / svd / threshold / teal / wina / oracle / static; kernel: the benchmarked variant
+    method: Mapped[str | None] = mapped_column(String(64))
     sparsity: Mapped[float | None] = mapped_column(Double)
     rank: Mapped[int | None] = mapped_column(Integer)
     attn_sparsity: Mapped[float | None] = mapped_column(Double)
@@ -145,7 +147,7 @@ class WorkUnit(Base):
     config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     status: Mapped[str] = mapped_column(String(16), default="pending", index=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
-    worker: Mapped[str | None] = mapped_column(String(255))  # host / actor id
+    worker: Mapped[str | None] = mapped_column(String(255))  # role@host:pid of the actor that ran it
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     duration_s: Mapped[float | None] = mapped_column(Double)
@@ -162,7 +164,7 @@ class Artifact(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     unit_id: Mapped[str] = _unit_fk()
-    kind: Mapped[str] = mapped_column(String(32))  # activations / predictor / bundle / ...
+    kind: Mapped[str] = mapped_column(String(32))  # activations_calib / activations_heldout / bundle_file
     uri: Mapped[str] = mapped_column(String(2048))
     sha256: Mapped[str | None] = mapped_column(String(64))
     size_bytes: Mapped[int | None] = mapped_column(BigInteger)
@@ -170,7 +172,7 @@ class Artifact(Base):
 
 
 class AccuracyResult(Base):
-    """One metric of one task of one suite for one unit (one row per metric)."""
+    """One metric of one task of one suite for one unit (one row per metric), with its direction."""
 
     __tablename__ = "accuracy_results"
     __table_args__ = (UniqueConstraint("unit_id", "suite", "task", "metric"),)
@@ -179,7 +181,9 @@ class AccuracyResult(Base):
     unit_id: Mapped[str] = _unit_fk()
     suite: Mapped[str] = mapped_column(String(128))
     task: Mapped[str] = mapped_column(String(128))
-    metric: Mapped[str] = mapped_column(String(64))  # acc / acc_norm / ppl / exact_match ...
+    metric: Mapped[str] = mapped_column(String(64))  # acc / acc_norm / ppl / nll / mlp_sparsity / head_sparsity
+    # which way the metric improves, as the evaluator reports it (lm-eval's ``higher_is_better``)
+    higher_is_better: Mapped[bool] = mapped_column(Boolean)
     value: Mapped[float] = mapped_column(Double)
     stderr: Mapped[float | None] = mapped_column(Double)
     n: Mapped[int] = mapped_column(Integer)
@@ -199,7 +203,7 @@ class LatencyResult(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     unit_id: Mapped[str] = _unit_fk()
     device_type: Mapped[str] = mapped_column(String(16))  # cuda / npu / cpu
-    accelerator_name: Mapped[str] = mapped_column(String(128))  # "H200", "Ascend910B", CPU model
+    accelerator_name: Mapped[str] = mapped_column(String(128))  # device name: "NVIDIA H200", CPU model name
     batch: Mapped[int] = mapped_column(Integer)
     prompt_len: Mapped[int] = mapped_column(Integer)
     gen_len: Mapped[int] = mapped_column(Integer)
@@ -207,7 +211,8 @@ class LatencyResult(Base):
     p90_ms_per_token: Mapped[float] = mapped_column(Double)
     tokens_per_s: Mapped[float] = mapped_column(Double)
     realized_sparsity: Mapped[float | None] = mapped_column(Double)
-    runtime: Mapped[str] = mapped_column(String(64))  # ours-dense / ours-sparse / hf-generate
+    # ctxsparse-dense / ctxsparse-sparse (our decode runtime), hf-generate (the baseline), kernel:<variant>
+    runtime: Mapped[str] = mapped_column(String(64))
     package_versions: Mapped[dict[str, str]] = mapped_column(JSON)
     git_rev: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = _created_at()

@@ -487,7 +487,7 @@ def accuracy_table(
     """Accuracy rows joined with their unit's coordinates (model, method, sparsity, rank)."""
     a = AccuracyResult
     stmt = (
-        select(*_UNIT_COLUMNS, a.suite, a.task, a.metric, a.value, a.stderr, a.n, a.git_rev,
+        select(*_UNIT_COLUMNS, a.suite, a.task, a.metric, a.higher_is_better, a.value, a.stderr, a.n, a.git_rev,
                a.package_versions, a.created_at)
         .join(WorkUnit, WorkUnit.id == a.unit_id)
         .join(Model, Model.id == WorkUnit.model_id)

@@ -13,7 +13,7 @@ import math
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
 
 
 def _not_nan(x: float) -> float:
@@ -72,6 +72,7 @@ class AccuracyRow(_Provenance):
     suite: Name
     task: Name
     metric: Annotated[str, Field(min_length=1, max_length=64)]
+    higher_is_better: StrictBool     # the metric's direction, as its evaluator knows it (never guessed)
     value: Real
     stderr: Annotated[Real, Field(ge=0.0)] | None = None
     n: Annotated[int, Field(ge=0)]
@@ -102,7 +103,7 @@ class LayerRow(_In):
 
 
 class ArtifactRow(_In):
-    kind: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")]  # activations / predictor / bundle
+    kind: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")]  # activations_calib / bundle_file / ...
     uri: Annotated[str, Field(min_length=1, max_length=2048)]
     sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
     size_bytes: Annotated[int, Field(ge=0)] | None = None
@@ -173,6 +174,7 @@ class AccuracyRecord(_UnitColumns):
     suite: str
     task: str
     metric: str
+    higher_is_better: bool
     value: float
     stderr: float | None
     n: int

@@ -14,6 +14,8 @@ from .ops import (  # noqa: F401
     gather_gemv,
     head_sparse_out,
     head_sparse_qkv,
+    input_sparse_linear,
+    input_sparse_linear_segments,
     kv_heads_for,
     sequential_gate_filter,
     sparse_ffn,

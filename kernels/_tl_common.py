@@ -7,16 +7,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# activation codes (constexpr in the kernels); names are in kernels.common.ACTS
-ACT_NONE = 0
-ACT_RELU = 1
-ACT_SILU = 2
-ACT_GELU_TANH = 3
-
 
 @triton.jit
 def _act(v, ACT: tl.constexpr):
-    """Activation in fp32. gelu_tanh uses 0.5*(1+tanh(z)) == sigmoid(2z) (no tanh intrinsic needed)."""
+    """Activation in fp32; ``ACT`` is the code of the name in kernels.common.ACTS (none 0, relu 1, silu 2,
+    gelu_tanh 3, gelu 4). gelu_tanh uses 0.5*(1+tanh(z)) == sigmoid(2z) (no tanh intrinsic needed); gelu is
+    exact: 0.5*v*(1+erf(v/sqrt(2)))."""
     if ACT == 1:
         v = tl.maximum(v, 0.0)
     elif ACT == 2:
@@ -24,6 +20,8 @@ def _act(v, ACT: tl.constexpr):
     elif ACT == 3:
         z = 0.7978845608028654 * (v + 0.044715 * v * v * v)
         v = v / (1.0 + tl.exp(-2.0 * z))
+    elif ACT == 4:
+        v = 0.5 * v * (1.0 + tl.erf(v * 0.7071067811865476))
     return v
 
 

@@ -1,5 +1,9 @@
 """Things every backend shares: activation names, argument checks, the index-buffer convention.
 
+Activations: ``ACTS`` is the one table of names the kernels know (its codes are the Triton kernels' ``ACT``
+constexpr, see ``kernels._tl_common._act``); ``apply_act`` is their torch definition. ``gelu`` is the exact erf
+GeLU, ``gelu_tanh`` its tanh approximation.
+
 Index-buffer convention (all backends, all ops)
 ------------------------------------------------
 * ``idx``: 1-D int32 or int64 tensor of fixed length ``K`` (the buffer size, a static shape) on the
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-ACTS = {"none": 0, "relu": 1, "silu": 2, "gelu_tanh": 3}
+ACTS = {"none": 0, "relu": 1, "silu": 2, "gelu_tanh": 3, "gelu": 4}
 MAX_BATCH = 8
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -43,6 +47,8 @@ def apply_act(v: torch.Tensor, act: str) -> torch.Tensor:
         return torch.nn.functional.silu(v)
     if act == "gelu_tanh":
         return torch.nn.functional.gelu(v, approximate="tanh")
+    if act == "gelu":
+        return torch.nn.functional.gelu(v)
     return v
 
 

@@ -60,12 +60,27 @@ DOWN = {  # down / out projection over W^T rows: d chunk, rows per step, K split
 # the tl.dot split path lost at s=.3/.7/.9 by 14-52 % but was 13 % faster at s=.5 (see NOTES.md).
 MLP_B1 = dict(path="fused", fused=dict(BLOCK_R=2, num_warps=4, progs_per_sm=3, early_down=True))
 
+# --- input sparsity (TEAL/WINA column-sparse GEMV over W^T [in, out]) -------------------------------
+# Keyed by B_PAD. BLOCK_N output columns x BLOCK_K input rows per step; the K range is split until the grid
+# has progs_per_sm x SMs programs (0: never split, each program writes y itself), the partials summed in a fixed
+# order by the last program of each column block ("ticket") or by a second launch ("kernel"). dot: tensor-core
+# tl.dot with the batch padded to 16 rows and a cp.async pipeline (num_stages); else the register-prefetched
+# loop with CUDA-core FMAs (mma=True: tensor cores in that loop). Frozen from the H200 tune of run 4
+# (kernels/NOTES.md, "Input sparsity"); batch >= 2 is slower than dense cuBLAS at every sparsity measured.
+INPUT_SPARSE = {
+    1: dict(BLOCK_N=64, BLOCK_K=16, num_warps=4, progs_per_sm=8, reduce="ticket", dot=False),
+    2: dict(BLOCK_N=128, BLOCK_K=16, num_warps=4, progs_per_sm=4, reduce="ticket", dot=False),
+    4: dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5, progs_per_sm=2, reduce="ticket", dot=True),
+    8: dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5, progs_per_sm=2, reduce="ticket", dot=True),
+}
+
 # CPU (Triton interpreter, CI): few big programs keep the interpreter fast; chunks smaller than the
 # test shapes keep the d-loop and row-tail masking exercised.
 INTERP = {
     "fused": dict(BLOCK_R=16, nsplit=3, num_warps=4),
     "gather": dict(BLOCK_R=32, BLOCK_K=64, num_warps=4),
     "down": dict(BLOCK_D=64, BLOCK_R=32, splits=3, num_warps=4),
+    "input_sparse": dict(BLOCK_N=32, BLOCK_K=32, splits=2, num_warps=4),
 }
 
 

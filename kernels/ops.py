@@ -1,10 +1,12 @@
-"""Dispatcher: Triton on CUDA, the index_select path on Ascend NPUs, the torch reference elsewhere.
+"""Dispatcher: Triton on CUDA, the in-place row kernels of kernels.cpu on the CPU, the index_select path on
+Ascend NPUs, the torch reference elsewhere.
 
 Every function here has the signature of the op of the same name in kernels.reference; the
-environment variable ``CTXSPARSE_KERNELS`` (triton | npu | reference) forces a backend (the CPU
+environment variable ``CTXSPARSE_KERNELS`` (triton | cpu | npu | reference) forces a backend (the CPU
 tests use ``triton`` with ``TRITON_INTERPRET=1``). ``sparse_ffn`` / ``sparse_mlp`` fall back to a
 dense cuBLAS FFN (masked to the same active set, so the result is the same function) where
-``configs.DENSE_FROM_BATCH`` says dense was measured faster.
+``configs.DENSE_FROM_BATCH`` says dense was measured faster (GPU only: on the CPU a masked dense FFN reads
+the same rows as the sparse one). ``dense_ffn`` / ``dense_mlp``: the fastest dense FFN of the backend.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import types
 import torch
 
 from . import configs as C
+from . import cpu as _cpu
 from . import npu as _npu
 from . import reference as _ref
 from .common import MAX_BATCH
@@ -24,10 +27,10 @@ _TRITON = None
 def _triton_backend():
     global _TRITON
     if _TRITON is None:
-        from . import attn_triton, ffn_triton
+        from . import attn_triton, ffn_triton, input_sparse_triton
 
         ns = types.SimpleNamespace()
-        for mod in (ffn_triton, attn_triton):
+        for mod in (ffn_triton, attn_triton, input_sparse_triton):
             for name in dir(mod):
                 if not name.startswith("_"):
                     setattr(ns, name, getattr(mod, name))
@@ -38,13 +41,15 @@ def _triton_backend():
 def backend_name(t: torch.Tensor) -> str:
     forced = os.environ.get("CTXSPARSE_KERNELS")
     if forced:
-        if forced not in ("triton", "npu", "reference"):
+        if forced not in ("triton", "cpu", "npu", "reference"):
             raise ValueError(f"CTXSPARSE_KERNELS={forced!r}")
         return forced
     if t.device.type == "cuda":
         return "triton"
     if t.device.type == "npu":
         return "npu"
+    if t.device.type == "cpu":
+        return "cpu"
     return "reference"
 
 
@@ -52,7 +57,7 @@ def backend(t: torch.Tensor):
     name = backend_name(t)
     if name == "triton":
         return _triton_backend()
-    return _npu if name == "npu" else _ref
+    return {"npu": _npu, "cpu": _cpu}.get(name, _ref)
 
 
 def gated_gather_gemv(x, w_gate, w_up, idx, count=None, act="silu", out_dtype=None):
@@ -80,6 +85,8 @@ def sequential_gate_filter(x, w_gate, idx, count=None, act="silu", threshold=0.0
 
 
 def sparse_ffn(x, w_gate, w_up, w_down_t, idx, count=None, act="silu", threshold=None, *, allow_dense=True):
+    if backend(x) is _cpu:          # any batch; no dense crossover (a masked dense FFN reads the same rows)
+        return _cpu.sparse_ffn(x, w_gate, w_up, w_down_t, idx, count, act, threshold)
     if x.shape[0] > MAX_BATCH or (allow_dense and C.use_dense(x.shape[0], idx.shape[0], w_gate.shape[0])):
         mask = _ref.active_mask(idx, count, w_gate.shape[0])
         return _ref.dense_ffn(x, w_gate, w_up, w_down_t, act, mask)
@@ -87,10 +94,22 @@ def sparse_ffn(x, w_gate, w_up, w_down_t, idx, count=None, act="silu", threshold
 
 
 def sparse_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count=None, act="relu", *, allow_dense=True):
+    if backend(x) is _cpu:
+        return _cpu.sparse_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count, act)
     if x.shape[0] > MAX_BATCH or (allow_dense and C.use_dense(x.shape[0], idx.shape[0], w_fc1.shape[0], gated=False)):
         mask = _ref.active_mask(idx, count, w_fc1.shape[0])
         return _ref.dense_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, act, mask)
     return backend(x).sparse_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count, act)
+
+
+def dense_ffn(x, w_gate, w_up, w_down_t, act="silu", mask=None):
+    b = backend(x)
+    return (b if hasattr(b, "dense_ffn") else _ref).dense_ffn(x, w_gate, w_up, w_down_t, act, mask)
+
+
+def dense_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, act="relu", mask=None):
+    b = backend(x)
+    return (b if hasattr(b, "dense_mlp") else _ref).dense_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, act, mask)
 
 
 def kv_heads_for(q_idx, q_count, n_heads, n_kv_heads):
@@ -104,3 +123,16 @@ def head_sparse_qkv(x, w_qkv, q_idx, q_count, kv_idx, kv_count, n_heads, n_kv_he
 
 def head_sparse_out(attn, w_o_t, q_idx, q_count=None, head_dim=None, bias=None):
     return backend(attn).head_sparse_out(attn, w_o_t, q_idx, q_count, head_dim, bias)
+
+
+def _input_sparse_backend(x):
+    b = backend(x)
+    return b if hasattr(b, "input_sparse_linear") else _ref  # the NPU path has no op of its own: torch reference
+
+
+def input_sparse_linear(x, w_t, threshold, bias=None):
+    return _input_sparse_backend(x).input_sparse_linear(x, w_t, threshold, bias)
+
+
+def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None):
+    return _input_sparse_backend(x).input_sparse_linear_segments(x, w_t, thresholds, sizes, bias)

@@ -132,6 +132,34 @@ def active_mask(idx, count, n):
     return m > 0
 
 
+# ---- input sparsity (TEAL / WINA) ---------------------------------------------------------------
+def input_sparse_linear(x, w_t, threshold, bias=None, *, config=None):
+    """y = mask(x) @ w_t (+ bias) with mask(x)[b, i] = x[b, i] if |x[b, i]| > threshold else 0.
+
+    ``w_t`` is W^T [in, out]; ``threshold`` a float or a one-element tensor (compared in fp32 or finer)."""
+    cd = _cdt(x, w_t)
+    xf = x.to(cd)
+    t = torch.as_tensor(threshold, dtype=torch.float32, device=x.device).reshape(()).to(cd)
+    xm = torch.where(xf.abs() > t, xf, torch.zeros((), dtype=cd, device=x.device))
+    y = xm @ w_t.to(cd)
+    if bias is not None:
+        y = y + bias.to(cd)[None, :]
+    return y.to(x.dtype)
+
+
+def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, config=None):
+    """Projections sharing x, W^T concatenated along out (fused QKV): segment j (``sizes[j]`` columns) uses
+    its own threshold ``thresholds[j]`` (a float tensor of len(sizes) or a sequence of floats)."""
+    sizes = [int(s) for s in sizes]
+    assert sum(sizes) == w_t.shape[1], f"segment sizes {sizes} must sum to out = {w_t.shape[1]}"
+    outs, lo = [], 0
+    for j, s in enumerate(sizes):
+        b = None if bias is None else bias[lo:lo + s]
+        outs.append(input_sparse_linear(x, w_t[:, lo:lo + s], thresholds[j], b))
+        lo += s
+    return torch.cat(outs, dim=1)
+
+
 # ---- attention ---------------------------------------------------------------------------------
 def kv_heads_for(q_idx, q_count, n_heads, n_kv_heads):
     g = n_heads // n_kv_heads

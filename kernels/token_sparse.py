@@ -1,6 +1,7 @@
 """Per-token sparse FFN and head-sparse output projection for many tokens at once (prefill, evaluation).
 
-Decode kernels (``kernels.ops``) take one shared active set for a batch of up to 8 tokens. Evaluating a
+Decode kernels (``kernels.ops``: ``sparse_ffn``, ``head_sparse_out``) take one shared active set (an index
+buffer) for a batch of up to 8 tokens; the ``token_sparse_*`` ops here take a boolean mask per token. Evaluating a
 predictor over a 512-token window needs a *different* set per token; gathering ``W[idx[t]]`` per token would
 materialize T·k·d weights. Here the selection is a CSR pattern over (token, neuron) and only the selected
 entries are computed: the gate/up values with a sampled dense-dense product (SDDMM: one dot product per
@@ -70,9 +71,10 @@ def token_sparse_ffn(x: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor
     return y, n_first, rows.numel()
 
 
-def head_sparse_out(attn: torch.Tensor, w_o: torch.Tensor, head_mask: torch.Tensor, head_dim: int,
-                    b_o: torch.Tensor | None = None) -> torch.Tensor:
-    """Output projection over each token's active heads only.
+def token_sparse_head_out(attn: torch.Tensor, w_o: torch.Tensor, head_mask: torch.Tensor, head_dim: int,
+                          b_o: torch.Tensor | None = None) -> torch.Tensor:
+    """Output projection over each token's active heads only (``kernels.ops.head_sparse_out`` is the decode op
+    over one shared index buffer of heads, with W_oᵀ).
 
     attn [T, H·hd] (every head's output, concatenated), w_o [d, H·hd], head_mask bool [T, H].
     """

@@ -32,18 +32,23 @@ def resolve_unit(session, ref: str) -> str:
 
 
 def best_unit(session, model: str, metric: str | None, device: str, max_loss: float, by: str = "latency") -> str:
+    """The fit unit ``bundle export --best`` ships: ``orchestrator.pareto.choose`` (by latency on ``device``)
+    or ``choose_sparsest`` (by realized sparsity, any device); see there for the rules."""
+    if by not in ("latency", "sparsity"):
+        raise BundleError(f"--by must be latency or sparsity, not {by!r}")
     _, front = front_for(session, model, metric, device)
     if by == "sparsity":
         row = choose_sparsest(front, max_loss)
         if row is None:
-            raise BundleError(f"no sparse setting of {model} is within {100 * max_loss:.1f}% of dense "
+            raise BundleError(f"no sparse setting of {model} is within {100 * max_loss:g}% of dense "
                               f"on {front.metric}")
         return row.setting.fit_unit
     if front.message:
         raise BundleError(f"cannot choose for {model} on {device}: {front.message}")
     row = choose(front, max_loss)
     if row is None:
-        raise BundleError(f"no setting on the {device} front is within {100 * max_loss:.1f}% of dense")
+        raise BundleError(f"no timed setting of {model} on {device} is within {100 * max_loss:g}% of dense "
+                          f"on {front.metric}")
     return row.setting.fit_unit
 
 

@@ -1,7 +1,7 @@
 """The ``ctxsparse`` command line.
 
 Sweeps (a thin layer over Ray's job API and the store):
-  ctxsparse submit SPEC [--address URL] [--db URL] [--follow]   validate, then `ray job submit` the driver
+  ctxsparse submit SPEC [--address URL] [--db URL] [--follow]   validate, check, then `ray job submit` the driver
   ctxsparse status [SWEEP] [--db URL] [--address URL]           sweeps, progress, failures, Ray job state
   ctxsparse logs SWEEP|SUBMISSION_ID [--address URL] [--follow] the driver's log
   ctxsparse resume SWEEP [--address URL]                        submit a stored sweep again (finished units skipped)
@@ -13,7 +13,9 @@ Single steps:
   ctxsparse capture [--model REF] [--source SRC] [--tokens N] [--store-dtype D]
   ctxsparse ingest-kernels FILE [--db URL]   load GPU kernel benchmark rows into the store
 
-Errors (a bad spec, an unknown model or unit, a damaged bundle) print one message and exit with status 2.
+Errors (a bad spec, an unknown model or unit, a missing data file, an unreachable store or cluster, a damaged
+bundle) print one message and exit with status 2; `submit` finds them before a job exists. `submit` never starts
+a second live job for a sweep: while an attempt waits or runs it names that attempt and submits nothing.
 """
 from __future__ import annotations
 
@@ -21,9 +23,11 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 
+from workers.names import DEVICE_TYPES
 
 def _load(args):
     from workers.loading.models import load_model
@@ -45,7 +49,7 @@ def cmd_ppl(args) -> int:
     p = perplexity(lm.model, toks)
     out = {"model": lm.ref, "source": args.source, "split": "heldout", "tokens": p.n_tokens,
            "seq_len": args.seq_len, "dtype": args.dtype, "ppl": round(p.ppl, 3), "nll": round(p.nll, 5),
-           "stderr_nll": round(p.stderr_nll, 5), "seconds": round(time.time() - t0, 1),
+           "stderr_nll": None if p.stderr_nll is None else round(p.stderr_nll, 5), "seconds": round(time.time() - t0, 1),
            "data_fingerprint": toks.fingerprint[:12]}
     print(json.dumps(out))
     return 0
@@ -99,24 +103,44 @@ def _job_status(client, sid: str) -> str | None:
         return None
 
 
+LIVE = ("PENDING", "RUNNING")
+
+
+def _attempts(client, sid: str) -> list[tuple[int, str, str]]:
+    """Every attempt of one sweep on the cluster, oldest first: ``(number, submission id, status)``. The first
+    attempt is ``sid`` (number 1), its resubmissions ``sid-r2``, ``sid-r3``, ... (one listing, so a deleted
+    attempt leaves no blind spot)."""
+    found = []
+    for job in client.list_jobs():
+        j = job.submission_id or ""
+        n = 1 if j == sid else int(j[len(sid) + 2:]) if re.fullmatch(re.escape(sid) + r"-r[0-9]+", j) else None
+        if n is not None:
+            found.append((n, j, str(job.status.value)))
+    return sorted(found)
+
+
 def submit_spec(args, spec, resume: bool = False) -> int:
-    sid = f"ctxsparse-{spec.name}-{spec.spec_hash()[:12]}"
+    """Submit the sweep as a Ray job, unless one of its attempts is still waiting or running (never two live
+    jobs for one sweep), or (for ``submit``, not ``resume``) its last attempt succeeded."""
+    base = f"ctxsparse-{spec.name}-{spec.spec_hash()[:12]}"
     client = _client(args)
-    status = _job_status(client, sid)
-    if status in ("PENDING", "RUNNING") or (status == "SUCCEEDED" and not resume):
+    attempts = _attempts(client, base)
+    live = [a for a in attempts if a[2] in LIVE]
+    last = attempts[-1] if attempts else None
+    if live or (last and last[2] == "SUCCEEDED" and not resume):
+        _, sid, status = live[-1] if live else last
         print(json.dumps({"submission_id": sid, "status": status, "submitted": False,
                           "note": "this sweep was already submitted; not submitting it twice"}))
+        if live:
+            print(f"attempt {sid} of this sweep is {status}: not submitting another; follow it with "
+                  f"`ctxsparse logs {sid} --follow`", file=sys.stderr)
         return _follow(client, sid) if args.follow else 0
-    previous = None
-    if status is not None:          # a finished attempt: a new id for the resubmission, same units
-        previous = {"submission_id": sid, "status": status}
-        n = 2
-        while (st := _job_status(client, f"{sid}-r{n}")) is not None:
-            previous = {"submission_id": f"{sid}-r{n}", "status": st}
-            n += 1
-        sid = f"{sid}-r{n}"
-        print(f"previous attempt {previous['submission_id']} ended {previous['status']}; submitting again as "
-              f"{sid} (finished units are skipped)", file=sys.stderr)
+    previous, sid = None, base
+    if last is not None:          # every attempt has ended: a new id for the resubmission, same units
+        previous = {"submission_id": last[1], "status": last[2]}
+        sid = f"{base}-r{last[0] + 1}"
+        print(f"previous attempt {last[1]} ended {last[2]}; submitting again as {sid} (finished units are "
+              "skipped)", file=sys.stderr)
     env = {"CTXSPARSE_SPEC": json.dumps(spec.canonical()), "CTXSPARSE_SUBMISSION_ID": sid}
     for var in ("CTXSPARSE_DB_URL", "CTXSPARSE_HOME"):
         if os.environ.get(var):
@@ -146,17 +170,32 @@ def _follow(client, sid: str) -> int:
     return 0 if status == "SUCCEEDED" else 1
 
 
+def _local_checks(args, spec) -> None:
+    """Before any job exists: the files the spec names, and the store the job will write to (when a URL is given
+    here: without one the job uses the cluster's own default), so such mistakes are one message, exit 2."""
+    from orchestrator.driver import open_store
+    from orchestrator.spec import check_inputs
+
+    if args.skip_local_checks:
+        return
+    check_inputs(spec)
+    if args.db or os.environ.get("CTXSPARSE_DB_URL"):
+        open_store(args.db, migrate=False)
+
+
 def cmd_submit(args) -> int:
     from orchestrator.spec import load_spec
 
-    return submit_spec(args, load_spec(args.spec))   # SpecError (a ValueError) names the field: exit 2
+    spec = load_spec(args.spec)            # SpecError (a ValueError) names the field: exit 2
+    _local_checks(args, spec)
+    return submit_spec(args, spec)
 
 
 def _engine(args, read_only=True):
-    from db.engine import get_engine, upgrade
+    from db.engine import get_engine
+    from orchestrator.driver import open_store
 
-    engine = get_engine(args.db)
-    upgrade(engine)
+    engine = open_store(args.db)           # StoreError: one message, exit 2
     return get_engine(args.db, read_only=True) if read_only else engine
 
 
@@ -177,7 +216,9 @@ def cmd_resume(args) -> int:
 
     with session_scope(_engine(args)) as s:
         sweep = _find_sweep(s, args.sweep)
-    return submit_spec(args, parse_spec(sweep.spec, f"stored spec of sweep {sweep.name}"), resume=True)
+    spec = parse_spec(sweep.spec, f"stored spec of sweep {sweep.name}")
+    _local_checks(args, spec)
+    return submit_spec(args, spec, resume=True)
 
 
 def cmd_status(args) -> int:
@@ -279,12 +320,15 @@ def build_parser() -> argparse.ArgumentParser:
     cluster(sp)
     sp.add_argument("--follow", action="store_true", help="stream the job's log until it ends")
     sp.add_argument("--working-dir", default=None, help="upload this folder as the job's working_dir")
+    sp.add_argument("--skip-local-checks", action="store_true",
+                    help="do not check the spec's files and the --db store from here (when only the cluster sees them)")
     sp.set_defaults(fn=cmd_submit)
     sp = sub.add_parser("resume", help="submit a stored sweep again; finished units are skipped")
     sp.add_argument("sweep", help="sweep name, id or submission id")
     cluster(sp)
     sp.add_argument("--follow", action="store_true")
     sp.add_argument("--working-dir", default=None)
+    sp.add_argument("--skip-local-checks", action="store_true")
     sp.set_defaults(fn=cmd_resume)
     sp = sub.add_parser("status", help="sweeps and their progress (from the store)")
     sp.add_argument("sweep", nargs="?")
@@ -298,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("pareto", help="the Pareto front of a model from the store")
     sp.add_argument("model", help="model name or fingerprint prefix")
     sp.add_argument("--metric", default=None, help="e.g. perplexity/lambada-heldout/ppl, mc/mean/acc")
-    sp.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
+    sp.add_argument("--device", default="cpu", choices=list(DEVICE_TYPES))
     sp.add_argument("--batch", type=int, default=1)
     sp.add_argument("--db", default=None)
     sp.set_defaults(fn=cmd_pareto)
@@ -306,11 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = sp.add_subparsers(dest="action", required=True)
     be = bsub.add_parser("export", help="a fit unit's bundle (or the best on a front) to a folder or .tar.gz")
     be.add_argument("unit", nargs="?", help="fit unit id (or a unique prefix)")
-    be.add_argument("--best", metavar="MODEL", help="the fastest front setting within --max-loss of dense")
+    be.add_argument("--best", metavar="MODEL", help="the fastest setting within --max-loss of dense (never the oracle)")
     be.add_argument("--by", default="latency", choices=["latency", "sparsity"],
                     help="latency: fastest front setting on --device; sparsity: sparsest setting (any device)")
     be.add_argument("--metric", default=None)
-    be.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
+    be.add_argument("--device", default="cpu", choices=list(DEVICE_TYPES))
     be.add_argument("--max-loss", type=float, default=0.05, help="relative accuracy loss allowed (0.05 = 5%%)")
     be.add_argument("--out", required=True)
     be.add_argument("--db", default=None)
@@ -330,10 +374,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
+    from sqlalchemy.exc import SQLAlchemyError
+
     try:
         return args.fn(args)
-    except (ValueError, RuntimeError, LookupError, OSError) as e:
+    except (ValueError, RuntimeError, LookupError, OSError, SQLAlchemyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        if isinstance(e, SQLAlchemyError):      # the store failed mid-command: its own message, one line
+            from orchestrator.driver import reason
+
+            msg = f"the store failed: {reason(getattr(e, 'orig', None) or e)}"
         print(f"ctxsparse {args.command}: error: {msg}", file=sys.stderr)
         return 2
 

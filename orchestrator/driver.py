@@ -1,6 +1,7 @@
 """The Ray job entrypoint of a sweep: ``python -m orchestrator.driver SPEC`` (what ``ray job submit`` runs).
 
-1. Validate the spec; open the store (``--db`` / ``$CTXSPARSE_DB_URL`` / SQLite) and migrate it.
+1. Validate the spec and the files it names; open the store (``--db`` / ``$CTXSPARSE_DB_URL`` / SQLite) and
+   migrate it, before any Ray work: an unreachable store is one message, exit status 2.
 2. Ask a collector actor for each model's and data's fingerprints; plan the units (``orchestrator.plan``)
    and register them under the sweep (idempotent: units finished by any earlier sweep stay finished).
 3. Run what is not done, in dependency order, on actor pools (``workers.actors``), at most one unit in flight
@@ -11,7 +12,8 @@
    says so: no latency is ever invented.
 5. Print the Pareto front per model and device type.
 
-Exit status: 0 when every placeable unit is done, 1 when some failed, 2 on a bad spec or store.
+Exit status: 0 when every placeable unit is done, 1 when some failed, 2 on a bad spec or store, or a model or
+data the workers cannot load (the worker's own error, in one line).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from db import queries
 from db.engine import get_engine, session_scope, upgrade
 from db.schemas import UnitSpec
 from orchestrator.plan import PlannedUnit, plan_units
-from orchestrator.spec import SpecError, SweepSpec, load_spec, parse_spec
+from orchestrator.spec import SpecError, SweepSpec, check_inputs, load_spec, parse_spec
 
 log = logging.getLogger("ctxsparse.driver")
 
@@ -48,6 +50,48 @@ class SweepOutcome:
     @property
     def ok(self) -> bool:
         return not self.failed
+
+
+class StoreError(RuntimeError):
+    """The store cannot be opened (server unreachable, bad URL, no permission): one message, exit status 2."""
+
+
+class SweepSetupError(RuntimeError):
+    """A model or its data that the workers cannot load (found when the first worker describes them)."""
+
+
+def open_store(url: str | None = None, *, migrate: bool = True):
+    """An engine on the store, connected (and migrated) now: a store that cannot be reached is one StoreError,
+    raised before any Ray work starts, not a driver traceback later."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        engine = get_engine(url)
+    except SQLAlchemyError as e:
+        raise StoreError(f"cannot open the store: bad database URL ({_first_line(e)})") from None
+    try:
+        if migrate:
+            upgrade(engine)
+        else:
+            with engine.connect():
+                pass
+    except SQLAlchemyError as e:
+        where = engine.url.render_as_string(hide_password=True)
+        raise StoreError(f"cannot open the store at {where}: {_first_line(getattr(e, 'orig', None) or e)}") from None
+    return engine
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+def reason(e: BaseException) -> str:
+    """An exception as one line: a Ray task error is told by the worker's own exception, not Ray's wrapper."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        e = cause
+    return f"{type(e).__name__}: {_first_line(e)}"
 
 
 def _ray():
@@ -130,10 +174,14 @@ class _Pools:
         self.actors[key] = [a for a in self.actors[key] if a is not dead]
 
     def describe(self, ref: str, spec: SweepSpec) -> dict:
+        from ray.exceptions import RayTaskError
+
         a = self.take("collect", spec.resources.accelerator)
         try:
             ppl = spec.suites.perplexity.model_dump() if spec.suites.perplexity else None
             return self.ray.get(a.describe.remote(ref, spec.data.model_dump(), ppl))
+        except RayTaskError as e:
+            raise SweepSetupError(f"model {ref} with data {spec.data.source!r}: {reason(e)}") from None
         finally:
             self.give_back("collect", spec.resources.accelerator, a)
 
@@ -176,8 +224,7 @@ def register(engine, spec: SweepSpec, described: dict[str, dict], units: list[Pl
 
 def run_sweep(spec: SweepSpec, db_url: str | None = None, submission_id: str | None = None,
               heartbeat_s: float = 60.0) -> SweepOutcome:
-    engine = get_engine(db_url)
-    upgrade(engine)
+    engine = open_store(db_url)
     ray = _ray()
     pools = _Pools(ray, spec, db_url if db_url is not None else str(engine.url.render_as_string(hide_password=False)))
     try:
@@ -280,7 +327,7 @@ def _execute(ray, engine, pools: _Pools, spec: SweepSpec, sweep_id: int, units: 
                 release_ready()
             continue
         except Exception as e:   # the actor's own bookkeeping failed (e.g. the store was unreachable from it)
-            res = {"status": "failed", "error": f"{type(e).__name__}: {e}", "worker": "?"}
+            res = {"status": "failed", "error": reason(e), "worker": "?"}
             _fail(engine, u, f"the worker could not run or record the unit: {res['error']}")
         pools.give_back(u.kind, u.device_type, actor)
         if res["status"] == "done":
@@ -343,15 +390,21 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    from ray.exceptions import RayTaskError
+
     try:
         spec = load_spec(args.spec) if args.spec != "-" else spec_from_env()
+        check_inputs(spec)
     except SpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
         outcome = run_sweep(spec, args.db, args.submission_id)
-    except (ValueError, RuntimeError, OSError) as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+    except (StoreError, SweepSetupError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, RuntimeError, OSError, RayTaskError) as e:   # anything else the sweep could not start with
+        print(f"error: {reason(e)}", file=sys.stderr)
         return 2
     if not args.no_pareto:
         from orchestrator.pareto import print_fronts

@@ -5,7 +5,8 @@ turns each row into a finished work unit of kind ``kernel`` with one latency row
 the hash of the row's identity, so loading the same file twice adds nothing.
 
 How a kernel row maps onto a latency row (the store's latency table is per decode token):
-  * the "model" is the shape with random weights (``llama2-7b-shape``: d, D), fingerprinted by its dimensions;
+  * the "model" is the shape with random weights (``llama2-7b-shape``: d, D), named and fingerprinted by
+    ``workers.names.shape_identity`` (as a sweep's ``shape:NAME`` model is, so both land on one model);
   * ``p50/p90_ms_per_token`` = the FFN op's median / p90 time (µs / 1000) for one decode step of ``batch``
     tokens, ``tokens_per_s`` = batch / that time: one FFN layer, not a whole model;
   * ``runtime`` = ``kernel:<variant>`` (dense, triton_fused, torch_index, triton_seq50, attn_triton, ...), ``prompt_len`` 0,
@@ -22,6 +23,7 @@ from pathlib import Path
 from db import queries
 from db.engine import get_engine, session_scope, upgrade
 from db.schemas import LatencyRow, UnitSpec
+from workers.names import shape_identity
 
 CODE_VERSION = "kernels-bench-1"
 _REQUIRED = ("device_type", "accelerator_name", "shape", "d", "D", "dtype", "batch", "sparsity", "variant",
@@ -30,6 +32,22 @@ _REQUIRED = ("device_type", "accelerator_name", "shape", "d", "D", "dtype", "bat
 
 class IngestError(ValueError):
     pass
+
+
+def _flat(row: dict) -> dict:
+    """A ``benchmarks.harness.Row`` (files written since the shared harness) in the flat fields of the first
+    result files: op -> variant, device -> accelerator_name, median / p90 -> µs, ``extra`` on top."""
+    if "bench" not in row or "extra" not in row:
+        return row
+    scale = {"us": 1.0, "ms": 1e3, "s": 1e6}.get(row.get("unit"))
+    if scale is None or row.get("median") is None or row.get("p90") is None:
+        return row          # reported as missing fields below
+    flat = {**row["extra"], "us_median": row["median"] * scale, "us_p90": row["p90"] * scale}
+    for key, src in (("accelerator_name", "device"), ("shape", "shape"), ("dtype", "dtype"), ("batch", "batch"),
+                     ("variant", "op")):
+        if src in row:
+            flat[key] = row[src]
+    return flat
 
 
 def _unit_id(row: dict) -> str:
@@ -47,6 +65,7 @@ def ingest_kernel_results(path: str | Path, db_url: str | None = None) -> tuple[
     rows = doc.get("rows") if isinstance(doc, dict) else doc
     if not isinstance(rows, list) or not rows:
         raise IngestError(f"{path}: expected a list of rows (or {{'meta', 'rows'}})")
+    rows = [_flat(r) if isinstance(r, dict) else r for r in rows]
     for i, r in enumerate(rows):
         missing = [k for k in _REQUIRED if k not in r]
         if missing:
@@ -63,9 +82,8 @@ def ingest_kernel_results(path: str | Path, db_url: str | None = None) -> tuple[
         models: dict[str, int] = {}
         units = []
         for r in rows:
-            name = f"{r['shape']}-shape"
+            name, fp = shape_identity(r["shape"], r["d"], r["D"])
             if name not in models:
-                fp = hashlib.sha256(f"random-weights:{r['shape']}:{r['d']}:{r['D']}".encode()).hexdigest()
                 models[name] = queries.upsert_model(s, name=name, fingerprint=fp, family="shape",
                                                     config={"d": r["d"], "D": r["D"], "weights": "random"})
             units.append(UnitSpec(id=_unit_id(r), model_id=models[name], kind="kernel", method=r["variant"],

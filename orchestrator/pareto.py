@@ -1,20 +1,154 @@
-"""Pareto choice from the store: print the front per model and device type, pick the setting to ship.
+"""The Pareto front of a model's settings, and the choice of the setting to ship.
 
-    ctxsparse pareto smollm2-135m [--metric perplexity/lambada-heldout/ppl] [--device cpu] [--max-loss 0.05]
+    ctxsparse pareto smollm2-135m [--metric perplexity/lambada-heldout/ppl] [--device cpu] [--batch 1]
+    ctxsparse bundle export --best smollm2-135m [--by latency|sparsity] [--max-loss 0.05] ...
 
-``choose`` returns the fastest setting on the front whose accuracy loss against dense is within ``max_loss``
-(relative: ppl may rise by that fraction, a task accuracy fall by it); without such a setting, none.
-``choose_sparsest`` returns the sparsest setting within ``max_loss`` (for a target device with no latency rows).
+``pareto`` puts every setting that has a value of the metric on (metric, p50 ms per token on one device type,
+batch, accelerator and prompt length), and marks the front: the settings no other setting beats on both axes.
+The metric's direction is the one stored with its rows (``higher_is_better``). Rules, fixed by the tests:
+
+* a setting beats another when it is at least as good on both axes and strictly better on one; two settings
+  equal on both axes do not beat each other, so both stay on the front;
+* a setting with no latency row for the device type (its latency unit failed or has not run) is listed with
+  no latency and is never on the front; one with no value of the metric is not listed at all;
+* the oracle is a bound, not a product: it is drawn and may be on the front, but it is never chosen, and it
+  never keeps a deployable setting from being chosen.
+
+Loss against dense is relative: a lower-is-better metric (ppl) may rise by that fraction of dense's value, a
+higher-is-better one (accuracy) may fall by it. ``choose`` and ``choose_sparsest`` are pure functions of a
+``Front`` (no store, no Ray): the dashboard imports this module.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from db import queries
 from db.engine import session_scope
-from db.settings import Front, FrontRow, Setting, accuracy_metrics, pareto, settings_for_model
+from db.schemas import LatencyRecord
+from orchestrator.settings import BASELINE_RUNTIMES, Setting, accuracy_metrics, settings_for_model
+from workers.names import DEVICE_TYPES
+
+NOT_DEPLOYABLE = ("oracle",)   # upper bounds: they read the dense activations they are meant to skip
+LOSS_TOLERANCE = 1e-9          # a loss exactly at --max-loss qualifies, whatever the float rounding of a/b - 1
 
 
 class ParetoError(LookupError):
     pass
+
+
+# ---------------------------------------------------------------- the front
+
+
+@dataclass
+class FrontRow:
+    setting: Setting
+    accuracy: float
+    latency_ms: float | None
+    accelerator: str | None
+    on_front: bool
+
+
+@dataclass
+class Front:
+    metric: str
+    device_type: str
+    higher_is_better: bool | None      # None: no setting has the metric
+    rows: list[FrontRow]
+    accelerator: str | None = None
+    batch: int | None = None
+    prompt_len: int | None = None
+    message: str | None = None         # why there is no front (no latency rows for this device, no accuracy)
+
+    @property
+    def direction(self) -> str:
+        """``"higher"`` or ``"lower"`` (is better), for display."""
+        return "unknown" if self.higher_is_better is None else "higher" if self.higher_is_better else "lower"
+
+    @property
+    def front(self) -> list[FrontRow]:
+        return sorted((r for r in self.rows if r.on_front), key=lambda r: (r.latency_ms or 0.0, r.setting.label))
+
+    @property
+    def dense(self) -> FrontRow | None:
+        return next((r for r in self.rows if r.setting.is_dense), None)
+
+
+def metric_direction(settings: list[Setting], metric: str) -> bool | None:
+    """The stored direction of ``metric`` (True: higher is better); None when no setting has it.
+
+    Rows of one metric that disagree on its direction are a damaged store: ``ParetoError``."""
+    seen = {s.higher_is_better[metric] for s in settings if metric in s.higher_is_better}
+    if len(seen) > 1:
+        raise ParetoError(f"the store's rows of {metric!r} disagree on whether higher is better")
+    return seen.pop() if seen else None
+
+
+def _nondominated(points: list[tuple[str, float, float]], higher_better: bool) -> set[str]:
+    """Keys of the points (key, accuracy, latency) that no other point beats on both (ties kept)."""
+    front = set()
+    for k, a, t in points:
+        dominated = False
+        for k2, a2, t2 in points:
+            if k2 == k:
+                continue
+            better_acc = a2 >= a if higher_better else a2 <= a
+            strictly = (a2 > a if higher_better else a2 < a) or t2 < t
+            if better_acc and t2 <= t and strictly:
+                dominated = True
+                break
+        if not dominated:
+            front.add(k)
+    return front
+
+
+def pick_latency(s: Setting, device_type: str, accelerator: str | None, batch: int,
+                 prompt_len: int | None) -> LatencyRecord | None:
+    """The setting's own latency row on (device type, accelerator, batch, prompt length); the shortest prompt
+    when ``prompt_len`` is None. Hugging Face baseline rows never count."""
+    rows = [r for r in s.latency if r.device_type == device_type and r.batch == batch
+            and r.runtime not in BASELINE_RUNTIMES and (accelerator is None or r.accelerator_name == accelerator)
+            and (prompt_len is None or r.prompt_len == prompt_len)]
+    return min(rows, key=lambda r: (r.prompt_len, r.accelerator_name), default=None)
+
+
+def pareto(settings: list[Setting], metric: str, device_type: str, *, accelerator: str | None = None,
+           batch: int = 1, prompt_len: int | None = None) -> Front:
+    """The front of ``settings`` on (``metric``, p50 ms per token on ``device_type``).
+
+    Without ``accelerator`` / ``prompt_len`` the first accelerator name (sorted) and its shortest prompt are used,
+    so every point of one front was timed on the same thing."""
+    higher = metric_direction(settings, metric)
+    with_acc = [s for s in settings if metric in s.accuracy]
+    lat_rows = [r for s in settings for r in s.latency if r.device_type == device_type and r.batch == batch
+                and r.runtime not in BASELINE_RUNTIMES]
+    if accelerator is None and lat_rows:
+        accelerator = sorted({r.accelerator_name for r in lat_rows})[0]
+    if prompt_len is None and lat_rows:
+        prompt_len = min(r.prompt_len for r in lat_rows if r.accelerator_name == accelerator)
+    front = Front(metric, device_type, higher, [], accelerator, batch, prompt_len)
+    if not with_acc:
+        front.message = f"no setting has a {metric!r} row yet"
+        return front
+    if not lat_rows:
+        front.message = (f"no latency rows for device type {device_type!r} (batch {batch}) yet: "
+                         "accuracy only, no front")
+        front.rows = [FrontRow(s, s.accuracy[metric], None, None, False) for s in with_acc]
+        return front
+    pts = []
+    for s in with_acc:
+        lr = pick_latency(s, device_type, accelerator, batch, prompt_len)
+        front.rows.append(FrontRow(s, s.accuracy[metric], lr.p50_ms_per_token if lr else None,
+                                   lr.accelerator_name if lr else None, False))
+        if lr is not None:
+            pts.append((s.fit_unit, s.accuracy[metric], lr.p50_ms_per_token))
+    on = _nondominated(pts, bool(higher))
+    for r in front.rows:
+        r.on_front = r.setting.fit_unit in on
+    return front
+
+
+# ---------------------------------------------------------------- from the store
 
 
 def model_id_for(session, name: str) -> int:
@@ -31,6 +165,7 @@ def model_id_for(session, name: str) -> int:
 
 def front_for(session, model: str, metric: str | None = None, device_type: str = "cpu",
               batch: int = 1) -> tuple[list[Setting], Front]:
+    """The model's settings and their front on ``metric`` (default: the first of ``accuracy_metrics``)."""
     settings = settings_for_model(session, model_id_for(session, model))
     metrics = accuracy_metrics(settings)
     if metric is None:
@@ -42,33 +177,65 @@ def front_for(session, model: str, metric: str | None = None, device_type: str =
     return settings, pareto(settings, metric, device_type, batch=batch)
 
 
+# ---------------------------------------------------------------- the choice
+
+
 def loss_vs_dense(front: Front, row: FrontRow) -> float | None:
-    dense = next((r for r in front.rows if r.setting.is_dense), None)
+    """Relative loss of ``row`` against the dense setting on the front's metric (negative: better than dense);
+    None without a dense row or when dense's value is 0."""
+    dense = front.dense
     if dense is None or dense.accuracy == 0:
         return None
-    if front.direction == "lower":
-        return row.accuracy / dense.accuracy - 1.0
-    return 1.0 - row.accuracy / dense.accuracy
+    if front.higher_is_better:
+        return 1.0 - row.accuracy / dense.accuracy
+    return row.accuracy / dense.accuracy - 1.0
 
 
-NOT_DEPLOYABLE = ("oracle",)   # upper bounds: they read the dense activations they are meant to skip
+def _check_max_loss(max_loss: float) -> None:
+    if isinstance(max_loss, bool) or not isinstance(max_loss, (int, float)) or not math.isfinite(max_loss) \
+            or max_loss < 0:
+        raise ValueError(f"max loss must be a finite fraction >= 0 (0.05 = 5%), not {max_loss!r}")
+
+
+def _candidates(front: Front, max_loss: float) -> list[tuple[FrontRow, float]]:
+    """(row, loss) of every deployable, finished setting within ``max_loss`` of dense."""
+    _check_max_loss(max_loss)
+    if front.dense is None:
+        raise ParetoError(f"no dense row of {front.metric!r}: the loss against dense cannot be measured")
+    out = []
+    for r in front.rows:
+        loss = loss_vs_dense(front, r)
+        if (r.setting.method not in NOT_DEPLOYABLE and r.setting.status == "done" and loss is not None
+                and loss <= max_loss + LOSS_TOLERANCE):
+            out.append((r, loss))
+    return out
 
 
 def choose(front: Front, max_loss: float) -> FrontRow | None:
-    """The fastest front setting within ``max_loss`` of dense (the dense setting itself qualifies)."""
-    ok = [r for r in front.front if (loss_vs_dense(front, r) or 0.0) <= max_loss
-          and r.setting.method not in NOT_DEPLOYABLE]
-    return min(ok, key=lambda r: r.latency_ms, default=None)
+    """The fastest setting within ``max_loss`` of dense (dense itself qualifies); None when none is timed.
+
+    Among deployable (not the oracle), finished settings with a latency row on the front's device: the lowest
+    p50 ms per token; equal latency goes to the better metric value, then to the dense setting (nothing to
+    apply), then to the label in alphabetical order. No other deployable setting beats the pick on both axes;
+    the oracle may, which is why the choice does not read ``on_front``."""
+    ok = [(r, loss) for r, loss in _candidates(front, max_loss) if r.latency_ms is not None]
+    best = min(ok, key=lambda t: (t[0].latency_ms, t[1], not t[0].setting.is_dense, t[0].setting.label),
+               default=None)
+    return best[0] if best else None
 
 
 def choose_sparsest(front: Front, max_loss: float) -> FrontRow | None:
-    """The setting with the highest realized MLP sparsity within ``max_loss`` of dense (no latency needed):
-    where this machine's latency says nothing about the target (a CPU sweep for a GPU deployment), sparsity
-    is what the GPU kernels turn into speed."""
-    losses = {id(r): loss_vs_dense(front, r) for r in front.rows}
-    ok = [r for r in front.rows if not r.setting.is_dense and r.setting.realized_sparsity is not None
-          and r.setting.method not in NOT_DEPLOYABLE and losses[id(r)] is not None and losses[id(r)] <= max_loss]
-    return max(ok, key=lambda r: (r.setting.realized_sparsity, -abs(losses[id(r)])), default=None)
+    """The sparse setting with the highest realized MLP sparsity within ``max_loss`` of dense (no latency
+    needed): where this machine's latency says nothing about the target (a CPU sweep for a GPU deployment),
+    sparsity is what the GPU kernels turn into speed. Equal sparsity goes to the smaller loss, then to the
+    label in alphabetical order. Never dense, never the oracle."""
+    ok = [(r, loss) for r, loss in _candidates(front, max_loss)
+          if not r.setting.is_dense and r.setting.realized_sparsity is not None]
+    best = min(ok, key=lambda t: (-t[0].setting.realized_sparsity, t[1], t[0].setting.label), default=None)
+    return best[0] if best else None
+
+
+# ---------------------------------------------------------------- printing
 
 
 def format_front(front: Front, model: str) -> str:
@@ -80,7 +247,7 @@ def format_front(front: Front, model: str) -> str:
         lines.append(f"  note: {front.message}")
     lines.append(f"  {'':2}{'setting':<40} {'accuracy':>10} {'Δ vs dense':>10} {'ms/token':>9} {'speedup':>8} "
                  f"{'mlp sp.':>7}  fit unit")
-    dense = next((r for r in front.rows if r.setting.is_dense), None)
+    dense = front.dense
     rows = sorted(front.rows, key=lambda r: (not r.on_front, r.latency_ms if r.latency_ms is not None else 1e30,
                                              r.setting.label))
     for r in rows:
@@ -96,7 +263,7 @@ def format_front(front: Front, model: str) -> str:
     return "\n".join(lines)
 
 
-def print_fronts(engine, models: list[str], device_types: tuple[str, ...] = ("cpu", "cuda", "npu")) -> None:
+def print_fronts(engine, models: list[str], device_types: tuple[str, ...] = DEVICE_TYPES) -> None:
     with session_scope(engine) as s:
         for m in models:
             for dev in device_types:

@@ -9,6 +9,10 @@ meaningless. A ``dense`` fit (an empty plan) is always planned: the baseline eve
 timed like the others; Hugging Face ``generate`` is timed on it too. A unit's id is the hash of its kind, its
 canonical config (model and data fingerprints included) and ``CODE_VERSION``: the same work always gets the
 same id, whichever sweep asks for it, so finished units are reused and never run twice.
+
+Fit, eval and latency configs carry ``threads``, the torch thread count the worker sets before computing
+(:func:`torch_threads`): results depend on it (summation order), so rows measured under different counts
+never share a unit.
 """
 from __future__ import annotations
 
@@ -16,9 +20,9 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from db.settings import setting_label
+from orchestrator.settings import setting_label
 from orchestrator.spec import SweepSpec
-from workers.units import DENSE, SHAPE_PREFIX
+from workers.names import DENSE, is_shape
 
 CODE_VERSION = "sweep-1"      # bump when a unit's computation changes meaning (old rows then stop matching)
 
@@ -54,6 +58,13 @@ def _unit(kind: str, model: str, device: str, config: dict, deps=(), label="", *
     return PlannedUnit(unit_id(kind, config), kind, model, device, config, tuple(deps), label=label, **coords)
 
 
+def torch_threads(spec: SweepSpec) -> int:
+    """The torch thread count of the sweep's fit / eval / latency units: ``resources.torch_threads``, else one
+    per CPU the spec gives each actor (what Ray sets OMP_NUM_THREADS to)."""
+    r = spec.resources
+    return r.torch_threads or max(1, int(r.cpus_per_actor))
+
+
 def settings(spec: SweepSpec) -> list[dict]:
     """Every (method, s, r, attention s, allocation, options) of the grid, dense first."""
     out = [{"method": DENSE, "sparsity": 0.0, "rank": None, "attn_sparsity": None, "allocation": "uniform",
@@ -71,10 +82,11 @@ def plan_units(spec: SweepSpec, described: dict[str, dict]) -> list[PlannedUnit]
     """All units of the sweep, in dependency order. ``described[model]`` comes from Units.describe."""
     acc = spec.resources.accelerator
     data = spec.data.model_dump()
+    threads = torch_threads(spec)
     units: list[PlannedUnit] = []
     for ref in spec.models:
         d = described[ref]
-        shape = ref.startswith(SHAPE_PREFIX)   # random weights: latency only, nothing to collect or evaluate
+        shape = is_shape(ref)   # random weights: latency only, nothing to collect or evaluate
         base = {"model": ref, "model_fp": d["fingerprint"]}
         if not shape:
             base.update(data=data, calib_fp=d["calib_fp"])
@@ -82,13 +94,14 @@ def plan_units(spec: SweepSpec, described: dict[str, dict]) -> list[PlannedUnit]
             units.append(collect)
         for st in settings(spec):
             tag = _tag(st)
-            fit = _unit("fit", ref, acc, {**base, **st, "seed": spec.seed}, [] if shape else [collect.id],
+            fit = _unit("fit", ref, acc, {**base, **st, "seed": spec.seed, "threads": threads},
+                        [] if shape else [collect.id],
                         f"{ref} {tag} fit", method=st["method"], sparsity=st["sparsity"], rank=st["rank"],
                         attn_sparsity=st["attn_sparsity"])
             units.append(fit)
             coords = dict(method=st["method"], sparsity=st["sparsity"], rank=st["rank"],
                           attn_sparsity=st["attn_sparsity"])
-            ev = {**base, "fit_unit": fit.id}
+            ev = {**base, "fit_unit": fit.id, "threads": threads}
             if shape:
                 pass
             elif spec.suites.perplexity is not None:
@@ -110,7 +123,7 @@ def plan_units(spec: SweepSpec, described: dict[str, dict]) -> list[PlannedUnit]
                         for rt in runtimes:
                             cfg = {"model": ref, "model_fp": d["fingerprint"], "fit_unit": fit.id,
                                    "device_type": dev, "batch": b, "prompt_len": pl, "gen_len": lat.gen_len,
-                                   "repeats": lat.repeats, "runtime": rt}
+                                   "repeats": lat.repeats, "runtime": rt, "threads": threads}
                             if shape:
                                 cfg["setting"] = st
                             units.append(_unit("latency", ref, dev, cfg, [fit.id],

@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-DeviceType = Literal["cuda", "npu", "cpu"]
+from workers.names import DEVICE_TYPES, SHAPE_PREFIX, is_shape, shape_name
+
+DeviceType = Literal[DEVICE_TYPES]
 Fraction = Annotated[float, Field(ge=0.0, lt=1.0)]
 Positive = Annotated[int, Field(ge=1)]
 
@@ -46,11 +48,29 @@ def _unique(values: list, what: str) -> list:
     return values
 
 
+def _budget_holds_a_window(**budgets: int) -> None:
+    """Token budgets smaller than their window length give no window at all (the data loader would refuse them
+    inside a worker, after the job started)."""
+    seq_len = budgets.pop("seq_len")
+    short = [f"{k} ({v}) is smaller than seq_len ({seq_len})" for k, v in budgets.items() if v < seq_len]
+    if short:
+        raise ValueError("; ".join(short) + ": a token budget must hold at least one window")
+
+
+PACKAGED_SOURCES = ("lambada", "boolq-passages")
+
+
 class DataSpec(_Strict):
     source: str = Field("lambada", min_length=1, description="text source: lambada, boolq-passages, a file, hf:ID")
     calib_tokens: Annotated[int, Field(ge=256, le=10_000_000)] = 16384
     metric_tokens: Annotated[int, Field(ge=256, le=1_000_000)] = 2048   # held-out tokens for per-layer recall
     seq_len: Annotated[int, Field(ge=16, le=32768)] = 512
+
+    @model_validator(mode="after")
+    def _windows(self) -> "DataSpec":
+        _budget_holds_a_window(calib_tokens=self.calib_tokens, metric_tokens=self.metric_tokens,
+                               seq_len=self.seq_len)
+        return self
 
 
 class MethodSpec(_Strict):
@@ -58,7 +78,7 @@ class MethodSpec(_Strict):
     sparsity: Annotated[list[Fraction], Field(min_length=1)]
     rank: Annotated[list[Positive | None], Field(min_length=1)] = [None]
     attn_sparsity: Annotated[list[Fraction | None], Field(min_length=1)] = [None]
-    allocation: Literal["uniform", "greedy"] = "uniform"
+    allocation: str = "uniform"           # one of workers.sparsity.fit.ALLOCATIONS
     options: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("name")
@@ -69,6 +89,13 @@ class MethodSpec(_Strict):
         if v not in REGISTRY:
             raise ValueError(f"unknown method {v!r}; known: {sorted(REGISTRY)}")
         return v
+
+    @field_validator("allocation")
+    @classmethod
+    def _known_allocation(cls, v: str) -> str:
+        from workers.sparsity.fit import check_allocation
+
+        return check_allocation(v)
 
     @field_validator("sparsity", "rank", "attn_sparsity")
     @classmethod
@@ -90,6 +117,11 @@ class MethodSpec(_Strict):
 class PerplexitySpec(_Strict):
     tokens: Annotated[int, Field(ge=128, le=10_000_000)] = 2048
     seq_len: Annotated[int, Field(ge=16, le=32768)] = 512
+
+    @model_validator(mode="after")
+    def _windows(self) -> "PerplexitySpec":
+        _budget_holds_a_window(tokens=self.tokens, seq_len=self.seq_len)
+        return self
 
 
 class TaskSpec(_Strict):
@@ -141,15 +173,28 @@ class ResourcesSpec(_Strict):
     cpus_per_actor: Annotated[float, Field(gt=0, le=256)] = 1.0
     gpus_per_actor: Annotated[float, Field(gt=0, le=8)] = 1.0    # on NVIDIA nodes (fitting, eval, cuda latency)
     npus_per_actor: Annotated[float, Field(gt=0, le=16)] = 1.0   # the custom resource NPU on Ascend nodes
-    accelerator: Literal["cpu", "cuda", "npu"] = "cpu"           # where collect / fit / eval run
+    accelerator: DeviceType = "cpu"                               # where collect / fit / eval run
     torch_threads: Positive | None = None
     max_attempts: Annotated[int, Field(ge=1, le=20)] = 3          # per unit, counting actor deaths
     max_restarts: Annotated[int, Field(ge=0, le=100)] = 4         # per actor
 
 
+def _model_ref(ref: str) -> str:
+    """A ref the model loader can resolve: a packaged name, ``shape:NAME`` (checked with the latency spec), a
+    .gguf path, a folder, or a Hugging Face id ``org/name``. Whether a path exists is checked where the spec is
+    submitted and where it runs (``check_inputs``): the spec itself may be validated elsewhere."""
+    from workers.loading.models import PACKAGED
+
+    path_like = ref.endswith(".gguf") or "/" in ref or ref.startswith((".", "~")) or Path(ref).expanduser().is_dir()
+    if ref in PACKAGED or is_shape(ref) or path_like:
+        return ref
+    raise ValueError(f"unknown model {ref!r}; known: {', '.join(PACKAGED)}, shape:NAME (latency only), a .gguf "
+                     "path, a local model folder, or a Hugging Face id like 'HuggingFaceTB/SmolLM2-135M'")
+
+
 class SweepSpec(_Strict):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")]
-    models: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    models: Annotated[list[Annotated[str, Field(min_length=1), AfterValidator(_model_ref)]], Field(min_length=1)]
     data: DataSpec = DataSpec()
     methods: Annotated[list[MethodSpec], Field(min_length=1)]
     suites: SuitesSpec = SuitesSpec()
@@ -160,13 +205,13 @@ class SweepSpec(_Strict):
     @model_validator(mode="after")
     def _check(self) -> "SweepSpec":
         _unique(self.models, "models")
-        shapes = [m for m in self.models if m.startswith("shape:")]
+        shapes = [m for m in self.models if is_shape(m)]
         if shapes:
-            from workers.decode.latency import SHAPES
+            from workers.decode.shapes import SHAPES
 
-            unknown = [m for m in shapes if m[len("shape:"):] not in SHAPES]
+            unknown = [m for m in shapes if shape_name(m) not in SHAPES]
             if unknown:
-                raise ValueError(f"models: unknown shape(s) {unknown}; known: {['shape:' + k for k in SHAPES]}")
+                raise ValueError(f"models: unknown shape(s) {unknown}; known: {[SHAPE_PREFIX + k for k in SHAPES]}")
             if self.latency is None or "cpu" in self.latency.devices:
                 raise ValueError(f"models {shapes} are 7B-class shapes with random weights, for GPU/NPU latency "
                                  "only: give latency.devices without cpu (or sweep them in a separate spec)")
@@ -216,3 +261,36 @@ def load_spec(path: str | Path) -> SweepSpec:
     except yaml.YAMLError as e:
         raise SpecError(f"{path}: not valid YAML ({e})") from None
     return parse_spec(data, str(path))
+
+
+def check_inputs(spec: SweepSpec) -> None:
+    """What the spec names on this machine's disk, checked before a job exists: model files and folders given by
+    path exist, and a local data file exists and holds some text. SpecError naming the field.
+
+    Packaged models and data, and Hugging Face ids, are left to the workers (they may be installed there only)."""
+    from workers.loading.data import DataError, documents
+
+    for i, ref in enumerate(spec.models):
+        p = Path(ref).expanduser()
+        if ref.endswith(".gguf") and not p.is_file():
+            raise SpecError(f"models.{i}: model file not found: {ref}")
+        if ref.startswith(("/", ".", "~")) and not ref.endswith(".gguf"):
+            if not p.is_dir():
+                raise SpecError(f"models.{i}: model folder not found: {ref}")
+            if not (p / "config.json").is_file():
+                raise SpecError(f"models.{i}: {ref} has no config.json (not a Hugging Face model folder)")
+    src = spec.data.source
+    if src in PACKAGED_SOURCES or src.startswith("hf:"):
+        return
+    p = Path(src).expanduser()
+    if not p.suffix and not p.exists():
+        raise SpecError(f"data.source: unknown data source {src!r}: use {' or '.join(map(repr, PACKAGED_SOURCES))}, "
+                        "a local .txt/.jsonl/.parquet file, or 'hf:NAME'")
+    if not p.is_file():
+        raise SpecError(f"data.source: data file not found: {src}")
+    try:
+        has_text = any(isinstance(d, str) and d.strip() for d in documents(src))
+    except (DataError, OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"data.source: {e}") from None
+    if not has_text:
+        raise SpecError(f"data.source: {src} has no text (no non-empty document)")

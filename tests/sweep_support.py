@@ -9,7 +9,7 @@ import copy
 import os
 from pathlib import Path
 
-SHARED_CACHES = ("activations", "allocation", "gguf", "models")
+SHARED_CACHES = ("activations", "allocation")
 
 TINY_SPEC = {
     "name": "tiny-test",
@@ -23,6 +23,9 @@ TINY_SPEC = {
     "latency": {"devices": ["cpu"], "batch": [1], "prompt_len": [16], "gen_len": 4, "repeats": 1},
     "resources": {"fitters": 1, "evaluators": 1, "benchers": 1, "torch_threads": 1},
 }
+
+# the accuracy rows of one perplexity eval unit (workers.units.Units.evaluate)
+PERPLEXITY_METRICS = ("ppl", "nll", "mlp_sparsity", "head_sparsity", "input_sparsity", "weight_skipped")
 
 
 def tiny_spec(**overrides):
@@ -41,9 +44,10 @@ def run_tiny_sweep(db_url: str, **overrides):
 
 
 def private_home(root: Path) -> Path:
-    """A CTXSPARSE_HOME of its own under ``root`` (bundles, store), sharing the slow caches (models, activations)
-    with the user's: tests that damage bundle files touch only their own."""
-    real = Path(os.environ.get("CTXSPARSE_HOME") or Path.home() / ".cache" / "ctxsparse").expanduser()
+    """A CTXSPARSE_HOME of its own under ``root`` (bundles, store), sharing the activation caches with the test
+    session's home (tests/conftest.py; model weights are in CTXSPARSE_MODEL_CACHE): tests that damage bundle files
+    touch only their own."""
+    real = Path(os.environ["CTXSPARSE_HOME"])
     home = root / "home"
     home.mkdir()
     for name in SHARED_CACHES:

@@ -23,15 +23,16 @@ from db import queries
 from db.engine import get_engine, session_scope
 from db.provenance import stamp
 from db.schemas import AccuracyRow, ArtifactRow, LatencyRow, LayerRow
+from workers.names import DEVICE_TYPES, UNIT_KINDS
 
-DeviceType = Literal["cpu", "cuda", "npu"]
+DeviceType = Literal[DEVICE_TYPES]
 
 
 class UnitTask(BaseModel):
     """The payload of one unit (what crosses from the driver to an actor)."""
     model_config = ConfigDict(extra="forbid", frozen=True)
     id: str = Field(pattern=r"^[0-9a-f]{16,64}$")
-    kind: Literal["collect", "fit", "eval", "latency"]
+    kind: Literal[UNIT_KINDS]
     config: dict[str, Any]
 
 
@@ -44,7 +45,7 @@ def actor_options(device_type: DeviceType, *, cpus: float = 1.0, gpus: float = 1
     elif device_type == "npu":
         opts["resources"] = {"NPU": npus}
     elif device_type != "cpu":
-        raise ValueError(f"device type must be cpu, cuda or npu, not {device_type!r}")
+        raise ValueError(f"device type must be one of {list(DEVICE_TYPES)}, not {device_type!r}")
     return opts
 
 

@@ -17,6 +17,16 @@ def home() -> Path:
     return path
 
 
+def model_cache() -> Path:
+    """Cache of the packaged model weights (assembled GGUFs, their float safetensors conversions), every entry
+    keyed by the content it was made from: ``$CTXSPARSE_MODEL_CACHE`` or ``home()/models``. A separate variable
+    so that runs with their own ``CTXSPARSE_HOME`` (the test suite) can still share it."""
+    base = os.environ.get("CTXSPARSE_MODEL_CACHE")
+    path = Path(base) if base else home() / "models"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -3,12 +3,17 @@
 A unit's ``config`` (built by the orchestrator, hashed into its id) says everything it needs:
 
   collect   model, data                 -> the calibration and held-out activation caches
-  fit       + method, sparsity, rank, attn_sparsity, allocation, options, seed
+  fit       + method, sparsity, rank, attn_sparsity, allocation, options, seed, threads
                                         -> a predictor bundle (``bundle_dir(unit id)``), per-layer quality rows
-  eval      + fit_unit, suite (perplexity or a task), its size
+  eval      + fit_unit, suite (perplexity or a task), its size, threads
                                         -> accuracy rows (perplexity, realized sparsity, or task accuracy)
-  latency   + fit_unit, device_type, batch, prompt_len, gen_len, repeats, runtime
+  latency   + fit_unit, device_type, batch, prompt_len, gen_len, repeats, runtime, threads
                                         -> latency rows from a real decode loop
+
+``threads`` is torch's intra-op thread count, set before the unit computes: GEMM summation order depends on it,
+and a threshold method's |act(gate)| > t flips boundary neurons when it changes (+0.75 % perplexity seen from 1
+to 2 threads), so rows measured under different counts belong to different units. The fit itself is
+``workers.sparsity.fit`` (shared with the points runner ``benchmarks.quality``).
 
 Fitted methods reach the evaluators only through the bundle on disk (``$CTXSPARSE_HOME/bundles``), and
 activations only through the activation cache: nothing large travels through Ray's object store.
@@ -23,27 +28,19 @@ from pathlib import Path
 
 import torch
 
+from workers.names import DENSE, UNIT_KINDS, is_shape, shape_name
+from workers.names import shape_identity as _shape_identity
 from workers.paths import home, sha256_file
 
 log = logging.getLogger(__name__)
 
-DENSE = "dense"       # the method name of the always-present dense setting (an empty plan)
-SHAPE_PREFIX = "shape:"   # "shape:llama2-7b": the real shapes with random weights (GPU latency only)
-
-
-def is_shape(ref: str) -> bool:
-    return ref.startswith(SHAPE_PREFIX)
-
 
 def shape_identity(name: str) -> tuple[str, str]:
-    """(store name, fingerprint) of a random-weights shape; the same as the kernel benchmark rows use."""
-    import hashlib
+    """(store name, fingerprint) of a random-weights shape (``workers.names.shape_identity`` of its FFN dims)."""
+    from workers.decode.shapes import ffn_shape
 
-    from workers.decode.latency import shape_config
-
-    cfg = shape_config(name)
-    d, D = cfg.hidden_size, getattr(cfg, "intermediate_size", None) or cfg.ffn_dim
-    return f"{name}-shape", hashlib.sha256(f"random-weights:{name}:{d}:{D}".encode()).hexdigest()
+    d, D, _, _ = ffn_shape(name)
+    return _shape_identity(name, d, D)
 
 
 def bundle_dir(fit_unit: str) -> Path:
@@ -84,7 +81,7 @@ class Units:
         from workers.decode.latency import shape_model
         from workers.loading.models import LoadedModel
 
-        name = ref[len(SHAPE_PREFIX):]
+        name = shape_name(ref)
         dtype = torch.float32 if self.device == "cpu" else torch.float16
         model = shape_model(name, dtype=dtype, device=self.device)
         ad = adapter_for(model)
@@ -99,7 +96,7 @@ class Units:
             from workers.loading.adapters import adapter_for
             from workers.decode.latency import shape_config
 
-            name = ref[len(SHAPE_PREFIX):]
+            name = shape_name(ref)
             cfg = shape_config(name)
             store_name, fp = shape_identity(name)
             dims = adapter_for(cfg).dims(cfg)
@@ -132,9 +129,13 @@ class Units:
 
     # ------------------------------------------------------------------ kinds
     def run(self, kind: str, unit_id: str, cfg: dict) -> UnitOutput:
-        fn = {"collect": self.collect, "fit": self.fit, "eval": self.evaluate, "latency": self.latency}.get(kind)
+        fns = {"collect": self.collect, "fit": self.fit, "eval": self.evaluate, "latency": self.latency}
+        assert tuple(fns) == UNIT_KINDS
+        fn = fns.get(kind)
         if fn is None:
-            raise ValueError(f"unknown unit kind {kind!r}")
+            raise ValueError(f"unknown unit kind {kind!r}; known: {list(UNIT_KINDS)}")
+        if cfg.get("threads") is not None:      # before anything computes (see the module docstring)
+            torch.set_num_threads(int(cfg["threads"]))
         return fn(unit_id, cfg)
 
     def collect(self, unit_id: str, cfg: dict) -> UnitOutput:
@@ -145,12 +146,11 @@ class Units:
         return out
 
     def fit(self, unit_id: str, cfg: dict) -> UnitOutput:
-        from workers.sparsity.allocation import allocate, damage_curves
+        from workers.sparsity import fit as F
         from workers.sparsity.bundle import save_bundle
-        from workers.loading.data import token_windows
-        from workers.sparsity.metrics import plan_quality
-        from workers.sparsity.predictors import FitContext, SparsityPlan, fit_method
+        from workers.sparsity.predictors import FitContext
 
+        allocation = F.check_allocation(cfg.get("allocation", "uniform"))
         if is_shape(cfg["model"]):   # random predictors of the real shapes are drawn by the latency unit itself
             return UnitOutput(summary={"random_predictors": cfg["method"] != DENSE})
         lm, calib, held = self._caches(cfg)
@@ -162,34 +162,20 @@ class Units:
         if cached is not None:     # the same unit (same id: same config and code) was fitted before: reuse it
             plan = cached.plan(lm.model)
             per_layer = {int(k): v for k, v in cached.manifest["per_layer_sparsity"].items()}
-        elif method == DENSE:
-            plan, per_layer = SparsityPlan(), {}
         else:
-            if cfg.get("allocation", "uniform") == "greedy":
-                d = cfg["data"]
-                toks = token_windows(lm.tokenizer, d["source"], "calib", 256, 256)
-                per_layer = allocate(damage_curves(ctx, toks), s)
-            else:
-                per_layer = {l: s for l in ctx.layers}
-            opts = dict(cfg.get("options") or {})
-            if attn is not None:
-                opts["attn_sparsity"] = attn
-            plan = fit_method(method, ctx, per_layer, rank=rank, **opts)
+            fitted = F.fit_setting(ctx, method, s, rank, attn, allocation, cfg.get("options"))
+            plan, per_layer = fitted.plan, fitted.per_layer
         fit_s = time.time() - t0
         path = dest if cached is not None else save_bundle(
             plan, lm, dest, method=method, sparsity=s, rank=rank, attn_sparsity=attn,
-            allocation=cfg.get("allocation", "uniform"), options=cfg.get("options"), per_layer_sparsity=per_layer,
+            allocation=allocation, options=cfg.get("options"), per_layer_sparsity=per_layer,
             unit_id=unit_id, versions=self.versions, git_rev=self.git_rev)
         out = UnitOutput(summary={"fit_s": round(fit_s, 1), **({"bundle_cache_hit": True} if cached else {})})
-        layers = plan_quality(plan, held, lm.adapter.act_name(lm.model.config), attn_target=attn)
-        for q in layers:
-            out.layers.append({"layer": q.layer, "component": q.component, "recall": _frac(q.recall),
-                               "precision": _frac(q.precision), "realized_sparsity": _frac(q.realized_sparsity),
-                               "target_sparsity": _frac(q.target_sparsity), "auc": _frac(q.auc),
-                               "threshold": _threshold(plan, q)})
-        if layers:
-            mlp = [q.recall for q in layers if q.component == "mlp"]
-            out.summary["mean_recall"] = round(sum(mlp) / len(mlp), 4) if mlp else None
+        quality = F.layer_quality(plan, held, lm, attn)
+        out.layers = F.layer_rows(plan, quality)
+        if quality:
+            r = F.mean_mlp(quality, "recall")
+            out.summary["mean_recall"] = None if r != r else round(r, 4)
         for f in sorted(path.iterdir()):
             out.artifacts.append({"kind": "bundle_file", "uri": str(f), "sha256": sha256_file(f),
                                   "size_bytes": f.stat().st_size})
@@ -240,20 +226,28 @@ class Units:
                 r = perplexity(lm.model, toks)
                 task = f"{cfg['data']['source']}-heldout"
                 n = r.n_tokens
+                # each row says which way its metric improves; the sparsities are measurements (more is
+                # more skipped), kept out of the accuracy metrics a front is drawn on
                 out.accuracy += [
-                    {"suite": "perplexity", "task": task, "metric": "ppl", "value": r.ppl, "n": n},
-                    {"suite": "perplexity", "task": task, "metric": "nll", "value": r.nll,
-                     "stderr": r.stderr_nll, "n": n},
-                    {"suite": "perplexity", "task": task, "metric": "mlp_sparsity",
+                    {"suite": "perplexity", "task": task, "metric": "ppl", "higher_is_better": False,
+                     "value": r.ppl, "n": n},
+                    {"suite": "perplexity", "task": task, "metric": "nll", "higher_is_better": False,
+                     "value": r.nll, "stderr": r.stderr_nll, "n": n},
+                    {"suite": "perplexity", "task": task, "metric": "mlp_sparsity", "higher_is_better": True,
                      "value": applied.stats.mlp_sparsity(), "n": n},
-                    {"suite": "perplexity", "task": task, "metric": "head_sparsity",
+                    {"suite": "perplexity", "task": task, "metric": "head_sparsity", "higher_is_better": True,
                      "value": applied.stats.head_sparsity(), "n": n},
+                    {"suite": "perplexity", "task": task, "metric": "input_sparsity", "higher_is_better": True,
+                     "value": applied.stats.input_sparsity(), "n": n},
+                    {"suite": "perplexity", "task": task, "metric": "weight_skipped", "higher_is_better": True,
+                     "value": applied.stats.weight_skipped(), "n": n},
                 ]
                 out.summary = {"ppl": round(r.ppl, 3), "mlp_sparsity": round(applied.stats.mlp_sparsity(), 3)}
             else:
                 rows = run_suite(lm.model, lm.tokenizer, [cfg["suite"]], cfg.get("limit"))
                 for row in rows:
                     out.accuracy.append({"suite": "mc", "task": row.task, "metric": row.metric,
+                                         "higher_is_better": row.higher_is_better,
                                          "value": row.value, "stderr": row.stderr, "n": row.n})
                 out.summary = {r.metric: round(r.value, 3) for r in rows}
         return out
@@ -274,14 +268,3 @@ class Units:
                             repeats=cfg["repeats"], runtime=cfg["runtime"])
         return UnitOutput(latency=rows, summary={"p50_ms": round(rows[0]["p50_ms_per_token"], 2)} if rows else {})
 
-
-def _frac(x):
-    return None if x is None or x != x else min(1.0, max(0.0, float(x)))
-
-
-def _threshold(plan, q):
-    if q.component != "mlp":
-        return None
-    info = plan.info.get(q.layer, {})
-    t = info.get("threshold", plan.seq_filter.get(q.layer))
-    return None if t is None else float(t)

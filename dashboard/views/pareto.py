@@ -31,8 +31,7 @@ with c3:
 
 fr = data.front(url, model.id, metric, device)
 df = pd.DataFrame(data.front_records(fr))
-better = "lower" if fr.direction == "lower" else "higher"
-y_title = f"{metric} ({better} is better)"
+y_title = f"{metric} ({fr.direction} is better)"      # the direction stored with the metric's rows
 if fr.accelerator:
     st.caption(f"p50 ms per token on {fr.device_type} · {fr.accelerator} · batch {fr.batch} · "
                f"prompt {fr.prompt_len} tokens; the front: settings no other setting beats on both axes.")

@@ -251,7 +251,7 @@ def test_bundle_sha_mismatch(app, sweep_dbs):
     original = target.read_bytes()
     try:
         target.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
-        with pytest.raises(data.BundleError, match="does not match"):
+        with pytest.raises(data.BundleDownloadError, match="does not match"):
             data.bundle_archive(url, fit)
         at = _page(app(url), PAGES[3])
         at.selectbox(key="bundle_setting").set_value(fit).run()

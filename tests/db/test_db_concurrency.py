@@ -15,7 +15,7 @@ from sqlalchemy import func, select
 from db import queries as q
 from db.engine import get_engine, session_scope, upgrade
 from db.models import AccuracyResult, Artifact, LatencyResult, LayerMetric
-from tests.db.dbtest_support import N_ACC, N_ART, N_LAT, N_LAYER, finish_all, seed, uid, unit_spec
+from tests.db.db_support import N_ACC, N_ART, N_LAT, N_LAYER, finish_all, seed, uid, unit_spec
 
 N_UNITS = 24
 

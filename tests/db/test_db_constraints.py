@@ -24,7 +24,7 @@ from db.models import (
     WorkUnit,
 )
 from db.schemas import AccuracyRow, ArtifactRow, LatencyRow, LayerRow, UnitSpec
-from tests.db.dbtest_support import PROV, results, seed, uid
+from tests.db.db_support import PROV, results, seed, uid
 
 PV = PROV["package_versions"]
 ROWS = {
@@ -35,7 +35,8 @@ ROWS = {
     "sweep_units": lambda ctx: SweepUnit(sweep_id=ctx["sweep_id"], unit_id=uid(0)),
     "artifacts": lambda ctx: Artifact(unit_id=uid(0), kind="predictor", uri="file:///p"),
     "accuracy_results": lambda ctx: AccuracyResult(unit_id=uid(0), suite="core", task="piqa", metric="acc",
-                                                   value=0.6, n=10, package_versions=PV, git_rev="r"),
+                                                   higher_is_better=True, value=0.6, n=10,
+                                                   package_versions=PV, git_rev="r"),
     "latency_results": lambda ctx: LatencyResult(unit_id=uid(0), device_type="cuda", accelerator_name="H200",
                                                  batch=1, prompt_len=128, gen_len=64 + ctx["n"],
                                                  p50_ms_per_token=1.0, p90_ms_per_token=1.2, tokens_per_s=900.0,
@@ -60,7 +61,16 @@ def test_unique_key_rejects_duplicate(engine, table):
 def test_foreign_keys_enforced(engine):
     with pytest.raises(IntegrityError):
         with session_scope(engine) as s:
-            s.add(AccuracyResult(unit_id="f" * 16, suite="core", task="piqa", metric="acc", value=0.6, n=10,
+            s.add(AccuracyResult(unit_id="f" * 16, suite="core", task="piqa", metric="acc", higher_is_better=True,
+                                 value=0.6, n=10, package_versions=PV, git_rev="r"))
+
+
+def test_metric_direction_is_required_by_the_store(engine):
+    """No server default is left after the migration's back-fill: a row without a direction is refused."""
+    seed(engine, 1)
+    with pytest.raises(IntegrityError):
+        with session_scope(engine) as s:
+            s.add(AccuracyResult(unit_id=uid(0), suite="core", task="piqa", metric="acc", value=0.6, n=10,
                                  package_versions=PV, git_rev="r"))
 
 
@@ -84,12 +94,17 @@ def test_deleting_a_unit_cascades_to_its_results(engine):
 
 def test_boundary_rows_forbid_extra_fields_and_nan():
     with pytest.raises(ValidationError, match="extra"):
-        AccuracyRow(suite="s", task="t", metric="acc", value=1.0, n=1, accuracy=1.0, **PROV)
+        AccuracyRow(suite="s", task="t", metric="acc", higher_is_better=True, value=1.0, n=1, accuracy=1.0, **PROV)
     with pytest.raises(ValidationError, match="NaN"):
-        AccuracyRow(suite="s", task="t", metric="acc", value=math.nan, n=1, **PROV)
+        AccuracyRow(suite="s", task="t", metric="acc", higher_is_better=True, value=math.nan, n=1, **PROV)
     with pytest.raises(ValidationError):  # provenance is required on result rows
-        AccuracyRow(suite="s", task="t", metric="acc", value=1.0, n=1)
-    AccuracyRow(suite="s", task="t", metric="ppl", value=math.inf, n=1, **PROV)  # diverged ppl is storable
+        AccuracyRow(suite="s", task="t", metric="acc", higher_is_better=True, value=1.0, n=1)
+    with pytest.raises(ValidationError, match="higher_is_better"):   # a metric's direction is never guessed
+        AccuracyRow(suite="s", task="t", metric="ppl", value=1.0, n=1, **PROV)
+    with pytest.raises(ValidationError, match="higher_is_better"):   # a bool, not something that casts to one
+        AccuracyRow(suite="s", task="t", metric="ppl", higher_is_better="no", value=1.0, n=1, **PROV)
+    AccuracyRow(suite="s", task="t", metric="ppl", higher_is_better=False, value=math.inf, n=1,
+                **PROV)  # diverged ppl is storable
     with pytest.raises(ValidationError):
         LatencyRow(device_type="gpu", accelerator_name="H200", batch=1, prompt_len=1, gen_len=1,
                    p50_ms_per_token=1, p90_ms_per_token=1, tokens_per_s=1, runtime="r", **PROV)

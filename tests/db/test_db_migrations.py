@@ -5,6 +5,7 @@ from __future__ import annotations
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+import sqlalchemy as sa
 from sqlalchemy import inspect
 
 from db.engine import _alembic_config, current_revision, get_engine, head_revision, upgrade
@@ -20,7 +21,7 @@ def test_upgrade_head_from_empty(db_url):
         assert current_revision(engine) is None
         assert not set(inspect(engine).get_table_names()) & TABLES
         upgrade(engine)
-        assert current_revision(engine) == head_revision() == "0001"
+        assert current_revision(engine) == head_revision() == "0002"
         assert set(inspect(engine).get_table_names()) == TABLES | {"alembic_version"}
         upgrade(db_url)  # again, by URL: a no-op
         assert current_revision(db_url) == head_revision()
@@ -52,4 +53,51 @@ def test_naming_convention_names_constraints(engine):
     uniques = {u["name"] for u in insp.get_unique_constraints("latency_results")}
     assert uniques == {"uq_latency_results_unit_id"}
     fks = {fk["name"] for fk in insp.get_foreign_keys("accuracy_results")}
-    assert fks == {"fk_accuracy_results_unit_id_work_units"}
+    assert fks == {"fk_accuracy_results_unit_id_work_units"}      # also after 0002 rebuilt the table (SQLite)
+    assert {u["name"] for u in insp.get_unique_constraints("accuracy_results")} == {"uq_accuracy_results_unit_id"}
+
+
+def _rows_before_0002(conn) -> None:
+    """A model, one unit and its accuracy rows as revision 0001 stored them (no direction column)."""
+    now = sa.literal_column("CURRENT_TIMESTAMP")
+    models = sa.table("models", sa.column("id"), sa.column("name"), sa.column("fingerprint"),
+                      sa.column("config", sa.JSON), sa.column("created_at"))
+    units = sa.table("work_units", sa.column("id"), sa.column("model_id"), sa.column("kind"),
+                     sa.column("config", sa.JSON), sa.column("status"), sa.column("attempts"),
+                     sa.column("code_version"), sa.column("created_at"))
+    acc = sa.table("accuracy_results", sa.column("unit_id"), sa.column("suite"), sa.column("task"),
+                   sa.column("metric"), sa.column("value"), sa.column("n"),
+                   sa.column("package_versions", sa.JSON), sa.column("git_rev"), sa.column("created_at"))
+    conn.execute(models.insert().values(id=1, name="m", fingerprint="fp", config={}, created_at=now))
+    conn.execute(units.insert().values(id="ab" * 8, model_id=1, kind="eval", config={}, status="done",
+                                       attempts=1, code_version="1", created_at=now))
+    for suite, task, metric in (("perplexity", "lambada-heldout", "ppl"), ("perplexity", "lambada-heldout", "nll"),
+                                ("perplexity", "lambada-heldout", "mlp_sparsity"), ("mc", "piqa", "acc"),
+                                ("mc", "piqa", "acc_norm")):
+        conn.execute(acc.insert().values(unit_id="ab" * 8, suite=suite, task=task, metric=metric, value=1.5, n=3,
+                                         package_versions={}, git_rev="r", created_at=now))
+
+
+def test_0002_backfills_metric_direction_and_downgrades(db_url):
+    engine = get_engine(db_url)
+    try:
+        upgrade(engine, "0001")
+        with engine.begin() as conn:
+            _rows_before_0002(conn)
+        upgrade(engine)
+        assert current_revision(engine) == "0002"
+        with engine.connect() as conn:
+            got = dict(conn.execute(sa.text("SELECT metric, higher_is_better FROM accuracy_results")).all())
+        assert {k: bool(v) for k, v in got.items()} == {"ppl": False, "nll": False, "mlp_sparsity": True,
+                                                        "acc": True, "acc_norm": True}
+        col = next(c for c in inspect(engine).get_columns("accuracy_results") if c["name"] == "higher_is_better")
+        assert col["nullable"] is False and col["default"] is None    # the back-fill default is gone
+        with engine.connect() as conn:
+            command.downgrade(_alembic_config(conn), "0001")
+            conn.commit()
+        assert current_revision(engine) == "0001"
+        assert "higher_is_better" not in {c["name"] for c in inspect(engine).get_columns("accuracy_results")}
+        with engine.connect() as conn:      # the rows themselves survive the downgrade
+            assert conn.execute(sa.text("SELECT count(*) FROM accuracy_results")).scalar() == 5
+    finally:
+        engine.dispose()

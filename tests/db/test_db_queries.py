@@ -10,7 +10,7 @@ from db import queries as q
 from db.engine import ReadOnlyDatabaseError, get_engine, session_scope
 from db.models import AccuracyResult, Artifact, LatencyResult, LayerMetric, Model, Sweep
 from db.schemas import AccuracyRow, LatencyRow
-from tests.db.dbtest_support import N_ACC, N_ART, N_LAT, N_LAYER, PROV, results, seed, uid, unit_spec
+from tests.db.db_support import N_ACC, N_ART, N_LAT, N_LAYER, PROV, results, seed, uid, unit_spec
 
 RESULT_TABLES = (AccuracyResult, LatencyResult, LayerMetric, Artifact)
 
@@ -176,8 +176,9 @@ def test_read_queries(engine):
         for i in (0, 1):
             q.finish_unit(s, ids[i], **results(i))
         q.finish_unit(s, uid(10), accuracy_rows=[
-            AccuracyRow(suite="core", task="piqa", metric="acc", value=0.7, n=200, **PROV),
-            AccuracyRow(suite="core", task="piqa", metric="acc_norm", value=0.71, n=200, **PROV)])
+            AccuracyRow(suite="core", task="piqa", metric="acc", higher_is_better=True, value=0.7, n=200, **PROV),
+            AccuracyRow(suite="core", task="piqa", metric="acc_norm", higher_is_better=True, value=0.71, n=200,
+                        **PROV)])
     with session_scope(engine) as s:
         acc = q.accuracy_table(s, model_id=model_id)
         assert len(acc) == 2 * N_ACC

@@ -1,1 +1,1 @@
-"""Tests of the Kubernetes manifests in k8s/ (schemas pinned in tests/k8s/schemas/)."""
+"""Tests of the Kubernetes manifests in k8s/ (the validator and its pinned schemas live in k8s/)."""

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.k8s.validate import load_docs, render_kustomization
+from k8s.validate import load_docs, render_kustomization
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"

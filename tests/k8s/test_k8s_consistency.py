@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from tests.k8s.conftest import K8S, ROOT, one
-from tests.k8s.validate import _image_name, load_docs, render_kustomization
+from k8s.validate import _image_name, load_docs, render_kustomization
 
 # The Ray custom resource our Ascend actors request. Nothing in workers/ or orchestrator/ requests
 # it yet; once code does, test_npu_resource_name_matches_the_code checks it against this name.

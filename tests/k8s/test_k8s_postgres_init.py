@@ -20,8 +20,7 @@ OWNER, DB, RO = "ctxsparse", "ctxsparse_k8s", "ctxsparse_ro"
 
 
 def test_readonly_role_reads_migrated_tables_and_writes_nothing(pg_cluster):  # noqa: F811
-    if shutil.which("psql") is None:
-        pytest.skip("psql not installed")
+    assert shutil.which("psql"), "psql not found on PATH: install the PostgreSQL client (`make test` does)"
     # What the image does before running init scripts: the superuser POSTGRES_USER and POSTGRES_DB.
     pg_cluster._execute(f"CREATE ROLE {OWNER} SUPERUSER LOGIN")
     pg_cluster._execute(f'CREATE DATABASE {DB} OWNER {OWNER} TEMPLATE template0')

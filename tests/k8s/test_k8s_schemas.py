@@ -8,7 +8,7 @@ import re
 import pytest
 import yaml
 
-from tests.k8s import validate as v
+from k8s import validate as v
 from tests.k8s.conftest import K8S, one
 
 # Applied by hand, never by `kubectl apply -k` (see the comments at the top of each file).

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import yaml
 
-from tests.k8s import validate as v
+from k8s import validate as v
 from tests.k8s.conftest import K8S, one
 
 HOME = "/var/lib/ctxsparse"

@@ -1,15 +1,10 @@
 """Head-sparse attention projections (GQA) vs the reference."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _kernel_helpers import rel_err, rnd, TOL, up  # noqa: E402
-
-from kernels import attn_triton as T  # noqa: E402
-from kernels import reference as R  # noqa: E402
+from kernels import attn_triton as T
+from kernels import reference as R
+from tests.kernels.kernel_support import rel_err, rnd, TOL, up
 
 D_MODEL, HD = 72, 12  # 6 query heads of 12 -> q dim 72
 

@@ -1,15 +1,10 @@
 """Triton FFN kernels vs the torch reference (fp64 ground truth), odd shapes, s in {0, .5, .9, 1}."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _kernel_helpers import D_FF, D_MODEL, ffn_weights, make_idx, rel_err, rnd, TOL, up  # noqa: E402
-
-from kernels import ffn_triton as T  # noqa: E402
-from kernels import reference as R  # noqa: E402
+from kernels import ffn_triton as T
+from kernels import reference as R
+from tests.kernels.kernel_support import D_FF, D_MODEL, ffn_weights, make_idx, rel_err, rnd, TOL, up
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SPARS = [0.0, 0.5, 0.9, 1.0]

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels.token_sparse import head_sparse_out, reference_token_sparse_ffn, token_sparse_ffn
+from kernels.token_sparse import reference_token_sparse_ffn, token_sparse_ffn, token_sparse_head_out
 
 
 def _case(gated, density, T=37, d=24, D=61, seed=0, bias=False):
@@ -47,14 +47,14 @@ def test_selected_entries_only_are_used():
     torch.testing.assert_close(y, y2)
 
 
-def test_head_sparse_out():
+def test_token_sparse_head_out():
     g = torch.Generator().manual_seed(1)
     T, H, hd, d = 11, 6, 5, 20
     attn = torch.randn(T, H * hd, generator=g, dtype=torch.float64)
     w_o = torch.randn(d, H * hd, generator=g, dtype=torch.float64)
     b = torch.randn(d, generator=g, dtype=torch.float64)
     hm = torch.rand(T, H, generator=g) < 0.5
-    y = head_sparse_out(attn, w_o, hm, hd, b)
+    y = token_sparse_head_out(attn, w_o, hm, hd, b)
     ref = (attn * hm.repeat_interleave(hd, dim=1)) @ w_o.t() + b
     torch.testing.assert_close(y, ref, rtol=1e-10, atol=1e-10)
 

@@ -13,7 +13,9 @@ Here:
 - a bundle file deleted from ``CTXSPARSE_HOME`` after that sweep: ``ctxsparse bundle export`` exits 2 with one
   clear message and writes nothing;
 - ``ctxsparse submit`` of the same spec twice: one submission id, one job (a stand-in job client here; the
-  real Ray job server in the ``slow`` test).
+  real Ray job server in tests/orchestrator/test_cli_jobs.py);
+- a unit whose worker dies every time ends failed after ``resources.max_attempts`` with the reason, and a worker
+  that cannot record its unit (its store refuses the write) has the unit failed with the reason, no hang.
 The sweep uses its own ``CTXSPARSE_HOME`` (model and activation caches linked to the usual ones) so that
 deleting a bundle file touches nothing another test or sweep uses.
 """
@@ -23,9 +25,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ import yaml
 from db import queries
 from db.engine import get_engine, session_scope
 from tests.db.conftest import pg_cluster  # noqa: F401  (the throwaway PostgreSQL, a session fixture)
-from tests.sweep_support import TINY_SPEC, private_home, run_tiny_sweep
+from tests.sweep_support import PERPLEXITY_METRICS, TINY_SPEC, private_home, run_tiny_sweep
 
 BAD_OPTION = {"name": "threshold", "sparsity": [0.3], "options": {"bogus": 1}}
 LOCK_TROUBLE = re.compile(r"deadlock|could not obtain lock|could not serialize|lock timeout|database is locked",
@@ -78,7 +77,7 @@ def _expected_rows(u) -> int:
 
     if u.kind == "eval":
         suite = u.config["suite"]
-        return 4 if suite == "perplexity" else len(SUITES[suite].metrics)    # ppl: ppl, nll, 2 sparsities
+        return len(PERPLEXITY_METRICS) if suite == "perplexity" else len(SUITES[suite].metrics)
     return 1 if u.kind == "latency" else 0
 
 
@@ -173,6 +172,12 @@ class _FakeJobs:
     def __init__(self, address):
         self.address = address
 
+    def list_jobs(self):
+        from ray.job_submission import JobDetails, JobStatus
+
+        return [JobDetails(type="SUBMISSION", submission_id=sid, status=JobStatus(st), entrypoint="python")
+                for sid, st in self.jobs.items()]
+
     def get_job_status(self, sid):
         if sid not in self.jobs:
             raise RuntimeError(f"Job {sid} does not exist")
@@ -224,84 +229,122 @@ def test_submitting_the_same_spec_twice_gives_one_submission_id(tmp_path, capsys
     _FakeJobs.jobs[first["submission_id"]] = "FAILED"
     retry = _submit(cli, capsys, str(spec), "--address", "http://fake:8265")
     assert retry["submitted"] is True and retry["submission_id"] == first["submission_id"] + "-r2"
+    # while that retry waits or runs, nothing more goes in: the live attempt is named instead
+    for status in ("PENDING", "RUNNING"):
+        _FakeJobs.jobs[retry["submission_id"]] = status
+        again = _submit(cli, capsys, str(spec), "--address", "http://fake:8265")
+        assert again["submitted"] is False and again["submission_id"] == retry["submission_id"]
+    assert _FakeJobs.submitted == [first["submission_id"], retry["submission_id"]]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# ------------------------------------------------------------------ workers that die or cannot record
+READONLY = "attempt to write a readonly database"
 
 
-@pytest.mark.slow
-def test_submitting_twice_to_a_real_ray_job_server(tmp_path):
-    """``ctxsparse submit`` (the installed command, as a user runs it) twice against a real Ray head with its job
-    server: own ports, own temp dir, own process group, stopped at the end. Ray 2.60 guards the job API with a
-    token: as in orchestrator/demo.sh, RAY_AUTH_MODE=token (the head writes ~/.ray/auth_token if missing and
-    clients read it); Ray reads that setting once per process, hence subprocesses here."""
-    bindir = Path(sys.executable).parent
-    gcs, dash = _free_port(), _free_port()
-    temp = Path(f"/tmp/rb{os.getpid()}")
-    address = f"http://127.0.0.1:{dash}"
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_AUTH_MODE": "token", "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
-    env.pop("RAY_ADDRESS", None)        # the job runs `python -m orchestrator.driver`: this venv's python
-    jobs_py = ("import json, sys; from ray.job_submission import JobSubmissionClient as C; c = C(sys.argv[1]); "
-               "[c.stop_job(s) for s in sys.argv[2:]]; "
-               "print(json.dumps(sorted(j.submission_id for j in c.list_jobs() if j.submission_id)))")
+def _unwritable(*args, **kwargs):
+    import sqlite3
 
-    def jobs(*stop: str):
-        r = subprocess.run([sys.executable, "-c", jobs_py, address, *stop], env=env, capture_output=True, text=True,
-                           timeout=60)
-        return json.loads(r.stdout) if r.returncode == 0 else None
+    from sqlalchemy.exc import OperationalError
 
-    def submit(spec: Path) -> dict:
-        r = subprocess.run([str(bindir / "ctxsparse"), "submit", str(spec), "--address", address,
-                            "--db", f"sqlite:///{tmp_path / 's.db'}"], env=env, capture_output=True, text=True,
-                           timeout=120)
-        assert r.returncode == 0, r.stderr[-2000:]
-        return json.loads(r.stdout.strip().splitlines()[-1])
-
-    head = subprocess.Popen(
-        [str(bindir / "ray"), "start", "--head", "--block", f"--port={gcs}", "--num-cpus=1",
-         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp}",
-         "--disable-usage-stats"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.time() + 180
-        while jobs() is None:
-            assert head.poll() is None and time.time() < deadline, "the Ray head did not come up"
-            time.sleep(2)
-        spec = _spec_file(tmp_path, "battery-real-submit")
-        first, second = submit(spec), submit(spec)
-        assert first["submitted"] is True and second["submitted"] is False, (first, second)
-        assert second["submission_id"] == first["submission_id"]
-        assert jobs(first["submission_id"]) == [first["submission_id"]]     # one job; stopped now
-    finally:
-        for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):   # the whole group: gcs, raylet, ...
-            try:
-                os.killpg(head.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                head.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                pass
-        _kill_leftovers(str(temp))
-        shutil.rmtree(temp, ignore_errors=True)
+    raise OperationalError("UPDATE work_units SET status=?", None, sqlite3.OperationalError(READONLY))
 
 
-def _kill_leftovers(marker: str) -> None:
-    """Ray worker processes start their own session, so the head's process group does not hold them: end the
-    ones of this test's head (their command line names its temp dir) by pid."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
+class _TroubledFitter:
+    """A real fitter (``workers.actors._UnitActor``) whose process misbehaves by method: ``oracle``: the worker
+    process dies in the middle of the unit, every time; ``threshold``: the store refuses the unit's rows (``finish_unit`` raises);
+    ``static``: the store refuses every write of this worker, the failure record included."""
+    role = "fitter"
+
+    def run(self, task: dict) -> dict:
+        from db import queries as q
+
+        method = task["config"].get("method")
+        if method == "oracle":         # dies inside the unit, after marking it running
+            self._setup().run = lambda *a, **k: os._exit(1)
+        saved = q.finish_unit, q.fail_unit
+        if method in ("threshold", "static"):
+            q.finish_unit = _unwritable
+        if method == "static":
+            q.fail_unit = _unwritable
         try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmd:
-            try:
-                os.kill(int(proc.name), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            return super().run(task)
+        finally:
+            q.finish_unit, q.fail_unit = saved
+
+
+@pytest.fixture(scope="module")
+def troubled_sweep(ray_local, tmp_path_factory):
+    """A latency-only sweep of a random-weights shape (its fit units are trivial; cuda latency units wait for a
+    GPU) with the troubled fitter, max_attempts 2; run in a thread so that a hang fails the test."""
+    import threading
+
+    import ray
+
+    from orchestrator.driver import run_sweep
+    from orchestrator.spec import parse_spec
+    from workers import actors
+
+    url = f"sqlite:///{tmp_path_factory.mktemp('troubled') / 'store.db'}"
+    spec = parse_spec({"name": "battery-troubled", "models": ["shape:llama2-7b"],
+                       "methods": [{"name": m, "sparsity": [0.5]} for m in ("oracle", "threshold", "static")],
+                       "latency": {"devices": ["cuda"], "prompt_len": [16], "gen_len": 4, "repeats": 1},
+                       "resources": {"max_attempts": 2, "torch_threads": 1, "cpus_per_actor": 0.5}})
+    troubled = ray.remote(num_cpus=1, max_restarts=4, max_task_retries=0)(
+        type("TroubledFitter", (_TroubledFitter, actors._UnitActor), {}))
+    result: dict = {}
+    saved = actors.ROLE_CLASSES["fit"]
+    actors.ROLE_CLASSES["fit"] = troubled
+    try:
+        t = threading.Thread(target=lambda: result.update(out=run_sweep(spec, url, heartbeat_s=10)), daemon=True)
+        t0 = time.time()
+        t.start()
+        t.join(timeout=300)
+    finally:
+        actors.ROLE_CLASSES["fit"] = saved
+    assert not t.is_alive(), "the driver hung"
+    print(f"troubled sweep: {time.time() - t0:.0f}s", file=sys.stderr)
+    with session_scope(get_engine(url)) as s:
+        fits = {u.method: u for m in queries.list_models(s) for u in queries.units_for_model(s, m.id)
+                if u.kind == "fit"}
+        sweeps = queries.list_sweeps(s)
+    return result["out"], fits, sweeps
+
+
+def test_a_worker_that_dies_every_time_fails_its_unit_after_max_attempts(troubled_sweep):
+    out, fits, sweeps = troubled_sweep
+    u = fits["oracle"]
+    assert out.worker_deaths == 2 and u.id in out.failed
+    assert u.status == "failed" and u.attempts == 2
+    assert u.error.startswith("worker died while running the unit (attempt 2)"), u.error
+    assert fits["dense"].status == "done"
+    assert [sw.status for sw in sweeps] == ["failed"]
+
+
+def test_a_worker_that_cannot_record_its_unit_gets_it_failed_with_the_reason(troubled_sweep):
+    out, fits, _ = troubled_sweep
+    rows_refused, nothing_written = fits["threshold"], fits["static"]
+    assert {rows_refused.id, nothing_written.id} <= set(out.failed)
+    # the worker could still record the failure: its traceback names the refused write
+    assert rows_refused.status == "failed" and "Traceback" in rows_refused.error and READONLY in rows_refused.error
+    # it could not write at all: the driver records the failure, with the cause in one line
+    assert nothing_written.status == "failed"
+    assert nothing_written.error.startswith("the worker could not run or record the unit: OperationalError")
+    assert READONLY in nothing_written.error and "\n" not in nothing_written.error, nothing_written.error
+    assert out.done == 1 and sorted(out.failed) == sorted(u.id for m, u in fits.items() if m != "dense")
+
+
+def test_driver_reports_a_model_its_workers_cannot_load_in_one_line(ray_local, tmp_path, capsys):
+    """What only a worker can find (here a model folder whose config names no known architecture) ends the
+    driver with the worker's own error in one line, exit 2, not Ray's wrapped remote traceback."""
+    from orchestrator.driver import main as driver
+
+    folder = tmp_path / "not-a-model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({"name": "battery-bad-model", "models": [str(folder)],
+                                    "methods": [{"name": "oracle", "sparsity": [0.5]}]}))
+    assert driver([str(spec), "--db", f"sqlite:///{tmp_path / 's.db'}", "--no-pareto"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err and "ray::" not in err, err
+    assert "no-such-architecture" in err or "not-a-model" in err, err

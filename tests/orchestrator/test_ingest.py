@@ -8,7 +8,7 @@ from db.engine import get_engine, session_scope
 from orchestrator.cli import main
 from orchestrator.ingest import IngestError, ingest_kernel_results
 
-RESULTS = Path(__file__).resolve().parents[2] / "kernels" / "results" / "h200_2026-11-29.json"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200_2026-11-29.json"
 
 
 def test_kernel_results_load_once_with_every_row(tmp_path):
@@ -36,3 +36,21 @@ def test_malformed_file_is_a_clear_error_and_writes_nothing(tmp_path):
     assert not (tmp_path / "k.db").exists()
     (tmp_path / "trunc.json").write_text('{"rows": [')
     assert main(["ingest-kernels", str(tmp_path / "trunc.json"), "--db", url]) == 2
+
+
+def test_kernel_rows_and_sweep_units_of_a_shape_share_one_model(tmp_path):
+    """Both take the identity from workers.names.shape_identity: the dashboard then joins their rows."""
+    from workers.units import Units
+
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    row = {"device_type": "cuda", "accelerator_name": "NVIDIA H200", "shape": "llama2-7b", "d": 4096, "D": 11008,
+           "dtype": "fp16", "batch": 1, "sparsity": 0.5, "variant": "triton_fused", "us_median": 50.0, "us_p90": 55.0}
+    f = tmp_path / "rows.json"
+    f.write_text(json.dumps({"rows": [row]}))
+    assert ingest_kernel_results(f, url) == (1, 1)
+    d = Units().describe("shape:llama2-7b", {}, None)          # what a sweep registers for the shape
+    with session_scope(get_engine(url)) as s:
+        (m,) = queries.list_models(s)
+        assert (m.name, m.fingerprint) == (d["name"], d["fingerprint"])
+        assert m.name == "llama2-7b-shape"
+        assert queries.upsert_model(s, name=d["name"], fingerprint=d["fingerprint"]) == m.id

@@ -32,7 +32,7 @@ BAD = [
     ("missing name", _with(name=...), "name: Field required"),
     ("bad name chars", _with(name="my sweep!"), "name: String should match pattern"),
     ("no models", _with(models=[]), "models: List should have at least 1 item"),
-    ("duplicate models", _with(models=["a", "a"]), "models has duplicates"),
+    ("duplicate models", _with(models=["smollm2-135m", "smollm2-135m"]), "models has duplicates"),
     ("no methods", _with(methods=[]), "methods: List should have at least 1 item"),
     ("unknown method", _with(methods=[{"name": "magic", "sparsity": [0.5]}]), "methods.0.name: Value error, unknown method 'magic'"),
     ("sparsity 1.0", _with(methods=[{"name": "oracle", "sparsity": [1.0]}]), "methods.0.sparsity.0: Input should be less than 1"),
@@ -59,6 +59,13 @@ BAD = [
     ("max_attempts zero", _with(resources={"max_attempts": 0}), "resources.max_attempts"),
     ("unknown shape", _with(models=["shape:llama9-1t"], latency={"devices": ["cuda"]}), "unknown shape(s)"),
     ("shape timed on cpu", _with(models=["shape:llama2-7b"]), "for GPU/NPU latency only"),
+    ("unknown model name", _with(models=["smollm3-135m"]), "models.0: Value error, unknown model 'smollm3-135m'"),
+    ("perplexity budget below one window", _with(suites={"perplexity": {"tokens": 256, "seq_len": 512}}),
+     "suites.perplexity: Value error, tokens (256) is smaller than seq_len (512)"),
+    ("calib budget below one window", _with(data={"calib_tokens": 256, "seq_len": 512}),
+     "data: Value error, calib_tokens (256) is smaller than seq_len (512)"),
+    ("metric budget below one window", _with(data={"metric_tokens": 1024, "seq_len": 2048, "calib_tokens": 4096}),
+     "data: Value error, metric_tokens (1024) is smaller than seq_len (2048)"),
 ]
 
 
@@ -129,3 +136,11 @@ def test_shape_models_get_latency_units_only():
                                                                   if u.kind == "latency")
     lat = [u for u in units if u.kind == "latency" and u.config["runtime"] == "ctxsparse"]
     assert sorted(u.config["setting"]["sparsity"] for u in lat) == [0.0, 0.5]
+
+
+def test_one_window_budgets_and_every_model_ref_form_are_valid(tmp_path):
+    one = parse_spec(_with(data={"calib_tokens": 512, "metric_tokens": 512, "seq_len": 512},
+                           suites={"perplexity": {"tokens": 512, "seq_len": 512}}))
+    assert one.suites.perplexity.tokens == one.suites.perplexity.seq_len == 512
+    refs = ["smollm2-135m", "gemma3-270m", "HuggingFaceTB/SmolLM2-135M", "models/x.gguf", str(tmp_path)]
+    assert parse_spec(_with(models=refs)).models == refs

@@ -10,8 +10,12 @@ import pytest
 
 from db import queries
 from db.engine import get_engine, session_scope
-from db.settings import pareto, settings_for_model
-from tests.sweep_support import run_tiny_sweep, tiny_spec
+from orchestrator.pareto import pareto
+from orchestrator.settings import settings_for_model
+from tests.sweep_support import PERPLEXITY_METRICS, TINY_SPEC, run_tiny_sweep, tiny_spec
+
+# perplexity on exactly one window (tokens == seq_len): no standard error over windows, stored as none
+ONE_WINDOW = {"suites": {**TINY_SPEC["suites"], "perplexity": {"tokens": 256, "seq_len": 256}}}
 
 
 def _counts(url: str) -> dict:
@@ -29,15 +33,15 @@ def _counts(url: str) -> dict:
 def swept(ray_local, tmp_path_factory):
     url = f"sqlite:///{tmp_path_factory.mktemp('sweep') / 'store.db'}"
     t0 = time.time()
-    outcome = run_tiny_sweep(url)
+    outcome = run_tiny_sweep(url, **ONE_WINDOW)
     return url, outcome, time.time() - t0
 
 
 def test_tiny_sweep_writes_every_row_once(swept):
     url, outcome, _ = swept
-    spec = tiny_spec()
+    spec = tiny_spec(**ONE_WINDOW)
     n_settings = 1 + sum(len(m.sparsity) for m in spec.methods)
-    assert outcome.ok and outcome.failed == [] and outcome.unplaceable == []
+    assert outcome.failed == [] and outcome.ok and outcome.unplaceable == []
     assert outcome.done == outcome.total == 1 + n_settings * (1 + 2 + 1) + 1   # collect, fit+2 evals+latency, hf
     c = _counts(url)
     assert c["left"] == {}
@@ -45,6 +49,8 @@ def test_tiny_sweep_writes_every_row_once(swept):
     assert len(c["lat"]) == len(set(c["lat"])) == n_settings + 1
     with session_scope(get_engine(url)) as s:
         assert [sw.status for sw in queries.list_sweeps(s)] == ["done"]
+        nll = [r for r in queries.accuracy_table(s) if r.suite == "perplexity" and r.metric == "nll"]
+        assert len(nll) == n_settings and all(r.stderr is None for r in nll)       # one window: no stderr
         model = queries.list_models(s)[0]
         settings = settings_for_model(s, model.id)
         assert {st.method for st in settings} == {"dense", "oracle", "threshold"}
@@ -72,7 +78,7 @@ def test_tiny_sweep_writes_every_row_once(swept):
 def test_resubmitted_sweep_recomputes_nothing(swept):
     url, _, _ = swept
     before = _counts(url)
-    again = run_tiny_sweep(url)
+    again = run_tiny_sweep(url, **ONE_WINDOW)
     after = _counts(url)
     assert again.ok and again.ran == 0 and again.done == again.total
     assert sorted(after["acc"]) == sorted(before["acc"]) and sorted(after["lat"]) == sorted(before["lat"])
@@ -81,7 +87,8 @@ def test_resubmitted_sweep_recomputes_nothing(swept):
 
 def test_device_types_the_cluster_lacks_stay_pending(swept):
     url, _, _ = swept
-    out = run_tiny_sweep(url, latency={"devices": ["cpu", "cuda"], "prompt_len": [16], "gen_len": 4, "repeats": 1})
+    out = run_tiny_sweep(url, latency={"devices": ["cpu", "cuda"], "prompt_len": [16], "gen_len": 4, "repeats": 1},
+                         **ONE_WINDOW)
     assert out.ok and out.ran == 0 and len(out.unplaceable) == 4     # 3 settings + the HF baseline on cuda
     with session_scope(get_engine(url)) as s:
         assert queries.latency_table(s, device_type="cuda") == []
@@ -124,8 +131,8 @@ def test_worker_killed_mid_unit_loses_nothing_and_duplicates_nothing(ray_local, 
         from workers.evals.suites import SUITES
 
         suite = victim.config["suite"]
-        expected = 4 if suite == "perplexity" else len(SUITES[suite].metrics)   # ppl, nll, 2 sparsities
-        assert len(rows) == expected
+        expected = PERPLEXITY_METRICS if suite == "perplexity" else SUITES[suite].metrics
+        assert sorted(r.metric for r in rows) == sorted(expected)
 
 
 def test_npu_actor_is_placed_on_the_npu_node_and_sees_its_device(ray_local):
@@ -156,7 +163,7 @@ def test_exported_bundle_on_a_fresh_model_reproduces_the_sweep_perplexity(swept,
     from workers.loading.models import load_model
 
     url, _, _ = swept
-    spec = tiny_spec()
+    spec = tiny_spec(**ONE_WINDOW)
     with session_scope(get_engine(url)) as s:
         st = next(x for x in settings_for_model(s, queries.list_models(s)[0].id) if x.method == "threshold")
     out = tmp_path / "bundle"

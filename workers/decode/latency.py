@@ -27,36 +27,20 @@ import torch
 
 from workers.sparsity.predictors.base import SparsityPlan, k_for
 from workers.decode.runtime import DecodeRuntime, random_hf_model
-
-SHAPES = {
-    "llama2-7b": ("llama", dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                                num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
-                                rms_norm_eps=1e-5, rope_theta=10000.0)),
-    "llama3-8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                                rms_norm_eps=1e-5, rope_theta=500000.0)),
-    "qwen2-7b": ("qwen2", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                               num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
-                               rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)),
-    "opt-6.7b": ("opt", dict(vocab_size=50272, hidden_size=4096, ffn_dim=16384, num_hidden_layers=32,
-                             num_attention_heads=32, max_position_embeddings=2048, word_embed_proj_dim=4096,
-                             do_layer_norm_before=True)),
-}
+from workers.decode.shapes import shape_entry
 
 
 def shape_config(name: str):
     import transformers as tf
 
-    try:
-        family, kw = SHAPES[name]
-    except KeyError:
-        raise ValueError(f"unknown shape {name!r}; known: {sorted(SHAPES)}") from None
-    cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "opt": tf.OPTConfig}[family]
+    family, kw = shape_entry(name)
+    cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config, "opt": tf.OPTConfig}[family]
     return cls(**kw)
 
 
 def shape_model(name: str, dtype=torch.float16, device="cuda", seed: int = 0):
-    """An HF model of a 7B-class shape with random weights (``name`` in SHAPES), on ``device``."""
+    """An HF model of a 7B-class shape with random weights (``name`` in ``workers.decode.shapes.SHAPES``), on
+    ``device``."""
     return random_hf_model(shape_config(name), dtype, device, seed)
 
 

@@ -17,7 +17,10 @@ the static cache (masked to the filled positions and the sliding window), O, add
 The step reads a device position counter and writes the next token into its own input buffer, so repeated
 replays need no host sync. On CUDA the pure-torch glue (norms, RoPE/attention, the gated activation) is
 compiled with ``torch.compile`` (fused elementwise work; falls back to eager if compiling fails) and the whole
-step is captured in one CUDA graph. On CPU everything runs eagerly (the sparse ops use the torch reference).
+step is captured in one CUDA graph. On the CPU everything runs eagerly; the sparse FFN goes through kernels.cpu
+(reads only the active rows of gate/up and of W_downᵀ, in place, in one pass); the dense parts are torch
+matmuls (MKL), or with ``cpu_rows = True`` the same row kernels over every row (benchmarks/cpu_ops.py --decode
+measures both: which is faster depends on the CPU).
 
 Sparse layers (``plan.mlp`` / ``plan.attn``): the predictor's own ``scores`` (its GEMVs), then the active set on
 the device -- batch 1 top-k: a fixed-size index buffer of the k largest scores (static k; on CUDA the one-CTA
@@ -42,8 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu as cpu_kernels
 from kernels import ops
-from kernels.common import ACTS
+from kernels.common import ACTS, MAX_BATCH, apply_act
 from workers.loading.adapters import activation_fn, adapter_for, get_path, linear_weight
 
 FAMILIES = ("llama", "mistral", "qwen2", "gemma3", "opt")
@@ -74,15 +78,7 @@ def _rot_half(t):
 def _act_mul(gu, act: str):
     D = gu.shape[-1] // 2
     g, u = gu[..., :D], gu[..., D:]
-    if act == "silu":
-        a = F.silu(g)
-    elif act == "gelu_tanh":
-        a = F.gelu(g, approximate="tanh")
-    elif act == "gelu":
-        a = F.gelu(g)
-    else:
-        a = torch.relu(g)
-    return a * u
+    return apply_act(g, act) * u
 
 
 def _attn_decode(q, k, v, k_cache, v_cache, cos_t, sin_t, pos, qn, kn, eps: float, window: int | None,
@@ -145,6 +141,8 @@ class DecodeRuntime:
         self.overlap = True
         self.kv_mode = "exact"
         self.ffn_dense = "auto"
+        self.cpu_rows = False         # CPU backend: dense projections (QKV, O, LM head, dense FFN) through kernels.cpu's
+        #                               row kernels instead of torch matmuls (which is faster depends on the CPU)
         self.select_impl = "auto"     # top-k: "auto" (Triton select where the Triton kernels run), "torch", "triton"
         self.batch = 0
         self.max_len = 0
@@ -340,15 +338,36 @@ class DecodeRuntime:
             x = x + F.embedding(pos_ids + self.pos_offset, self.pos_embed)
         return x
 
+    def _linear(self, h, w, b=None):
+        """h @ wᵀ (+ b): on the CPU backend the row kernel of kernels.cpu (faster than MKL's GEMV there)."""
+        if self._cpu_rows(h):
+            return cpu_kernels.linear(h, w, b)
+        z = h @ w.t()
+        return z + b if b is not None else z
+
+    def _linear_t(self, a, w_t, b=None):
+        """a @ w_t (+ b), w_t = Wᵀ [in, out]."""
+        if self._cpu_rows(a):
+            return cpu_kernels.linear_t(a, w_t, b)
+        z = a @ w_t
+        return z + b if b is not None else z
+
+    def _cpu_rows(self, h) -> bool:
+        return self.cpu_rows and h.dim() == 2 and h.shape[0] <= MAX_BATCH and ops.backend_name(h) == "cpu"
+
     def _logits(self, h):
         if self.proj_out is not None:
             h = h @ self.proj_out.t()
-        z = h @ self.lm_head.t()
+        z = self._linear(h, self.lm_head)
         if self.softcap is not None:
             z = torch.tanh(z.float() / self.softcap) * self.softcap
         return z
 
     def _ffn_dense(self, L, h, fns):
+        if self.ffn_dense == "auto" and self.act in ACTS and self._cpu_rows(h):
+            if self.gated:       # the whole FFN in one pass of the row kernel (kernels.cpu.dense_ffn)
+                return ops.dense_ffn(h, L.w_gate, L.w_up, L.w_down_t, self.act)
+            return ops.dense_mlp(h, L.w_up, L.b_up, L.w_down_t, L.b_down, self.act)
         if self.device.type == "cuda" and self.ffn_dense == "auto" and h.shape[0] <= 8 and self.act in ACTS:
             if self.gated:
                 return ops.sparse_ffn(h, L.w_gate, L.w_up, L.w_down_t, self.full_idx, None, self.act)
@@ -496,17 +515,13 @@ class DecodeRuntime:
             # ---- attention
             hp = self.head_pred.get(l)
             if hp is None:
-                qkv = h @ L.w_qkv.t()
-                if L.b_qkv is not None:
-                    qkv = qkv + L.b_qkv
+                qkv = self._linear(h, L.w_qkv, L.b_qkv)
                 q = qkv[:, : H * hd].view(B, H, hd)
                 k = qkv[:, H * hd: (H + KV) * hd].view(B, KV, hd)
                 v = qkv[:, (H + KV) * hd:].view(B, KV, hd)
                 a = fns["attn"](q, k, v, self.k_cache[l], self.v_cache[l], *(L.rope or (None, None)), self.pos,
                                 L.qn, L.kn, eps, L.window, None)
-                o = a @ L.w_o_t
-                if L.b_o is not None:
-                    o = o + L.b_o
+                o = self._linear_t(a, L.w_o_t, L.b_o)
             else:
                 xin = x if hp.input_kind == "residual" or l == 0 else prev_x
                 q_idx, q_count = get("attn", l, hp, xin, H)

@@ -15,7 +15,7 @@ class Perplexity:
     ppl: float
     nll: float          # mean negative log-likelihood per predicted token (nats)
     n_tokens: int       # tokens predicted
-    stderr_nll: float   # standard error of the mean NLL over windows
+    stderr_nll: float | None   # standard error of the mean NLL over windows; None for a single window
 
 
 @torch.inference_mode()
@@ -35,5 +35,5 @@ def perplexity(model: torch.nn.Module, tokens: TokenSet, batch_windows: int = 4)
     count = sum(n for _, n in per_window)
     mean = total / count
     means = torch.tensor([s / n for s, n in per_window], dtype=torch.float64)
-    se = (means.std(unbiased=True) / math.sqrt(len(means))).item() if len(means) > 1 else float("nan")
+    se = (means.std(unbiased=True) / math.sqrt(len(means))).item() if len(means) > 1 else None   # needs 2 windows
     return Perplexity(ppl=math.exp(mean), nll=mean, n_tokens=count, stderr_nll=se)

@@ -99,6 +99,7 @@ class SuiteResult:
     task: str                   # suite task name (key of SUITES)
     lm_eval_task: str
     metric: str                 # "acc" | "acc_norm"
+    higher_is_better: bool      # the metric's direction, as the lm-eval task declares it
     value: float
     stderr: float | None        # standard error of the mean over items (None for n < 2)
     n: int                      # items scored
@@ -293,12 +294,15 @@ def run_suite(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, b
             items_fingerprint=_fingerprint_items(items), comparable_with_published=spec.comparable_with_published,
             seconds=seconds, items=items if keep_items else None,
         )
+        directions = task.higher_is_better() or {}
         for metric in spec.metrics:
+            if not isinstance(directions.get(metric), bool):
+                raise SuiteError(f"{name}/{metric}: lm-eval declares no direction for it ({directions})")
             value = float(res[f"{metric},none"])
             mean = sum(it.metrics[metric] for it in items) / n
             if abs(mean - value) > 1e-9:   # our per-item view must be lm-eval's
                 raise SuiteError(f"{name}/{metric}: lm-eval says {value}, its samples average {mean}")
-            rows.append(SuiteResult(metric=metric, value=value,
+            rows.append(SuiteResult(metric=metric, higher_is_better=directions[metric], value=value,
                                     stderr=_float_or_none(res.get(f"{metric}_stderr,none")), **common))
     return rows
 

@@ -193,16 +193,8 @@ _ACT_ALIASES = {
 
 
 def activation_fn(name: str):
-    """The FFN activation by adapter name, as a torch function."""
-    import torch.nn.functional as F
+    """The FFN activation by adapter name, as a torch function (``kernels.common.apply_act``: the one table)."""
+    from kernels.common import act_code, apply_act
 
-    fns = {
-        "silu": F.silu,
-        "relu": F.relu,
-        "gelu": F.gelu,
-        "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    }
-    try:
-        return fns[name]
-    except KeyError:
-        raise ValueError(f"unknown activation {name!r}; known: {sorted(fns)}") from None
+    act_code(name)      # ValueError naming the known activations
+    return lambda x: apply_act(x, name)

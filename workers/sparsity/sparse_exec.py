@@ -5,8 +5,12 @@ Modules are swapped, never ``forward`` patched:
     activation become identities and ``fc2`` becomes the sparse FFN) -> :class:`SparseFFN`, which asks the
     layer's predictor for each token's neuron set and computes only those rows
     (:func:`kernels.token_sparse.token_sparse_ffn`: sampled products, no dense product masked afterwards);
-  * the attention output projection of each layer with a head predictor -> :class:`HeadSparseOut`, which
+  * the attention output projection of each layer with a head predictor -> :class:`TokenSparseHeadOut`, which
     projects only each token's active heads.
+``mode="masked"`` computes the same functions as dense products with the unselected entries zeroed (same
+selection and statistics, equal up to summation order): much faster on a CPU, where the token-sparse kernels
+cost more than dense; ``apply_sparsity``'s default ``"auto"`` takes it on the CPU and the kernels elsewhere, and
+``AppliedSparsity.mode`` records which path produced the numbers.
 Predictor inputs other than the FFN's own input (``residual``, ``lookahead``) come from forward pre-hooks on
 the decoder layers that keep the last hidden state entering each layer (removed again by ``revert``).
 
@@ -23,8 +27,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kernels.token_sparse import head_sparse_out, token_sparse_ffn
+from kernels.common import apply_act
+from kernels.token_sparse import token_sparse_ffn, token_sparse_head_out
 from workers.loading.adapters import adapter_for, get_path, linear_weight, set_path
+from workers.sparsity.input_sparse import (
+    InputStats, apply_input_sparsity, check_plan_parts, decoder_weight_skipped, model_projection_numel,
+)
 from workers.sparsity.predictors.base import HeadPredictor, MLPPredictor, SparsityPlan
 
 
@@ -43,9 +51,19 @@ class SparseStats:
     n_heads: int
     dense_first: bool                       # the method runs the gate projection dense (threshold, oracle)
     layers: dict[int, LayerStats] = field(default_factory=dict)
+    inputs: InputStats = field(default_factory=InputStats)   # input-sparse projections (TEAL, WINA)
 
     def reset(self) -> None:
         self.layers.clear()
+        self.inputs.reset()
+
+    def input_sparsity(self, proj: str | None = None) -> float:
+        """Realized fraction of projection inputs dropped (input sparsity), over the input-sparse projections."""
+        return self.inputs.sparsity(proj)
+
+    def weight_skipped(self) -> float:
+        """Fraction of the decoder's projection weights not read per token (every kind of plan part)."""
+        return decoder_weight_skipped(self)
 
     def mlp_sparsity(self, layer: int | None = None) -> float:
         """Realized FFN sparsity: fraction of (token, neuron) pairs not computed in up/down."""
@@ -83,10 +101,27 @@ class _Taps:
         return self.inputs[layer if input_kind == "residual" else max(layer - 1, 0)]
 
 
+EXEC_MODES = ("kernel", "masked")
+
+
+def masked_token_ffn(x, w_up, w_down_t, mask, act, w_gate=None, b_up=None, b_down=None, filter_threshold=None):
+    """``token_sparse_ffn``'s function and counts as dense products with the unselected (token, neuron) entries
+    zeroed: the evaluation path where dense is cheaper than the sparse kernels (the CPU)."""
+    if w_gate is not None:
+        a = apply_act(x @ w_gate.t(), act)
+    else:
+        a = apply_act(x @ w_up.t() + (b_up if b_up is not None else 0), act)
+    keep = mask if filter_threshold is None else mask & (a.abs() > filter_threshold)
+    h = a * (x @ w_up.t()) if w_gate is not None else a
+    y = (h * keep) @ w_down_t
+    return (y + b_down if b_down is not None else y), int(mask.sum()), int(keep.sum())
+
+
 class SparseFFN(nn.Module):
     def __init__(self, layer: int, weights: dict[str, torch.Tensor], act: str, predictor: MLPPredictor,
-                 filter_threshold: float | None, taps: _Taps, stats: SparseStats):
+                 filter_threshold: float | None, taps: _Taps, stats: SparseStats, mode: str = "kernel"):
         super().__init__()
+        self.mode = mode
         self.layer, self.act, self.predictor = layer, act, predictor
         self.filter_threshold = filter_threshold
         self._taps, self._stats = taps, stats
@@ -101,9 +136,9 @@ class SparseFFN(nn.Module):
         kind = self.predictor.input_kind
         pin = x2 if kind == "ffn_in" else self._taps.get(self.layer, kind).reshape(-1, shape[-1])
         mask = self.predictor.mask(pin)
-        y, n_first, n_kept = token_sparse_ffn(x2, self.w_up, self.w_down_t, mask, self.act, w_gate=self.w_gate,
-                                              b_up=self.b_up, b_down=self.b_down,
-                                              filter_threshold=self.filter_threshold)
+        ffn = masked_token_ffn if self.mode == "masked" else token_sparse_ffn
+        y, n_first, n_kept = ffn(x2, self.w_up, self.w_down_t, mask, self.act, w_gate=self.w_gate,
+                                 b_up=self.b_up, b_down=self.b_down, filter_threshold=self.filter_threshold)
         st = self._stats.layers.setdefault(self.layer, LayerStats())
         st.tokens += x2.shape[0]
         st.first_pairs += n_first
@@ -111,10 +146,11 @@ class SparseFFN(nn.Module):
         return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
 
 
-class HeadSparseOut(nn.Module):
+class TokenSparseHeadOut(nn.Module):
     def __init__(self, layer: int, orig: nn.Module, predictor: HeadPredictor, head_dim: int, taps: _Taps,
-                 stats: SparseStats):
+                 stats: SparseStats, mode: str = "kernel"):
         super().__init__()
+        self.mode = mode
         self.layer, self.predictor, self.head_dim = layer, predictor, head_dim
         self.orig = orig                      # kept so revert and state_dict see the same parameters
         self._taps, self._stats = taps, stats
@@ -129,7 +165,11 @@ class HeadSparseOut(nn.Module):
             res = self._taps.get(self.layer, kind)
             pin = res.reshape(-1, res.shape[-1])
         mask = self.predictor.mask(pin)
-        y = head_sparse_out(a2, linear_weight(self.orig), mask, self.head_dim, getattr(self.orig, "bias", None))
+        if self.mode == "masked":
+            y = self.orig(a2 * mask.repeat_interleave(self.head_dim, dim=1).to(a2.dtype))
+        else:
+            y = token_sparse_head_out(a2, linear_weight(self.orig), mask, self.head_dim,
+                                      getattr(self.orig, "bias", None))
         st = self._stats.layers.setdefault(self.layer, LayerStats())
         st.head_tokens += a2.shape[0]
         st.heads_kept += int(mask.sum())
@@ -140,6 +180,7 @@ class HeadSparseOut(nn.Module):
 class AppliedSparsity:
     model: nn.Module
     stats: SparseStats
+    mode: str = "kernel"                            # how the FFN / head parts ran: "kernel" or "masked"
     _swaps: list = field(default_factory=list)     # (root, path, original module)
     _hooks: list = field(default_factory=list)
 
@@ -158,14 +199,27 @@ class AppliedSparsity:
         self.revert()
 
 
-def apply_sparsity(model: nn.Module, plan: SparsityPlan) -> AppliedSparsity:
-    """Swap in sparse modules for every layer in ``plan``; ``.revert()`` (or ``with``) restores the model."""
+def apply_sparsity(model: nn.Module, plan: SparsityPlan, input_mode: str = "masked",
+                   mode: str = "auto") -> AppliedSparsity:
+    """Swap in sparse modules for every layer in ``plan``; ``.revert()`` (or ``with``) restores the model.
+
+    ``mode`` for the FFN and head parts: ``kernel`` (only the selected entries computed, kernels.token_sparse),
+    ``masked`` (dense products, unselected entries zeroed: same numbers up to summation order) or ``auto``
+    (masked when the model is on the CPU, else kernel); the result's ``mode`` says which ran.
+
+    ``plan.inputs`` (input sparsity) swaps projections for ``input_sparse.InputSparseLinear`` in ``input_mode``
+    (``masked`` for accuracy runs, ``kernel`` to skip the work)."""
+    check_plan_parts(plan)
     ad = adapter_for(model)
     dims = ad.dims(model.config)
     act = ad.act_name(model.config)
     layers = ad.decoder_layers(model)
-    stats = SparseStats(dims.D, dims.n_heads, plan.dense_gate)
-    applied = AppliedSparsity(model, stats)
+    stats = SparseStats(dims.D, dims.n_heads, plan.dense_gate, inputs=InputStats(model_projection_numel(model)))
+    if mode == "auto":
+        mode = "masked" if next(model.parameters()).device.type == "cpu" else "kernel"
+    if mode not in EXEC_MODES:
+        raise ValueError(f"mode must be 'auto' or one of {EXEC_MODES}, got {mode!r}")
+    applied = AppliedSparsity(model, stats, mode)
     taps = _Taps()
     need_taps = {p.input_kind for p in [*plan.mlp.values(), *plan.attn.values()]} & {"residual", "lookahead"}
     try:
@@ -176,7 +230,7 @@ def apply_sparsity(model: nn.Module, plan: SparsityPlan) -> AppliedSparsity:
             layer = layers[l]
             weights = ad.ffn_weights(layer)
             thr = plan.seq_filter.get(l) if plan.mlp_mode == "sequential" else None
-            sparse = SparseFFN(l, weights, act, pred, thr, taps, stats)
+            sparse = SparseFFN(l, weights, act, pred, thr, taps, stats, mode)
             if ad.ffn.module:
                 _swap(applied, layer, ad.ffn.module, sparse)
             else:  # FFN inline in the layer (OPT): fc1 and act become identities, fc2 the whole sparse FFN
@@ -186,7 +240,9 @@ def apply_sparsity(model: nn.Module, plan: SparsityPlan) -> AppliedSparsity:
         for l, pred in plan.attn.items():
             attn = ad.attn_module(layers[l])
             orig = get_path(attn, ad.attn.o)
-            _swap(applied, attn, ad.attn.o, HeadSparseOut(l, orig, pred, dims.head_dim, taps, stats))
+            _swap(applied, attn, ad.attn.o, TokenSparseHeadOut(l, orig, pred, dims.head_dim, taps, stats, mode))
+        if plan.inputs:
+            apply_input_sparsity(model, plan.inputs, plan.input_score, input_mode, stats.inputs, swaps=applied._swaps)
     except Exception:
         applied.revert()
         raise

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.workers.tiny_models import tiny_model
+from tests.workers.tiny_model_support import tiny_model
 from workers.decode.latency import bench_decode, random_plan
 from workers.decode.runtime import DecodeRuntime
 
@@ -134,7 +134,7 @@ def test_batch_union_and_kv_active():
 _TRITON_SCRIPT = r"""
 import torch
 torch.set_num_threads(1)
-from tests.workers.tiny_models import tiny_model
+from tests.workers.tiny_model_support import tiny_model
 from workers.decode.latency import random_plan
 from workers.decode.runtime import DecodeRuntime
 import os
@@ -165,7 +165,7 @@ def test_triton_interpreter_path():
     from pathlib import Path
 
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     r = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
                        timeout=300)
@@ -195,3 +195,20 @@ def test_bench_decode_rows():
         assert set(r) == keys and r["device_type"] == "cpu" and r["accelerator_name"]
         assert 0 < r["p50_ms_per_token"] <= r["p90_ms_per_token"] and r["tokens_per_s"] > 0
     assert rows[0]["realized_sparsity"] is None and 0.0 < rows[1]["realized_sparsity"] <= 0.7
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_cpu_row_kernels_dense_path(family):
+    """cpu_rows: QKV, O, LM head and the dense FFN through kernels.cpu's row kernels give the matmul path's
+    logits (dense and with a sparse plan)."""
+    m = tiny_model(family)
+    ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(8))
+    for plan in (None, random_plan(m, 0.5, None, rank=8, seed=9)):
+        out = {}
+        for rows in (False, True):
+            rt = DecodeRuntime.from_hf(m).set_plan(plan)
+            rt.cpu_rows = rows
+            rt.setup(1, 14)
+            rt.prefill(ids)
+            out[rows] = torch.stack([rt.step(keep_logits=True) for _ in range(3)])
+        torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=1e-4)

@@ -87,6 +87,7 @@ def test_rows_are_fractions_over_the_first_limit_items(copa_piqa):
     assert [(r.task, r.metric) for r in copa_piqa] == [("copa", "acc"), ("piqa", "acc"), ("piqa", "acc_norm")]
     for r in copa_piqa:
         assert r.n == 20 and 0.0 <= r.value <= 1.0
+        assert r.higher_is_better is True                                    # lm-eval's direction for acc
         assert r.value * r.n == pytest.approx(round(r.value * r.n))        # a count of correct items
         assert r.stderr is not None and 0 < r.stderr < 0.2
         assert r.task_version == "1.0" and r.lm_eval_version and r.split == "validation"

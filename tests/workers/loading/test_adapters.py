@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from workers.loading.adapters import ADAPTERS, activation_fn, adapter_for, get_path, linear_weight
-from tests.workers.tiny_models import tiny_model
+from tests.workers.tiny_model_support import tiny_model
 
 FAMILIES = ["llama", "mistral", "qwen2", "gemma3", "opt", "gpt2"]
 

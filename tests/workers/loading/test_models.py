@@ -28,7 +28,7 @@ def test_reload_comes_from_the_float_cache_and_keeps_the_fingerprint(smollm2):
 
 
 def test_fingerprint_sees_a_changed_weight(smollm2):
-    from tests.workers.tiny_models import tiny_model
+    from tests.workers.tiny_model_support import tiny_model
 
     m = tiny_model("llama")
     fp = fingerprint(m)
@@ -47,7 +47,7 @@ def test_gemma3_from_its_wheels_continues_sensibly():
 
 
 def test_local_folder_and_gguf_path_refs(tmp_path):
-    from tests.workers.tiny_models import tiny_model
+    from tests.workers.tiny_model_support import tiny_model
     from transformers import AutoTokenizer
 
     m = tiny_model("qwen2")

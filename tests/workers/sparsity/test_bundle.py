@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.workers.tiny_models import tiny_model
+from tests.workers.tiny_model_support import tiny_model
 from workers.loading.adapters import adapter_for
 from workers.sparsity.bundle import (BundleError, apply_bundle, extract_bundle, load_bundle, pack_bundle, save_bundle)
 from workers.loading.models import fingerprint

@@ -1,4 +1,5 @@
 import json
+import time
 
 import pytest
 import torch
@@ -85,6 +86,34 @@ def test_corrupted_cache_is_detected_and_collected_again(smollm2, calib, tmp_pat
     assert any(p.name.startswith(".corrupt-") for p in tmp_path.iterdir())
 
 
+def test_shard_with_flipped_bytes_of_the_same_size_is_not_served_as_a_hit(smollm2, calib, tmp_path):
+    """The damage sits in the tensor data (not the header), the size is unchanged: only the digest can tell."""
+    kw = dict(layers=[0], components=("gate",), root=tmp_path, progress=False)
+
+    def flip(cache):
+        shard = cache.path / cache.manifest["shards"][0]["file"]
+        data = bytearray(shard.read_bytes())
+        mid = len(data) // 2
+        data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+        shard.write_bytes(bytes(data))
+        assert shard.stat().st_size == cache.manifest["shards"][0]["bytes"]
+
+    c = capture_activations(smollm2, calib, **kw)
+    want = c.load(0, "gate")
+    flip(c)
+    assert not torch.equal(c.load(0, "gate"), want)          # the flip reads back as different numbers
+    again = capture_activations(smollm2, calib, **kw)
+    assert not again.hit and torch.equal(again.load(0, "gate"), want)
+    assert [p.name.startswith(".corrupt-") for p in tmp_path.iterdir()].count(True) == 1
+
+    # a shard this process has already checked on a hit is checked again once rewritten
+    assert capture_activations(smollm2, calib, **kw).hit
+    time.sleep(0.05)            # file timestamps are coarse: let the clock move past the last write
+    flip(again)
+    third = capture_activations(smollm2, calib, **kw)
+    assert not third.hit and torch.equal(third.load(0, "gate"), want)
+
+
 def test_manifest_says_what_it_holds(smollm2, calib, tmp_path):
     c = capture_activations(smollm2, calib, layers=[0], components=("head_norm",), root=tmp_path, progress=False)
     m = json.loads((c.path / "manifest.json").read_text())
@@ -102,7 +131,7 @@ def test_bad_arguments(smollm2, calib, tmp_path):
 
 @pytest.mark.parametrize("family", ["opt", "gpt2", "gemma3"])
 def test_capture_on_other_families(family, tmp_path):
-    from tests.workers.tiny_models import tiny_model
+    from tests.workers.tiny_model_support import tiny_model
     from workers.loading.adapters import activation_fn, adapter_for
     from workers.loading.data import TokenSet
     from workers.loading.models import LoadedModel, fingerprint
@@ -124,7 +153,7 @@ def test_capture_on_other_families(family, tmp_path):
 
 
 def test_auto_dtype_falls_back_to_bfloat16_when_float16_overflows(tmp_path):
-    from tests.workers.tiny_models import tiny_model
+    from tests.workers.tiny_model_support import tiny_model
     from workers.loading.adapters import adapter_for
     from workers.loading.data import TokenSet
     from workers.loading.models import LoadedModel, fingerprint

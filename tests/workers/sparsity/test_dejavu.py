@@ -177,7 +177,7 @@ def test_same_seed_same_weights(ctx):
 
 
 def test_tiny_opt_relu_labels(tmp_path):
-    from tests.workers.tiny_models import tiny_model
+    from tests.workers.tiny_model_support import tiny_model
     from workers.loading.adapters import adapter_for
     from workers.loading.data import TokenSet
     from workers.loading.models import LoadedModel, fingerprint

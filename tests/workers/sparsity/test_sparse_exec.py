@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kernels.common import apply_act
-from tests.workers.tiny_models import tiny_model
+from tests.workers.tiny_model_support import tiny_model
 from workers.loading.adapters import adapter_for
 from workers.sparsity.predictors.base import HeadPredictor, MLPPredictor, SparsityPlan
 from workers.sparsity.predictors.oracle import OracleHeads, OracleMLP

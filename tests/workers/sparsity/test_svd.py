@@ -206,7 +206,7 @@ def test_few_tokens_make_the_gram_singular_and_the_fit_still_works(calib):
 
 # ---- a ReLU, non-gated model -----------------------------------------------------------------------------------
 def test_tiny_opt_fits_and_its_natural_zeros_are_the_free_prefix(tmp_path):
-    from tests.workers.tiny_models import tiny_model
+    from tests.workers.tiny_model_support import tiny_model
     from workers.loading.adapters import adapter_for
     from workers.loading.data import TokenSet
     from workers.loading.models import LoadedModel, fingerprint

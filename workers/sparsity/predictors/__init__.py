@@ -3,4 +3,6 @@ from workers.sparsity.predictors.base import (  # noqa: F401
     REGISTRY, FitContext, HeadPredictor, MLPPredictor, SparsityPlan, fit_method, get_method, register,
 )
 # importing registers; kept explicit so a sweep can name any of them
-from workers.sparsity.predictors import dejavu, oracle, static, svd, threshold  # noqa: F401,E402
+from workers.sparsity.predictors import (  # noqa: F401,E402
+    dejavu, input_sparsity, oracle, static, svd, threshold,
+)

@@ -112,7 +112,7 @@ class HeadPredictor(nn.Module):
 
 @dataclass
 class SparsityPlan:
-    """Per-layer predictors plus how the sparse FFN runs.
+    """Per-layer predictors plus how the sparse FFN runs, and per-projection input thresholds.
 
     ``mlp_mode``: ``parallel`` computes gate, up and down on the predicted set; ``sequential`` computes gate on
     the predicted set, then drops the rows whose |act(gate)| <= ``seq_filter[layer]`` before up and down.
@@ -123,10 +123,16 @@ class SparsityPlan:
     seq_filter: dict[int, float] = field(default_factory=dict)
     info: dict = field(default_factory=dict)     # per-layer facts for the store: targets, thresholds, fit time
     dense_gate: bool = False                     # the method runs the gate projection dense (threshold, oracle)
+    # input sparsity (TEAL, WINA): {layer: {projection: t}}; a projection keeps input i iff score_i > t, with
+    # score |x_i| (``input_score="abs"``) or |x_i|·‖W[:, i]‖₂ ("wina"); see workers.sparsity.input_sparse
+    inputs: dict[int, dict[str, float]] = field(default_factory=dict)
+    input_score: str = "abs"
 
     def __post_init__(self):
         if self.mlp_mode not in ("parallel", "sequential"):
             raise ValueError("mlp_mode must be 'parallel' or 'sequential'")
+        if self.input_score not in ("abs", "wina"):
+            raise ValueError("input_score must be 'abs' or 'wina'")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Re-create the pinned schema files in this folder (run by hand when bumping a version).
 
-    python tests/k8s/schemas/pin_schemas.py \
+    python k8s/schemas/pin_schemas.py \
         --kuberay-crds <kuberay checkout>/ray-operator/config/crd/bases \
         --kubernetes-defs <kubernetes-validate wheel>/kubernetes_validate/kubernetes-json-schema/v1.30.0-local-strict/_definitions.json
 

@@ -7,7 +7,7 @@
     shared_home_problems(docs) -> list[str]  every Ray pod mounts the same ReadWriteMany claim at the
                                              CTXSPARSE_HOME its env declares (checked on the rendered
                                              kustomization: the objects deployed together)
-    python -m tests.k8s.validate k8s/         prints OK or the errors; exit status 1 on errors
+    python -m k8s.validate k8s/              prints OK or the errors; exit status 1 on errors
 
 Schemas (see schemas/README.md): KubeRay's RayCluster/RayJob CRD ``openAPIV3Schema`` and the
 strict Kubernetes JSON schemas of the core kinds we use. The CRD schemas are made strict here
@@ -288,7 +288,7 @@ def kustomization_problems(kdir: Path) -> list[str]:
     """Keys we do not emulate, listed files that do not exist."""
     kdir = Path(kdir)
     k = yaml.safe_load((kdir / "kustomization.yaml").read_text())
-    out = [f"kustomization.yaml: key {key!r} is not emulated by tests/k8s/validate.py"
+    out = [f"kustomization.yaml: key {key!r} is not emulated by k8s/validate.py"
            for key in sorted(set(k) - KUSTOMIZATION_KEYS)]
     for res in k.get("resources", []):
         if not (kdir / res).is_file():
@@ -364,7 +364,7 @@ def validate_dir(kdir: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args:
-        print("usage: python -m tests.k8s.validate DIR_OR_FILE...", file=sys.stderr)
+        print("usage: python -m k8s.validate DIR_OR_FILE...", file=sys.stderr)
         return 2
     errors: list[str] = []
     for a in args:

@@ -27,7 +27,8 @@ def unit_spec(i: int, model_id: int, **kw) -> UnitSpec:
 def results(i: int) -> dict:
     """The rows one finished unit writes: N_ACC accuracy, N_LAT latency, N_LAYER layer, N_ART artifact."""
     return dict(
-        accuracy_rows=[AccuracyRow(suite="core", task=t, metric="acc", value=0.5 + i / 1000, stderr=0.01, n=200, **PROV)
+        accuracy_rows=[AccuracyRow(suite="core", task=t, metric="acc", higher_is_better=True, value=0.5 + i / 1000,
+                                   stderr=0.01, n=200, **PROV)
                        for t in ("piqa", "arc_easy", "copa")[:N_ACC]],
         latency_rows=[LatencyRow(device_type="cpu", accelerator_name="x86", batch=b, prompt_len=128, gen_len=64,
                                  p50_ms_per_token=10.0, p90_ms_per_token=12.0, tokens_per_s=100.0,

@@ -1,5 +1,4 @@
-"""Input builders and error metric shared by the kernel tests (a plain module: no package here, so
-``tests/kernels`` can never shadow the top-level ``kernels`` package)."""
+"""Input builders and error metric shared by the kernel tests."""
 import math
 
 import torch

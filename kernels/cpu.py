@@ -1,0 +1,423 @@
+"""CPU backend: sparse FFN / projection ops that read only the active weight rows, in place.
+
+Same signatures and outputs as kernels.reference (and kernels.ffn_triton / attn_triton), plus
+:func:`input_sparse_linear` and :func:`token_sparse_ffn`. Nothing gathers the active rows into a copy:
+
+* output sparsity (gate/up/fc1/qkv): one dot product per active row of ``W`` [N, d] (``rows_dot``), each row read
+  once for the B tokens that share the set;
+* the down / output projection and input sparsity: a weighted sum of rows of ``Wᵀ`` [in, out] (``rows_axpy``),
+  per token (bags) or shared by the batch.
+
+Both come from a small C file (``cpu_native.c``, fp32, OpenMP, compiled with the machine's C compiler on first
+use and cached under ``$CTXSPARSE_HOME``/``~/.cache/ctxsparse``). Where there is no compiler (or
+``CTXSPARSE_CPU_NATIVE=0``), or for other dtypes, the same ops run on torch primitives: ``F.embedding_bag`` for the
+row sums (no copy; one thread per bag) and ``index_select`` + ``F.linear`` for the row dots (a gathered copy).
+``native_available()`` says which one runs. Dense products at full density use the same kernels over every row
+(``dense_ffn``): on a 2-core CPU they read the weights faster than MKL's GEMV (see ``benchmarks/cpu_ops.py``).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import reference as _ref
+from .common import ACTS, MAX_BATCH, act_code, apply_act, group_rows, valid_mask
+
+_SRC = Path(__file__).with_name("cpu_native.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _flags() -> list[str]:
+    """Compiler flags; ``CTXSPARSE_CPU_CFLAGS`` adds some (e.g. ``-DPF_DIST=8`` when tuning the prefetch)."""
+    return _FLAGS + os.environ.get("CTXSPARSE_CPU_CFLAGS", "").split()
+_LIB = None
+_LIB_TRIED = False
+_LOCK = threading.Lock()
+_ENV = os.environ
+
+compact = _ref.compact
+union_active = _ref.union_active
+kv_heads_for = _ref.kv_heads_for
+active_mask = _ref.active_mask
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the native library
+def _cache_dir() -> Path:
+    base = os.environ.get("CTXSPARSE_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "ctxsparse")
+    return Path(base) / "cpu_kernels"
+
+
+def _cpu_tag() -> str:
+    """-march=native: the build is only valid on CPUs with the same feature flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line
+                    break
+    except OSError:
+        pass
+    return platform.machine() + flags
+
+
+def _build() -> ctypes.CDLL | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None or not _SRC.exists():
+        return None
+    src = _SRC.read_bytes()
+    flags = _flags()
+    key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_tag().encode() + cc.encode()).hexdigest()[:16]
+    out = _cache_dir() / f"cpu_native-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        r = subprocess.run([cc, *flags, "-o", tmp, str(_SRC), "-lm"], capture_output=True, text=True)
+        if r.returncode != 0:
+            os.unlink(tmp)
+            return None
+        os.replace(tmp, out)              # atomic: concurrent builders publish the same file
+    lib = ctypes.CDLL(str(out))
+    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.cs_rows_dot.argtypes = [P, P, P, I64, I64, P, I64, I64, P, I64, I, P, P, I]
+    lib.cs_rows_axpy.argtypes = [P, I64, I64, I64, P, P, I64, P, I64, I, P, P, P, I]
+    lib.cs_input_sparse.argtypes = [P, I64, I64, I64, P, I64, ctypes.c_float, P, P, P, P, P, P, I]
+    lib.cs_pair_dot.argtypes = [P, P, I64, I64, P, P, I64, P, P, I]
+    lib.cs_ffn.argtypes = [P, P, P, P, P, I64, I64, P, I64, P, I64, I, P, P, I]
+    for f in (lib.cs_rows_dot, lib.cs_rows_axpy, lib.cs_input_sparse, lib.cs_pair_dot, lib.cs_ffn):
+        f.restype = I
+    return lib
+
+
+def _native():
+    global _LIB, _LIB_TRIED
+    if _ENV.get("CTXSPARSE_CPU_NATIVE") == "0":
+        return None
+    if not _LIB_TRIED:
+        with _LOCK:
+            if not _LIB_TRIED:
+                try:
+                    _LIB = _build()
+                except OSError:
+                    _LIB = None
+                _LIB_TRIED = True
+    return _LIB
+
+
+def native_available() -> bool:
+    """True when the compiled kernels run (else the torch-primitive fallback)."""
+    return _native() is not None
+
+
+_F32 = torch.float32
+
+
+def _ok(t) -> bool:
+    return t is None or (t.dtype is _F32 and t.is_cpu and t.is_contiguous())
+
+
+def _use_native(a, b=None, c=None, d=None, e=None, f=None, *, rows_t=None) -> bool:
+    """fp32 CPU tensors, contiguous (``rows_t``: rows may be strided, elements of a row contiguous). Written out
+    (no generator): it runs once per op, per layer and token."""
+    if not (_ok(a) and _ok(b) and _ok(c) and _ok(d) and _ok(e) and _ok(f)):
+        return False
+    if rows_t is not None and not (rows_t.dtype is _F32 and rows_t.is_cpu and rows_t.stride(1) == 1):
+        return False
+    return _native() is not None
+
+
+def _p(t):
+    return None if t is None else t.data_ptr()
+
+
+def _check(rc: int) -> None:
+    if rc != 0:
+        raise IndexError("an active index is outside the weight's rows")
+
+
+def _idx64(idx, count):
+    """(active rows int64 [k], k): the valid prefix of the index buffer (reading count is free on the CPU)."""
+    if count is None:
+        k = idx.shape[0]
+        return (idx if idx.dtype is torch.int64 and idx.is_contiguous() else idx.to(torch.int64).contiguous()), k
+    k = max(0, min(idx.shape[0], int(count)))
+    return idx[:k].to(torch.int64).contiguous(), k
+
+
+def _cd(x):
+    """Intermediate dtype: fp64 for fp64 inputs (the tests' ground truth), else fp32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# primitives
+def rows_dot(x, w, rows, kpad, *, w2=None, bias=None, act="none", scale=None):
+    """out [B, kpad] fp32: out[:, j] = act(x @ w[rows[j]] + bias[rows[j]]) (* x @ w2[rows[j]]) (* scale[:, j]) for
+    j < len(rows), 0 beyond. ``rows`` int64 [k] (None: rows 0..kpad-1)."""
+    B, d = x.shape
+    k = kpad if rows is None else rows.shape[0]
+    x = x.contiguous()
+    scale = scale.contiguous() if scale is not None else None
+    if _use_native(x, w, w2, bias, scale):
+        out = torch.empty(B, kpad, dtype=torch.float32)
+        _check(_native().cs_rows_dot(_p(w), _p(w2), _p(bias), w.shape[0], d, _p(rows), k, kpad, _p(x), B,
+                                     act_code(act), _p(scale), _p(out), _threads()))
+        return out
+    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+    r = torch.arange(k) if rows is None else rows
+    z = F.linear(x.to(cd), w.index_select(0, r).to(cd), bias.index_select(0, r).to(cd) if bias is not None else None)
+    h = apply_act(z, act)
+    if w2 is not None:
+        h = h * F.linear(x.to(cd), w2.index_select(0, r).to(cd))
+    out = torch.zeros(B, kpad, dtype=cd)
+    out[:, :k] = h
+    if scale is not None:
+        out = out * scale.to(cd)
+    return out
+
+
+def rows_axpy(weights, w_t, rows, *, bias=None, offsets=None):
+    """Weighted sums of rows of ``w_t`` [in, out] -> [B, out].
+
+    Shared set (``offsets`` None): ``weights`` [B, K] (K >= len(rows)), y[b] = sum_j weights[b, j] · w_t[rows[j]]
+    (``rows`` None: every row, K = in). Per-token bags: ``weights`` [P] and ``rows`` [P] flat, ``offsets`` [B + 1]
+    int64 (bag b = offsets[b]:offsets[b+1]).
+    """
+    n = w_t.shape[1]
+    shared = offsets is None
+    if shared:
+        B, K = weights.shape
+        k = w_t.shape[0] if rows is None else rows.shape[0]
+        off = torch.tensor([0, k], dtype=torch.int64)
+    else:
+        B = offsets.shape[0] - 1
+        off = offsets.to(torch.int64).contiguous()
+    weights = weights.contiguous()
+    if _use_native(weights, bias, rows_t=w_t):
+        nt = _threads()
+        wts = weights
+        y = torch.empty(B, n, dtype=torch.float32)
+        scratch = torch.empty(nt * B * n if (shared or B < nt) else 1, dtype=torch.float32)
+        _check(_native().cs_rows_axpy(_p(w_t), w_t.shape[0], n, w_t.stride(0), _p(rows), _p(wts),
+                                      K if shared else 0, _p(off), B, int(shared), _p(bias), _p(y), _p(scratch), nt))
+        return y
+    cd = torch.float64 if torch.float64 in (weights.dtype, w_t.dtype) else torch.float32
+    if shared and rows is None:
+        y = weights.to(cd) @ w_t.to(cd)
+        return y + bias.to(cd) if bias is not None else y
+    if shared:
+        inp = rows.repeat(B)
+        psw = weights[:, :k].reshape(-1)
+        off = torch.arange(B, dtype=torch.int64) * k
+    else:
+        inp, psw, off = rows, weights, off[:-1]
+    y = F.embedding_bag(inp, w_t.to(cd), off, per_sample_weights=psw.to(cd), mode="sum")
+    return y + bias.to(cd) if bias is not None else y
+
+
+def ffn_rows(x, w_gate, w_up, w_down_t, rows, act, *, b_up=None, b_down=None):
+    """The FFN over the neurons ``rows`` (int64 [k]; None: all) for a batch sharing them, in one pass: per active
+    neuron its gate/up (or fc1) dot products and at once its row of W_downᵀ, each thread on its own neurons.
+    ``w_gate`` None: non-gated MLP (act(fc1 + b_up)). Returns [B, d] fp32 (None if the native kernels do not
+    run for these tensors)."""
+    x = x.contiguous()
+    if not _use_native(x, w_gate, w_up, w_down_t, b_up, b_down):
+        return None
+    B, d = x.shape
+    k = w_up.shape[0] if rows is None else rows.shape[0]
+    nt = _threads()
+    y = torch.empty(B, d, dtype=_F32)
+    scratch = torch.empty(nt * B * d, dtype=_F32)
+    _check(_native().cs_ffn(w_gate.data_ptr() if w_gate is not None else None, w_up.data_ptr(), _p(b_up),
+                            w_down_t.data_ptr(), _p(b_down), w_up.shape[0], d, _p(rows), k, x.data_ptr(), B,
+                            ACTS[act], y.data_ptr(), scratch.data_ptr(), nt))
+    return y
+
+
+def linear(x, w, bias=None):
+    """x @ wᵀ (+ bias) for a few tokens (w [out, in]): the row kernel over every row where it runs (it reads the
+    weights faster than MKL's GEMV on a small CPU), else ``F.linear``."""
+    if x.shape[0] <= MAX_BATCH and _use_native(x.contiguous(), w, bias):
+        return rows_dot(x, w, None, w.shape[0], bias=bias)
+    return F.linear(x, w, bias)
+
+
+def linear_t(x, w_t, bias=None):
+    """x @ w_t (+ bias) with w_t = Wᵀ [in, out]: a weighted sum of every row of w_t, else a matmul."""
+    if x.shape[0] <= MAX_BATCH and _use_native(x.contiguous(), w_t, bias):
+        return rows_axpy(x, w_t, None, bias=bias)
+    y = x @ w_t
+    return y + bias if bias is not None else y
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ops with kernels.reference's signatures
+def gated_gather_gemv(x, w_gate, w_up, idx, count=None, act="silu", out_dtype=None, *, config=None):
+    rows, _ = _idx64(idx, count)
+    return rows_dot(x, w_gate, rows, idx.shape[0], w2=w_up, act=act).to(out_dtype or x.dtype)
+
+
+def gather_gemv(x, w, idx, count=None, act="none", bias=None, scale=None, out_dtype=None, *, config=None):
+    rows, _ = _idx64(idx, count)
+    return rows_dot(x, w, rows, idx.shape[0], bias=bias, act=act, scale=scale).to(out_dtype or x.dtype)
+
+
+def gather_down(h, w_t, idx, count=None, bias=None, group=1, *, out_dtype=None, config=None):
+    K = idx.shape[0]
+    rows, k = _idx64(idx, count)
+    if group > 1:
+        rows = group_rows(rows, torch.ones(k, dtype=torch.bool), group)
+    y = rows_axpy(h.reshape(h.shape[0], K * group), w_t, rows, bias=bias)
+    return y.to(out_dtype or w_t.dtype)
+
+
+def sequential_gate_filter(x, w_gate, idx, count=None, act="silu", threshold=0.0, *, config=None):
+    a = gather_gemv(x, w_gate, idx, count, act, out_dtype=_cd(x))
+    keep = valid_mask(idx, count) & (a.abs() > threshold).any(dim=0)
+    idx2, count2, a2 = compact(keep, idx, a)
+    return a2, idx2, count2
+
+
+def sparse_ffn(x, w_gate, w_up, w_down_t, idx, count=None, act="silu", threshold=None, *, path=None, config=None):
+    if threshold is not None:
+        a2, idx2, count2 = sequential_gate_filter(x, w_gate, idx, count, act, threshold)
+        h = gather_gemv(x, w_up, idx2, count2, scale=a2, out_dtype=_cd(x))
+        return gather_down(h, w_down_t, idx2, count2, out_dtype=x.dtype)
+    y = ffn_rows(x, w_gate, w_up, w_down_t, _idx64(idx, count)[0], act)
+    if y is not None:
+        return y.to(x.dtype)
+    h = gated_gather_gemv(x, w_gate, w_up, idx, count, act, out_dtype=_cd(x))
+    return gather_down(h, w_down_t, idx, count, out_dtype=x.dtype)
+
+
+def sparse_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count=None, act="relu", *, path=None, config=None):
+    y = ffn_rows(x, None, w_fc1, w_fc2_t, _idx64(idx, count)[0], act, b_up=b_fc1, b_down=b_fc2)
+    if y is not None:
+        return y.to(x.dtype)
+    h = gather_gemv(x, w_fc1, idx, count, act=act, bias=b_fc1, out_dtype=_cd(x))
+    return gather_down(h, w_fc2_t, idx, count, bias=b_fc2, out_dtype=x.dtype)
+
+
+def dense_ffn(x, w_gate, w_up, w_down_t, act="silu", mask=None):
+    """Dense FFN through the same kernels over every neuron (``mask`` [D] keeps the masked-in neurons only)."""
+    rows = None if mask is None else mask.nonzero().reshape(-1)
+    y = ffn_rows(x, w_gate, w_up, w_down_t, rows, act)
+    return y.to(x.dtype) if y is not None else _ref.dense_ffn(x, w_gate, w_up, w_down_t, act, mask)
+
+
+def dense_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, act="relu", mask=None):
+    rows = None if mask is None else mask.nonzero().reshape(-1)
+    y = ffn_rows(x, None, w_fc1, w_fc2_t, rows, act, b_up=b_fc1, b_down=b_fc2)
+    return y.to(x.dtype) if y is not None else _ref.dense_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, act, mask)
+
+
+def head_sparse_qkv(x, w_qkv, q_idx, q_count, kv_idx, kv_count, n_heads, n_kv_heads, head_dim, bias=None,
+                    *, config=None):
+    B = x.shape[0]
+    outs = []
+    for part_idx, part_count, off in ((q_idx, q_count, 0), (kv_idx, kv_count, n_heads),
+                                      (kv_idx, kv_count, n_heads + n_kv_heads)):
+        heads, k = _idx64(part_idx, part_count)
+        rows = group_rows(heads + off, torch.ones(k, dtype=torch.bool), head_dim)
+        z = rows_dot(x, w_qkv, rows, part_idx.shape[0] * head_dim, bias=bias)
+        outs.append(z.to(x.dtype).view(B, part_idx.shape[0], head_dim))
+    return tuple(outs)
+
+
+def head_sparse_out(attn, w_o_t, q_idx, q_count=None, head_dim=None, bias=None, *, config=None):
+    B = attn.shape[0]
+    return gather_down(attn.reshape(B, -1), w_o_t, q_idx, q_count, bias=bias, group=head_dim,
+                       out_dtype=attn.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# input sparsity and per-token sets
+def input_sparse_linear(x, w_t, threshold, bias=None, *, config=None):
+    """y = (x · [|x| > t]) @ w_t (+ bias): only the rows of ``w_t`` = Wᵀ [in, out] of each token's active inputs
+    are read. x [B, in]; threshold a float or a 0-d tensor; returns [B, out] in x's dtype."""
+    if x.dim() != 2 or w_t.dim() != 2 or x.shape[1] != w_t.shape[0]:
+        raise ValueError(f"x must be [B, in] and w_t [in, out]; got {tuple(x.shape)} and {tuple(w_t.shape)}")
+    t = float(threshold)
+    B, n_in = x.shape
+    n = w_t.shape[1]
+    xc = x.contiguous()
+    if _use_native(xc, bias, rows_t=w_t):
+        nt = _threads()
+        y = torch.empty(B, n, dtype=torch.float32)
+        idx = torch.empty(B * n_in, dtype=torch.int64)
+        wts = torch.empty(B * n_in, dtype=torch.float32)
+        off = torch.empty(B + 1, dtype=torch.int64)
+        scratch = torch.empty(nt * B * n, dtype=torch.float32)
+        _check(_native().cs_input_sparse(_p(w_t), n_in, n, w_t.stride(0), _p(xc), B, t, _p(bias), _p(y), _p(idx),
+                                         _p(wts), _p(off), _p(scratch), nt))
+        return y
+    keep = x.abs() > t
+    tok, rows = keep.nonzero(as_tuple=True)
+    offsets = torch.zeros(B + 1, dtype=torch.int64)
+    offsets[1:] = torch.bincount(tok, minlength=B).cumsum(0)
+    return rows_axpy(x[tok, rows], w_t, rows, bias=bias, offsets=offsets).to(x.dtype)
+
+
+def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, config=None):
+    """Projections sharing x with Wᵀ concatenated along out (fused QKV): segment j (``sizes[j]`` columns) uses
+    its own threshold ``thresholds[j]``. Each segment reads its column block of the active rows in place."""
+    sizes = [int(s) for s in sizes]
+    if sum(sizes) != w_t.shape[1]:
+        raise ValueError(f"segment sizes {sizes} must sum to out = {w_t.shape[1]}")
+    outs, lo = [], 0
+    for j, s in enumerate(sizes):
+        b = None if bias is None else bias[lo:lo + s].contiguous()
+        outs.append(input_sparse_linear(x, w_t[:, lo:lo + s], thresholds[j], b))
+        lo += s
+    return torch.cat(outs, dim=1)
+
+
+def token_sparse_ffn(x, w_up, w_down_t, mask, act, w_gate=None, b_up=None, b_down=None, filter_threshold=None):
+    """kernels.token_sparse.token_sparse_ffn on the row kernels: each token's selected neurons only, the down
+    projection as per-token bags over W_downᵀ. Same arguments and returns (y, pairs first, pairs kept)."""
+    if x.dim() != 2 or mask.shape != (x.shape[0], w_up.shape[0]):
+        raise ValueError(f"x must be [T, d] and mask [T, D]; got {tuple(x.shape)} and {tuple(mask.shape)}")
+    T, d = x.shape
+    tok, cols = mask.nonzero(as_tuple=True)
+    n_first = tok.numel()
+    first = w_gate if w_gate is not None else w_up
+    a = _pair_dots(x, first, tok, cols, b_up if w_gate is None else None)
+    a = apply_act(a, act)
+    if filter_threshold is not None:
+        keep = a.abs() > filter_threshold
+        tok, cols, a = tok[keep], cols[keep], a[keep]
+    h = a * _pair_dots(x, w_up, tok, cols, None) if w_gate is not None else a
+    offsets = torch.zeros(T + 1, dtype=torch.int64)
+    offsets[1:] = torch.bincount(tok, minlength=T).cumsum(0)
+    y = rows_axpy(h.to(w_down_t.dtype), w_down_t, cols, bias=b_down, offsets=offsets)
+    return y.to(x.dtype), n_first, tok.numel()
+
+
+def _pair_dots(x, w, tok, cols, bias):
+    """<x[tok[p]], w[cols[p]]> (+ bias[cols[p]]) for every selected (token, neuron) pair, token by token."""
+    xc = x.contiguous()
+    if _use_native(xc, w, bias):
+        out = torch.empty(tok.numel(), dtype=torch.float32)
+        _check(_native().cs_pair_dot(_p(w), _p(bias), w.shape[0], w.shape[1], _p(tok.contiguous()),
+                                     _p(cols.contiguous()), tok.numel(), _p(xc), _p(out), _threads()))
+        return out
+    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+    z = (x.to(cd)[tok] * w.to(cd)[cols]).sum(-1)
+    return z + bias.to(cd)[cols] if bias is not None else z
+

@@ -1,0 +1,381 @@
+"""Triton kernel for input sparsity (TEAL / WINA style): a column-sparse GEMV for any projection.
+
+Ops (same signatures as kernels.reference):
+
+    input_sparse_linear(x, w_t, threshold, bias=None) -> y [B, out]
+    input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None) -> y [B, sum(sizes)]
+
+``w_t`` is W^T stored [in, out] contiguous (``linear.weight.t().contiguous()``), so input channel i is one
+contiguous row. y[b] = sum over i with |x[b, i]| > t of x[b, i] * w_t[i, :] (+ bias). The mask is applied in
+the load: a row of w_t is read only if some token of the batch has that channel active (the union), and each
+token's inactive entries are zeroed in x, so every token gets exactly its own masked product. No index
+compaction, no host sync (the threshold may be a 0-d device tensor), CUDA-graph capturable.
+
+The segmented op is the fused QKV case: one input x, W^T of q, k and v concatenated along out, and one
+threshold per output segment (up to 4 segments): segment j uses the mask |x| > thresholds[j].
+
+Deterministic: every program owns a block of output columns and a fixed slice of the input channels; with one
+slice per column block it writes y directly, otherwise its fp32 partial goes to a workspace and the partials
+are summed in a fixed order, either by the last program of the column block to finish (``reduce="ticket"``:
+an atomic arrival counter picks that program, it never touches the sums) or by a second launch
+(``reduce="kernel"``). No atomic adds: the same inputs give the same bits. Three inner loops (configs.py):
+CUDA-core FMAs with the next two weight tiles prefetched in registers (batch <= 4; the frozen choice at batch
+1 and 2), the same loop with tensor-core tl.dot (``mma``), and a cp.async-pipelined tl.dot with the batch
+padded to 16 rows (``dot``; batch >= 4). fp32 accumulation throughout; fp16, bf16 and fp32 inputs.
+
+Measured on an H200 (kernels/NOTES.md): a per-call floor that grows with in x out whether or not rows are read
+(the loop's instructions run over every row) keeps the batch-1 speed-up at 1.3x (50 %) / 1.5x (70 %) for
+fp16 gate/up and down; batch >= 2 is slower than cuBLAS.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import common as _c
+from . import configs as C
+from .common import MAX_BATCH, check_x
+from .ffn_triton import _launch_reduce
+
+MAX_SEGMENTS = 4
+
+
+@triton.jit
+def _segment_of(pid, N, c1, c2, c3, NSEG: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program -> (segment, first column, segment end): the column blocks of each segment are numbered after
+    those of the segments before it, so no block straddles two segments."""
+    seg = pid * 0
+    lo = pid * 0
+    hi = pid * 0 + N
+    blk = pid
+    if NSEG > 1:
+        hi = pid * 0 + c1
+        b1 = (c1 + BLOCK_N - 1) // BLOCK_N
+        e2 = c2 if NSEG > 2 else N
+        b2 = b1 + (e2 - c1 + BLOCK_N - 1) // BLOCK_N
+        in1 = pid >= b1
+        seg = tl.where(in1, 1, seg)
+        lo = tl.where(in1, c1, lo)
+        hi = tl.where(in1, e2, hi)
+        blk = tl.where(in1, pid - b1, blk)
+        if NSEG > 2:
+            e3 = c3 if NSEG > 3 else N
+            b3 = b2 + (e3 - c2 + BLOCK_N - 1) // BLOCK_N
+            in2 = pid >= b2
+            seg = tl.where(in2, 2, seg)
+            lo = tl.where(in2, c2, lo)
+            hi = tl.where(in2, e3, hi)
+            blk = tl.where(in2, pid - b2, blk)
+            if NSEG > 3:
+                in3 = pid >= b3
+                seg = tl.where(in3, 3, seg)
+                lo = tl.where(in3, c3, lo)
+                hi = tl.where(in3, N, hi)
+                blk = tl.where(in3, pid - b3, blk)
+    return seg, lo + blk * BLOCK_N, hi
+
+
+@triton.jit
+def _x_chunk(x_ptr, stride_xb, k0, k_hi, thr, bs, bm, BLOCK_K: tl.constexpr):
+    """x[:, k0:k0+BLOCK_K] with each token's inactive entries (|x| <= thr) zeroed, and the union row mask."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    km = ks < k_hi
+    xv = tl.load(x_ptr + bs[:, None] * stride_xb + ks[None, :], mask=bm[:, None] & km[None, :], other=0.0)
+    on = (tl.abs(xv.to(tl.float32)) > thr) & bm[:, None] & km[None, :]
+    rowm = tl.max(on.to(tl.int32), axis=0) > 0  # union over the batch
+    return tl.where(on, xv, tl.zeros_like(xv)), rowm
+
+
+@triton.jit
+def _x_row(x_ptr, ks, km, thr, b, B):
+    m = km & ((ks * 0 + b) < B)
+    xv = tl.load(x_ptr + ks, mask=m, other=0.0).to(tl.float32)
+    on = (tl.abs(xv) > thr) & m
+    return tl.where(on, xv, 0.0), on
+
+
+@triton.jit
+def _x_rows(x_ptr, stride_xb, k0, k_hi, thr, B, B_PAD: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Per token b < 4: x[b, k0:k0+BLOCK_K] in fp32 with inactive entries zeroed (zeros past B), and the union
+    row mask. One [BLOCK_K] vector per token, so they broadcast against a w tile without a layout change."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    km = ks < k_hi
+    x0, rm = _x_row(x_ptr, ks, km, thr, 0, B)
+    x1 = x0 * 0.0
+    x2 = x1
+    x3 = x1
+    if B_PAD > 1:
+        x1, on = _x_row(x_ptr + stride_xb, ks, km, thr, 1, B)
+        rm = rm | on
+    if B_PAD > 2:
+        x2, on = _x_row(x_ptr + 2 * stride_xb, ks, km, thr, 2, B)
+        rm = rm | on
+        x3, on = _x_row(x_ptr + 3 * stride_xb, ks, km, thr, 3, B)
+        rm = rm | on
+    return x0, x1, x2, x3, rm
+
+
+@triton.jit
+def _w_tile(w_ptr, k0, N, cols, cm, rowm, BLOCK_K: tl.constexpr):
+    """Rows k0..k0+BLOCK_K of w_t at ``cols``; rows outside ``rowm`` are masked out of the load (not read)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + ks.to(tl.int64)[:, None] * N + cols[None, :], mask=rowm[:, None] & cm[None, :],
+                   other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _input_sparse_kernel(
+    x_ptr, stride_xb, w_ptr, thr_ptr, t0, t1, t2, t3, bias_ptr, y_ptr, stride_yb, ws_ptr, cnt_ptr,
+    B, K, N, k_per_split, c1, c2, c3,
+    NSEG: tl.constexpr, THR_PTR: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+    TICKET: tl.constexpr, S_PAD: tl.constexpr, B_R: tl.constexpr,
+    B_PAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
+    DOT_F32: tl.constexpr, IEEE: tl.constexpr, MMA: tl.constexpr,
+):
+    """Program (column block, K slice): acc[b, n] = sum_{k in slice, |x[b,k]| > t} x[b, k] * w_t[k, n].
+    Rows of w_t whose channel is inactive for every token are masked out of the load (no bytes read)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    seg, c0, hi = _segment_of(pid_n, N, c1, c2, c3, NSEG, BLOCK_N)
+    if THR_PTR:
+        thr = tl.load(thr_ptr + seg).to(tl.float32)
+    else:
+        thr = tl.where(seg == 0, t0, tl.where(seg == 1, t1, tl.where(seg == 2, t2, t3)))
+    cols = c0 + tl.arange(0, BLOCK_N)
+    cm = cols < hi
+    bs = tl.arange(0, B_PAD)
+    bm = bs < B
+    k_lo = pid_s * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    if USE_DOT:
+        acc = tl.zeros([B_PAD, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            xm, rowm = _x_chunk(x_ptr, stride_xb, k0, k_hi, thr, bs, bm, BLOCK_K)
+            w = _w_tile(w_ptr, k0, N, cols, cm, rowm, BLOCK_K)
+            if DOT_F32:
+                acc = tl.dot(xm.to(tl.float32), w.to(tl.float32), acc)
+            elif IEEE:
+                acc = tl.dot(xm, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xm, w, acc)
+        out = acc
+    else:
+        # Register-prefetched loop (B_PAD <= 4): while tile k is consumed, the w rows of tiles k+1 and k+2 (their
+        # masks already known) and the x chunk of tile k+3 are in flight. MMA: tensor-core tl.dot of the tokens'
+        # masked x (padded to 16 rows) with the tile, fp32 accumulation; else CUDA-core FMAs into one
+        # [BLOCK_K, BLOCK_N] fp32 accumulator per token, reduced over K once at the end.
+        if MMA:
+            acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+            r16 = tl.arange(0, 16)
+        else:
+            a0 = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+            a1 = a0
+            a2 = a0
+            a3 = a0
+        x0, x1, x2, x3, rm = _x_rows(x_ptr, stride_xb, k_lo, k_hi, thr, B, B_PAD, BLOCK_K)
+        w_c = _w_tile(w_ptr, k_lo, N, cols, cm, rm, BLOCK_K)
+        y0, y1, y2, y3, rm = _x_rows(x_ptr, stride_xb, k_lo + BLOCK_K, k_hi, thr, B, B_PAD, BLOCK_K)
+        w_n = _w_tile(w_ptr, k_lo + BLOCK_K, N, cols, cm, rm, BLOCK_K)
+        z0, z1, z2, z3, rm_nn = _x_rows(x_ptr, stride_xb, k_lo + 2 * BLOCK_K, k_hi, thr, B, B_PAD, BLOCK_K)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            w_nn = _w_tile(w_ptr, k0 + 2 * BLOCK_K, N, cols, cm, rm_nn, BLOCK_K)
+            v0, v1, v2, v3, rm_nnn = _x_rows(x_ptr, stride_xb, k0 + 3 * BLOCK_K, k_hi, thr, B, B_PAD, BLOCK_K)
+            if MMA:
+                xa = tl.where(r16[:, None] == 0, x0[None, :], 0.0)
+                if B_PAD > 1:
+                    xa += tl.where(r16[:, None] == 1, x1[None, :], 0.0)
+                if B_PAD > 2:
+                    xa += tl.where(r16[:, None] == 2, x2[None, :], 0.0)
+                    xa += tl.where(r16[:, None] == 3, x3[None, :], 0.0)
+                if DOT_F32:
+                    acc = tl.dot(xa, w_c.to(tl.float32), acc)
+                elif IEEE:
+                    acc = tl.dot(xa, w_c, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(xa.to(w_c.dtype), w_c, acc)
+            else:
+                wf = w_c.to(tl.float32)
+                a0 += x0[:, None] * wf
+                if B_PAD > 1:
+                    a1 += x1[:, None] * wf
+                if B_PAD > 2:
+                    a2 += x2[:, None] * wf
+                    a3 += x3[:, None] * wf
+            w_c = w_n
+            w_n = w_nn
+            x0, x1, x2, x3 = y0, y1, y2, y3
+            y0, y1, y2, y3 = z0, z1, z2, z3
+            z0, z1, z2, z3, rm_nn = v0, v1, v2, v3, rm_nnn
+        if MMA:
+            out = acc
+            bs = r16
+            bm = bs < B
+        else:
+            out = tl.where(bs[:, None] == 0, tl.sum(a0, axis=0)[None, :], 0.0)
+            if B_PAD > 1:
+                out += tl.where(bs[:, None] == 1, tl.sum(a1, axis=0)[None, :], 0.0)
+            if B_PAD > 2:
+                out += tl.where(bs[:, None] == 2, tl.sum(a2, axis=0)[None, :], 0.0)
+                out += tl.where(bs[:, None] == 3, tl.sum(a3, axis=0)[None, :], 0.0)
+    om = bm[:, None] & cm[None, :]
+    if PARTIAL:
+        tl.store(ws_ptr + (pid_s * B + bs[:, None]) * N + cols[None, :], out, mask=om)
+        if TICKET:
+            # the last program of this column block to finish sums all the partials as one [S_PAD, BLOCK_N]
+            # tile per token (a fixed reduction tree, whoever is last: deterministic), then re-arms the counter
+            nsplit = tl.num_programs(1)
+            tl.debug_barrier()
+            ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if ticket == nsplit - 1:
+                ss = tl.arange(0, S_PAD)
+                for b in tl.static_range(B_R):
+                    rb = ((cols * 0 + b) < B) & cm
+                    part = tl.load(ws_ptr + (ss[:, None] * B + b) * N + cols[None, :],
+                                   mask=(ss[:, None] < nsplit) & rb[None, :], other=0.0, cache_modifier=".cg")
+                    tot = tl.sum(part, axis=0)
+                    if HAS_BIAS:
+                        tot += tl.load(bias_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+                    tl.store(y_ptr + b * stride_yb + cols, tot.to(y_ptr.dtype.element_ty), mask=rb)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    else:
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + bs[:, None] * stride_yb + cols[None, :], out.to(y_ptr.dtype.element_ty), mask=om)
+
+
+# ------------------------------------------------------------------------------------------------
+def _config(B, device, override):
+    bp = C.b_pad(B)
+    table = C.INPUT_SPARSE
+    cfg = dict(table[bp] if bp in table else table[max(table)])
+    if device.type == "cpu":
+        cfg.update(C.INTERP["input_sparse"])
+    if override:
+        cfg.update(override)
+    return cfg
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(device, n):
+    """Per-device int32 arrival counters of the ticket reduce (zero between calls: the last program of each
+    column block re-arms its own). Allocated once per device and size (a later CUDA-graph capture reuses it;
+    two ticket launches must not run concurrently on different streams of one device)."""
+    key = (device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def _n_blocks(sizes, block_n):
+    return sum(triton.cdiv(s, block_n) for s in sizes)
+
+
+def _splits(cfg, K, n_blocks, device):
+    """K slices per column block: the fixed count ``splits``, or enough slices that the grid reaches
+    ``min_progs`` programs (``progs_per_sm`` × SMs); never more than the K blocks."""
+    block_k = cfg["BLOCK_K"]
+    kb = triton.cdiv(K, block_k)
+    if cfg.get("splits"):
+        want = cfg["splits"]
+    else:
+        target = cfg.get("progs_per_sm", 0) * C.num_sms(device.index if device.type == "cuda" else None)
+        want = triton.cdiv(target, n_blocks) if target > n_blocks else 1
+    s = max(1, min(want, kb, cfg.get("max_splits", 64)))
+    per = triton.cdiv(kb, s) * block_k
+    return triton.cdiv(K, per), per
+
+
+def _launch(x, w_t, thresholds, sizes, bias, config):
+    B, K = x.shape
+    N = w_t.shape[1]
+    nseg = len(sizes)
+    cfg = _config(B, x.device, config)
+    block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    bp = C.b_pad(B)
+    use_dot = bool(cfg.get("dot", True)) or bp > 4  # the register-prefetched loop keeps up to 4 token vectors
+    mma = bool(cfg.get("mma")) and not use_dot
+    if use_dot or mma:
+        assert block_n >= 16 and block_k >= 16, "the tl.dot paths need BLOCK_N, BLOCK_K >= 16"
+    if use_dot:
+        bp = max(16, bp)
+    n_blocks = _n_blocks(sizes, block_n)
+    nsplit, per = _splits(cfg, K, n_blocks, x.device)
+    bounds = [0]
+    for s in sizes:
+        bounds.append(bounds[-1] + s)
+    c = (bounds[1:-1] + [N, N, N])[:3]
+    if isinstance(thresholds, torch.Tensor):
+        thr_ptr, tv = thresholds, (0.0,) * 4
+    else:
+        thr_ptr, tv = x, tuple(float(t) for t in thresholds) + (0.0,) * (4 - nseg)
+    y = _c.empty((B, N), x.device, x.dtype)
+    partial = nsplit > 1
+    ticket = partial and cfg.get("reduce", "kernel") == "ticket"
+    ws = _c.empty((nsplit, B, N), x.device, torch.float32) if partial else y
+    cnt = _counters(x.device, n_blocks) if ticket else y
+    _input_sparse_kernel[(n_blocks, nsplit)](
+        x, x.stride(0), w_t, thr_ptr, *tv, bias if bias is not None else w_t, y, y.stride(0), ws, cnt,
+        B, K, N, per, *c,
+        NSEG=nseg, THR_PTR=isinstance(thresholds, torch.Tensor), HAS_BIAS=bias is not None, PARTIAL=partial,
+        TICKET=ticket, S_PAD=triton.next_power_of_2(nsplit), B_R=C.b_pad(B),
+        B_PAD=bp, BLOCK_K=block_k, BLOCK_N=block_n, USE_DOT=use_dot,
+        DOT_F32=(use_dot or mma) and x.device.type == "cpu" and x.dtype != torch.float32, MMA=mma,
+        IEEE=x.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
+    )
+    if partial and not ticket:
+        _launch_reduce(ws, nsplit, bias, y, cfg.get("reduce_block"))
+    return y
+
+
+def _check(x, w_t, bias):
+    assert w_t.dim() == 2, "w_t must be 2-D [in, out]"
+    check_x(x, w_t.shape[0], MAX_BATCH)
+    assert x.stride(1) == 1, "x must have contiguous rows"
+    assert w_t.dtype == x.dtype, f"w_t dtype {w_t.dtype} != x dtype {x.dtype}"
+    assert w_t.device == x.device, f"w_t on {w_t.device}, x on {x.device}"
+    assert w_t.is_contiguous(), "w_t must be contiguous [in, out] (linear.weight.t().contiguous())"
+    if bias is not None:
+        assert bias.shape == (w_t.shape[1],) and bias.device == x.device and bias.is_contiguous(), \
+            "bias must be a contiguous [out] tensor on x's device"
+
+
+def _thr_tensor(t, n, device):
+    assert t.device == device, f"threshold on {t.device}, x on {device}"
+    assert t.numel() == n, f"{n} threshold(s) expected, got a tensor of {t.numel()}"
+    assert t.dtype.is_floating_point, "threshold must be a float tensor"
+    return t.reshape(n).contiguous()
+
+
+def input_sparse_linear(x, w_t, threshold, bias=None, *, config=None):
+    """y = mask(x) @ w_t (+ bias), mask(x)[b, i] = x[b, i] if |x[b, i]| > threshold else 0.
+
+    ``threshold``: a float or a one-element float tensor on x's device (read on the device: no sync)."""
+    _check(x, w_t, bias)
+    if isinstance(threshold, torch.Tensor):
+        threshold = _thr_tensor(threshold, 1, x.device)
+    else:
+        threshold = (float(threshold),)
+    return _launch(x, w_t, threshold, (w_t.shape[1],), bias, config)
+
+
+def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, config=None):
+    """Fused projections that share the input x (QKV): ``w_t`` = [W_q^T | W_k^T | W_v^T] ([in, sum(sizes)]),
+    output segment j (``sizes[j]`` columns) computed with its own mask |x| > thresholds[j].
+
+    ``thresholds``: a float tensor of len(sizes) on x's device, or a sequence of floats; at most 4 segments."""
+    _check(x, w_t, bias)
+    sizes = tuple(int(s) for s in sizes)
+    assert 1 <= len(sizes) <= MAX_SEGMENTS, f"1..{MAX_SEGMENTS} segments, got {len(sizes)}"
+    assert all(s > 0 for s in sizes) and sum(sizes) == w_t.shape[1], \
+        f"segment sizes {sizes} must be positive and sum to out = {w_t.shape[1]}"
+    if isinstance(thresholds, torch.Tensor):
+        thresholds = _thr_tensor(thresholds, len(sizes), x.device)
+    else:
+        thresholds = tuple(float(t) for t in thresholds)
+        assert len(thresholds) == len(sizes), f"{len(sizes)} thresholds expected, got {len(thresholds)}"
+    return _launch(x, w_t, thresholds, sizes, bias, config)

@@ -1,0 +1,122 @@
+"""Settings of a model, read from the store: what the Pareto front (``orchestrator.pareto``) is made of.
+
+A *setting* is one fitted configuration of a model (a ``fit`` unit: method, s, r, attention s, allocation,
+options; ``dense`` is the baseline). Its accuracy rows come from the ``eval`` units and its latency rows from the
+``latency`` units that name it in their config (``fit_unit``). Each accuracy row carries its metric's direction
+(``higher_is_better``, as the evaluator reported it); nothing here guesses it from the metric's name.
+
+Pure reads over ``db.queries`` returning plain picklable data (the dashboard caches it with ``st.cache_data``);
+no Ray, no torch: the dashboard imports this module.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sqlalchemy.orm import Session
+
+from db import queries
+from db.schemas import LatencyRecord
+from workers.names import DENSE
+
+MEAN_TASKS = "mc/mean/acc"                        # mean accuracy over the multiple-choice tasks
+# measured with each eval, not accuracy metrics
+SPARSITY_METRICS = ("mlp_sparsity", "head_sparsity", "input_sparsity", "weight_skipped")
+BASELINE_RUNTIMES = ("hf-generate",)              # timed for reference, never a setting's own latency
+
+
+def setting_label(method: str, sparsity: float, rank: int | None, attn_sparsity: float | None,
+                  allocation: str, options: dict) -> str:
+    """``svd s=0.5 r=256 heads=0.3 greedy target=product``; the dense baseline is ``dense``."""
+    if method == DENSE:
+        return DENSE
+    parts = [method, f"s={sparsity:g}"]
+    if rank is not None:
+        parts.append(f"r={rank}")
+    if attn_sparsity is not None:
+        parts.append(f"heads={attn_sparsity:g}")
+    if allocation != "uniform":
+        parts.append(allocation)
+    parts += [f"{k}={v}" for k, v in sorted(options.items())]
+    return " ".join(parts)
+
+
+def is_sparsity_metric(key: str) -> bool:
+    """``perplexity/x/mlp_sparsity``: a measurement of the setting, not something to trade latency against."""
+    return key.rsplit("/", 1)[-1] in SPARSITY_METRICS
+
+
+@dataclass
+class Setting:
+    fit_unit: str
+    model_id: int
+    model_name: str
+    method: str
+    sparsity: float
+    rank: int | None
+    attn_sparsity: float | None
+    allocation: str
+    options: dict
+    status: str                                                     # of the fit unit
+    accuracy: dict[str, float] = field(default_factory=dict)        # "suite/task/metric" -> value
+    higher_is_better: dict[str, bool] = field(default_factory=dict)  # "suite/task/metric" -> direction
+    latency: list[LatencyRecord] = field(default_factory=list)
+    eval_units: list[str] = field(default_factory=list)
+
+    @property
+    def is_dense(self) -> bool:
+        return self.method == DENSE
+
+    @property
+    def label(self) -> str:
+        return setting_label(self.method, self.sparsity, self.rank, self.attn_sparsity, self.allocation,
+                             self.options)
+
+    @property
+    def realized_sparsity(self) -> float | None:
+        return next((v for k, v in self.accuracy.items() if k.endswith("/mlp_sparsity")), None)
+
+
+def add_mean_task_accuracy(s: Setting) -> None:
+    """``mc/mean/acc``: the mean of the setting's ``mc/<task>/acc`` rows (all higher-is-better)."""
+    accs = [v for k, v in s.accuracy.items()
+            if k.startswith("mc/") and k.endswith("/acc") and k != MEAN_TASKS and s.higher_is_better.get(k)]
+    if accs:
+        s.accuracy[MEAN_TASKS] = sum(accs) / len(accs)
+        s.higher_is_better[MEAN_TASKS] = True
+
+
+def settings_for_model(session: Session, model_id: int) -> list[Setting]:
+    """Every fitted setting of a model with its accuracy and latency rows, dense first."""
+    units = queries.units_for_model(session, model_id)
+    fits = {u.id: u for u in units if u.kind == "fit"}
+    owner = {u.id: u.config.get("fit_unit") for u in units if u.kind in ("eval", "latency")}
+    name = next((m.name for m in queries.list_models(session) if m.id == model_id), str(model_id))
+    out = {k: Setting(fit_unit=k, model_id=model_id, model_name=name, method=u.method or "?",
+                      sparsity=u.sparsity or 0.0, rank=u.rank, attn_sparsity=u.attn_sparsity,
+                      allocation=u.config.get("allocation", "uniform"), options=dict(u.config.get("options") or {}),
+                      status=u.status)
+           for k, u in fits.items()}
+    for u in units:
+        if u.kind == "eval" and owner.get(u.id) in out:
+            out[owner[u.id]].eval_units.append(u.id)
+    for r in queries.accuracy_table(session, model_id=model_id):
+        s = out.get(owner.get(r.unit_id))
+        if s is not None:
+            key = f"{r.suite}/{r.task}/{r.metric}"
+            s.accuracy[key] = r.value
+            s.higher_is_better[key] = r.higher_is_better
+    for s in out.values():
+        add_mean_task_accuracy(s)
+    for r in queries.latency_table(session, model_id=model_id):
+        s = out.get(owner.get(r.unit_id))
+        if s is not None:
+            s.latency.append(r)
+    return sorted(out.values(), key=lambda s: (not s.is_dense, s.method, s.sparsity, s.rank or 0,
+                                               s.attn_sparsity or 0.0, s.label))
+
+
+def accuracy_metrics(settings: list[Setting]) -> list[str]:
+    """The accuracy metrics present on at least one setting (never the sparsity measurements), most useful
+    first: perplexity, then the mean task accuracy, then the rest by name."""
+    keys = {k for s in settings for k in s.accuracy if not is_sparsity_metric(k)}
+    return sorted(keys, key=lambda k: (not k.endswith("/ppl"), k != MEAN_TASKS, k))

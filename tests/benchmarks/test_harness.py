@@ -1,0 +1,160 @@
+"""The shared benchmark harness: timers, the result row and its writer, and every benchmark script's CLI."""
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import harness as H
+
+ROOT = Path(__file__).resolve().parents[2]
+# every script in benchmarks/ (the harness is the library they share)
+SCRIPTS = sorted(f"benchmarks.{p.stem}" for p in (ROOT / "benchmarks").glob("*.py")
+                 if p.stem not in ("__init__", "harness"))
+
+
+# ---- statistics ------------------------------------------------------------------------------------------------
+def test_timing_summary_of_known_samples():
+    t = H.Timing.of([5.0, 1.0, 4.0, 2.0, 3.0], "ms")
+    assert (t.median, t.p10, t.p90, t.q1, t.q3, t.iqr, t.n, t.unit) == (3.0, 1.0, 5.0, 2.0, 4.0, 2.0, 5, "ms")
+    assert H.percentile(list(range(1, 11)), 0.9) == 9 and H.percentile(list(range(1, 11)), 0.1) == 1
+    with pytest.raises(ValueError, match="no values"):
+        H.percentile([], 0.5)
+    with pytest.raises(ValueError, match="unknown unit"):
+        H.Timing.of([1.0], "minutes")
+
+
+# ---- CPU interleaved timer -------------------------------------------------------------------------------------
+def test_time_cpu_orders_a_2ms_sleep_above_a_no_op():
+    cmp = H.time_cpu({"sleep 2 ms": lambda: time.sleep(0.002), "no-op": lambda: 7}, repeats=9, unit="ms")
+    slow, fast = cmp.timings["sleep 2 ms"], cmp.timings["no-op"]
+    assert cmp.baseline == "sleep 2 ms" and slow.n == fast.n == 9 and slow.unit == "ms"
+    assert slow.median >= 2.0 and fast.median < 1.0
+    assert cmp.ratio("no-op") > 5 and cmp.ratio("sleep 2 ms") == 1.0
+    assert slow.iqr >= 0 and cmp.outputs["no-op"] == 7
+    assert "no-op" in cmp.table() and "sleep 2 ms" in cmp.table()
+
+
+def test_time_cpu_alternates_the_order_between_rounds():
+    calls = []
+    H.time_cpu({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=1)
+    assert calls == ["a", "b"] + ["a", "b", "b", "a", "a", "b"]
+
+
+def test_time_cpu_rejects_bad_input():
+    with pytest.raises(ValueError, match="baseline 'c'"):
+        H.time_cpu({"a": lambda: 0}, baseline="c")
+    with pytest.raises(ValueError, match="at least one"):
+        H.time_cpu({})
+
+
+# ---- the graph timer's and the bandwidth probe's host paths (CPU device) ---------------------------------------
+def test_time_graph_on_cpu_divides_by_calls_per_replay():
+    t = H.time_graph(lambda: [time.sleep(0.001) for _ in range(4)], reps=5, per_replay=4, device="cpu")
+    assert t.unit == "us" and t.n == 5
+    assert 1000 <= t.median < 20000          # ≥ 1 ms per call, each replay is 4 calls
+
+
+def test_copy_bandwidth_on_cpu_is_a_positive_rate():
+    bw = H.copy_bandwidth(1 << 20, reps=3, warmup=1, device="cpu")
+    assert 0.01 < bw < 1e4
+
+
+# ---- the row schema and the writer -----------------------------------------------------------------------------
+def test_row_derives_bandwidth_from_bytes_and_time():
+    r = H.Row.measured("kernels", "triton_fused", H.Timing.of([10.0, 10.0, 12.0]), nbytes=2_000_000,
+                       copy_bw_gbps=400.0, shape="llama2-7b", dtype="fp16", batch=1, device="GPU X")
+    assert (r.median, r.p10, r.p90, r.unit) == (10.0, 10.0, 12.0, "us")
+    assert r.bytes == 2_000_000 and r.gbps == 200.0 and r.frac_copy_bw == 0.5
+    ms = H.Row.measured("decode", "dense", unit="ms", median=4.0, p90=4.5, nbytes=8e9, copy_bw_gbps=4000.0)
+    assert ms.gbps == 2000.0 and ms.frac_copy_bw == 0.5 and ms.p10 is None
+    with pytest.raises(ValueError, match="unknown unit"):
+        H.Row("x", "y", unit="min")
+
+
+def test_rows_round_trip_through_the_writer(tmp_path):
+    rows = [H.Row.measured("kernels", "dense", H.Timing.of([80.0, 81.0, 79.5]), nbytes=270_593_024,
+                           copy_bw_gbps=4215.0, shape="llama2-7b", dtype="fp16", batch=1, device="GPU X",
+                           extra={"sparsity": 0.0, "d": 4096, "D": 11008}),
+            H.Row("svd-fit", "all layers", unit="s", median=38.9, batch=None, extra={"cpu_s": 70.1})]
+    path = H.write_results(tmp_path / "sub" / "bench.json", rows, command="python -m benchmarks.kernels --quick",
+                           device="cpu", meta={"copy_bw_gbps": 4215.0}, sections={"profile": [{"us": 4.5}]})
+    assert path == tmp_path / "sub" / "bench.json"
+    doc = json.loads(path.read_text())
+    assert set(doc) == {"meta", "rows", "profile"} and doc["profile"] == [{"us": 4.5}]
+    meta = doc["meta"]
+    assert {"machine", "torch", "triton", "date", "command", "copy_bw_gbps"} <= set(meta)
+    assert meta["command"] == "python -m benchmarks.kernels --quick" and meta["torch"] == torch.__version__
+    assert meta["copy_bw_gbps"] == 4215.0 and meta["machine"]["cpus"] == os.cpu_count()
+    assert doc["rows"][0]["median"] == 80.0 and doc["rows"][0]["gbps"] == round(270_593_024 / 80e-6 / 1e9, 1)
+    got_meta, got = H.read_results(path)
+    assert got == rows and got_meta == meta
+
+
+def test_writer_puts_bare_names_under_results_and_rejects_unknown_fields(tmp_path):
+    assert H.result_path("run1.json") == H.RESULTS_DIR / "run1.json"
+    assert H.result_path("run1") == H.RESULTS_DIR / "run1.json"
+    assert H.result_path(tmp_path / "a.json") == tmp_path / "a.json"
+    assert H.RESULTS_DIR == ROOT / "benchmarks" / "results"
+    with pytest.raises(ValueError, match="not Row fields"):
+        H.write_results(tmp_path / "bad.json", [{"bench": "k", "op": "x", "us_median": 3.0}])
+    assert not (tmp_path / "bad.json").exists()
+
+
+def test_harness_rows_load_into_the_store(tmp_path):
+    from db import queries
+    from db.engine import get_engine, session_scope
+    from orchestrator.ingest import ingest_kernel_results
+
+    extra = dict(device_type="cuda", d=4096, D=11008, k=5504)
+    rows = [H.Row.measured("kernels", "dense", H.Timing.of([80.0, 80.0, 81.0]), shape="llama2-7b", dtype="fp16",
+                           batch=1, device="GPU X", extra=dict(extra, sparsity=0.0)),
+            H.Row.measured("kernels", "triton_fused", unit="ms", median=0.038, p90=0.0385, shape="llama2-7b",
+                           dtype="fp16", batch=1, device="GPU X", extra=dict(extra, sparsity=0.5))]
+    path = H.write_results(tmp_path / "k.json", rows, command="test", device="cpu")
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    assert ingest_kernel_results(path, url) == (2, 2)
+    with session_scope(get_engine(url)) as s:
+        lat = {r.runtime: r for r in queries.latency_table(s)}
+    assert set(lat) == {"kernel:dense", "kernel:triton_fused"}
+    assert lat["kernel:dense"].p50_ms_per_token == pytest.approx(0.08)
+    assert lat["kernel:triton_fused"].p50_ms_per_token == pytest.approx(0.038)
+    assert lat["kernel:triton_fused"].p90_ms_per_token == pytest.approx(0.0385)
+    assert lat["kernel:triton_fused"].realized_sparsity == 0.5 and lat["kernel:dense"].accelerator_name == "GPU X"
+
+
+# ---- every benchmark script: --help without a GPU, and no service-side imports ---------------------------------
+def test_the_known_scripts_are_all_found():
+    assert {"benchmarks.kernels", "benchmarks.decode", "benchmarks.svd", "benchmarks.dejavu",
+            "benchmarks.quality"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("module", SCRIPTS)
+def test_script_main_parses_help(module, capsys):
+    mod = importlib.import_module(module)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and "--help" in out
+
+
+@pytest.mark.parametrize("module", ["benchmarks.kernels", "benchmarks.decode"])
+def test_gpu_scripts_without_a_gpu_exit_2(module, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert importlib.import_module(module).main(["--json", "never.json"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert not (H.RESULTS_DIR / "never.json").exists()
+
+
+def test_harness_and_gpu_scripts_import_no_service_packages():
+    code = ("import sys, benchmarks.harness, benchmarks.kernels, benchmarks.decode; "
+            "print(sorted(m for m in ('ray', 'pydantic', 'sqlalchemy', 'db', 'orchestrator') if m in sys.modules))")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,163 @@
+"""Input-sparse (TEAL/WINA) column-sparse GEMV vs the torch reference (fp64 ground truth): every launch path
+(no split, split + reduce kernel, split + ticket reduce, CUDA-core FMA, register-prefetched tensor-core MMA),
+masked rows never read, edges, bits."""
+import pytest
+import torch
+
+from tests.kernels.kernel_support import rel_err, rnd, TOL, up
+
+from kernels import input_sparse_triton as T
+from kernels import ops
+from kernels import reference as R
+
+IN, OUT = 72, 100  # not multiples of the blocks: K and column tails are exercised
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# every launch path; blocks small enough that the test shapes span several of them
+CONFIGS = {
+    "nosplit": dict(BLOCK_N=32, BLOCK_K=32, splits=1, dot=True),
+    "split_reduce": dict(BLOCK_N=32, BLOCK_K=16, splits=3, dot=True, reduce="kernel"),
+    "split_ticket": dict(BLOCK_N=16, BLOCK_K=16, splits=4, dot=True, reduce="ticket"),
+    "fma": dict(BLOCK_N=32, BLOCK_K=16, splits=2, dot=False, reduce="ticket"),
+    "fma_nosplit": dict(BLOCK_N=64, BLOCK_K=32, splits=1, dot=False),
+    "mma": dict(BLOCK_N=32, BLOCK_K=16, splits=3, dot=False, mma=True, reduce="ticket"),
+}
+
+
+def _thr(x, s):
+    """Threshold at the s-quantile of |x| (fp32, as a 0-d tensor on x's device)."""
+    return torch.quantile(x.float().abs().flatten().cpu(), s).to(x.device)
+
+
+def _check(out, ref, dtype, gen, what=""):
+    err = rel_err(out, ref)
+    assert err <= TOL[dtype], f"{what} rel err {err:.3g} > {TOL[dtype]} (seed {gen.initial_seed()})"
+
+
+@pytest.mark.parametrize("cfg", sorted(CONFIGS))
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_reference(dtype, batch, cfg, device, gen, poison):
+    w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
+    bias = rnd((OUT,), gen, dtype, device) if batch == 3 else None
+    for s in (0.0, 0.5, 0.9):
+        x = rnd((batch, IN), gen, dtype, device)
+        t = _thr(x, s)
+        out = T.input_sparse_linear(x, w_t, t, bias, config=CONFIGS[cfg])
+        ref = R.input_sparse_linear(up(x), up(w_t), t, up(bias))
+        assert out.shape == (batch, OUT) and out.dtype == dtype
+        _check(out, ref, dtype, gen, f"s={s}")
+
+
+@pytest.mark.parametrize("cfg", ["nosplit", "split_ticket", "fma", "mma"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_inactive_rows_are_never_read(batch, cfg, device, gen, poison):
+    """Rows of w_t whose channel is inactive for every token hold NaN: a read would poison y."""
+    dtype = torch.float16
+    w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
+    x = rnd((batch, IN), gen, dtype, device)
+    t = _thr(x, 0.6)
+    union = (x.float().abs() > t).any(dim=0)
+    assert 0 < int(union.sum()) < IN
+    w_nan = w_t.clone()
+    w_nan[~union] = float("nan")
+    out = T.input_sparse_linear(x, w_nan, t, config=CONFIGS[cfg])
+    assert torch.isfinite(out).all()
+    ref = R.input_sparse_linear(up(x), up(w_t), t)  # the NaN rows are exactly the skipped ones
+    _check(out, ref, dtype, gen)
+
+
+@pytest.mark.parametrize("cfg", ["nosplit", "split_reduce", "split_ticket"])
+def test_nothing_active_and_all_active(cfg, device, gen, poison):
+    dtype = torch.float32
+    w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
+    x = rnd((2, IN), gen, dtype, device)
+    bias = rnd((OUT,), gen, dtype, device)
+    big = float(x.abs().max()) + 1.0
+    none = T.input_sparse_linear(x, w_t, big, config=CONFIGS[cfg])
+    assert torch.equal(none, torch.zeros_like(none))
+    none_b = T.input_sparse_linear(x, w_t, big, bias, config=CONFIGS[cfg])
+    assert torch.equal(none_b, bias[None, :].expand(2, OUT))
+    for t in (-1.0, 0.0):  # every channel active (x has no exact zeros): the dense product
+        out = T.input_sparse_linear(x, w_t, t, bias, config=CONFIGS[cfg])
+        _check(out, up(x) @ up(w_t) + up(bias), dtype, gen, f"t={t}")
+
+
+def test_threshold_forms_agree(device, gen):
+    dtype = torch.float16
+    w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
+    x = rnd((3, IN), gen, dtype, device)
+    t = _thr(x, 0.5)
+    a = T.input_sparse_linear(x, w_t, t)
+    b = T.input_sparse_linear(x, w_t, float(t))
+    c = T.input_sparse_linear(x, w_t, t.reshape(1).double())  # same value, another shape and dtype
+    assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("cfg", ["split_reduce", "split_ticket", "fma", "mma"])
+def test_bit_identical_repeats(cfg, device, gen):
+    dtype = torch.bfloat16
+    w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
+    x = rnd((3, IN), gen, dtype, device)
+    t = _thr(x, 0.4)
+    first = T.input_sparse_linear(x, w_t, t, config=CONFIGS[cfg])
+    for _ in range(4):
+        assert torch.equal(T.input_sparse_linear(x, w_t, t, config=CONFIGS[cfg]), first)
+
+
+@pytest.mark.parametrize("cfg", ["nosplit", "split_ticket", "split_reduce"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segments_per_projection_thresholds(dtype, cfg, device, gen, poison):
+    """Fused QKV: one x, three output segments (sizes not multiples of BLOCK_N), one threshold each."""
+    sizes = (40, 27, 33)
+    w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
+    x = rnd((2, IN), gen, dtype, device)
+    bias = rnd((OUT,), gen, dtype, device)
+    qs = (0.2, 0.6, 0.9)
+    th = torch.stack([_thr(x, q) for q in qs])
+    ref = R.input_sparse_linear_segments(up(x), up(w_t), th, sizes, up(bias))
+    out = T.input_sparse_linear_segments(x, w_t, th, sizes, bias, config=CONFIGS[cfg])
+    _check(out, ref, dtype, gen, "tensor thresholds")
+    out_f = T.input_sparse_linear_segments(x, w_t, [float(v) for v in th], sizes, bias, config=CONFIGS[cfg])
+    assert torch.equal(out, out_f)
+    # each segment reads only the rows active under its own threshold
+    w_nan = w_t.clone()
+    lo = 0
+    for s, t in zip(sizes, th):
+        w_nan[~(x.float().abs() > t).any(dim=0), lo:lo + s] = float("nan")
+        lo += s
+    out_nan = T.input_sparse_linear_segments(x, w_nan, th, sizes, bias, config=CONFIGS[cfg])
+    assert torch.equal(out_nan, out)
+    # one segment == the plain op
+    one = T.input_sparse_linear_segments(x, w_t, th[1:2], (OUT,), bias, config=CONFIGS[cfg])
+    assert torch.equal(one, T.input_sparse_linear(x, w_t, th[1], bias, config=CONFIGS[cfg]))
+
+
+def test_bad_input_is_rejected(device, gen):
+    w_t = rnd((IN, OUT), gen, torch.float16, device)
+    x = rnd((1, IN), gen, torch.float16, device)
+    with pytest.raises(AssertionError, match="dtype"):
+        T.input_sparse_linear(x.float(), w_t, 0.1)
+    with pytest.raises(AssertionError, match="contiguous"):
+        T.input_sparse_linear(x, rnd((OUT, IN), gen, torch.float16, device).t(), 0.1)
+    with pytest.raises(AssertionError, match="x has d"):
+        T.input_sparse_linear(rnd((1, IN + 1), gen, torch.float16, device), w_t, 0.1)
+    with pytest.raises(AssertionError, match="batch"):
+        T.input_sparse_linear(rnd((9, IN), gen, torch.float16, device), w_t, 0.1)
+    with pytest.raises(AssertionError, match="threshold"):
+        T.input_sparse_linear(x, w_t, torch.tensor([0.1, 0.2], device=device))
+    with pytest.raises(AssertionError, match="sum to"):
+        T.input_sparse_linear_segments(x, w_t, [0.1, 0.2], (50, 49))
+    with pytest.raises(AssertionError, match="thresholds expected"):
+        T.input_sparse_linear_segments(x, w_t, [0.1], (50, 50))
+
+
+def test_ops_dispatch(monkeypatch, device, gen):
+    w_t = rnd((IN, OUT), gen, torch.float32, device, IN**-0.5)
+    x = rnd((2, IN), gen, torch.float32, device)
+    t = _thr(x, 0.5)
+    ref = R.input_sparse_linear(up(x), up(w_t), t)
+    for name in ("triton", "reference", "npu"):
+        monkeypatch.setenv("CTXSPARSE_KERNELS", name)
+        _check(ops.input_sparse_linear(x, w_t, t), ref, torch.float32, gen, name)
+        seg = ops.input_sparse_linear_segments(x, w_t, torch.stack([t, t]), (60, 40))
+        _check(seg, ref, torch.float32, gen, name + " segments")

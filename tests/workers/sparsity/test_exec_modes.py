@@ -1,0 +1,56 @@
+"""sparse_exec's two execution modes: "masked" (dense products, unselected entries zeroed; the CPU evaluation
+path) and "kernel" (token-sparse kernels) make the same selection and give the same perplexity."""
+import pytest
+import torch
+
+from tests.workers.tiny_model_support import tiny_model
+from workers.decode.latency import random_plan
+from workers.evals.perplexity import perplexity
+from workers.loading.data import TokenSet
+from workers.sparsity.sparse_exec import apply_sparsity
+
+
+def _tokens(n_windows=3, seq_len=20, seed=0):
+    ids = torch.randint(0, 128, (n_windows, seq_len), generator=torch.Generator().manual_seed(seed))
+    return TokenSet(windows=ids, source="random", split="heldout", n_tokens=ids.numel(), prefix_len=0,
+                    fingerprint="test")
+
+
+def _run(model, plan, mode, toks):
+    with torch.no_grad(), apply_sparsity(model, plan, mode=mode) as applied:
+        logits = model(input_ids=toks.windows).logits
+        ppl = perplexity(model, toks)
+        st = applied.stats
+        counts = {l: (v.tokens, v.first_pairs, v.kept_pairs, v.heads_kept) for l, v in st.layers.items()}
+        return applied.mode, logits, ppl, counts, (st.mlp_sparsity(), st.head_sparsity())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "opt"])
+@pytest.mark.parametrize("sequential", [False, True])
+def test_masked_equals_kernel(family, sequential):
+    model = tiny_model(family)
+    plan = random_plan(model, 0.5, 0.5, rank=8, input_kind="residual", seed=1)
+    if sequential:             # the sequential pipeline: a gate filter after the predictor's set
+        plan.mlp_mode = "sequential"
+        plan.seq_filter = {l: 0.05 for l in plan.mlp}
+    toks = _tokens()
+    mk, lk, pk, ck, sk = _run(model, plan, "kernel", toks)
+    mm, lm, pm, cm, sm = _run(model, plan, "masked", toks)
+    assert (mk, mm) == ("kernel", "masked")
+    assert ck == cm and sk == sm                       # same selection, pair for pair
+    assert 0.2 < sk[0] < 0.95 and 0.2 < sk[1] < 0.8      # something was skipped (and not everything)
+    torch.testing.assert_close(lm, lk, atol=1e-5, rtol=1e-4)
+    assert pm.ppl == pytest.approx(pk.ppl, rel=1e-5) and pm.n_tokens == pk.n_tokens
+    with torch.no_grad():                              # and the sparse model is not the dense one
+        dense = model(input_ids=toks.windows).logits
+    assert (dense - lm).abs().max() > 1e-3
+
+
+def test_auto_mode_is_masked_on_cpu_and_bad_mode_refused():
+    model = tiny_model("llama")
+    plan = random_plan(model, 0.5, None, rank=8, seed=2)
+    with apply_sparsity(model, plan) as applied:
+        assert applied.mode == "masked"
+    with pytest.raises(ValueError):
+        apply_sparsity(model, plan, mode="fast")
+    assert all("Sparse" not in type(m).__name__ for m in model.modules())

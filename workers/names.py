@@ -1,0 +1,33 @@
+"""Names every layer shares, defined once (stdlib only: importable without torch, Ray or a database).
+
+``db/`` does not import ``workers``: where the store needs one of these it keeps a ``Literal`` of its own, and a
+test checks that the two are the same.
+"""
+from __future__ import annotations
+
+import hashlib
+
+DENSE = "dense"                              # method of the always-present dense setting (an empty plan)
+DEVICE_TYPES = ("cpu", "cuda", "npu")        # where a unit runs (Ray: CPUs, GPUs, the custom resource NPU)
+UNIT_KINDS = ("collect", "fit", "eval", "latency")
+SHAPE_PREFIX = "shape:"                      # "shape:llama2-7b": the real shapes with random weights (GPU latency)
+
+
+def is_shape(ref: str) -> bool:
+    return ref.startswith(SHAPE_PREFIX)
+
+
+def shape_name(ref: str) -> str:
+    """``shape:llama2-7b`` -> ``llama2-7b``."""
+    if not is_shape(ref):
+        raise ValueError(f"{ref!r} is not a shape model (expected {SHAPE_PREFIX}NAME)")
+    return ref[len(SHAPE_PREFIX):]
+
+
+def shape_identity(name: str, d: int, D: int) -> tuple[str, str]:
+    """(store name, fingerprint) of a random-weights shape of FFN dimensions ``d`` x ``D``.
+
+    Kernel benchmark rows and sweep units of the same shape land on one model in the store only because both
+    take their identity from here."""
+    fp = hashlib.sha256(f"random-weights:{name}:{d}:{D}".encode()).hexdigest()
+    return f"{name}-shape", fp
