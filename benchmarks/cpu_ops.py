@@ -4,6 +4,8 @@ SmolLM2 decode and perplexity evaluation, dense vs sparse, on the CPU.
     python -m benchmarks.cpu_ops [--threads 2] [--repeats 30] [--weights random|real] [--json NAME]
         [--out-sparsity 0.3,0.5,0.7] [--in-sparsity 0.25,0.4,0.5,0.7]
     python -m benchmarks.cpu_ops --decode [--repeats 5] [--gen 16]     # end-to-end decode ms/token
+    python -m benchmarks.cpu_ops --decode --weights real --threads 1 \
+        --methods threshold:0.3,threshold:0.5,teal:0.25,teal:0.35,teal:0.5 [--calib-tokens 2048] [--ppl-tokens 2048]
     python -m benchmarks.cpu_ops --eval [--tokens 2048]                 # perplexity evaluation seconds
 
 One call = one batch-1 FFN pass over all 30 layers (every layer its own weights, 318 MB fp32: nothing stays in the
@@ -17,6 +19,11 @@ CPU ran before); input sparsity on all three matrices (threshold at the s-quanti
 kernels.cpu.input_sparse_linear and its embedding_bag fallback. All callables are timed interleaved
 (benchmarks.harness.time_cpu: each round runs each once, alternating order) with a fixed thread count;
 median and IQR in µs per pass, GB/s on the bytes actually read, and the ratio to the fastest dense candidate.
+
+``--decode --methods METHOD:S,...``: instead of the fixed-set / Deja Vu rows, plans fitted for real
+(``workers.sparsity.fit.fit_setting``, uniform allocation) on a calibration cache of ``--calib-tokens`` lambada
+tokens, decoded from a held-out text prompt, each with its realized sparsity (FFN neurons, or for input sparsity
+the decoder weight bytes skipped) and, with ``--ppl-tokens N``, its held-out perplexity (sparse_exec, masked).
 
 Writes ``benchmarks/results/cpu_ops.json`` (or ``--json NAME``). Other processes on a shared machine make the
 numbers noisier (see the IQR).
@@ -218,19 +225,68 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
 
 
+def _methods(s: str) -> list[tuple[str, float]]:
+    out = []
+    for part in (p for p in s.split(",") if p.strip()):
+        name, _, sp = part.partition(":")
+        try:
+            v = float(sp)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"methods are METHOD:SPARSITY, got {part!r}") from None
+        if not name or not 0.0 <= v < 1.0:
+            raise argparse.ArgumentTypeError(f"methods are METHOD:SPARSITY with sparsity in [0, 1), got {part!r}")
+        out.append((name.strip(), v))
+    if not out:
+        raise argparse.ArgumentTypeError("no methods given")
+    return out
+
+
+def fitted_plans(lm, methods: list[tuple[str, float]], calib_tokens: int) -> dict:
+    """{"METHOD s=S": plan} fitted on ``calib_tokens`` lambada calibration tokens (uniform allocation)."""
+    from workers.loading.data import token_windows
+    from workers.sparsity.capture import capture_activations
+    from workers.sparsity.fit import fit_setting
+    from workers.sparsity.predictors.base import FitContext
+
+    toks = token_windows(lm.tokenizer, "lambada", "calib", calib_tokens, 512)
+    cache = capture_activations(lm, toks, components=("gate", "inhist"), progress=False)
+    ctx = FitContext(lm, cache, list(range(lm.dims.n_layers)))
+    return {f"{m} s={sp}": fit_setting(ctx, m, sp).plan for m, sp in methods}
+
+
+def plan_perplexity(lm, plans: dict, tokens: int) -> dict:
+    """Held-out lambada perplexity of the dense model (key None) and of each plan (sparse_exec, masked)."""
+    from workers.evals.perplexity import perplexity
+    from workers.loading.data import token_windows
+    from workers.sparsity.sparse_exec import apply_sparsity
+
+    toks = token_windows(lm.tokenizer, "lambada", "heldout", tokens, 512)
+    out = {None: perplexity(lm.model, toks).ppl}
+    for n, plan in plans.items():
+        with apply_sparsity(lm.model, plan, input_mode="masked", mode="masked"):
+            out[n] = perplexity(lm.model, toks).ppl
+    return out
+
+
 def decode_table(repeats: int, gen: int, prompt: int, sparsities: list[float], ranks: list[int],
-                 weights: str = "real", dense_rows: bool = False) -> list[Row]:
+                 weights: str = "real", dense_rows: bool = False, methods: list[tuple[str, float]] | None = None,
+                 calib_tokens: int = 2048, ppl_tokens: int = 0) -> list[Row]:
     """SmolLM2-135M (fp32) batch-1 greedy decode: every setting's steps timed one by one, the settings interleaved
     round by round in this process; median ms/token and IQR over all steps of all rounds. Dense both ways (torch
     matmuls; kernels.cpu's row kernels over every row); the sparse settings run their sparse FFN through
-    kernels.cpu and the other projections the way ``dense_rows`` says."""
+    kernels.cpu and the other projections the way ``dense_rows`` says. ``methods``: fitted plans instead (see the
+    module doc), decoded from a held-out text prompt."""
     from workers.decode.latency import random_plan
     from workers.decode.runtime import DecodeRuntime, random_hf_model
     from workers.loading.models import load_model
     from workers.sparsity.predictors.base import SparsityPlan, k_for
 
+    lm = None
     if weights == "real":
-        model = load_model("smollm2-135m").model
+        lm = load_model("smollm2-135m")
+        model = lm.model
+    elif methods:
+        raise ValueError("--methods fits plans on the real weights: use --weights real")
     else:                        # random weights of SmolLM2-135M's shapes (same bytes, same timing)
         import transformers as tf
 
@@ -238,12 +294,25 @@ def decode_table(repeats: int, gen: int, prompt: int, sparsities: list[float], r
     rt = DecodeRuntime.from_hf(model)
     D, nl = rt.dims.D, len(rt.layers)
     settings = {"dense torch matmul": (None, False), "dense cpu kernels": (None, True)}
+    ppl = {}
+    if methods:
+        plans = fitted_plans(lm, methods, calib_tokens)
+        for n, plan in plans.items():
+            settings[n] = (plan, dense_rows)
+        if ppl_tokens:
+            ppl = plan_perplexity(lm, plans, ppl_tokens)
+        sparsities = []
     for s in sparsities:      # the other projections as in the dense path chosen by dense_rows
         settings[f"mlp s={s} fixed set"] = (SparsityPlan(mlp={l: fixed_set_predictor(D, k_for(s, D), l)
                                                                   for l in range(nl)}), dense_rows)
         for r in ranks:
             settings[f"mlp s={s} dejavu r={r}"] = (random_plan(model, s, None, rank=r, seed=1), dense_rows)
-    ids = torch.randint(0, rt.vocab, (1, prompt), generator=torch.Generator().manual_seed(0))
+    if methods:               # input sparsity depends on the text: a held-out prompt, not random ids
+        from workers.loading.data import token_windows
+
+        ids = token_windows(lm.tokenizer, "lambada", "heldout", 1024, 512).windows[:1, :prompt]
+    else:
+        ids = torch.randint(0, rt.vocab, (1, prompt), generator=torch.Generator().manual_seed(0))
     times: dict[str, list[float]] = {n: [] for n in settings}
     sparsity = {}
     names = list(settings)
@@ -259,21 +328,29 @@ def decode_table(repeats: int, gen: int, prompt: int, sparsities: list[float], r
                 rt.step()
                 if r:
                     times[n].append((time.perf_counter() - t0) * 1e3)
-            sparsity[n] = rt.realized_sparsity().get("mlp")
+            sp = rt.realized_sparsity()
+            sparsity[n] = sp.get("weights", sp.get("mlp"))
     base = min(("dense cpu kernels", "dense torch matmul"), key=lambda n: statistics.median(times[n]))
     rows = []
     print(f"decode: smollm2-135m ({weights} weights) fp32 batch 1, prompt {prompt}, {gen - 1} steps x {repeats} "
           f"rounds, {torch.get_num_threads()} threads; fastest dense: {base}")
-    print(f"{'setting':<28}{'ms/token':>10}{'IQR':>8}{'x dense':>9}{'mlp sparsity':>14}")
+    print(f"{'setting':<28}{'ms/token':>10}{'IQR':>8}{'x dense':>9}{'sparsity':>10}" + (f"{'ppl':>9}{'vs dense':>10}"
+                                                                                    if ppl else ""))
     for n in names:
         t = Timing.of(times[n], "ms")
         ratio = statistics.median(times[base]) / t.median
         rows.append(Row.measured("cpu_decode", n, t, shape="smollm2-135m", dtype="fp32", batch=1, device="cpu",
                                  extra=dict(iqr=t.iqr, vs_fastest_dense=ratio, fastest_dense=base,
-                                            mlp_sparsity=sparsity[n], prompt_len=prompt, gen_len=gen,
-                                            repeats=repeats, threads=torch.get_num_threads())))
-        sp = f"{sparsity[n]:14.2f}" if sparsity[n] is not None else ""
-        print(f"{n:<28}{t.median:>10.2f}{t.iqr:>8.2f}{ratio:>8.2f}x{sp}")
+                                            realized_sparsity=sparsity[n], prompt_len=prompt, gen_len=gen,
+                                            repeats=repeats, threads=torch.get_num_threads(),
+                                            ppl=ppl.get(n if settings[n][0] is not None else None), ppl_dense=ppl.get(None))))
+        sp = f"{sparsity[n]:10.3f}" if sparsity[n] is not None else " " * 10
+        pp = ""
+        if ppl:
+            v = ppl[n] if settings[n][0] is not None else ppl[None]
+            pp = f"{v:9.3f}{100 * (v / ppl[None] - 1):+9.1f}%"
+        print(f"{n:<28}{t.median:>10.2f}{t.iqr:>8.2f}{ratio:>8.2f}x{sp}{pp}")
+    print("sparsity: FFN neurons not computed; for input sparsity, decoder projection weight bytes not read")
     return rows
 
 
@@ -335,19 +412,28 @@ def main(argv=None) -> int:
     ap.add_argument("--dense-rows", action="store_true",
                     help="decode: sparse settings run their dense projections through the row kernels")
     ap.add_argument("--weights", choices=("random", "real"), default="random")
+    ap.add_argument("--methods", type=_methods, default=None,
+                    help="decode: fitted plans METHOD:SPARSITY,... (e.g. threshold:0.5,teal:0.35) instead of the "
+                         "fixed-set / Deja Vu rows (needs --weights real)")
+    ap.add_argument("--calib-tokens", type=int, default=2048, help="decode --methods: calibration tokens")
+    ap.add_argument("--ppl-tokens", type=int, default=0, help="decode --methods: held-out perplexity tokens (0: none)")
     ap.add_argument("--out-sparsity", type=_floats, default=[0.3, 0.5, 0.7])
     ap.add_argument("--in-sparsity", type=_floats, default=[0.25, 0.4, 0.5, 0.7])
     ap.add_argument("--json", default="cpu_ops")
     args = ap.parse_args(argv)
     if args.threads < 1 or (args.repeats is not None and args.repeats < 1) or args.gen < 2 or args.tokens < 512:
         ap.error("--threads/--repeats must be >= 1, --gen >= 2, --tokens >= 512")
+    if args.methods and (not args.decode or args.weights != "real"):
+        ap.error("--methods needs --decode and --weights real")
+    if args.calib_tokens < 512 or args.ppl_tokens < 0:
+        ap.error("--calib-tokens must be >= 512 and --ppl-tokens >= 0")
     torch.set_num_threads(args.threads)
     if args.decode or args.eval:
         with torch.no_grad():
             if args.decode:
                 ranks = [int(r) for r in args.ranks.split(",") if r]
                 rows = decode_table(args.repeats or 5, args.gen, args.prompt, [0.5, 0.7], ranks, args.weights,
-                                    args.dense_rows)
+                                    args.dense_rows, args.methods, args.calib_tokens, args.ppl_tokens)
             else:
                 rows = eval_table(args.tokens, 0.5, args.repeats or 2)
         name = args.json if args.json != "cpu_ops" else ("cpu_decode" if args.decode else "cpu_eval")

@@ -181,8 +181,8 @@ def front_records(fr: Front) -> list[dict]:
     out = []
     for r in fr.rows:
         s = r.setting
-        speedup = (dense.latency_ms / r.latency_ms
-                   if dense is not None and dense.latency_ms and r.latency_ms else None)
+        speedup = r.paired_speedup or (dense.latency_ms / r.latency_ms
+                                       if dense is not None and dense.latency_ms and r.latency_ms else None)
         out.append({
             "setting": s.label, "method": s.method, "s": s.sparsity, "r": s.rank,
             "heads": s.attn_sparsity, "accuracy": r.accuracy, "latency_ms": r.latency_ms,

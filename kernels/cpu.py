@@ -6,7 +6,12 @@ Same signatures and outputs as kernels.reference (and kernels.ffn_triton / attn_
 * output sparsity (gate/up/fc1/qkv): one dot product per active row of ``W`` [N, d] (``rows_dot``), each row read
   once for the B tokens that share the set;
 * the down / output projection and input sparsity: a weighted sum of rows of ``Wᵀ`` [in, out] (``rows_axpy``),
-  per token (bags) or shared by the batch.
+  per token (bags) or shared by the batch;
+* input sparsity (:func:`input_sparse_linear_segments`): the rows of ``Wᵀ`` of the active inputs, found and
+  streamed in one call, each output segment (fused QKV, gate|up) with its own threshold, scalar or one per input
+  channel (WINA's |x_i|·‖W[:, i]‖ > t is |x_i| > t/‖W[:, i]‖: the product itself unchanged);
+* :func:`threshold_ffn`: the FFN after a dense first projection, only the up/down rows of the neurons whose
+  |act(gate)| passes a threshold (1/3 + 2/3·(1 - s) of a gated FFN's rows).
 
 Both come from a small C file (``cpu_native.c``, fp32, OpenMP, compiled with the machine's C compiler on first
 use and cached under ``$CTXSPARSE_HOME``/``~/.cache/ctxsparse``). Where there is no compiler (or
@@ -93,11 +98,13 @@ def _build() -> ctypes.CDLL | None:
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.cs_rows_dot.argtypes = [P, P, P, I64, I64, P, I64, I64, P, I64, I, P, P, I]
     lib.cs_rows_axpy.argtypes = [P, I64, I64, I64, P, P, I64, P, I64, I, P, P, P, I]
-    lib.cs_input_sparse.argtypes = [P, I64, I64, I64, P, I64, ctypes.c_float, P, P, P, P, P, P, I]
+    lib.cs_input_sparse_seg.argtypes = [P, I64, I64, I64, P, I64, I, P, P, P, P, P, P, I]
     lib.cs_pair_dot.argtypes = [P, P, I64, I64, P, P, I64, P, P, I]
     lib.cs_ffn.argtypes = [P, P, P, P, P, I64, I64, P, I64, P, I64, I, P, P, I]
-    for f in (lib.cs_rows_dot, lib.cs_rows_axpy, lib.cs_input_sparse, lib.cs_pair_dot, lib.cs_ffn):
+    lib.cs_ffn_thr.argtypes = [P, I64, ctypes.c_float, I, P, P, P, P, P, I64, P, I64, P, P, P, P, P, I]
+    for f in (lib.cs_rows_dot, lib.cs_rows_axpy, lib.cs_input_sparse_seg, lib.cs_pair_dot, lib.cs_ffn):
         f.restype = I
+    lib.cs_ffn_thr.restype = I64
     return lib
 
 
@@ -213,7 +220,7 @@ def rows_axpy(weights, w_t, rows, *, bias=None, offsets=None):
         nt = _threads()
         wts = weights
         y = torch.empty(B, n, dtype=torch.float32)
-        scratch = torch.empty(nt * B * n if (shared or B < nt) else 1, dtype=torch.float32)
+        scratch = torch.empty(nt * B * n if nt > 1 and (shared or B < nt) else 1, dtype=torch.float32)
         _check(_native().cs_rows_axpy(_p(w_t), w_t.shape[0], n, w_t.stride(0), _p(rows), _p(wts),
                                       K if shared else 0, _p(off), B, int(shared), _p(bias), _p(y), _p(scratch), nt))
         return y
@@ -243,7 +250,7 @@ def ffn_rows(x, w_gate, w_up, w_down_t, rows, act, *, b_up=None, b_down=None):
     k = w_up.shape[0] if rows is None else rows.shape[0]
     nt = _threads()
     y = torch.empty(B, d, dtype=_F32)
-    scratch = torch.empty(nt * B * d, dtype=_F32)
+    scratch = torch.empty(nt * B * d if nt > 1 else 1, dtype=_F32)
     _check(_native().cs_ffn(w_gate.data_ptr() if w_gate is not None else None, w_up.data_ptr(), _p(b_up),
                             w_down_t.data_ptr(), _p(b_down), w_up.shape[0], d, _p(rows), k, x.data_ptr(), B,
                             ACTS[act], y.data_ptr(), scratch.data_ptr(), nt))
@@ -348,44 +355,120 @@ def head_sparse_out(attn, w_o_t, q_idx, q_count=None, head_dim=None, bias=None, 
 
 # ---------------------------------------------------------------------------------------------------------
 # input sparsity and per-token sets
-def input_sparse_linear(x, w_t, threshold, bias=None, *, config=None):
-    """y = (x · [|x| > t]) @ w_t (+ bias): only the rows of ``w_t`` = Wᵀ [in, out] of each token's active inputs
-    are read. x [B, in]; threshold a float or a 0-d tensor; returns [B, out] in x's dtype."""
+def input_sparse_linear(x, w_t, threshold, bias=None, *, config=None, counts=None):
+    """y = (x · [|x| > t]) @ w_t (+ bias): only the rows of ``w_t`` = Wᵀ [in, out] of the active inputs are read
+    (each once for the batch). x [B, in]; ``threshold`` a float, a one-element tensor, or a tensor [in] of one
+    threshold per input channel (WINA: t / ‖W[:, i]‖₂, see :func:`input_sparse_linear_segments`). ``counts``: a
+    float64 CPU tensor of one element to which the number of active (token, input) entries is added. Returns
+    [B, out] in x's dtype."""
     if x.dim() != 2 or w_t.dim() != 2 or x.shape[1] != w_t.shape[0]:
         raise ValueError(f"x must be [B, in] and w_t [in, out]; got {tuple(x.shape)} and {tuple(w_t.shape)}")
-    t = float(threshold)
-    B, n_in = x.shape
-    n = w_t.shape[1]
-    xc = x.contiguous()
-    if _use_native(xc, bias, rows_t=w_t):
-        nt = _threads()
-        y = torch.empty(B, n, dtype=torch.float32)
-        idx = torch.empty(B * n_in, dtype=torch.int64)
-        wts = torch.empty(B * n_in, dtype=torch.float32)
-        off = torch.empty(B + 1, dtype=torch.int64)
-        scratch = torch.empty(nt * B * n, dtype=torch.float32)
-        _check(_native().cs_input_sparse(_p(w_t), n_in, n, w_t.stride(0), _p(xc), B, t, _p(bias), _p(y), _p(idx),
-                                         _p(wts), _p(off), _p(scratch), nt))
-        return y
-    keep = x.abs() > t
-    tok, rows = keep.nonzero(as_tuple=True)
-    offsets = torch.zeros(B + 1, dtype=torch.int64)
-    offsets[1:] = torch.bincount(tok, minlength=B).cumsum(0)
-    return rows_axpy(x[tok, rows], w_t, rows, bias=bias, offsets=offsets).to(x.dtype)
+    return input_sparse_linear_segments(x, w_t, [threshold], [w_t.shape[1]], bias, counts=counts)
 
 
-def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, config=None):
-    """Projections sharing x with Wᵀ concatenated along out (fused QKV): segment j (``sizes[j]`` columns) uses
-    its own threshold ``thresholds[j]``. Each segment reads its column block of the active rows in place."""
+_SEGS: dict = {}
+
+
+def _seg_bounds(sizes) -> torch.Tensor:
+    key = tuple(sizes)
+    t = _SEGS.get(key)
+    if t is None:
+        t = torch.tensor([0, *torch.tensor(key).cumsum(0).tolist()], dtype=torch.int64)
+        _SEGS[key] = t
+    return t
+
+
+def _seg_thresholds(thresholds, nseg: int, n_in: int):
+    """(scalar thresholds fp32 [nseg] or None, per-channel thresholds fp32 [nseg, in] or None)."""
+    if isinstance(thresholds, torch.Tensor):
+        if thresholds.dim() == 2:
+            if thresholds.shape != (nseg, n_in):
+                raise ValueError(f"per-channel thresholds must be [{nseg}, {n_in}], got {tuple(thresholds.shape)}")
+            return None, thresholds.to(device="cpu", dtype=_F32).contiguous()
+        if thresholds.numel() != nseg:
+            raise ValueError(f"{nseg} threshold(s) expected, got {thresholds.numel()}")
+        return thresholds.to(device="cpu", dtype=_F32).reshape(nseg).contiguous(), None
+    thresholds = list(thresholds)
+    if len(thresholds) != nseg:
+        raise ValueError(f"{nseg} threshold(s) expected, got {len(thresholds)}")
+    per = [isinstance(t, torch.Tensor) and t.numel() > 1 for t in thresholds]
+    if not any(per):
+        return torch.tensor([float(t) for t in thresholds], dtype=_F32), None
+    rows = []
+    for t, p in zip(thresholds, per):
+        if p and t.numel() != n_in:
+            raise ValueError(f"a per-channel threshold needs {n_in} entries, got {t.numel()}")
+        rows.append(t.reshape(n_in).to(device="cpu", dtype=_F32) if p else torch.full((n_in,), float(t), dtype=_F32))
+    return None, torch.stack(rows)
+
+
+def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, config=None, counts=None):
+    """Projections sharing x with Wᵀ concatenated along out (fused QKV): segment j (``sizes[j]`` columns) keeps
+    input i iff |x_i| > its threshold, ``thresholds[j]``: a float / one-element tensor, or a tensor [in] (one
+    threshold per input channel). ``thresholds`` may also be one tensor [nseg] or [nseg, in]. The active rows
+    are read once, in place, each token adding its own active segments. ``counts``: float64 CPU tensor [nseg]
+    to which the active (token, input) entries of each segment are added."""
     sizes = [int(s) for s in sizes]
+    if x.dim() != 2 or w_t.dim() != 2 or x.shape[1] != w_t.shape[0]:
+        raise ValueError(f"x must be [B, in] and w_t [in, out]; got {tuple(x.shape)} and {tuple(w_t.shape)}")
     if sum(sizes) != w_t.shape[1]:
         raise ValueError(f"segment sizes {sizes} must sum to out = {w_t.shape[1]}")
+    nseg = len(sizes)
+    if not 1 <= nseg <= 8:
+        raise ValueError(f"1 to 8 segments, got {nseg}")
+    B, n_in = x.shape
+    n = w_t.shape[1]
+    thr, tvec = _seg_thresholds(thresholds, nseg, n_in)
+    xc = x.contiguous()
+    if counts is not None and not (counts.dtype == torch.float64 and counts.is_cpu and counts.is_contiguous()
+                                   and counts.numel() == nseg):
+        raise ValueError(f"counts must be a contiguous float64 CPU tensor of {nseg} element(s)")
+    if _use_native(xc, bias, rows_t=w_t):
+        y = torch.empty(B, n, dtype=_F32)
+        rc = _native().cs_input_sparse_seg(_p(w_t), n_in, n, w_t.stride(0), _p(xc), B, nseg, _p(_seg_bounds(sizes)),
+                                           _p(thr), _p(tvec), _p(bias), _p(y), _p(counts), _threads())
+        if rc != 0:
+            raise RuntimeError("input-sparse kernel failed (segment bounds or memory)")
+        return y.to(x.dtype)
     outs, lo = [], 0
     for j, s in enumerate(sizes):
-        b = None if bias is None else bias[lo:lo + s].contiguous()
-        outs.append(input_sparse_linear(x, w_t[:, lo:lo + s], thresholds[j], b))
+        t = tvec[j] if tvec is not None else thr[j]
+        keep = x.abs() > t.to(x.dtype if x.dtype == torch.float64 else _F32)
+        if counts is not None:
+            counts[j] += float(keep.sum())
+        tok, rows = keep.nonzero(as_tuple=True)
+        offsets = torch.zeros(B + 1, dtype=torch.int64)
+        offsets[1:] = torch.bincount(tok, minlength=B).cumsum(0)
+        b = None if bias is None else bias[lo:lo + s]
+        outs.append(rows_axpy(x[tok, rows], w_t[:, lo:lo + s], rows, bias=b, offsets=offsets))
         lo += s
-    return torch.cat(outs, dim=1)
+    return torch.cat(outs, dim=1).to(x.dtype)
+
+
+def threshold_ffn(x, z, w_up, w_down_t, threshold, act, *, b_act=None, b_score=None, b_down=None, stat=None):
+    """The FFN after its first projection ``z`` = x W1ᵀ [B, D] (gate, or fc1 without its bias) was computed
+    dense: a = act(z + b_act), token b keeps neuron j iff |act(z + b_score)| > ``threshold`` (``b_score is
+    b_act``: the same activation), y_b = b_down + Σ_{j kept by b} a_bj (· <w_up[j], x_b> when ``w_up`` is given:
+    gated) · w_down_t[j]. Only the rows of ``w_up`` and ``w_down_t`` of the neurons some token keeps are read.
+    ``stat``: a float64 CPU tensor (one element) to which the number of neurons read is added.
+    Returns (y [B, d] in x's dtype, neurons read) or None where the native kernels do not run."""
+    xc, zc = x.contiguous(), z.contiguous()
+    if not _use_native(xc, zc, w_up, w_down_t, b_act, b_score) or not _ok(b_down):
+        return None
+    if stat is not None and not (stat.dtype == torch.float64 and stat.is_cpu):
+        raise ValueError("stat must be a float64 CPU tensor")
+    B, d = xc.shape
+    D = zc.shape[1]
+    nt = _threads()
+    y = torch.empty(B, d, dtype=_F32)
+    coef = torch.empty(B * D, dtype=_F32)
+    lst = torch.empty(D, dtype=torch.int64)
+    scratch = torch.empty(nt * B * d if nt > 1 else 1, dtype=_F32)
+    same = b_score is b_act
+    k = _native().cs_ffn_thr(_p(zc), D, float(threshold), act_code(act), _p(b_act),
+                             _p(b_act) if same else _p(b_score), _p(w_up), _p(w_down_t), _p(b_down), d, _p(xc), B,
+                             _p(y), _p(coef), _p(lst), _p(scratch), _p(stat), nt)
+    return y.to(x.dtype), int(k)
 
 
 def token_sparse_ffn(x, w_up, w_down_t, mask, act, w_gate=None, b_up=None, b_down=None, filter_threshold=None):

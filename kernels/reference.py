@@ -136,10 +136,12 @@ def active_mask(idx, count, n):
 def input_sparse_linear(x, w_t, threshold, bias=None, *, config=None):
     """y = mask(x) @ w_t (+ bias) with mask(x)[b, i] = x[b, i] if |x[b, i]| > threshold else 0.
 
-    ``w_t`` is W^T [in, out]; ``threshold`` a float or a one-element tensor (compared in fp32 or finer)."""
+    ``w_t`` is W^T [in, out]; ``threshold`` a float, a one-element tensor, or a tensor [in] of one threshold per
+    input channel (compared in fp32 or finer)."""
     cd = _cdt(x, w_t)
     xf = x.to(cd)
-    t = torch.as_tensor(threshold, dtype=torch.float32, device=x.device).reshape(()).to(cd)
+    t = torch.as_tensor(threshold, dtype=torch.float32, device=x.device)
+    t = (t.reshape(()) if t.numel() == 1 else t.reshape(x.shape[-1])).to(cd)
     xm = torch.where(xf.abs() > t, xf, torch.zeros((), dtype=cd, device=x.device))
     y = xm @ w_t.to(cd)
     if bias is not None:

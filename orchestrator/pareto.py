@@ -12,7 +12,10 @@ The metric's direction is the one stored with its rows (``higher_is_better``). R
 * a setting with no latency row for the device type (its latency unit failed or has not run) is listed with
   no latency and is never on the front; one with no value of the metric is not listed at all;
 * the oracle is a bound, not a product: it is drawn and may be on the front, but it is never chosen, and it
-  never keeps a deployable setting from being chosen.
+  never keeps a deployable setting from being chosen;
+* a sparse setting timed together with dense (a ``ctxsparse-dense-paired`` row: both decoded alternately in one
+  process) is placed at dense's own time divided by that paired speedup, so its speedup is the one measured side
+  by side, not the ratio of two units timed minutes apart.
 
 Loss against dense is relative: a lower-is-better metric (ppl) may rise by that fraction of dense's value, a
 higher-is-better one (accuracy) may fall by it. ``choose`` and ``choose_sparsest`` are pure functions of a
@@ -27,7 +30,7 @@ from db import queries
 from db.engine import session_scope
 from db.schemas import LatencyRecord
 from orchestrator.settings import BASELINE_RUNTIMES, Setting, accuracy_metrics, settings_for_model
-from workers.names import DEVICE_TYPES
+from workers.names import DEVICE_TYPES, RUNTIME_DENSE_PAIRED
 
 NOT_DEPLOYABLE = ("oracle",)   # upper bounds: they read the dense activations they are meant to skip
 LOSS_TOLERANCE = 1e-9          # a loss exactly at --max-loss qualifies, whatever the float rounding of a/b - 1
@@ -47,6 +50,7 @@ class FrontRow:
     latency_ms: float | None
     accelerator: str | None
     on_front: bool
+    paired_speedup: float | None = None    # dense / sparse p50 timed side by side in one process
 
 
 @dataclass
@@ -112,6 +116,13 @@ def pick_latency(s: Setting, device_type: str, accelerator: str | None, batch: i
     return min(rows, key=lambda r: (r.prompt_len, r.accelerator_name), default=None)
 
 
+def paired_dense(s: Setting, own: LatencyRecord) -> LatencyRecord | None:
+    """The dense row timed alongside the setting's own row ``own`` (same device, accelerator, batch, prompt)."""
+    return next((r for r in s.latency if r.runtime == RUNTIME_DENSE_PAIRED and r.device_type == own.device_type
+                 and r.accelerator_name == own.accelerator_name and r.batch == own.batch
+                 and r.prompt_len == own.prompt_len and r.p50_ms_per_token > 0), None)
+
+
 def pareto(settings: list[Setting], metric: str, device_type: str, *, accelerator: str | None = None,
            batch: int = 1, prompt_len: int | None = None) -> Front:
     """The front of ``settings`` on (``metric``, p50 ms per token on ``device_type``).
@@ -135,13 +146,20 @@ def pareto(settings: list[Setting], metric: str, device_type: str, *, accelerato
                          "accuracy only, no front")
         front.rows = [FrontRow(s, s.accuracy[metric], None, None, False) for s in with_acc]
         return front
+    dense = next((s for s in settings if s.is_dense), None)
+    dense_lr = dense and pick_latency(dense, device_type, accelerator, batch, prompt_len)
     pts = []
     for s in with_acc:
         lr = pick_latency(s, device_type, accelerator, batch, prompt_len)
-        front.rows.append(FrontRow(s, s.accuracy[metric], lr.p50_ms_per_token if lr else None,
-                                   lr.accelerator_name if lr else None, False))
+        ms, speedup = (lr.p50_ms_per_token if lr else None), None
+        pair = lr and not s.is_dense and paired_dense(s, lr)
+        if pair and lr.p50_ms_per_token > 0:
+            speedup = pair.p50_ms_per_token / lr.p50_ms_per_token
+            if dense_lr is not None:
+                ms = dense_lr.p50_ms_per_token / speedup
+        front.rows.append(FrontRow(s, s.accuracy[metric], ms, lr.accelerator_name if lr else None, False, speedup))
         if lr is not None:
-            pts.append((s.fit_unit, s.accuracy[metric], lr.p50_ms_per_token))
+            pts.append((s.fit_unit, s.accuracy[metric], ms))
     on = _nondominated(pts, bool(higher))
     for r in front.rows:
         r.on_front = r.setting.fit_unit in on
@@ -252,14 +270,17 @@ def format_front(front: Front, model: str) -> str:
                                              r.setting.label))
     for r in rows:
         change = (r.accuracy / dense.accuracy - 1.0) if dense and dense.accuracy else None
-        spd = (dense.latency_ms / r.latency_ms) if dense and dense.latency_ms and r.latency_ms else None
+        spd = r.paired_speedup or ((dense.latency_ms / r.latency_ms) if dense and dense.latency_ms and r.latency_ms
+                                   else None)
         rs = r.setting.realized_sparsity
         lines.append(f"  {'*' if r.on_front else ' ':2}{r.setting.label:<40} {r.accuracy:>10.4g} "
                      f"{'' if change is None else f'{100 * change:+.1f}%':>10} "
                      f"{'-' if r.latency_ms is None else f'{r.latency_ms:.2f}':>9} "
                      f"{'' if spd is None else f'{spd:.2f}x':>8} {'' if rs is None else f'{rs:.3f}':>7}  "
                      f"{r.setting.fit_unit[:12]}")
-    lines.append("  (* = on the front; Δ = the metric's relative change; the oracle is a bound, never chosen)")
+    lines.append("  (* = on the front; Δ = the metric's relative change; the oracle is a bound, never chosen;")
+    lines.append("   speedup: dense / sparse timed side by side in one process where the unit did so, and ms/token")
+    lines.append("   is then dense's own time divided by it)")
     return "\n".join(lines)
 
 

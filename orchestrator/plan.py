@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.settings import setting_label
 from orchestrator.spec import SweepSpec
-from workers.names import DENSE, is_shape
+from workers.names import DENSE, RUNTIME_HF, is_shape
 
 CODE_VERSION = "sweep-1"      # bump when a unit's computation changes meaning (old rows then stop matching)
 
@@ -115,7 +115,7 @@ def plan_units(spec: SweepSpec, described: dict[str, dict]) -> list[PlannedUnit]
             if spec.latency is None:
                 continue
             lat = spec.latency
-            runtimes = ["ctxsparse"] + (["hf-generate"] if st["method"] == DENSE and lat.hf_generate_baseline
+            runtimes = ["ctxsparse"] + ([RUNTIME_HF] if st["method"] == DENSE and lat.hf_generate_baseline
                                         else [])
             for dev in lat.devices:
                 for b in lat.batch:
@@ -123,7 +123,9 @@ def plan_units(spec: SweepSpec, described: dict[str, dict]) -> list[PlannedUnit]
                         for rt in runtimes:
                             cfg = {"model": ref, "model_fp": d["fingerprint"], "fit_unit": fit.id,
                                    "device_type": dev, "batch": b, "prompt_len": pl, "gen_len": lat.gen_len,
-                                   "repeats": lat.repeats, "runtime": rt, "threads": threads}
+                                   "repeats": lat.repeats, "runtime": rt, "threads": threads,
+                                   # a sparse setting on the CPU is timed side by side with dense (one process)
+                                   "paired": dev == "cpu" and rt == "ctxsparse" and st["method"] != DENSE}
                             if shape:
                                 cfg["setting"] = st
                             units.append(_unit("latency", ref, dev, cfg, [fit.id],

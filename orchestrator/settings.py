@@ -16,12 +16,13 @@ from sqlalchemy.orm import Session
 
 from db import queries
 from db.schemas import LatencyRecord
-from workers.names import DENSE
+from workers.names import DENSE, RUNTIME_DENSE_PAIRED, RUNTIME_HF
 
 MEAN_TASKS = "mc/mean/acc"                        # mean accuracy over the multiple-choice tasks
 # measured with each eval, not accuracy metrics
 SPARSITY_METRICS = ("mlp_sparsity", "head_sparsity", "input_sparsity", "weight_skipped")
-BASELINE_RUNTIMES = ("hf-generate",)              # timed for reference, never a setting's own latency
+# timed for reference, never a setting's own latency: HF generate, and the dense half of a paired timing
+BASELINE_RUNTIMES = (RUNTIME_HF, RUNTIME_DENSE_PAIRED)
 
 
 def setting_label(method: str, sparsity: float, rank: int | None, attn_sparsity: float | None,

@@ -10,6 +10,10 @@ import hashlib
 DENSE = "dense"                              # method of the always-present dense setting (an empty plan)
 DEVICE_TYPES = ("cpu", "cuda", "npu")        # where a unit runs (Ray: CPUs, GPUs, the custom resource NPU)
 UNIT_KINDS = ("collect", "fit", "eval", "latency")
+# latency rows' runtimes: our decode runtime dense / sparse, the dense half of a paired (interleaved) timing,
+# and Hugging Face generate (the baseline)
+RUNTIME_DENSE, RUNTIME_SPARSE, RUNTIME_DENSE_PAIRED, RUNTIME_HF = (
+    "ctxsparse-dense", "ctxsparse-sparse", "ctxsparse-dense-paired", "hf-generate")
 SHAPE_PREFIX = "shape:"                      # "shape:llama2-7b": the real shapes with random weights (GPU latency)
 
 

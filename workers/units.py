@@ -265,6 +265,10 @@ class Units:
             plan = None if b.manifest["method"] == DENSE else b.plan(lm.model)
         rows = bench_decode(lm.model, plan, device=self.device,
                             batch=cfg["batch"], prompt_len=cfg["prompt_len"], gen_len=cfg["gen_len"],
-                            repeats=cfg["repeats"], runtime=cfg["runtime"])
-        return UnitOutput(latency=rows, summary={"p50_ms": round(rows[0]["p50_ms_per_token"], 2)} if rows else {})
+                            repeats=cfg["repeats"], runtime=cfg["runtime"],
+                            paired=bool(cfg.get("paired")) and plan is not None)
+        summary = {"p50_ms": round(rows[0]["p50_ms_per_token"], 2)} if rows else {}
+        if len(rows) == 2:      # sparse and its paired dense
+            summary["speedup_vs_paired_dense"] = round(rows[1]["p50_ms_per_token"] / rows[0]["p50_ms_per_token"], 3)
+        return UnitOutput(latency=rows, summary=summary)
 

@@ -78,7 +78,9 @@ def _expected_rows(u) -> int:
     if u.kind == "eval":
         suite = u.config["suite"]
         return len(PERPLEXITY_METRICS) if suite == "perplexity" else len(SUITES[suite].metrics)
-    return 1 if u.kind == "latency" else 0
+    if u.kind == "latency":      # a paired timing adds the dense it ran beside
+        return 2 if u.config.get("paired") else 1
+    return 0
 
 
 def test_pg_sweep_with_two_evaluators_loses_and_duplicates_nothing(pg_sweep):

@@ -121,6 +121,26 @@ def test_baseline_runtime_and_other_accelerators_are_not_a_settings_latency(grid
     assert pareto(list(grid.values()), PPL, "cpu", accelerator="cpu-z").front[0].setting.label == "dejavu s=0.5"
 
 
+def test_paired_timing_places_a_setting_at_dense_over_its_side_by_side_speedup(grid):
+    """Dense's own unit measured 10 ms; 'a' measured 12 ms in its own unit (a slow moment of the machine) but
+    its paired dense ran at 15 ms in that same process: side by side it is 1.25x faster, so it sits at 8 ms."""
+    a = grid["a"]
+    a.latency = [_lat(a.fit_unit, 12.0), _lat(a.fit_unit, 15.0, runtime="ctxsparse-dense-paired")]
+    # a paired row of another prompt length is not a's pair
+    b = grid["b"]
+    b.latency.append(_lat(b.fit_unit, 4.0, prompt_len=128, runtime="ctxsparse-dense-paired"))
+    fr = pareto(list(grid.values()), PPL, "cpu")
+    rows = {r.setting.label: r for r in fr.rows}
+    assert rows["dejavu s=0.5"].paired_speedup == pytest.approx(1.25)
+    assert rows["dejavu s=0.5"].latency_ms == pytest.approx(8.0)
+    assert rows["threshold s=0.5"].paired_speedup is None and rows["threshold s=0.5"].latency_ms == 8.0
+    assert rows["dense"].paired_speedup is None and rows["dense"].latency_ms == 10.0
+    assert "dejavu s=0.5" in _labels(fr.front)
+    # without the pair the 12 ms of its own unit would put it behind dense: off the front
+    a.latency = a.latency[:1]
+    assert "dejavu s=0.5" not in _labels(pareto(list(grid.values()), PPL, "cpu").front)
+
+
 def test_direction_is_the_stored_one_not_the_name():
     """The same numbers under a higher-is-better metric and a lower-is-better one give opposite fronts."""
     pts = [("dense", 0.60, 10.0), ("svd", 0.58, 6.0), ("dejavu", 0.62, 8.0), ("static", 0.50, 9.0)]

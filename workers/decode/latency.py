@@ -28,6 +28,7 @@ import torch
 from workers.sparsity.predictors.base import SparsityPlan, k_for
 from workers.decode.runtime import DecodeRuntime, random_hf_model
 from workers.decode.shapes import shape_entry
+from workers.names import RUNTIME_DENSE, RUNTIME_DENSE_PAIRED, RUNTIME_HF, RUNTIME_SPARSE
 
 
 def shape_config(name: str):
@@ -123,29 +124,71 @@ def runtime_for(model, device=None) -> DecodeRuntime:
 def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch: int = 1, prompt_len: int = 128,
                  gen_len: int = 32, runtime: str = "ctxsparse", repeats: int = 3, warmup: int = 1,
                  overlap: bool = True, kv_mode: str = "exact", seed: int = 0, detail: bool = False,
-                 vocab: int | None = None) -> list[dict]:
+                 vocab: int | None = None, paired: bool | None = None) -> list[dict]:
     """Time greedy decoding of ``gen_len`` tokens after a ``prompt_len`` random prompt, ``batch`` sequences.
 
     ``model``: an HF causal LM (or a :class:`DecodeRuntime` for ``runtime="ctxsparse"``). ``runtime``:
     ``"ctxsparse"`` (our runtime; row runtime ``ctxsparse-dense`` without a plan, ``ctxsparse-sparse`` with
-    one) or ``"hf-generate"`` (the plan is ignored: HF runs dense). Returns one row (a list, for the store).
+    one) or ``"hf-generate"`` (the plan is ignored: HF runs dense).
+
+    ``paired`` (default: on the CPU, with a plan): dense and sparse decode the same prompts alternately in this
+    process (the order flips every repeat), and a second row ``ctxsparse-dense-paired`` carries the dense times.
+    The ratio of the two rows is what to trust on a shared machine, where the absolute times of two latency units
+    run minutes apart can drift by more than the difference between settings.
     """
     device = torch.device(device)
     if gen_len < 2:
         raise ValueError("gen_len must be >= 2 (the first token comes from the prefill)")
     g = torch.Generator().manual_seed(seed)
-    if runtime == "hf-generate":
+    if runtime == RUNTIME_HF:
         return [_bench_hf(model, device, batch, prompt_len, gen_len, repeats, warmup, g, detail, vocab)]
     if runtime != "ctxsparse":
-        raise ValueError(f"runtime must be 'ctxsparse' or 'hf-generate', got {runtime!r}")
+        raise ValueError(f"runtime must be 'ctxsparse' or {RUNTIME_HF!r}, got {runtime!r}")
+    if paired is None:
+        paired = plan is not None and device.type == "cpu"
+    if paired and plan is None:
+        raise ValueError("paired timing needs a sparse plan (dense is the other half of the pair)")
     rt = runtime_for(model, device)
-    rt.set_plan(plan, overlap=overlap, kv_mode=kv_mode)
-    rt.setup(batch, prompt_len + gen_len)
+    if device.type == "cpu" and rt.cpu_rows is None:
+        rt.pick_cpu_dense()          # the fastest dense path here, for the dense and the sparse runs alike
     V = vocab or rt.vocab
-    times, sparsities, prefill_ms = [], [], []
-    cuda = device.type == "cuda"
+    plans = [plan, None] if paired else [plan]
+    runs = {id(p): _Run() for p in plans}
     for r in range(warmup + repeats):
         ids = torch.randint(0, V, (batch, prompt_len), generator=g)
+        order = plans if r % 2 == 0 else plans[::-1]
+        for p in order:
+            if paired or r == 0:
+                rt.set_plan(p, overlap=overlap, kv_mode=kv_mode)
+                rt.setup(batch, prompt_len + gen_len)
+            runs[id(p)].decode(rt, ids, gen_len, device, keep=r >= warmup)
+    rows = []
+    for p in plans:
+        run = runs[id(p)]
+        sp = None
+        if p is not None:   # input sparsity (alone or with predictors): fraction of decoder weight bytes skipped
+            key = "weights" if p.inputs else "mlp"
+            vals = [s[key] for s in run.sparsities if key in s]
+            sp = float(sum(vals) / len(vals)) if vals else None
+        extra = None
+        if detail:
+            heads = [s["heads"] for s in run.sparsities if "heads" in s]
+            extra = dict(prefill_ms=_pct(run.prefill_ms, 0.5), mean_ms_per_token=sum(run.times) / len(run.times),
+                         head_sparsity=(sum(heads) / len(heads)) if heads else None, overlap=overlap,
+                         kv_mode=kv_mode, repeats=repeats, weight_bytes=rt.weight_bytes())
+        name = RUNTIME_SPARSE if p is not None else RUNTIME_DENSE_PAIRED if paired else RUNTIME_DENSE
+        rows.append(_row(device, batch, prompt_len, gen_len, run.times, name, sp, extra))
+    return rows
+
+
+class _Run:
+    """Per-token decode times of one plan over the repeats (warm-up repeats not kept)."""
+
+    def __init__(self):
+        self.times, self.prefill_ms, self.sparsities = [], [], []
+
+    def decode(self, rt, ids, gen_len, device, keep: bool):
+        cuda = device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -168,22 +211,10 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
                 a = time.perf_counter()
                 rt.step()
                 ts.append((time.perf_counter() - a) * 1e3)
-        if r >= warmup:
-            times.extend(ts)
-            prefill_ms.append((t1 - t0) * 1e3)
-            sparsities.append(rt.realized_sparsity())
-    sp = None
-    if plan is not None:
-        mlp = [s["mlp"] for s in sparsities if "mlp" in s]
-        sp = float(sum(mlp) / len(mlp)) if mlp else None
-    extra = None
-    if detail:
-        heads = [s["heads"] for s in sparsities if "heads" in s]
-        extra = dict(prefill_ms=_pct(prefill_ms, 0.5), mean_ms_per_token=sum(times) / len(times),
-                     head_sparsity=(sum(heads) / len(heads)) if heads else None, overlap=overlap, kv_mode=kv_mode,
-                     repeats=repeats, weight_bytes=rt.weight_bytes())
-    name = "ctxsparse-sparse" if plan is not None else "ctxsparse-dense"
-    return [_row(device, batch, prompt_len, gen_len, times, name, sp, extra)]
+        if keep:
+            self.times.extend(ts)
+            self.prefill_ms.append((t1 - t0) * 1e3)
+            self.sparsities.append(rt.realized_sparsity())
 
 
 def _bench_hf(model, device, batch, prompt_len, gen_len, repeats, warmup, g, detail, vocab):
@@ -212,7 +243,7 @@ def _bench_hf(model, device, batch, prompt_len, gen_len, repeats, warmup, g, det
         if r >= warmup:
             times.extend((b - a) * 1e3 for a, b in zip(clock.t, clock.t[1:]))
     extra = dict(mean_ms_per_token=sum(times) / len(times), repeats=repeats) if detail else None
-    return _row(device, batch, prompt_len, gen_len, times, "hf-generate", None, extra)
+    return _row(device, batch, prompt_len, gen_len, times, RUNTIME_HF, None, extra)
 
 
 # ------------------------------------------------------------------------------------------------------------

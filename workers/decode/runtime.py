@@ -19,7 +19,7 @@ replays need no host sync. On CUDA the pure-torch glue (norms, RoPE/attention, t
 compiled with ``torch.compile`` (fused elementwise work; falls back to eager if compiling fails) and the whole
 step is captured in one CUDA graph. On the CPU everything runs eagerly; the sparse FFN goes through kernels.cpu
 (reads only the active rows of gate/up and of W_downᵀ, in place, in one pass); the dense parts are torch
-matmuls (MKL), or with ``cpu_rows = True`` the same row kernels over every row (benchmarks/cpu_ops.py --decode
+matmuls (MKL) or the same row kernels over every row (``cpu_rows``; ``pick_cpu_dense`` times both and keeps the faster, as latency rows do; benchmarks/cpu_ops.py --decode
 measures both: which is faster depends on the CPU).
 
 Sparse layers (``plan.mlp`` / ``plan.attn``): the predictor's own ``scores`` (its GEMVs), then the active set on
@@ -30,6 +30,19 @@ and, for heads, ``head_sparse_qkv`` + ``head_sparse_out``. K and V are computed 
 (``kv_mode="exact"``: the cache stays exact, the semantics of workers.sparsity.sparse_exec); ``kv_mode="active"`` computes
 K/V only for the KV heads the active query heads need and masks the skipped (head, position) entries out of
 later attention (Deja Vu's saving without its "recompute later": an approximation, reported separately).
+
+Input sparsity (``plan.inputs``, TEAL / WINA): each projection with a threshold reads only the rows of its Wᵀ
+[in, out] whose input entry is active (``kernels.ops.input_sparse_linear_segments``); QKV share one input and one
+Wᵀ copy with three thresholds, gate|up likewise with two; O and down use ``w_o_t`` / ``w_down_t`` as stored. Wᵀ
+copies exist only for the projections a plan needs. WINA's |x_i|·‖W[:, i]‖ > t runs as |x_i| > t/‖W[:, i]‖ (one
+threshold per input channel, CPU only), so the product is the plain one. The active entries are counted per
+(layer, projection): ``realized_sparsity()`` then adds ``inputs`` (fraction of the decoder's projection weights
+not read because of input sparsity) and ``weights`` (counting every part of the plan). Input sparsity on
+attention combines with a neuron predictor on the FFN.
+
+Gate-threshold predictors (method ``threshold``: |act(W_gate h)| > t on the FFN's own gate) run the gate dense
+once and then only the up / W_downᵀ rows of the kept neurons (``kernels.cpu.threshold_ffn``; elsewhere the same
+through compact + gather ops), each token with its own kept set.
 
 Predictor inputs follow each predictor's ``input_kind``: ``residual`` (the stream entering the layer),
 ``lookahead`` (the stream entering the previous layer), ``ffn_in`` (the normed FFN input). With
@@ -130,7 +143,13 @@ class _Layer:
     """One decoder layer's weights in the runtime's layout (plain tensors, no nn.Module)."""
 
     __slots__ = ("w_qkv", "b_qkv", "w_o_t", "b_o", "n1", "n1b", "n2", "n2b", "post_attn", "post_ffn",
-                 "qn", "kn", "w_gate", "w_up", "w_down_t", "b_up", "b_down", "w_gu", "window", "rope")
+                 "qn", "kn", "w_gate", "w_up", "w_down_t", "b_up", "b_down", "w_gu", "window", "rope",
+                 "w_qkv_t", "w_gu_t", "w_up_t")
+
+# other layouts of weights the step already reads (not counted by weight_bytes); the *_t ones exist only while a
+# plan's input sparsity needs them (Wᵀ [in, out]: an input channel's weights are one contiguous row)
+_ALT_LAYOUTS = ("w_gu", "w_qkv_t", "w_gu_t", "w_up_t")
+PROJ = ("q", "k", "v", "o", "gate", "up", "down")   # columns of the input-sparsity counters
 
 
 class DecodeRuntime:
@@ -141,8 +160,9 @@ class DecodeRuntime:
         self.overlap = True
         self.kv_mode = "exact"
         self.ffn_dense = "auto"
-        self.cpu_rows = False         # CPU backend: dense projections (QKV, O, LM head, dense FFN) through kernels.cpu's
-        #                               row kernels instead of torch matmuls (which is faster depends on the CPU)
+        self.cpu_rows = None          # CPU backend: dense projections (QKV, O, LM head, dense FFN) through kernels.cpu's
+        #                               row kernels (True) or torch matmuls (False); which is faster depends on the
+        #                               CPU: None = not chosen yet (matmuls until pick_cpu_dense() times both)
         self.select_impl = "auto"     # top-k: "auto" (Triton select where the Triton kernels run), "torch", "triton"
         self.batch = 0
         self.max_len = 0
@@ -150,6 +170,7 @@ class DecodeRuntime:
         self.use_graph = True
         self.compile = True
         self.mlp_pred, self.head_pred, self.seq_thr = {}, {}, {}
+        self.in_attn, self.in_ffn, self.thr_ffn = {}, {}, {}
         self._fns = None
 
     # ------------------------------------------------------------------ building
@@ -199,6 +220,7 @@ class DecodeRuntime:
 
         rt.scale = getattr(cfg, "query_pre_attn_scalar", None)
         scale = (rt.scale if rt.scale is not None else hd) ** -0.5
+        rt.q_fold = 1.0 if fam == "gemma3" else scale      # factor folded into the stored query rows
         rope = _rope_tables(model, cfg, fam)
         layer_types = getattr(cfg, "layer_types", None)
         rt.layers = []
@@ -235,7 +257,7 @@ class DecodeRuntime:
             L.w_up, L.w_gate = T(w["up"]), T(w.get("gate"))
             L.w_down_t = T(w["down"].t())
             L.b_up, L.b_down = T(w.get("b_up")), T(w.get("b_down"))
-            L.w_gu = None
+            L.w_gu = L.w_qkv_t = L.w_gu_t = L.w_up_t = None
             lt = layer_types[i] if layer_types else "full_attention"
             sw = getattr(cfg, "sliding_window", None)
             if fam == "mistral":
@@ -277,6 +299,7 @@ class DecodeRuntime:
             self.batch = self.max_len = 0          # the cache layout changes: setup() again
         self.plan, self.overlap, self.kv_mode = plan, overlap, kv_mode
         self.mlp_pred, self.head_pred, self.seq_thr = {}, {}, {}
+        self.in_attn, self.in_ffn, self.thr_ffn = {}, {}, {}
         if plan is not None:
             for l, p in plan.mlp.items():
                 self.mlp_pred[l] = _on(p, self.device, self.dtype)
@@ -289,12 +312,115 @@ class DecodeRuntime:
                 self.head_pred[l] = _on(p, self.device, self.dtype)
             if self.gated is False and self.act not in ACTS:
                 raise ValueError(f"activation {self.act!r} has no sparse kernel")
+            for l, p in plan.mlp.items():
+                fast = self._threshold_fast(l, p, plan)
+                if fast is not None:
+                    self.thr_ffn[l] = fast
+            self._set_inputs(plan)
+        self._drop_unused_layouts()
         self._graph = None
         return self
+
+    def _threshold_fast(self, l: int, p, plan):
+        """(threshold, score bias) when layer ``l``'s predictor is a gate threshold (|act(W1 h)| > t, W1 the FFN's
+        own first projection, e.g. method ``threshold``): the FFN then runs the first projection dense once and
+        reads up/down rows of the kept neurons only. None: the predictor runs as any other."""
+        if getattr(p, "method", None) != "threshold" or getattr(p, "input_kind", None) != "ffn_in":
+            return None
+        if plan.mlp_mode == "sequential" or getattr(p, "act", None) != self.act or self.act not in ACTS:
+            return None
+        L = self.layers[l]
+        w1 = L.w_gate if self.gated else L.w_up
+        w = getattr(p, "_w", None)
+        if w is None or tuple(w.shape) != tuple(w1.shape) or not torch.equal(w.to(w1.device, w1.dtype), w1):
+            return None
+        b = getattr(p, "_b", None)
+        if b is not None:
+            if self.gated:
+                return None
+            b = b.to(device=self.device, dtype=self.dtype).contiguous()
+        return float(p.threshold), b
+
+    def _set_inputs(self, plan) -> None:
+        """Input sparsity (``plan.inputs``, TEAL / WINA): per layer, the thresholds of each fused group (QKV share
+        h, gate|up share the FFN input) in the layout the kernels take, and the Wᵀ copies they read."""
+        from workers.sparsity.input_sparse import check_plan_parts
+
+        if not plan.inputs:
+            return
+        check_plan_parts(plan)
+        wina = plan.input_score == "wina"
+        if wina and self.device.type != "cpu":
+            raise ValueError("WINA input sparsity needs a threshold per input channel: the decode runtime runs it "
+                             "on the CPU only (the Triton input-sparse kernel takes one threshold per segment)")
+        known = {"q", "k", "v", "o", "up", "down"} | ({"gate"} if self.gated else set())
+        dims = self.dims
+        H, KV, hd, d, D = dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.d, dims.D
+        for l, per in plan.inputs.items():
+            l = int(l)
+            if not 0 <= l < len(self.layers):
+                raise ValueError(f"input thresholds for layer {l}, model has {len(self.layers)}")
+            bad = set(per) - known
+            if bad:
+                raise ValueError(f"layer {l}: input sparsity on {sorted(bad)}: not projections of this model "
+                                 f"({sorted(known)})")
+            if not per:
+                continue
+            if l in self.head_pred and set(per) & {"q", "k", "v", "o"}:
+                raise ValueError(f"layer {l}: input sparsity on attention projections and a head predictor on "
+                                 "the same layer")
+            L = self.layers[l]
+            norms = _column_norms(L, self.q_fold, H * hd, KV * hd) if wina else None
+
+            def thr(names, n_in):
+                """Thresholds of the projections ``names`` sharing one input: [len] (one each) or, WINA,
+                [len, n_in] (t / ‖W[:, i]‖); a projection without one keeps every input (-1)."""
+                if not wina:
+                    return torch.tensor([float(per.get(p, -1.0)) for p in names], dtype=torch.float32,
+                                        device=self.device)
+                rows = [float(per[p]) / norms[p].clamp_min(1e-30) if p in per
+                        else torch.full((n_in,), -1.0, device=self.device) for p in names]
+                return torch.stack(rows).to(torch.float32).contiguous()
+
+            ent = {}
+            if set(per) & {"q", "k", "v"}:
+                if L.w_qkv_t is None:
+                    L.w_qkv_t = L.w_qkv.t().contiguous()
+                ent["qkv"] = (thr(("q", "k", "v"), d), (H * hd, KV * hd, KV * hd), 0)
+            if "o" in per:
+                ent["o"] = (thr(("o",), H * hd), (d,), 3)
+            if ent:
+                self.in_attn[l] = ent
+            ent = {}
+            if self.gated and set(per) & {"gate", "up"}:
+                if L.w_gu_t is None:
+                    L.w_gu_t = torch.cat([L.w_gate, L.w_up], 0).t().contiguous()
+                ent["gu"] = (thr(("gate", "up"), d), (D, D), 4)
+            elif not self.gated and "up" in per:
+                if L.w_up_t is None:
+                    L.w_up_t = L.w_up.t().contiguous()
+                ent["up"] = (thr(("up",), d), (D,), 5)
+            if "down" in per:
+                ent["down"] = (thr(("down",), D), (d,), 6)
+            if ent:
+                self.in_ffn[l] = ent
+
+    def _drop_unused_layouts(self) -> None:
+        for l, L in enumerate(self.layers):
+            if "qkv" not in self.in_attn.get(l, {}):
+                L.w_qkv_t = None
+            if "gu" not in self.in_ffn.get(l, {}):
+                L.w_gu_t = None
+            if "up" not in self.in_ffn.get(l, {}):
+                L.w_up_t = None
 
     @property
     def sparse(self) -> bool:
         return bool(self.mlp_pred or self.head_pred)
+
+    @property
+    def input_sparse(self) -> bool:
+        return bool(self.in_attn or self.in_ffn)
 
     def setup(self, batch: int, max_len: int) -> None:
         """Allocate the static KV cache (and drop any captured graph)."""
@@ -310,6 +436,7 @@ class DecodeRuntime:
         self.out_tokens = torch.zeros(batch, max_len, dtype=torch.long, device=self.device)
         self.stat_mlp = torch.zeros(len(self.layers), dtype=torch.float64, device=self.device)
         self.stat_heads = torch.zeros(len(self.layers), dtype=torch.float64, device=self.device)
+        self.stat_in = torch.zeros(len(self.layers), len(PROJ), dtype=torch.float64, device=self.device)
         self.steps = 0
         self._graph = None
         self._fns = None
@@ -384,8 +511,95 @@ class DecodeRuntime:
         y = a @ L.w_down_t
         return y + L.b_down if L.b_down is not None else y
 
+    def _in_linear(self, l: int, x, w_t, ent, bias=None):
+        """x @ w_t (+ bias) over the active inputs only (input sparsity); ``ent`` = (thresholds, segment sizes,
+        first column of the layer's counters). The counters get the active (token, input) entries."""
+        thr, sizes, col = ent
+        counts = self.stat_in[l, col: col + len(sizes)]
+        if ops.backend_name(x) == "cpu":
+            return cpu_kernels.input_sparse_linear_segments(x, w_t, thr, sizes, bias, counts=counts)
+        y = ops.input_sparse_linear_segments(x, w_t, thr, sizes, bias)
+        a = x.abs().float()
+        on = a[:, None, :] > (thr[None, :, :] if thr.dim() == 2 else thr[None, :, None])
+        counts.add_(on.sum((0, 2)).to(counts.dtype))
+        return y
+
+    def _ffn_input_sparse(self, l: int, L, h, ent, fns):
+        """The FFN with input sparsity on gate|up (one pass over the shared input), fc1, and/or down."""
+        if self.gated:
+            if "gu" in ent:
+                gu = self._in_linear(l, h, L.w_gu_t, ent["gu"])
+            else:
+                if L.w_gu is None:
+                    L.w_gu = torch.cat([L.w_gate, L.w_up], 0)
+                gu = self._linear(h, L.w_gu)
+            a = fns["act_mul"](gu, self.act)
+        else:
+            z = self._in_linear(l, h, L.w_up_t, ent["up"], L.b_up) if "up" in ent else self._linear(h, L.w_up, L.b_up)
+            a = activation_fn(self.act)(z)
+        if "down" in ent:
+            return self._in_linear(l, a, L.w_down_t, ent["down"], L.b_down)
+        return self._linear_t(a, L.w_down_t, L.b_down)
+
+    def _ffn_threshold(self, l: int, L, h):
+        """Gate-threshold FFN: the first projection dense once (the fastest dense product), keep the neurons with
+        |act(gate)| > t, then up rows and W_downᵀ rows of the kept neurons only (1/3 + 2/3·(1 - s) of a gated
+        FFN). Each token uses its own kept set; the batch reads the union's rows once."""
+        t, b_score = self.thr_ffn[l]
+        w1 = L.w_gate if self.gated else L.w_up
+        b_act = None if self.gated else L.b_up
+        if b_score is None and b_act is None:
+            b_score = b_act
+        z = self._linear(h, w1)
+        w_up = L.w_up if self.gated else None
+        if ops.backend_name(h) == "cpu":
+            r = cpu_kernels.threshold_ffn(h, z, w_up, L.w_down_t, t, self.act, b_act=b_act, b_score=b_score,
+                                          b_down=L.b_down, stat=self.stat_mlp[l])
+            if r is not None:
+                return r[0]
+        a = apply_act(z if b_act is None else z + b_act, self.act)
+        s = a if b_score is b_act else apply_act(z if b_score is None else z + b_score, self.act)
+        keep = s.abs() > t
+        coef = torch.where(keep, a, torch.zeros((), dtype=a.dtype, device=a.device))
+        idx, count, cv = ops.compact(keep[0] if keep.shape[0] == 1 else keep.any(0), None, coef)
+        self.stat_mlp[l] += count[0]
+        if self.gated:
+            u = ops.gather_gemv(h, L.w_up, idx, count, scale=cv, out_dtype=torch.float32)
+        else:
+            u = cv
+        return ops.gather_down(u.to(h.dtype), L.w_down_t, idx, count, L.b_down, out_dtype=h.dtype)
+
     # ------------------------------------------------------------------ prefill (dense, eager)
     @torch.no_grad()
+    @torch.no_grad()
+    def pick_cpu_dense(self, steps: int = 4, rounds: int = 3) -> bool:
+        """On the CPU: time dense decode steps through torch matmuls and through the row kernels, alternately,
+        and keep the faster for every dense product (``cpu_rows``). Which one wins depends on the CPU (caches,
+        MKL's GEMV); the dense baseline of a latency row must be the fastest dense we can run. Returns
+        ``cpu_rows``. The plan and the KV cache are restored (setup() again before decoding)."""
+        if self.device.type != "cpu":
+            return self.cpu_rows
+        import time
+
+        plan, overlap, kv_mode = self.plan, self.overlap, self.kv_mode
+        self.set_plan(None)
+        self.setup(1, steps + 2)
+        ids = torch.zeros(1, 1, dtype=torch.long)
+        best = {False: [], True: []}
+        for r in range(rounds + 1):
+            for rows in ((False, True) if r % 2 == 0 else (True, False)):
+                self.cpu_rows = rows
+                self.prefill(ids)
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    self.step()
+                if r:                      # round 0 warms both paths up
+                    best[rows].append(time.perf_counter() - t0)
+        self.cpu_rows = min(best[True]) < min(best[False])
+        self.set_plan(plan, overlap=overlap, kv_mode=kv_mode)
+        self.batch = self.max_len = 0
+        return self.cpu_rows
+
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Dense forward of the prompts ``ids`` [B, T] (B == setup's batch); fills the cache; returns the last
         position's logits [B, V] and sets the step's input token (greedy) and position."""
@@ -435,6 +649,7 @@ class DecodeRuntime:
         self.out_tokens.zero_()
         self.stat_mlp.zero_()
         self.stat_heads.zero_()
+        self.stat_in.zero_()
         self.steps = 0
         self._all_logits = None
         return logits
@@ -514,14 +729,21 @@ class DecodeRuntime:
                             launch(kind, ll, p, x, n)
             # ---- attention
             hp = self.head_pred.get(l)
+            ia = self.in_attn.get(l)
             if hp is None:
-                qkv = self._linear(h, L.w_qkv, L.b_qkv)
+                if ia is not None and "qkv" in ia:
+                    qkv = self._in_linear(l, h, L.w_qkv_t, ia["qkv"], L.b_qkv)
+                else:
+                    qkv = self._linear(h, L.w_qkv, L.b_qkv)
                 q = qkv[:, : H * hd].view(B, H, hd)
                 k = qkv[:, H * hd: (H + KV) * hd].view(B, KV, hd)
                 v = qkv[:, (H + KV) * hd:].view(B, KV, hd)
                 a = fns["attn"](q, k, v, self.k_cache[l], self.v_cache[l], *(L.rope or (None, None)), self.pos,
                                 L.qn, L.kn, eps, L.window, None)
-                o = self._linear_t(a, L.w_o_t, L.b_o)
+                if ia is not None and "o" in ia:
+                    o = self._in_linear(l, a, L.w_o_t, ia["o"], L.b_o)
+                else:
+                    o = self._linear_t(a, L.w_o_t, L.b_o)
             else:
                 xin = x if hp.input_kind == "residual" or l == 0 else prev_x
                 q_idx, q_count = get("attn", l, hp, xin, H)
@@ -535,7 +757,10 @@ class DecodeRuntime:
             # ---- FFN
             mp = self.mlp_pred.get(l)
             if mp is None:
-                y = self._ffn_dense(L, h, fns)
+                ifn = self.in_ffn.get(l)
+                y = self._ffn_dense(L, h, fns) if ifn is None else self._ffn_input_sparse(l, L, h, ifn, fns)
+            elif l in self.thr_ffn:
+                y = self._ffn_threshold(l, L, h)
             else:
                 kind = mp.input_kind
                 xin = h if kind == "ffn_in" else (x_in_layer if kind == "residual" or l == 0 else prev_x)
@@ -628,6 +853,7 @@ class DecodeRuntime:
         self.tok.copy_(tok)
         self.stat_mlp.zero_()
         self.stat_heads.zero_()
+        self.stat_in.zero_()
 
     @torch.no_grad()
     def step(self, keep_logits: bool = False):
@@ -683,6 +909,70 @@ class DecodeRuntime:
                 else:
                     kept += float(dyn[l]) / n
             out[key] = 1.0 - kept / (N * nl)
+        if self.input_sparse:
+            out.update(self._weights_skipped())
+        return out
+
+    def _proj_numel(self) -> dict[str, tuple[int, int]]:
+        """Projection -> (weight elements, input length) per layer."""
+        dims = self.dims
+        H, KV, hd, d, D = dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.d, dims.D
+        out = dict(q=(d * H * hd, d), k=(d * KV * hd, d), v=(d * KV * hd, d), o=(H * hd * d, H * hd),
+                   up=(d * D, d), down=(D * d, D))
+        if self.gated:
+            out["gate"] = (d * D, d)
+        return out
+
+    def _weights_skipped(self) -> dict:
+        """``inputs``: fraction of the decoder's projection weights (q, k, v, o, gate, up, down of every layer)
+        not read per decode step because of input sparsity; ``weights``: the same fraction counting every part
+        of the plan (input sparsity, the FFN rows a neuron predictor skipped, the q/o rows of skipped heads)."""
+        numel = self._proj_numel()
+        nl = len(self.layers)
+        total = nl * sum(n for n, _ in numel.values())
+        seen = max(self.steps, 1) * max(self.batch, 1)
+        stat = self.stat_in.cpu()
+        skipped_in = 0.0
+        for l in range(nl):
+            for ent in (*self.in_attn.get(l, {}).values(), *self.in_ffn.get(l, {}).values()):
+                _, sizes, col = ent
+                for j in range(len(sizes)):
+                    p = PROJ[col + j]
+                    if p not in numel or not self._thresholded(l, p):
+                        continue
+                    n, n_in = numel[p]
+                    skipped_in += (1.0 - float(stat[l, col + j]) / (seen * n_in)) * n
+        skipped = skipped_in
+        sp = {}
+        for key, preds, N in (("mlp", self.mlp_pred, self.dims.D), ("heads", self.head_pred, self.dims.n_heads)):
+            if preds:
+                sp[key] = 1.0 - (self._kept_per_layer(key, preds, N) / N)
+        if "mlp" in sp:
+            for l, frac_skip in enumerate(sp["mlp"]):
+                if l not in self.mlp_pred:
+                    continue
+                parts = ("up", "down") if (l in self.thr_ffn or (self.plan is not None and self.plan.dense_gate)) \
+                    else (("gate", "up", "down") if self.gated else ("up", "down"))
+                skipped += float(frac_skip) * sum(numel[p][0] for p in parts)
+        if "heads" in sp:
+            for l, frac_skip in enumerate(sp["heads"]):
+                if l in self.head_pred:
+                    skipped += float(frac_skip) * (numel["q"][0] + numel["o"][0])
+        return {"inputs": skipped_in / total, "weights": skipped / total}
+
+    def _thresholded(self, l: int, p: str) -> bool:
+        return self.plan is not None and p in self.plan.inputs.get(l, {})
+
+    def _kept_per_layer(self, key, preds, N) -> torch.Tensor:
+        """Mean kept count per layer (dense layers: N), as in realized_sparsity."""
+        stat = (self.stat_mlp if key == "mlp" else self.stat_heads).cpu()
+        n = max(self.steps, 1)
+        out = torch.full((len(self.layers),), float(N), dtype=torch.float64)
+        for l, p in preds.items():
+            if getattr(p, "rule", "topk") == "topk" and self.batch == 1:
+                out[l] = max(1, min(N, int(p.k)))
+            else:
+                out[l] = float(stat[l]) / n
         return out
 
     def weight_bytes(self) -> int:
@@ -691,7 +981,7 @@ class DecodeRuntime:
         for L in self.layers:
             for name in _Layer.__slots__:
                 t = getattr(L, name)
-                if isinstance(t, torch.Tensor) and name != "w_gu":
+                if isinstance(t, torch.Tensor) and name not in _ALT_LAYOUTS:
                     n += t.numel() * t.element_size()
         return n + self.lm_head.numel() * self.lm_head.element_size()
 
@@ -699,6 +989,17 @@ class DecodeRuntime:
 # ---------------------------------------------------------------------------------------------------------
 def _glue_eager():
     return dict(norm=_norm, add_norm=_add_norm, act_mul=_act_mul, attn=_attn_decode)
+
+
+def _column_norms(L: _Layer, q_fold: float, nq: int, nkv: int) -> dict[str, torch.Tensor]:
+    """‖W[:, i]‖₂ of every projection's input channels (fp32), from the runtime's layout (the query rows hold
+    the folded attention scale ``q_fold``: divided out again), as workers.sparsity.input_sparse.column_norms."""
+    w = L.w_qkv.float()
+    out = dict(q=w[:nq].norm(dim=0) / q_fold, k=w[nq: nq + nkv].norm(dim=0), v=w[nq + nkv:].norm(dim=0),
+               o=L.w_o_t.float().norm(dim=1), up=L.w_up.float().norm(dim=0), down=L.w_down_t.float().norm(dim=1))
+    if L.w_gate is not None:
+        out["gate"] = L.w_gate.float().norm(dim=0)
+    return out
 
 
 def _on(pred: nn.Module, device, dtype) -> nn.Module:

@@ -37,6 +37,7 @@ def test_fingerprint_sees_a_changed_weight(smollm2):
     assert fingerprint(m) != fp
 
 
+@pytest.mark.slow      # cold, it assembles and dequantizes a 253 MB GGUF: about a minute of a 2-core CI
 def test_gemma3_from_its_wheels_continues_sensibly():
     lm = load_model("gemma3-270m")
     assert lm.family == "gemma3"

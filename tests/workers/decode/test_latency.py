@@ -1,0 +1,57 @@
+"""Paired CPU timing: a sparse plan and dense decode the same prompts alternately in one process."""
+import pytest
+import torch
+
+from tests.workers.tiny_model_support import tiny_model
+from workers.decode import latency
+from workers.decode.latency import bench_decode, random_plan
+from workers.names import RUNTIME_DENSE_PAIRED, RUNTIME_SPARSE
+
+
+def test_sparse_plan_on_the_cpu_is_timed_with_its_paired_dense():
+    m = tiny_model("llama")
+    rows = bench_decode(m, random_plan(m, 0.5, rank=8), batch=1, prompt_len=8, gen_len=5, repeats=3)
+    assert [r["runtime"] for r in rows] == [RUNTIME_SPARSE, RUNTIME_DENSE_PAIRED]
+    sparse, dense = rows
+    assert 0.0 < sparse["realized_sparsity"] <= 0.5 and dense["realized_sparsity"] is None
+    assert all(r["p50_ms_per_token"] > 0 and r["gen_len"] == 5 for r in rows)
+
+
+def test_pairs_alternate_and_decode_the_same_prompts(monkeypatch):
+    """Every repeat decodes one prompt with both plans, the order flipping each repeat (warm-up included)."""
+    m = tiny_model("llama")
+    plan = random_plan(m, 0.5, rank=8)
+    seen = []
+    real = latency._Run.decode
+
+    def spy(self, rt, ids, gen_len, device, keep):
+        seen.append(("sparse" if rt.plan is not None else "dense", ids.clone(), keep))
+        return real(self, rt, ids, gen_len, device, keep)
+
+    monkeypatch.setattr(latency._Run, "decode", spy)
+    bench_decode(m, plan, batch=1, prompt_len=6, gen_len=3, repeats=2, warmup=1)
+    assert [s[0] for s in seen] == ["sparse", "dense", "dense", "sparse", "sparse", "dense"]
+    assert [s[2] for s in seen] == [False, False, True, True, True, True]
+    for i in range(0, 6, 2):
+        assert torch.equal(seen[i][1], seen[i + 1][1])       # one prompt per repeat, both plans
+    assert not torch.equal(seen[0][1], seen[2][1])
+
+
+def test_paired_needs_a_plan_and_is_off_without_one():
+    m = tiny_model("llama")
+    with pytest.raises(ValueError, match="paired timing needs a sparse plan"):
+        bench_decode(m, None, prompt_len=4, gen_len=3, repeats=1, paired=True)
+    assert [r["runtime"] for r in bench_decode(m, None, prompt_len=4, gen_len=3, repeats=1)] == ["ctxsparse-dense"]
+
+
+def test_cpu_latency_picks_the_faster_dense_path_once_and_keeps_the_plan():
+    from workers.decode.runtime import DecodeRuntime
+
+    m = tiny_model("llama")
+    plan = random_plan(m, 0.5, rank=8)
+    rt = DecodeRuntime.from_hf(m).set_plan(plan)
+    assert rt.cpu_rows is None
+    picked = rt.pick_cpu_dense(steps=2, rounds=1)
+    assert isinstance(picked, bool) and rt.cpu_rows is picked and rt.plan is plan and rt.sparse
+    rows = bench_decode(rt, plan, prompt_len=4, gen_len=3, repeats=1)
+    assert rt.cpu_rows is picked and [r["runtime"] for r in rows] == [RUNTIME_SPARSE, RUNTIME_DENSE_PAIRED]
