@@ -11,6 +11,11 @@ export RAY_ADDRESS=http://127.0.0.1:8265
 started=0
 t0=$(date +%s)
 
+# a fresh machine has no token yet: make one for this local head (written to ~/.ray/auth_token, owner-only)
+if [ "$RAY_AUTH_MODE" = token ] && [ -z "${RAY_AUTH_TOKEN:-}" ] && [ ! -s "$HOME/.ray/auth_token" ]; then
+  (umask 077; ray get-auth-token --generate >/dev/null)
+fi
+
 if ! ray status --address 127.0.0.1:6380 >/dev/null 2>&1; then
   echo "== starting a local Ray head on 127.0.0.1 (GCS :6380, dashboard :8265)"
   ray start --head --node-ip-address 127.0.0.1 --port 6380 --dashboard-host 127.0.0.1 --dashboard-port 8265 \

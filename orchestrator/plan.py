@@ -101,7 +101,9 @@ def plan_units(spec: SweepSpec, described: dict[str, dict]) -> list[PlannedUnit]
             units.append(fit)
             coords = dict(method=st["method"], sparsity=st["sparsity"], rank=st["rank"],
                           attn_sparsity=st["attn_sparsity"])
-            ev = {**base, "fit_unit": fit.id, "threads": threads}
+            # accuracy rows: on the CPU dense products with the unselected entries zeroed (the same selection and
+            # numbers up to summation order, at dense speed); on accelerators the sparse kernels themselves
+            ev = {**base, "fit_unit": fit.id, "threads": threads, "exec_mode": "masked" if acc == "cpu" else "kernel"}
             if shape:
                 pass
             elif spec.suites.perplexity is not None:

@@ -217,7 +217,8 @@ class Units:
         from workers.sparsity.bundle import apply_bundle
 
         lm, b = self._bundle(cfg)
-        applied = apply_bundle(lm.model, b, check_model=False)   # fingerprint compared in _bundle (cached on lm)
+        # fingerprint compared in _bundle (cached on lm); exec_mode: how the rows are computed (plan.py says why)
+        applied = apply_bundle(lm.model, b, check_model=False, mode=cfg.get("exec_mode", "auto"))
         out = UnitOutput()
         with applied:
             if cfg["suite"] == "perplexity":

@@ -211,7 +211,8 @@ def load_bundle(path: str | Path) -> Bundle:
     return Bundle(path, manifest, tensors)
 
 
-def apply_bundle(model: torch.nn.Module, bundle: str | Path | Bundle, *, check_model: bool = True):
+def apply_bundle(model: torch.nn.Module, bundle: str | Path | Bundle, *, check_model: bool = True,
+                 mode: str = "auto"):
     """Put a bundle on a Hugging Face model; returns ``AppliedSparsity`` (``.revert()`` restores the model).
 
     Refuses (``BundleError``) a damaged bundle, and one fitted on another model: the model's fingerprint
@@ -227,7 +228,9 @@ def apply_bundle(model: torch.nn.Module, bundle: str | Path | Bundle, *, check_m
             raise BundleError(f"{b.path}: fitted on model {b.manifest['model']['ref']} "
                               f"(fingerprint {b.fingerprint[:12]}), this model's fingerprint is {fp[:12]}")
     plan = b.plan(model)
-    return apply_sparsity(model, plan)
+    # mode: "kernel" (only the selected work), "masked" (dense products, unselected entries zeroed) or "auto"
+    # (masked on the CPU, kernel elsewhere); see workers.sparsity.sparse_exec.apply_sparsity
+    return apply_sparsity(model, plan, input_mode="kernel" if mode == "kernel" else "masked", mode=mode)
 
 
 def pack_bundle(path: str | Path, out: str | Path) -> Path:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks import suites as suites_cli
 from workers.evals import suites
 from workers.evals.suites import SUITES, SuiteError, build_task, gold_index, run_suite
 
@@ -22,7 +23,7 @@ def test_unknown_task_is_a_clear_error_listing_the_known_ones():
     with pytest.raises(SuiteError, match="limit"):
         run_suite(None, None, ["copa"], limit=0)
     with pytest.raises(SystemExit):
-        suites.main(["--tasks", "nope", "--limit", "2"])
+        suites_cli.main(["--tasks", "nope", "--limit", "2"])
 
 
 def test_registry_covers_the_shipped_tasks():
@@ -157,7 +158,7 @@ def test_every_registered_task_scores_a_few_items(smollm2):
 @pytest.mark.slow
 def test_cli_prints_a_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "rows.json"
-    assert suites.main(["--tasks", "copa", "--limit", "4", "--json", str(out)]) == 0
+    assert suites_cli.main(["--tasks", "copa", "--limit", "4", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "copa" in text and "acc" in text
     payload = json.loads(out.read_text())
