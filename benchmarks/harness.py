@@ -254,17 +254,11 @@ class Row:
 
 
 def device_name(device: str = "cuda") -> str:
-    """The accelerator's name (CUDA), else the CPU's."""
-    if torch.device(device).type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
+    """The accelerator's name (CUDA), else the CPU's: the name latency rows carry."""
+    from workers.decode.latency import accelerator_name
+
+    dev = torch.device(device)
+    return accelerator_name("cpu" if dev.type == "cuda" and not torch.cuda.is_available() else dev)
 
 
 def machine(device: str = "cuda") -> dict:

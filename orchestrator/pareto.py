@@ -243,7 +243,8 @@ def choose(front: Front, max_loss: float) -> FrontRow | None:
 
 
 def choose_sparsest(front: Front, max_loss: float) -> FrontRow | None:
-    """The sparse setting with the highest realized MLP sparsity within ``max_loss`` of dense (no latency
+    """The sparse setting that skips the most decoder weights (``Setting.realized_sparsity``) within ``max_loss``
+    of dense (no latency
     needed): where this machine's latency says nothing about the target (a CPU sweep for a GPU deployment),
     sparsity is what the GPU kernels turn into speed. Equal sparsity goes to the smaller loss, then to the
     label in alphabetical order. Never dense, never the oracle."""
@@ -264,7 +265,7 @@ def format_front(front: Front, model: str) -> str:
     if front.message:
         lines.append(f"  note: {front.message}")
     lines.append(f"  {'':2}{'setting':<40} {'accuracy':>10} {'Δ vs dense':>10} {'ms/token':>9} {'speedup':>8} "
-                 f"{'mlp sp.':>7}  fit unit")
+                 f"{'skipped':>7}  fit unit")
     dense = front.dense
     rows = sorted(front.rows, key=lambda r: (not r.on_front, r.latency_ms if r.latency_ms is not None else 1e30,
                                              r.setting.label))
@@ -280,7 +281,8 @@ def format_front(front: Front, model: str) -> str:
                      f"{r.setting.fit_unit[:12]}")
     lines.append("  (* = on the front; Δ = the metric's relative change; the oracle is a bound, never chosen;")
     lines.append("   speedup: dense / sparse timed side by side in one process where the unit did so, and ms/token")
-    lines.append("   is then dense's own time divided by it)")
+    lines.append("   is then dense's own time divided by it; skipped: the fraction of decoder weights a token does not")
+    lines.append("   read, realized on the held-out run)")
     return "\n".join(lines)
 
 

@@ -74,7 +74,14 @@ class Setting:
 
     @property
     def realized_sparsity(self) -> float | None:
-        return next((v for k, v in self.accuracy.items() if k.endswith("/mlp_sparsity")), None)
+        """The fraction of the decoder's projection weights a token does not read, realized on the held-out run:
+        one axis for every method (neuron predictors skip FFN rows, input sparsity the rows of every projection).
+        Stores written before that row existed have the MLP sparsity only: it is used then."""
+        for metric in ("weight_skipped", "mlp_sparsity"):
+            v = next((v for k, v in self.accuracy.items() if k.endswith("/" + metric)), None)
+            if v is not None:
+                return v
+        return None
 
 
 def add_mean_task_accuracy(s: Setting) -> None:

@@ -41,7 +41,7 @@ if fr.message:
 tooltip = [alt.Tooltip("setting:N"), alt.Tooltip("method:N"), alt.Tooltip("s:Q", format=".2f"),
            alt.Tooltip("r:Q"), alt.Tooltip("accuracy:Q", title=metric, format=".4g"),
            alt.Tooltip("latency_ms:Q", title="p50 ms/token", format=".3f"),
-           alt.Tooltip("realized_sparsity:Q", title="realized sparsity", format=".3f"),
+           alt.Tooltip("realized_sparsity:Q", title="decoder weights skipped", format=".3f"),
            alt.Tooltip("speedup:Q", format=".2f"), alt.Tooltip("on_front:N", title="on front")]
 y = alt.Y("accuracy:Q", title=y_title, scale=alt.Scale(zero=False, padding=24, reverse=fr.direction == "lower"))
 color = alt.Color("method:N", title="method", scale=alt.Scale(scheme="tableau10"))
@@ -74,7 +74,7 @@ columns = ["setting", "method", "s", "r", "accuracy", "latency_ms", "speedup", "
 config = {"accuracy": st.column_config.NumberColumn(metric, format="%.4g"),
           "latency_ms": st.column_config.NumberColumn("p50 ms/token", format="%.3f"),
           "speedup": st.column_config.NumberColumn("speedup vs dense", format="%.2fx"),
-          "realized_sparsity": st.column_config.NumberColumn("realized sparsity", format="%.3f"),
+          "realized_sparsity": st.column_config.NumberColumn("weights skipped", format="%.3f"),
           "s": st.column_config.NumberColumn("s", format="%.2f")}
 st.subheader("Front")
 front = df[df["on_front"]] if not df.empty else df

@@ -403,3 +403,16 @@ def test_front_modules_import_no_ray_or_torch():
     code = ("import sys, orchestrator.settings, orchestrator.pareto; "
             "heavy = {'ray', 'torch'} & set(sys.modules); assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sparsest_is_measured_in_decoder_weights_skipped_across_methods():
+    """Input sparsity skips no FFN neuron but 35 % of the weights; a threshold at FFN 0.3 skips 15 % of them."""
+    dense = setting("dense", ppl=40.0, ms=10.0, sparsity=0.0)
+    teal = setting("teal", 0.35, ppl=41.0, ms=9.0, sparsity=0.0,
+                   extra={"perplexity/lambada-heldout/weight_skipped": (0.35, True)})
+    thr = setting("threshold", 0.3, ppl=41.0, ms=9.5, sparsity=0.3,
+                  extra={"perplexity/lambada-heldout/weight_skipped": (0.15, True)})
+    old = setting("svd", 0.5, ppl=41.0, ms=9.5, sparsity=0.5)   # a store from before the weights row: MLP only
+    assert (teal.realized_sparsity, thr.realized_sparsity, old.realized_sparsity) == (0.35, 0.15, 0.5)
+    fr = pareto([dense, teal, thr], PPL, "cpu")
+    assert choose_sparsest(fr, 0.05).setting.method == "teal"
