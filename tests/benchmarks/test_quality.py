@@ -16,6 +16,7 @@ def wb(smollm2, tmp_path_factory):
     return Workbench(smollm2, calib, held, held_cache)
 
 
+@pytest.mark.slow      # the fit pipeline itself is covered by tests/workers/sparsity/test_fit.py and the sweeps
 def test_oracle_beats_threshold_beats_static_at_half_sparsity(wb):
     oracle = run_point(wb, "oracle", 0.5)
     thr = run_point(wb, "threshold", 0.5)
@@ -37,6 +38,7 @@ def test_greedy_allocation_spends_the_same_budget(wb):
     assert r.mlp_sparsity == pytest.approx(sum(s) / len(s), abs=0.01)
 
 
+@pytest.mark.slow
 def test_attention_heads_oracle_and_static(wb):
     oracle = run_point(wb, "oracle", 0.0, attn_sparsity=0.5)
     static = run_point(wb, "static", 0.0, attn_sparsity=0.5)
