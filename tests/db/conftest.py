@@ -17,7 +17,6 @@ import itertools
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ import pytest
 from sqlalchemy import Engine
 
 from db.engine import get_engine, upgrade
+from tests.net_support import free_port
 
 PG_USER = os.environ.get("CTXSPARSE_TEST_PG_USER", "ctxpg")
 
@@ -44,12 +44,6 @@ def _pg_bindir() -> Path | None:
         if c and (Path(c) / "initdb").exists() and (Path(c) / "pg_ctl").exists():
             return Path(c)
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -132,7 +126,7 @@ def pg_cluster() -> Iterator[PgCluster]:
         _ensure_user(run_as)
         pw = pwd.getpwnam(run_as)
         os.chown(root, pw.pw_uid, pw.pw_gid)
-    cluster = PgCluster(bindir=bindir, root=root, port=_free_port(), run_as=run_as)
+    cluster = PgCluster(bindir=bindir, root=root, port=free_port(), run_as=run_as)
     try:
         try:
             cluster.start()

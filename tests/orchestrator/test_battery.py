@@ -1,4 +1,4 @@
-"""Reliability battery: the cases that no other test module covers (issue 6).
+"""Reliability battery: the cases that no other test module covers.
 
 Covered elsewhere, not repeated here: malformed specs (tests/orchestrator/test_spec.py), tampered / damaged /
 wrong-model / escaping bundles (tests/workers/test_bundle.py), a killed worker, a re-submitted sweep and missing

@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tests.net_support import free_port
 
 BIN = Path(sys.executable).parent
 SHAPE_SPEC = {
@@ -57,12 +57,6 @@ print(json.dumps({j.submission_id: str(j.status.value) for j in c.list_jobs() if
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class JobServer:
     address: str
@@ -89,7 +83,7 @@ class JobServer:
 @pytest.fixture(scope="module")
 def job_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("jobs")
-    gcs, dash, *agent = (_free_port() for _ in range(7))
+    gcs, dash, *agent = (free_port() for _ in range(7))
     temp = Path(f"/tmp/rj{os.getpid()}")
     home = root / "home"
     home.mkdir()
