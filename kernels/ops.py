@@ -102,14 +102,18 @@ def sparse_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count=None, act="relu", *, 
     return backend(x).sparse_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count, act)
 
 
+def _op(x, name: str):
+    """The backend's own ``name`` op, or the torch reference's where the backend has none (the NPU path has no
+    input-sparse or dense-FFN op of its own)."""
+    return getattr(backend(x), name, None) or getattr(_ref, name)
+
+
 def dense_ffn(x, w_gate, w_up, w_down_t, act="silu", mask=None):
-    b = backend(x)
-    return (b if hasattr(b, "dense_ffn") else _ref).dense_ffn(x, w_gate, w_up, w_down_t, act, mask)
+    return _op(x, "dense_ffn")(x, w_gate, w_up, w_down_t, act, mask)
 
 
 def dense_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, act="relu", mask=None):
-    b = backend(x)
-    return (b if hasattr(b, "dense_mlp") else _ref).dense_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, act, mask)
+    return _op(x, "dense_mlp")(x, w_fc1, b_fc1, w_fc2_t, b_fc2, act, mask)
 
 
 def kv_heads_for(q_idx, q_count, n_heads, n_kv_heads):
@@ -125,14 +129,9 @@ def head_sparse_out(attn, w_o_t, q_idx, q_count=None, head_dim=None, bias=None):
     return backend(attn).head_sparse_out(attn, w_o_t, q_idx, q_count, head_dim, bias)
 
 
-def _input_sparse_backend(x):
-    b = backend(x)
-    return b if hasattr(b, "input_sparse_linear") else _ref  # the NPU path has no op of its own: torch reference
-
-
 def input_sparse_linear(x, w_t, threshold, bias=None):
-    return _input_sparse_backend(x).input_sparse_linear(x, w_t, threshold, bias)
+    return _op(x, "input_sparse_linear")(x, w_t, threshold, bias)
 
 
 def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None):
-    return _input_sparse_backend(x).input_sparse_linear_segments(x, w_t, thresholds, sizes, bias)
+    return _op(x, "input_sparse_linear_segments")(x, w_t, thresholds, sizes, bias)

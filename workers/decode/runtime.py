@@ -548,8 +548,6 @@ class DecodeRuntime:
         t, b_score = self.thr_ffn[l]
         w1 = L.w_gate if self.gated else L.w_up
         b_act = None if self.gated else L.b_up
-        if b_score is None and b_act is None:
-            b_score = b_act
         z = self._linear(h, w1)
         w_up = L.w_up if self.gated else None
         if ops.backend_name(h) == "cpu":

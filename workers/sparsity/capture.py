@@ -41,8 +41,8 @@ from workers.sparsity.input_sparse import SHARED_INPUT, column_norms, projection
 
 log = logging.getLogger(__name__)
 
-COMPONENTS = ("residual", "ffn_in", "gate", "inter", "head_norm", "inhist")
 PER_TOKEN = ("residual", "ffn_in", "gate", "inter", "head_norm")   # the components stored [N, dim]
+COMPONENTS = PER_TOKEN + ("inhist",)                                # + the per-shard input histograms
 # shard path -> (sha256, size, mtime_ns, ctime_ns, inode) of a file whose digest this process has checked
 _VERIFIED: dict[str, tuple] = {}
 FORMAT_VERSION = 1
