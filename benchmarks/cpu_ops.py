@@ -277,7 +277,8 @@ def decode_table(repeats: int, gen: int, prompt: int, sparsities: list[float], r
     kernels.cpu and the other projections the way ``dense_rows`` says. ``methods``: fitted plans instead (see the
     module doc), decoded from a held-out text prompt."""
     from workers.decode.latency import random_plan
-    from workers.decode.runtime import DecodeRuntime, random_hf_model
+    from workers.decode.runtime import DecodeRuntime
+    from workers.decode.weights import random_hf_model
     from workers.loading.models import load_model
     from workers.sparsity.predictors.base import SparsityPlan, k_for
 
@@ -319,7 +320,7 @@ def decode_table(repeats: int, gen: int, prompt: int, sparsities: list[float], r
     for r in range(repeats + 1):                         # round 0 warms up
         for n in (names if r % 2 == 0 else names[::-1]):
             plan, rows_k = settings[n]
-            rt.cpu_rows = rows_k
+            rt.configure(cpu_rows=rows_k)
             rt.set_plan(plan)
             rt.setup(1, prompt + gen)
             rt.prefill(ids)

@@ -1,7 +1,8 @@
 """Decode benchmark on a GPU: our runtime dense / sparse vs Hugging Face ``generate``, 7B-class shapes.
 
     python -m benchmarks.decode [--shape llama2-7b] [--prompts 128,512,1024] [--gen 64] [--quick]
-        [--select-impl auto|torch|triton] [--points dense,mlp.5,...] [--no-hf] [--json NAME]
+        [--select-impl auto|torch|triton] [--points dense,mlp.5,...] [--hf eager,static,static-compile]
+        [--no-hf] [--json NAME]
     python -m benchmarks.decode --diag       # dense variants and the per-layer selection costs only
     python -m benchmarks.decode --select     # top-k candidates alone: µs per layer
 
@@ -9,6 +10,11 @@ Writes ``benchmarks/results/decode_<shape>.json`` (or ``--json NAME``; ``decode_
 after every point: one ``benchmarks.harness.Row`` per measured point (ms per token, p50 / p90; bytes read per
 token and their fraction of the measured copy bandwidth; the bench_decode fields, bytes breakdown and the ideal
 speedup from bytes in ``extra``), and prints a table. Imports no Ray / DB (runs on the GPU image).
+
+Hugging Face baselines (``--hf``): ``eager`` (``generate`` with its default dynamic cache), ``static``
+(``cache_implementation="static"``, compiling disabled) and ``static-compile`` (the static cache with the decode
+forward compiled by HF's ``CompileConfig``, mode "reduce-overhead"; its first, warm-up repeat pays the compile).
+A baseline that fails is an error row with its traceback; the others still run.
 """
 from __future__ import annotations
 
@@ -22,6 +28,10 @@ from benchmarks.harness import Row, command_line, copy_bandwidth, device_name, t
 from workers.decode.latency import bench_decode, decode_bytes, random_plan, runtime_for, shape_model
 
 _MAIN_FIELDS = ("p50_ms_per_token", "p90_ms_per_token", "accelerator_name", "batch", "point")
+# HF baselines: point name -> (cache, compile)
+HF_BASELINES = {"hf-generate": ("dynamic", False), "hf-static": ("static", False),
+                "hf-static-compile": ("static", True)}
+_HF_ARG = {"eager": "hf-generate", "static": "hf-static", "static-compile": "hf-static-compile"}
 
 
 def decode_row(r: dict, shape: str, device: str, copy_bw: float | None = None, nbytes: float | None = None) -> Row:
@@ -39,7 +49,8 @@ def time_per_call(fn, calls: int = 10, reps: int = 20):
 
 @torch.no_grad()
 def checks(model, rt) -> dict:
-    """Dense runtime logits vs HF; greedy at s=0 (plan keeps every neuron and head) == dense."""
+    """Dense runtime logits vs HF; greedy at s=0 (plan keeps every neuron and head: runs the dense step) ==
+    dense."""
     ids = torch.randint(0, 32000, (1, 32), generator=torch.Generator().manual_seed(1)).cuda()
     ref = model(ids).logits.float()
     rt.set_plan(None)
@@ -52,9 +63,11 @@ def checks(model, rt) -> dict:
         err.append((lg - ref[:, t]).norm().item() / ref[:, t].norm().item())
     dense = rt.generate(ids[:, :24], 24)
     rt.set_plan(random_plan(model, 0.0, 0.0), overlap=True)
+    s0_dense_path = rt.sparse_plan.dense
     s0 = rt.generate(ids[:, :24], 24)
     rt.set_plan(None)
-    return dict(max_rel_logit_err=max(err), greedy_s0_equal_dense=bool((s0 == dense).all().item()))
+    return dict(max_rel_logit_err=max(err), greedy_s0_equal_dense=bool((s0 == dense).all().item()),
+                s0_runs_dense_step=s0_dense_path)
 
 
 def main(argv=None):
@@ -67,13 +80,20 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rank", type=int, default=256)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--hf", default="eager,static,static-compile",
+                    help="Hugging Face baselines: eager (dynamic cache), static (static cache), static-compile "
+                         "(static cache, compiled forward)")
+    ap.add_argument("--no-hf", action="store_true", help="no Hugging Face baseline")
     ap.add_argument("--diag", action="store_true", help="only the dense variants and the selection costs")
     ap.add_argument("--select", action="store_true", help="only the top-k selection candidates (µs per layer)")
     ap.add_argument("--select-impl", default="auto", choices=("auto", "torch", "triton"),
-                    help="the runtime's top-k (DecodeRuntime.select_impl)")
+                    help="the runtime's top-k (DecodeRuntime's select_impl)")
     ap.add_argument("--points", default=None, help="comma-separated point names to run (default: all)")
     a = ap.parse_args(argv)
+    try:
+        hf_points = [] if a.no_hf else [_HF_ARG[v] for v in a.hf.split(",") if v]
+    except KeyError as e:
+        ap.error(f"--hf: unknown baseline {e.args[0]!r} (known: {', '.join(_HF_ARG)})")
     if not torch.cuda.is_available():
         print("benchmarks.decode needs a CUDA GPU")
         return 2
@@ -92,8 +112,7 @@ def main(argv=None):
 
     t0 = time.time()
     model = shape_model(a.shape)
-    rt = runtime_for(model, "cuda")
-    rt.select_impl = a.select_impl
+    rt = runtime_for(model, "cuda").configure(select_impl=a.select_impl)
     meta["build_s"] = time.time() - t0
     try:
         meta["checks"] = checks(model, rt)
@@ -138,29 +157,43 @@ def main(argv=None):
             dump()
             print(P, name, {k: r.get(k) for k in ("p50_ms_per_token", "p90_ms_per_token", "ideal_speedup",
                                                  "realized_sparsity", "error")}, flush=True)
-        if not a.no_hf:
-            t1 = time.time()
-            try:
-                r = bench_decode(model, None, device="cuda", batch=1, prompt_len=P, gen_len=min(a.gen, 32),
-                                 runtime="hf-generate", repeats=2, warmup=1, detail=True)[0]
-                r.update(point="hf-generate", wall_s=time.time() - t1)
-            except Exception:
-                r = dict(point="hf-generate", prompt_len=P, error=traceback.format_exc()[-3000:])
-            rows.append(decode_row(r, a.shape, dev))
+        for name in hf_points:
+            rows.append(decode_row(hf_point(model, name, P, a.gen), a.shape, dev))
             dump()
-            print(P, "hf", r.get("p50_ms_per_token"), r.get("error"), flush=True)
+            print(P, name, rows[-1].median, rows[-1].extra.get("error"), flush=True)
     print(f"wrote {len(rows)} rows to {dump()}")
     table(rows, bw, dev, meta["checks"])
     return 0
+
+
+def hf_point(model, name: str, prompt_len: int, gen: int, device: str = "cuda") -> dict:
+    """One Hugging Face baseline row (``HF_BASELINES[name]``): 2 repeats after one warm-up; an error row
+    (the traceback under ``error``) when it fails."""
+    cache, compile_ = HF_BASELINES[name]
+    t1 = time.time()
+    try:
+        r = bench_decode(model, None, device=device, batch=1, prompt_len=prompt_len, gen_len=min(gen, 32),
+                         runtime="hf-generate", repeats=2, warmup=1, detail=True, hf_cache=cache,
+                         hf_compile=compile_)[0]
+        r.update(point=name, wall_s=time.time() - t1)
+    except Exception:
+        r = dict(point=name, prompt_len=prompt_len, hf_cache=cache, hf_compile=compile_,
+                 error=traceback.format_exc()[-3000:])
+    return r
 
 
 def table(rows: list[Row], bw: float, dev: str, checks_: dict) -> None:
     print(f"\ncopy bw {bw:.0f} GB/s  device {dev}  checks {checks_}")
     dense = {r.extra["prompt_len"]: r.median for r in rows if r.op == "dense" and r.median}
     hf = {r.extra["prompt_len"]: r.median for r in rows if r.op == "hf-generate" and r.median}
+    hf_best: dict = {}            # the fastest HF baseline per prompt length
+    for r in rows:
+        if r.op in HF_BASELINES and r.median:
+            P = r.extra["prompt_len"]
+            hf_best[P] = min(hf_best.get(P, r.median), r.median)
     nan = float("nan")
     print(f"{'P':>5} {'point':<22} {'p50':>7} {'p90':>7} {'floor':>6} {'speedup':>7} {'ideal':>6} {'frac':>5} "
-          f"{'vsHF':>5}")
+          f"{'vsHF':>5} {'vsBestHF':>8}")
     for r in rows:
         P = r.extra["prompt_len"]
         if "error" in r.extra:
@@ -169,7 +202,8 @@ def table(rows: list[Row], bw: float, dev: str, checks_: dict) -> None:
         sp = dense[P] / r.median if dense.get(P) else nan
         ideal = r.extra.get("ideal_speedup", nan)
         print(f"{P:>5} {r.op:<22} {r.median:7.3f} {r.p90:7.3f} {r.extra.get('floor_ms', nan):6.3f} "
-              f"{sp:7.2f} {ideal:6.2f} {sp / ideal:5.2f} {hf.get(P, nan) / r.median:5.1f}")
+              f"{sp:7.2f} {ideal:6.2f} {sp / ideal:5.2f} {hf.get(P, nan) / r.median:5.1f} "
+              f"{hf_best.get(P, nan) / r.median:8.2f}")
 
 
 @torch.no_grad()
@@ -178,21 +212,22 @@ def diag(model, rt, meta, rows, dump, a, dev):
     and what one layer's predictor (GEMVs + top-k) costs alone."""
     for name, ffn, comp in (("dense kernel-ffn compiled", "auto", True), ("dense cublas-ffn compiled", "torch", True),
                             ("dense kernel-ffn eager-glue", "auto", False)):
-        rt.ffn_dense, rt.compile, rt._fns = ffn, comp, None
+        rt.configure(ffn_dense=ffn, compile=comp)
         r = bench_decode(rt, None, device="cuda", batch=1, prompt_len=128, gen_len=a.gen, repeats=a.repeats,
                          detail=True)[0]
         r.update(point=name)
         rows.append(decode_row(r, a.shape, dev))
         dump()
         print(name, r["p50_ms_per_token"], flush=True)
-    rt.ffn_dense, rt.compile, rt._fns = "auto", True, None
+    rt.configure(ffn_dense="auto", compile=True)
     plan = random_plan(model, 0.5, 0.5, rank=a.rank)
     rt.set_plan(plan)
     x = torch.randn(1, rt.dims.d, device="cuda", dtype=rt.dtype)
-    mp, hp = rt.mlp_pred[0], rt.head_pred[0]
+    mp, hp = rt.sparse_plan.mlp[0], rt.sparse_plan.heads[0]      # the runtime's own copies of the predictors
     sc = mp.scores(x)
+    sel = rt.selector
     fns = dict(mlp_scores=lambda: mp.scores(x), mlp_topk=lambda: torch.topk(sc[0], mp.k, sorted=False),
-               mlp_select=lambda: rt._select(mp, x, rt.dims.D), head_select=lambda: rt._select(hp, x, rt.dims.n_heads))
+               mlp_select=lambda: sel.select(mp, x, rt.dims.D), head_select=lambda: sel.select(hp, x, rt.dims.n_heads))
     us = {k: time_per_call(fn).median for k, fn in fns.items()}
     meta["selection_us_per_layer"] = us
     dump()

@@ -8,6 +8,9 @@ Sweeps (a thin layer over Ray's job API and the store):
   ctxsparse pareto MODEL [--metric M] [--device cpu|cuda|npu]   the Pareto front from the store
   ctxsparse bundle export UNIT|--best MODEL --out PATH          a setting's predictor bundle (folder or .tar.gz)
   ctxsparse bundle download SRC --out DIR                       unpack + verify a bundle archive (file or URL)
+  ctxsparse generate --model REF --bundle DIR --prompt TEXT [--tokens N] [--device cpu|cuda]
+                                                                greedy continuation with the bundle; tokens/s
+                                                                dense vs sparse on that device
 Single steps:
   ctxsparse ppl     [--model REF] [--source SRC] [--tokens N] [--seq-len L] [--dtype D]
   ctxsparse capture [--model REF] [--source SRC] [--tokens N] [--store-dtype D]
@@ -291,6 +294,16 @@ def cmd_bundle(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    from workers.decode.generate import run_bundle
+
+    res = run_bundle(args.model, args.bundle, args.prompt, tokens=args.tokens, device=args.device,
+                     repeats=args.repeats)
+    print(res.text)
+    print(res.summary())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ctxsparse", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -363,6 +376,14 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("src")
     bd.add_argument("--out", required=True)
     bd.set_defaults(fn=cmd_bundle)
+    sp = sub.add_parser("generate", help="greedy text with a bundle on the decode runtime; tokens/s dense vs sparse")
+    sp.add_argument("--model", required=True, help="model ref the bundle was fitted on (e.g. smollm2-135m)")
+    sp.add_argument("--bundle", required=True, help="bundle folder (from `ctxsparse bundle export`)")
+    sp.add_argument("--prompt", required=True, help="text to continue")
+    sp.add_argument("--tokens", type=int, default=32, help="tokens to generate (default: 32)")
+    sp.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    sp.add_argument("--repeats", type=int, default=3, help="timed rounds of dense and sparse (default: 3)")
+    sp.set_defaults(fn=cmd_generate)
     sp = sub.add_parser("ingest-kernels", help="load `benchmarks.kernels --json` results into the SQL store")
     sp.add_argument("file")
     sp.add_argument("--db", default=None, help="SQLAlchemy URL (default: $CTXSPARSE_DB_URL or SQLite)")

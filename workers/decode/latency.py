@@ -26,7 +26,8 @@ import weakref
 import torch
 
 from workers.sparsity.predictors.base import SparsityPlan, k_for
-from workers.decode.runtime import DecodeRuntime, random_hf_model
+from workers.decode.runtime import DecodeRuntime
+from workers.decode.weights import random_hf_model
 from workers.decode.shapes import shape_entry
 from workers.names import RUNTIME_DENSE, RUNTIME_DENSE_PAIRED, RUNTIME_HF, RUNTIME_SPARSE
 
@@ -124,12 +125,17 @@ def runtime_for(model, device=None) -> DecodeRuntime:
 def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch: int = 1, prompt_len: int = 128,
                  gen_len: int = 32, runtime: str = "ctxsparse", repeats: int = 3, warmup: int = 1,
                  overlap: bool = True, kv_mode: str = "exact", seed: int = 0, detail: bool = False,
-                 vocab: int | None = None, paired: bool | None = None) -> list[dict]:
+                 vocab: int | None = None, paired: bool | None = None, hf_cache: str = "dynamic",
+                 hf_compile: bool = False) -> list[dict]:
     """Time greedy decoding of ``gen_len`` tokens after a ``prompt_len`` random prompt, ``batch`` sequences.
 
     ``model``: an HF causal LM (or a :class:`DecodeRuntime` for ``runtime="ctxsparse"``). ``runtime``:
     ``"ctxsparse"`` (our runtime; row runtime ``ctxsparse-dense`` without a plan, ``ctxsparse-sparse`` with
-    one) or ``"hf-generate"`` (the plan is ignored: HF runs dense).
+    one) or ``"hf-generate"`` (the plan is ignored: HF runs dense). For HF, ``hf_cache``: "dynamic" (its default
+    cache) or "static" (``cache_implementation="static"``: a preallocated cache, the one HF can compile), and
+    ``hf_compile``: ``torch.compile`` of the decode forward (HF's own ``CompileConfig``, mode "reduce-overhead";
+    needs the static cache); without it compiling is disabled (HF would otherwise compile a static-cache decode
+    on CUDA by itself). With ``detail`` the row says which (``hf_cache``, ``hf_compile``).
 
     ``paired`` (default: on the CPU, with a plan): dense and sparse decode the same prompts alternately in this
     process (the order flips every repeat), and a second row ``ctxsparse-dense-paired`` carries the dense times.
@@ -141,7 +147,8 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
         raise ValueError("gen_len must be >= 2 (the first token comes from the prefill)")
     g = torch.Generator().manual_seed(seed)
     if runtime == RUNTIME_HF:
-        return [_bench_hf(model, device, batch, prompt_len, gen_len, repeats, warmup, g, detail, vocab)]
+        return [_bench_hf(model, device, batch, prompt_len, gen_len, repeats, warmup, g, detail, vocab, hf_cache,
+                          hf_compile)]
     if runtime != "ctxsparse":
         raise ValueError(f"runtime must be 'ctxsparse' or {RUNTIME_HF!r}, got {runtime!r}")
     if paired is None:
@@ -217,10 +224,32 @@ class _Run:
             self.sparsities.append(rt.realized_sparsity())
 
 
-def _bench_hf(model, device, batch, prompt_len, gen_len, repeats, warmup, g, detail, vocab):
+def hf_generate_kwargs(device, cache: str = "dynamic", compile: bool = False) -> dict:
+    """``generate`` keywords of an HF baseline: its cache ("dynamic" | "static") and whether the decode forward is
+    compiled (static cache only; on the CPU HF compiles only when told to compile on every device)."""
+    from transformers import CompileConfig
+
+    if cache not in ("dynamic", "static"):
+        raise ValueError(f"hf_cache must be 'dynamic' or 'static', got {cache!r}")
+    if compile and cache != "static":
+        raise ValueError("hf_compile needs hf_cache='static' (HF compiles the decode forward over a static cache)")
+    kw: dict = {"disable_compile": not compile}
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    if compile:
+        cc = CompileConfig(fullgraph=False, mode="reduce-overhead")
+        if torch.device(device).type != "cuda":
+            cc._compile_all_devices = True       # HF's documented switch for compiling off the accelerators
+        kw["compile_config"] = cc
+    return kw
+
+
+def _bench_hf(model, device, batch, prompt_len, gen_len, repeats, warmup, g, detail, vocab, hf_cache="dynamic",
+              hf_compile=False):
     from transformers import LogitsProcessor, LogitsProcessorList
 
     cuda = device.type == "cuda"
+    gen_kw = hf_generate_kwargs(device, hf_cache, hf_compile)
 
     class _Clock(LogitsProcessor):
         def __init__(self):
@@ -239,10 +268,11 @@ def _bench_hf(model, device, batch, prompt_len, gen_len, repeats, warmup, g, det
         ids = torch.randint(0, V, (batch, prompt_len), generator=g).to(device)
         clock = _Clock()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len, min_new_tokens=gen_len,
-                       do_sample=False, logits_processor=LogitsProcessorList([clock]), pad_token_id=0)
+                       do_sample=False, logits_processor=LogitsProcessorList([clock]), pad_token_id=0, **gen_kw)
         if r >= warmup:
             times.extend((b - a) * 1e3 for a, b in zip(clock.t, clock.t[1:]))
-    extra = dict(mean_ms_per_token=sum(times) / len(times), repeats=repeats) if detail else None
+    extra = (dict(mean_ms_per_token=sum(times) / len(times), repeats=repeats, hf_cache=hf_cache,
+                  hf_compile=hf_compile) if detail else None)
     return _row(device, batch, prompt_len, gen_len, times, RUNTIME_HF, None, extra)
 
 

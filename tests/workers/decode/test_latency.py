@@ -55,3 +55,16 @@ def test_cpu_latency_picks_the_faster_dense_path_once_and_keeps_the_plan():
     assert isinstance(picked, bool) and rt.cpu_rows is picked and rt.plan is plan and rt.sparse
     rows = bench_decode(rt, plan, prompt_len=4, gen_len=3, repeats=1)
     assert rt.cpu_rows is picked and [r["runtime"] for r in rows] == [RUNTIME_SPARSE, RUNTIME_DENSE_PAIRED]
+
+
+def test_hf_static_cache_baseline():
+    """HF generate with a static cache (the baseline HF can compile) gives a row; compiling needs that cache."""
+    from workers.names import RUNTIME_HF
+
+    m = tiny_model("llama")
+    r = bench_decode(m, None, prompt_len=6, gen_len=4, repeats=1, runtime="hf-generate", hf_cache="static",
+                     detail=True)[0]
+    assert r["runtime"] == RUNTIME_HF and r["hf_cache"] == "static" and r["hf_compile"] is False
+    assert r["p50_ms_per_token"] > 0
+    with pytest.raises(ValueError, match="needs hf_cache='static'"):
+        bench_decode(m, None, prompt_len=6, gen_len=4, repeats=1, runtime="hf-generate", hf_compile=True)

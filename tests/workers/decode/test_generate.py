@@ -1,0 +1,133 @@
+"""Running an exported bundle (workers.decode.generate, ``ctxsparse generate``): a real bundle, fitted and saved
+by the sweep's own code on a tiny random model saved as a model folder, greedy tokens equal to Hugging Face
+``generate`` with the same bundle applied; bad input is one line and exit status 2."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tests.workers.tiny_model_support import tiny_model
+from workers.decode.generate import generate_with_plan, run_bundle
+from workers.loading.data import TokenSet
+from workers.loading.models import load_model, packaged_gguf
+from workers.sparsity.bundle import apply_bundle, load_bundle, save_bundle
+from workers.sparsity.capture import capture_activations
+from workers.sparsity.predictors import FitContext, fit_method
+
+PROMPT = "The quick brown fox jumps over the lazy dog because"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    src = packaged_gguf("smollm2-135m")
+    return AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+
+
+def _model_folder(folder, tok, seed=0):
+    """A tiny random Llama (vocabulary resized to SmolLM2's tokenizer) saved as a model folder load_model reads."""
+    m = tiny_model("llama", seed=seed)
+    torch.manual_seed(seed)
+    m.resize_token_embeddings(len(tok), mean_resizing=False)
+    m.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _bundle(lm, root, method, s):
+    """What a sweep's fit unit exports: capture on calibration tokens, fit, save_bundle."""
+    w = torch.randint(0, lm.model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
+    toks = TokenSet(w, "random", "calib", w.numel(), 0, "random-gen-8-32")
+    cache = capture_activations(lm, toks, root=root / "acts", progress=False, dtype="float32")
+    plan = fit_method(method, FitContext(lm, cache, list(range(lm.dims.n_layers))), s)
+    return save_bundle(plan, lm, root / f"{method}-{s}", method=method, sparsity=s)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tok):
+    root = tmp_path_factory.mktemp("generate")
+    folder = _model_folder(root / "tiny-llama", tok)
+    return str(folder), load_model(str(folder)), root
+
+
+def _hf_greedy(model, bundle, ids, n):
+    """HF: the prompt dense (the runtime's prefill), then ``generate`` with the bundle applied for the rest."""
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        first = out.logits[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([ids, first], 1)
+        with apply_bundle(model, bundle):
+            gen = model.generate(seq, attention_mask=torch.ones_like(seq), past_key_values=out.past_key_values,
+                                 max_new_tokens=n - 1, min_new_tokens=n - 1, do_sample=False, pad_token_id=0)
+    return gen[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("method, s", [("threshold", 0.5), ("teal", 0.4), ("static", 0.5), ("svd", 0.5)])
+def test_bundle_generates_hf_generates_tokens(tiny, method, s):
+    ref, lm, root = tiny
+    path = _bundle(lm, root, method, s)
+    res = run_bundle(ref, path, PROMPT, tokens=10, repeats=1)
+    ids = torch.tensor([lm.tokenizer(PROMPT)["input_ids"]])
+    assert res.tokens == _hf_greedy(lm.model, path, ids, 10)
+    assert len(res.tokens) == 10 and res.dense_tokens_per_s > 0 and res.sparse_tokens_per_s > 0
+    key = "weights" if method == "teal" else "mlp"
+    assert 0.1 < res.realized_sparsity[key] < 0.9
+    assert res.text == lm.tokenizer.decode(res.tokens, skip_special_tokens=True)
+    assert "tokens/s on cpu" in res.summary()
+
+
+def test_bundle_at_s0_runs_the_dense_step(tiny):
+    """A plan that keeps everything (threshold at s = 0: t = -1) is run by the dense step: dense tokens."""
+    from workers.decode.runtime import DecodeRuntime
+
+    _, lm, root = tiny
+    plan = load_bundle(_bundle(lm, root, "threshold", 0.0)).plan(lm.model)
+    rt = DecodeRuntime.from_hf(lm.model).set_plan(plan)
+    assert rt.sparse_plan.dense and not rt.sparse and rt.plan is plan
+    res = generate_with_plan(lm, plan, PROMPT, tokens=8, repeats=1)
+    assert res.tokens == res.dense_tokens and res.realized_sparsity == {"mlp": 0.0}
+
+
+def test_cli_generate_and_its_errors(tiny, tok, tmp_path, capsys):
+    from orchestrator.cli import main
+
+    ref, lm, root = tiny
+    path = _bundle(lm, root, "threshold", 0.5)
+    assert main(["generate", "--model", ref, "--bundle", str(path), "--prompt", PROMPT, "--tokens", "6",
+                 "--repeats", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("tokens/s on cpu") and "dense" in out[1] and "sparse" in out[1]
+    other = str(_model_folder(tmp_path / "other", tok, seed=1))
+    capsys.readouterr()
+    cases = [(["--bundle", str(tmp_path / "missing")], "missing: not a bundle folder"),
+             (["--model", other], "fitted on model"),
+             (["--prompt", "  "], "empty prompt")]
+    for args, msg in cases:
+        argv = {"--model": ref, "--bundle": str(path), "--prompt": PROMPT}
+        argv.update(dict(zip(args[::2], args[1::2])))
+        assert main(["generate", *[x for kv in argv.items() for x in kv]]) == 2
+        err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]   # (HF's progress bars aside)
+        assert len(err) == 1 and err[0].startswith("ctxsparse generate: error:") and msg in err[0], err
+
+
+def test_smollm2_teal_bundle(smollm2, tmp_path):
+    """The real SmolLM2-135M with a TEAL bundle: the runtime's greedy tokens are HF generate's with the bundle."""
+    t0 = time.time()
+    path = _bundle(smollm2, tmp_path, "teal", 0.4)
+    prompt = "The capital of France is"
+    res = run_bundle("smollm2-135m", path, prompt, tokens=8, repeats=1)
+    ids = torch.tensor([smollm2.tokenizer(prompt)["input_ids"]])
+    assert res.tokens == _hf_greedy(smollm2.model, path, ids, 8)
+    assert 0.2 < res.realized_sparsity["weights"] < 0.6 and res.text.strip()
+    print(f"smollm2 generate test {time.time() - t0:.1f}s: {res.text!r}\n{res.summary()}")

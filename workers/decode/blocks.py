@@ -1,0 +1,182 @@
+"""The decode runtime's products over :class:`ModelWeights`: embedding, dense / sparse projections, the FFN
+variants, head-sparse attention, the LM head. Stateless apart from two backend options.
+
+``ffn_dense`` "auto": the dense FFN through the kernels where they are fastest (CPU row kernels with
+``cpu_rows``; on CUDA, batch <= 8, the fused FFN kernel over every row), "torch": plain matmuls.
+``cpu_rows`` (CPU backend): dense projections (QKV, O, LM head, dense FFN) through kernels.cpu's row kernels
+(True) or torch matmuls (False/None); which is faster depends on the CPU (``DecodeRuntime.pick_cpu_dense``).
+Sparse FFN on the CPU: kernels.cpu reads only the active rows of gate/up and of W_downᵀ, in one pass.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu as cpu_kernels
+from kernels import ops
+from kernels.common import ACTS, MAX_BATCH, apply_act
+from workers.decode.weights import LayerWeights, ModelWeights
+from workers.loading.adapters import activation_fn
+
+FFN_DENSE = ("auto", "torch")
+
+
+class Blocks:
+    def __init__(self, w: ModelWeights, *, ffn_dense: str = "auto", cpu_rows: bool | None = None):
+        if ffn_dense not in FFN_DENSE:
+            raise ValueError(f"ffn_dense must be one of {FFN_DENSE}, got {ffn_dense!r}")
+        self.w, self.ffn_dense, self.cpu_rows = w, ffn_dense, cpu_rows
+        self.kv_all = torch.arange(w.dims.n_kv_heads, device=w.device, dtype=torch.int32)
+        self.full_idx = torch.arange(w.dims.D, device=w.device, dtype=torch.int32)
+
+    def embed(self, ids, pos_ids):
+        w = self.w
+        x = F.embedding(ids, w.embed)
+        if w.embed_scale is not None:
+            x = x * w.embed_scale
+        if w.proj_in is not None:
+            x = x @ w.proj_in.t()
+        if w.pos_embed is not None:
+            x = x + F.embedding(pos_ids + w.pos_offset, w.pos_embed)
+        return x
+
+    def rows(self, h) -> bool:
+        """Whether this product goes through the CPU row kernels."""
+        return bool(self.cpu_rows) and h.dim() == 2 and h.shape[0] <= MAX_BATCH and ops.backend_name(h) == "cpu"
+
+    def linear(self, h, w, b=None):
+        """h @ wᵀ (+ b)."""
+        if self.rows(h):
+            return cpu_kernels.linear(h, w, b)
+        z = h @ w.t()
+        return z + b if b is not None else z
+
+    def linear_t(self, a, w_t, b=None):
+        """a @ w_t (+ b), w_t = Wᵀ [in, out]."""
+        if self.rows(a):
+            return cpu_kernels.linear_t(a, w_t, b)
+        z = a @ w_t
+        return z + b if b is not None else z
+
+    def logits(self, h):
+        w = self.w
+        if w.proj_out is not None:
+            h = h @ w.proj_out.t()
+        z = self.linear(h, w.lm_head)
+        if w.softcap is not None:
+            z = torch.tanh(z.float() / w.softcap) * w.softcap
+        return z
+
+    # ------------------------------------------------------------------ FFN
+    def ffn_dense_(self, L: LayerWeights, h, act_mul):
+        w = self.w
+        act = w.act
+        if self.ffn_dense == "auto" and act in ACTS and self.rows(h):
+            if w.gated:       # the whole FFN in one pass of the row kernel (kernels.cpu.dense_ffn)
+                return ops.dense_ffn(h, L.w_gate, L.w_up, L.w_down_t, act)
+            return ops.dense_mlp(h, L.w_up, L.b_up, L.w_down_t, L.b_down, act)
+        if w.device.type == "cuda" and self.ffn_dense == "auto" and h.shape[0] <= 8 and act in ACTS:
+            return self.sparse_ffn(L, h, self.full_idx, None)
+        if w.gated:
+            a = act_mul(h @ L.gu().t(), act)
+        else:
+            z = h @ L.w_up.t()
+            a = activation_fn(act)(z + L.b_up if L.b_up is not None else z)
+        y = a @ L.w_down_t
+        return y + L.b_down if L.b_down is not None else y
+
+    def sparse_ffn(self, L: LayerWeights, h, idx, count, seq_thr=None):
+        """The FFN over the neurons ``idx`` (``count`` None: all of idx) only."""
+        w = self.w
+        if w.gated:
+            return ops.sparse_ffn(h, L.w_gate, L.w_up, L.w_down_t, idx, count, w.act, seq_thr,
+                                  allow_dense=count is None)
+        return ops.sparse_mlp(h, L.w_up, L.b_up, L.w_down_t, L.b_down, idx, count, w.act, allow_dense=count is None)
+
+    def in_linear(self, x, w_t, ent, counts, bias=None):
+        """x @ w_t (+ bias) over the active inputs only (input sparsity); ``ent`` = (thresholds, segment sizes,
+        first counter column). ``counts`` (the layer's counters from that column) get the active entries."""
+        thr, sizes, _ = ent
+        if ops.backend_name(x) == "cpu":
+            return cpu_kernels.input_sparse_linear_segments(x, w_t, thr, sizes, bias, counts=counts)
+        y = ops.input_sparse_linear_segments(x, w_t, thr, sizes, bias)
+        on = x.abs().float()[:, None, :] > (thr[None, :, :] if thr.dim() == 2 else thr[None, :, None])
+        counts.add_(on.sum((0, 2)).to(counts.dtype))
+        return y
+
+    def ffn_input_sparse(self, L: LayerWeights, h, ent, stat_in, act_mul):
+        """The FFN with input sparsity on gate|up (one pass over the shared input), fc1, and/or down;
+        ``stat_in`` is the layer's row of input counters."""
+        w = self.w
+
+        def cnt(e):
+            return stat_in[e[2]: e[2] + len(e[1])]
+
+        if w.gated:
+            gu = self.in_linear(h, L.w_gu_t, ent["gu"], cnt(ent["gu"])) if "gu" in ent else self.linear(h, L.gu())
+            a = act_mul(gu, w.act)
+        else:
+            z = (self.in_linear(h, L.w_up_t, ent["up"], cnt(ent["up"]), L.b_up) if "up" in ent
+                 else self.linear(h, L.w_up, L.b_up))
+            a = activation_fn(w.act)(z)
+        if "down" in ent:
+            return self.in_linear(a, L.w_down_t, ent["down"], cnt(ent["down"]), L.b_down)
+        return self.linear_t(a, L.w_down_t, L.b_down)
+
+    def ffn_threshold(self, L: LayerWeights, h, thr, stat):
+        """Gate-threshold FFN: the first projection dense once (the fastest dense product), keep the neurons with
+        |act(gate)| > t, then up rows and W_downᵀ rows of the kept neurons only (1/3 + 2/3·(1 - s) of a gated
+        FFN). Each token uses its own kept set; the batch reads the union's rows once. ``stat`` [1] counts the
+        kept neurons."""
+        w = self.w
+        t, b_score = thr
+        w1 = L.w_gate if w.gated else L.w_up
+        b_act = None if w.gated else L.b_up
+        z = self.linear(h, w1)
+        w_up = L.w_up if w.gated else None
+        if ops.backend_name(h) == "cpu":
+            r = cpu_kernels.threshold_ffn(h, z, w_up, L.w_down_t, t, w.act, b_act=b_act, b_score=b_score,
+                                          b_down=L.b_down, stat=stat)
+            if r is not None:
+                return r[0]
+        a = apply_act(z if b_act is None else z + b_act, w.act)
+        s = a if b_score is b_act else apply_act(z if b_score is None else z + b_score, w.act)
+        keep = s.abs() > t
+        coef = torch.where(keep, a, torch.zeros((), dtype=a.dtype, device=a.device))
+        idx, count, cv = ops.compact(keep[0] if keep.shape[0] == 1 else keep.any(0), None, coef)
+        stat += count[0]
+        u = ops.gather_gemv(h, L.w_up, idx, count, scale=cv, out_dtype=torch.float32) if w.gated else cv
+        return ops.gather_down(u.to(h.dtype), L.w_down_t, idx, count, L.b_down, out_dtype=h.dtype)
+
+    # ------------------------------------------------------------------ attention
+    def sparse_attn(self, L: LayerWeights, l: int, h, q_idx, q_count, cache, attn):
+        """Attention of the active query heads only (``head_sparse_qkv`` / ``head_sparse_out``). K/V: every
+        head (kv_mode "exact", ``cache.valid`` None) or only the KV heads the active query heads need, the
+        skipped (head, position) entries masked out of later attention (kv_mode "active")."""
+        dims = self.w.dims
+        H, KV, hd = dims.n_heads, dims.n_kv_heads, dims.head_dim
+        B, Kq, dev = h.shape[0], q_idx.shape[0], h.device
+        exact = cache.valid is None
+        if exact:
+            kv_idx, kv_count = self.kv_all, None
+        else:
+            kv_idx, kv_count, _ = ops.kv_heads_for(q_idx, q_count, H, KV)
+        q, k, v = ops.head_sparse_qkv(h.contiguous(), L.w_qkv, q_idx, q_count, kv_idx, kv_count, H, KV, hd, L.b_qkv)
+        if q_count is None:
+            tgt = src = q_idx.long()
+        else:
+            ok = torch.arange(Kq, device=dev) < q_count
+            tgt = torch.where(ok, q_idx.long(), H)
+            src = torch.where(ok, q_idx.long(), 0)
+        q_full = torch.zeros(B, H + 1, hd, device=dev, dtype=q.dtype).index_copy_(1, tgt, q)
+        vmask = None
+        if not exact:    # K/V rows of the active KV heads only; the rest go to the spare slot KV and stay masked
+            ktgt = torch.where(torch.arange(kv_idx.shape[0], device=dev) < kv_count, kv_idx.long(), KV)
+            k = torch.zeros(B, KV + 1, hd, device=dev, dtype=k.dtype).index_copy_(1, ktgt, k)[:, :KV]
+            v = torch.zeros(B, KV + 1, hd, device=dev, dtype=v.dtype).index_copy_(1, ktgt, v)[:, :KV]
+            on = torch.zeros(KV + 1, dtype=torch.bool, device=dev).index_fill_(0, ktgt, True)
+            vmask = cache.mark_written(l, on)
+        a = attn(q_full[:, :H], k, v, cache.k[l], cache.v[l], *(L.rope or (None, None)), cache.pos, L.qn, L.kn,
+                 self.w.eps, L.window, vmask)
+        a_act = a.view(B, H, hd).index_select(1, src).reshape(B, Kq * hd).contiguous()
+        return ops.head_sparse_out(a_act, L.w_o_t, q_idx, q_count, hd, L.b_o)

@@ -1,0 +1,142 @@
+"""Run a bundle: greedy text generation with the decode runtime, and its tokens/s dense vs sparse.
+
+    res = run_bundle("smollm2-135m", "bundles/smollm2-teal-s0.4", "The capital of France is", tokens=32)
+    print(res.text); print(res.summary())
+
+or, with a model already loaded (``workers.loading.models.LoadedModel``) and a verified bundle:
+
+    res = generate_with_plan(lm, load_bundle(path).plan(lm.model), prompt, tokens=32, device="cpu")
+
+The prompt is prefilled dense and ``tokens`` tokens are decoded greedily with the plan (the runtime's
+semantics; see workers.decode.runtime). Timing: a dense and a sparse runtime over the same weights decode the
+same prompt alternately (the order flips every round, one warm-up round first), ``repeats`` timed rounds each;
+tokens/s = decode steps / their wall time (device synchronized), the median over the rounds. On the CPU the
+dense products take the faster of torch matmuls and the row kernels (``pick_cpu_dense``), for both runtimes.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.decode.runtime import DecodeRuntime
+from workers.decode.weights import from_hf
+
+
+@dataclass
+class GenerateResult:
+    text: str                          # the continuation (up to the first end-of-sequence token)
+    tokens: list[int]                  # every generated token id (sparse runtime)
+    dense_tokens: list[int]
+    dense_tokens_per_s: float
+    sparse_tokens_per_s: float
+    realized_sparsity: dict
+    device: str
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float:
+        return self.sparse_tokens_per_s / self.dense_tokens_per_s
+
+    def summary(self) -> str:
+        """Two lines: tokens/s dense vs sparse (and where the greedy tokens first differ from dense)."""
+        same = next((i for i, (a, b) in enumerate(zip(self.tokens, self.dense_tokens)) if a != b), None)
+        agree = "same tokens as dense" if same is None else f"first differs from dense at token {same}"
+        sp = ", ".join(f"{k} {v:.3f}" for k, v in sorted(self.realized_sparsity.items())) or "none"
+        return (f"tokens/s on {self.device} ({self.extra.get('accelerator', '')}): dense "
+                f"{self.dense_tokens_per_s:.1f}, sparse {self.sparse_tokens_per_s:.1f} ({self.speedup:.2f}x), "
+                f"median of {self.extra.get('repeats')} interleaved rounds of {len(self.tokens) - 1} decode steps\n"
+                f"realized sparsity: {sp}; {agree}")
+
+
+def _device(device: str) -> torch.device:
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda: no CUDA device on this machine")
+    return dev
+
+
+def run_bundle(model: str, bundle, prompt: str, *, tokens: int = 32, device: str = "cpu", repeats: int = 3,
+               dtype: torch.dtype | None = None) -> GenerateResult:
+    """Load the model ``model`` (a workers.loading ref) and the bundle folder ``bundle`` (it must have been fitted
+    on that model: same fingerprint), then :func:`generate_with_plan`. Bad input (empty prompt, a missing or
+    damaged bundle, a bundle of another model, no such device) raises ValueError (BundleError is one) with one
+    line saying what is wrong, before the model is loaded where it can."""
+    from workers.loading.models import load_model
+    from workers.sparsity.bundle import BundleError, load_bundle
+
+    _check_prompt(prompt, tokens, repeats)
+    _device(device)
+    b = load_bundle(bundle)
+    lm = load_model(model)
+    if lm.fingerprint != b.fingerprint:
+        raise BundleError(f"{b.path}: fitted on model {b.manifest['model']['ref']} (fingerprint "
+                          f"{b.fingerprint[:12]}), model {model} has fingerprint {lm.fingerprint[:12]}")
+    return generate_with_plan(lm, b.plan(lm.model), prompt, tokens=tokens, device=device, repeats=repeats,
+                              dtype=dtype)
+
+
+def _check_prompt(prompt: str, tokens: int, repeats: int) -> None:
+    if not prompt or not prompt.strip():
+        raise ValueError("empty prompt: give the text to continue")
+    if tokens < 2:
+        raise ValueError(f"tokens must be >= 2 (the first comes from the prefill), got {tokens}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+
+
+@torch.no_grad()
+def generate_with_plan(lm, plan, prompt: str, *, tokens: int = 32, device: str = "cpu", repeats: int = 3,
+                       dtype: torch.dtype | None = None) -> GenerateResult:
+    """Greedy continuation of ``prompt`` with ``plan`` on the decode runtime, and tokens/s dense vs sparse.
+    ``dtype``: the runtime's (default float32 on the CPU, float16 on CUDA)."""
+    from workers.decode.latency import accelerator_name
+
+    _check_prompt(prompt, tokens, repeats)
+    dev = _device(device)
+    ids = torch.tensor([lm.tokenizer(prompt)["input_ids"]], dtype=torch.long)
+    if ids.shape[1] == 0:
+        raise ValueError("the prompt has no tokens")
+    n_pos = getattr(lm.model.config, "max_position_embeddings", None)
+    if n_pos is not None and ids.shape[1] + tokens > n_pos:
+        raise ValueError(f"prompt ({ids.shape[1]} tokens) + {tokens} new tokens > the model's {n_pos} positions")
+    dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
+    weights = from_hf(lm.model, dtype=dtype, device=dev)
+    dense, sparse = DecodeRuntime(weights), DecodeRuntime(weights)
+    if dev.type == "cpu":
+        sparse.configure(cpu_rows=dense.pick_cpu_dense())
+    sparse.set_plan(plan)           # after pick_cpu_dense: the runtimes share the weights' layouts
+    for rt in (dense, sparse):
+        rt.setup(1, ids.shape[1] + tokens)
+    times: dict = {id(dense): [], id(sparse): []}
+    out = {}
+    for r in range(repeats + 1):                    # round 0 warms up (compiles, captures the CUDA graphs)
+        for rt in ((dense, sparse) if r % 2 == 0 else (sparse, dense)):
+            rt.prefill(ids)
+            first = rt.tok.clone()
+            _sync(dev)
+            t0 = time.perf_counter()
+            for _ in range(tokens - 1):
+                rt.step()
+            _sync(dev)
+            if r:
+                times[id(rt)].append(time.perf_counter() - t0)
+            out[id(rt)] = torch.cat([first, rt.out_tokens[0, ids.shape[1]: ids.shape[1] + tokens - 1]]).tolist()
+    toks = out[id(sparse)]
+    eos = lm.tokenizer.eos_token_id
+    shown = toks[: toks.index(eos)] if eos is not None and eos in toks else toks
+    tps = {k: (tokens - 1) / statistics.median(v) for k, v in times.items()}
+    return GenerateResult(text=lm.tokenizer.decode(shown, skip_special_tokens=True), tokens=toks,
+                          dense_tokens=out[id(dense)], dense_tokens_per_s=tps[id(dense)],
+                          sparse_tokens_per_s=tps[id(sparse)], realized_sparsity=sparse.realized_sparsity(),
+                          device=dev.type, extra={"accelerator": accelerator_name(dev), "repeats": repeats,
+                                                  "prompt_tokens": ids.shape[1], "dtype": str(dtype)})
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()

@@ -1,0 +1,200 @@
+"""A :class:`SparsityPlan` compiled for the decode runtime's weights: which layers run which sparse path.
+
+    rp = RuntimePlan.build(plan, weights)     # plan None: dense
+    rp.mlp[l], rp.heads[l]                    # predictors on the runtime's device / dtype (copies)
+    rp.thr_ffn[l]                             # gate-threshold fast path: (threshold, score bias)
+    rp.in_attn[l], rp.in_ffn[l]               # input sparsity: {group: (thresholds, segment sizes, counter column)}
+    rp.dense                                  # nothing sparse left: the runtime runs its dense step
+
+Keep-all parts are dropped, so they run the dense code (greedy tokens at s = 0 are the dense ones on every
+device): a top-k predictor with k >= N, a gate threshold t < 0 (|act| > t keeps every neuron), an input
+threshold t < 0, a ``positive``-rule MLP predictor whose layer was fitted at target sparsity 0. ``reports`` keeps
+what the plan had (``mlp``, ``heads``, ``inputs``) so realized sparsity still reports 0 for them.
+
+Gate-threshold predictors (method ``threshold``: |act(W_gate h)| > t on the FFN's own gate) run the gate dense
+once and then only the up / W_downᵀ rows of the kept neurons (``thr_ffn``). Input sparsity (``plan.inputs``,
+TEAL / WINA): QKV share one input and one Wᵀ copy with three thresholds, gate|up likewise with two; O and down
+use ``w_o_t`` / ``w_down_t`` as stored; the Wᵀ copies exist only for the projections the plan needs (in
+``LayerWeights.layouts``, dropped with the plan). WINA's |x_i|·‖W[:, i]‖ > t runs as |x_i| > t/‖W[:, i]‖ (one
+threshold per input channel, CPU only). Runtimes that share one ModelWeights share those layouts: set a plan
+on one of them only (another's set_plan drops the layouts its own plan does not need).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kernels.common import ACTS
+from workers.decode.weights import ModelWeights, column_norms
+
+
+@dataclass
+class RuntimePlan:
+    plan: object = None                       # the SparsityPlan as given (None: dense)
+    mlp: dict = field(default_factory=dict)
+    heads: dict = field(default_factory=dict)
+    seq_thr: dict = field(default_factory=dict)
+    thr_ffn: dict = field(default_factory=dict)
+    in_attn: dict = field(default_factory=dict)
+    in_ffn: dict = field(default_factory=dict)
+    inputs: dict = field(default_factory=dict)   # the active input thresholds {layer: {projection: t}}
+    reports: frozenset = frozenset()
+
+    @property
+    def dense(self) -> bool:
+        return not (self.mlp or self.heads or self.in_attn or self.in_ffn)
+
+    @property
+    def dense_gate(self) -> bool:
+        return self.plan is not None and bool(self.plan.dense_gate)
+
+    @classmethod
+    def build(cls, plan, w: ModelWeights) -> "RuntimePlan":
+        rp = cls(plan=plan)
+        if plan is not None:
+            rp.reports = frozenset(k for k, on in (("mlp", plan.mlp), ("heads", plan.attn), ("inputs", plan.inputs))
+                                   if on)
+            _predictors(rp, plan, w)
+            _inputs(rp, plan, w)
+        _drop_unused_layouts(rp, w)
+        return rp
+
+
+def keeps_all(pred, n: int, info: dict | None = None) -> bool:
+    """Whether ``pred`` keeps all ``n`` neurons / heads for every input (see the module doc)."""
+    rule = getattr(pred, "rule", "topk")
+    if getattr(pred, "method", None) == "threshold" and hasattr(pred, "threshold"):
+        return float(pred.threshold) < 0
+    if rule == "topk":
+        return pred.k is not None and int(pred.k) >= n
+    return rule == "positive" and (info or {}).get("target_sparsity", None) == 0
+
+
+def _predictors(rp: RuntimePlan, plan, w: ModelWeights) -> None:
+    dims = w.dims
+    for l, p in plan.attn.items():
+        if p.input_kind not in ("residual", "lookahead"):
+            raise ValueError(f"layer {l}: head predictor input {p.input_kind!r} is not known before "
+                             "the attention runs (the oracle's head_out is for evaluation only)")
+    if plan.mlp and w.gated is False and w.act not in ACTS:
+        raise ValueError(f"activation {w.act!r} has no sparse kernel")
+    for l, p in plan.mlp.items():
+        if keeps_all(p, dims.D, plan.info.get(l)):
+            continue
+        rp.mlp[l] = _on(p, w.device, w.dtype)
+        if plan.mlp_mode == "sequential":
+            rp.seq_thr[l] = plan.seq_filter.get(l)
+        fast = _threshold_fast(w, l, p, plan)
+        if fast is not None:
+            rp.thr_ffn[l] = fast
+    for l, p in plan.attn.items():
+        if not keeps_all(p, dims.n_heads):
+            rp.heads[l] = _on(p, w.device, w.dtype)
+
+
+def _threshold_fast(w: ModelWeights, l: int, p, plan):
+    """(threshold, score bias) when layer ``l``'s predictor is a gate threshold (|act(W1 h)| > t, W1 the FFN's
+    own first projection): the FFN then runs the first projection dense once and reads up/down rows of the kept
+    neurons only. None: the predictor runs as any other."""
+    if getattr(p, "method", None) != "threshold" or getattr(p, "input_kind", None) != "ffn_in":
+        return None
+    if plan.mlp_mode == "sequential" or getattr(p, "act", None) != w.act or w.act not in ACTS:
+        return None
+    L = w.layers[l]
+    w1 = L.w_gate if w.gated else L.w_up
+    pw = getattr(p, "_w", None)
+    if pw is None or tuple(pw.shape) != tuple(w1.shape) or not torch.equal(pw.to(w1.device, w1.dtype), w1):
+        return None
+    b = getattr(p, "_b", None)
+    if b is not None:
+        if w.gated:
+            return None
+        b = b.to(device=w.device, dtype=w.dtype).contiguous()
+    return float(p.threshold), b
+
+
+def _inputs(rp: RuntimePlan, plan, w: ModelWeights) -> None:
+    """Per layer, the thresholds of each fused group (QKV share h, gate|up share the FFN input) in the layout the
+    kernels take, and the Wᵀ copies they read."""
+    from workers.sparsity.input_sparse import check_plan_parts
+
+    if not plan.inputs:
+        return
+    check_plan_parts(plan)
+    wina = plan.input_score == "wina"
+    if wina and w.device.type != "cpu":
+        raise ValueError("WINA input sparsity needs a threshold per input channel: the decode runtime runs it "
+                         "on the CPU only (the Triton input-sparse kernel takes one threshold per segment)")
+    known = {"q", "k", "v", "o", "up", "down"} | ({"gate"} if w.gated else set())
+    dims, dev = w.dims, w.device
+    H, KV, hd, d, D = dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.d, dims.D
+    for l, per in plan.inputs.items():
+        l = int(l)
+        if not 0 <= l < len(w.layers):
+            raise ValueError(f"input thresholds for layer {l}, model has {len(w.layers)}")
+        bad = set(per) - known
+        if bad:
+            raise ValueError(f"layer {l}: input sparsity on {sorted(bad)}: not projections of this model "
+                             f"({sorted(known)})")
+        per = {p: float(t) for p, t in per.items() if float(t) >= 0}     # t < 0 keeps every input
+        if not per:
+            continue
+        if l in rp.heads and set(per) & {"q", "k", "v", "o"}:
+            raise ValueError(f"layer {l}: input sparsity on attention projections and a head predictor on "
+                             "the same layer")
+        rp.inputs[l] = per
+        L = w.layers[l]
+        norms = column_norms(L, w.q_fold, H * hd, KV * hd) if wina else None
+
+        def thr(names, n_in):
+            """Thresholds of the projections ``names`` sharing one input: [len] (one each) or, WINA,
+            [len, n_in] (t / ‖W[:, i]‖); a projection without one keeps every input (-1)."""
+            if not wina:
+                return torch.tensor([per.get(p, -1.0) for p in names], dtype=torch.float32, device=dev)
+            rows = [per[p] / norms[p].clamp_min(1e-30) if p in per else torch.full((n_in,), -1.0, device=dev)
+                    for p in names]
+            return torch.stack(rows).to(torch.float32).contiguous()
+
+        ent = {}
+        if set(per) & {"q", "k", "v"}:
+            if "qkv_t" not in L.layouts:
+                L.layouts["qkv_t"] = L.w_qkv.t().contiguous()
+            ent["qkv"] = (thr(("q", "k", "v"), d), (H * hd, KV * hd, KV * hd), 0)
+        if "o" in per:
+            ent["o"] = (thr(("o",), H * hd), (d,), 3)
+        if ent:
+            rp.in_attn[l] = ent
+        ent = {}
+        if w.gated and set(per) & {"gate", "up"}:
+            if "gu_t" not in L.layouts:
+                L.layouts["gu_t"] = torch.cat([L.w_gate, L.w_up], 0).t().contiguous()
+            ent["gu"] = (thr(("gate", "up"), d), (D, D), 4)
+        elif not w.gated and "up" in per:
+            if "up_t" not in L.layouts:
+                L.layouts["up_t"] = L.w_up.t().contiguous()
+            ent["up"] = (thr(("up",), d), (D,), 5)
+        if "down" in per:
+            ent["down"] = (thr(("down",), D), (d,), 6)
+        if ent:
+            rp.in_ffn[l] = ent
+
+
+def _drop_unused_layouts(rp: RuntimePlan, w: ModelWeights) -> None:
+    for l, L in enumerate(w.layers):
+        for key, group, where in (("qkv_t", "qkv", rp.in_attn), ("gu_t", "gu", rp.in_ffn), ("up_t", "up", rp.in_ffn)):
+            if group not in where.get(l, {}):
+                L.layouts.pop(key, None)
+
+
+def _on(pred: nn.Module, device, dtype) -> nn.Module:
+    """A copy of ``pred`` on ``device`` (and in ``dtype`` on CUDA), in eval mode."""
+    p = copy.deepcopy(pred).to(device=device)
+    if torch.device(device).type == "cuda":
+        p = p.to(dtype=dtype)
+    for k, v in list(vars(p).items()):          # plain tensor attributes (GateThreshold keeps its weight so)
+        if isinstance(v, torch.Tensor):
+            setattr(p, k, v.to(device))
+    return p.eval()
