@@ -26,6 +26,7 @@ class FFNSpec:
     module: str = "mlp"     # module whose *input* is the normed FFN input ("" = the layer itself, OPT)
     norm: str = ""          # norm applied right before the FFN
     inline_act: str | None = None  # OPT: the activation module sits in the layer between fc1 and fc2
+    post_norm: str = ""     # norm applied to the FFN's output before the residual add (Gemma-2/3), "" = none
 
     @property
     def gated(self) -> bool:
@@ -78,6 +79,15 @@ class ArchAdapter:
             out["b_down"] = down.bias
         return {k: v.detach() for k, v in out.items()}
 
+    def ffn_out_gain(self, layer: nn.Module) -> torch.Tensor | None:
+        """Where the FFN output y passes through a norm before the residual add (Gemma-3's
+        ``post_feedforward_layernorm``: g ⊙ y / rms(y)), the per-channel gain g as float32 [d]; else None.
+        A neuron's effect on the residual stream is then its down column scaled by g and divided by the token's
+        rms(y): the damage of dropping it is measured there (see :func:`workers.sparsity.predictors.base.neuron_damage`)."""
+        if not self.ffn.post_norm:
+            return None
+        return norm_gain(get_path(layer, self.ffn.post_norm))
+
     def act_name(self, config) -> str:
         """The FFN activation, read from the config where it says (hidden_act / activation_function)."""
         cfg = getattr(config, "text_config", None) or config
@@ -129,6 +139,13 @@ def set_path(root: nn.Module, path: str, value: nn.Module) -> None:
     setattr(parent, name, value)
 
 
+def norm_gain(norm: nn.Module) -> torch.Tensor:
+    """The per-channel gain an RMSNorm/LayerNorm module multiplies by, float32: Gemma's RMSNorm stores w and
+    scales by (1 + w); the others scale by their weight."""
+    w = norm.weight.detach().float()
+    return 1.0 + w if type(norm).__name__.startswith("Gemma") else w
+
+
 def linear_weight(module: nn.Module) -> torch.Tensor:
     """The projection's weight as ``[out_features, in_features]`` (nn.Linear layout)."""
     if isinstance(module, nn.Linear):
@@ -152,7 +169,8 @@ ADAPTERS: dict[str, ArchAdapter] = {
     "gemma3": ArchAdapter(
         family="gemma3",
         layers="model.layers",
-        ffn=FFNSpec(gate="gate_proj", up="up_proj", down="down_proj", act="gelu_tanh", norm="pre_feedforward_layernorm"),
+        ffn=FFNSpec(gate="gate_proj", up="up_proj", down="down_proj", act="gelu_tanh", norm="pre_feedforward_layernorm",
+                    post_norm="post_feedforward_layernorm"),
         attn=AttnSpec(q="q_proj", k="k_proj", v="v_proj", o="o_proj", norm="input_layernorm"),
         final_norm="model.norm",
     ),

@@ -209,7 +209,8 @@ def apply_input_sparsity(model: nn.Module, thresholds: dict[int, dict[str, float
 def decoder_weight_skipped(stats) -> float:
     """Fraction of the decoder's projection weights (q, k, v, o, gate, up, down of every layer) not read per
     token, from a ``sparse_exec.SparseStats``: input-sparse projections, the FFN rows a neuron predictor
-    skipped (gate or fc1 on the first pass, up and down on the kept set) and the heads skipped in o."""
+    skipped (gate or fc1 on the first pass, up and down on the kept set) and the heads skipped in o, less the
+    predictors' own weights (``stats.predictor_numel``), which every token reads."""
     inp: InputStats = stats.inputs
     skipped = inp.skipped_numel()
     for l, ls in stats.layers.items():
@@ -223,6 +224,7 @@ def decoder_weight_skipped(stats) -> float:
             skipped += (1 - kept_frac) * sum(inp.numel[(l, p)] for p in rest)
         if ls.head_tokens:
             skipped += (1 - ls.heads_kept / (ls.head_tokens * stats.n_heads)) * inp.numel[(l, "o")]
+    skipped -= getattr(stats, "predictor_numel", 0)
     total = inp.total_numel()
     return skipped / total if total else 0.0
 

@@ -52,6 +52,12 @@ class SparseStats:
     dense_first: bool                       # the method runs the gate projection dense (threshold, oracle)
     layers: dict[int, LayerStats] = field(default_factory=dict)
     inputs: InputStats = field(default_factory=InputStats)   # input-sparse projections (TEAL, WINA)
+    predictor_numel: int = 0                # weights of the plan's own predictors, read for every token
+
+    def predictor_frac_ffn(self) -> float:
+        """The predictors' weights as a fraction of the FFN weights of the layers that have an FFN predictor."""
+        ffn = sum(n for (l, p), n in self.inputs.numel.items() if p in ("gate", "up", "down") and l in self.layers)
+        return self.predictor_numel / ffn if ffn else 0.0
 
     def reset(self) -> None:
         self.layers.clear()
@@ -62,7 +68,8 @@ class SparseStats:
         return self.inputs.sparsity(proj)
 
     def weight_skipped(self) -> float:
-        """Fraction of the decoder's projection weights not read per token (every kind of plan part)."""
+        """Fraction of the decoder's projection weights not read per token (every kind of plan part), net of the
+        predictors' own weights (counted as read: a predictor that reads more than it saves is negative)."""
         return decoder_weight_skipped(self)
 
     def mlp_sparsity(self, layer: int | None = None) -> float:
@@ -219,6 +226,8 @@ def apply_sparsity(model: nn.Module, plan: SparsityPlan, input_mode: str = "mask
         mode = "masked" if next(model.parameters()).device.type == "cpu" else "kernel"
     if mode not in EXEC_MODES:
         raise ValueError(f"mode must be 'auto' or one of {EXEC_MODES}, got {mode!r}")
+    stats.predictor_numel = sum(t.numel() for p in [*plan.mlp.values(), *plan.attn.values()]
+                                for t in p.to_tensors().values())
     applied = AppliedSparsity(model, stats, mode)
     taps = _Taps()
     need_taps = {p.input_kind for p in [*plan.mlp.values(), *plan.attn.values()]} & {"residual", "lookahead"}

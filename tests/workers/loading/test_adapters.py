@@ -64,3 +64,21 @@ def test_unknown_family_is_a_clear_error():
 
 def test_every_family_has_an_adapter():
     assert set(FAMILIES) <= set(ADAPTERS)
+
+
+def test_post_ffn_norm_gain_only_where_the_family_has_one():
+    """Gemma-3 normalizes the FFN output (gain 1 + w); Llama-style families add it to the residual as is."""
+    g = tiny_model("gemma3")
+    ad = adapter_for(g)
+    layer = ad.decoder_layers(g)[0]
+    with torch.no_grad():
+        layer.post_feedforward_layernorm.weight.copy_(torch.arange(layer.post_feedforward_layernorm.weight.numel()))
+    gain = ad.ffn_out_gain(layer)
+    assert torch.equal(gain, 1.0 + torch.arange(gain.numel(), dtype=torch.float32))
+    # the gain is what the module really applies: norm(y) / gain equals y / rms(y)
+    y = torch.randn(3, gain.numel())
+    out = layer.post_feedforward_layernorm(y)
+    eps = layer.post_feedforward_layernorm.eps
+    torch.testing.assert_close(out, gain * y / (y.square().mean(-1, keepdim=True) + eps).sqrt())
+    m = tiny_model("llama")
+    assert adapter_for(m).ffn_out_gain(adapter_for(m).decoder_layers(m)[0]) is None

@@ -27,8 +27,9 @@ def ctx(smollm2, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plan(ctx):
-    """MLP predictor for layer 4 at s = 0.5 (residual input) and a head predictor at s_attn = 0.5 (lookahead)."""
-    return fit_method("dejavu", ctx, {4: 0.5}, rank=RANK, attn_sparsity={4: 0.5}, **FAST)
+    """MLP predictor for layer 4 at s = 0.5 (residual input, Deja Vu's top-k labels) and a head predictor at
+    s_attn = 0.5 (lookahead)."""
+    return fit_method("dejavu", ctx, {4: 0.5}, rank=RANK, attn_sparsity={4: 0.5}, label="topk", **FAST)
 
 
 def _val(ctx, info, layer, component):
@@ -43,7 +44,7 @@ def test_registered_and_info(plan):
     for key in ("target_sparsity", "k", "rank", "input_kind", "epochs_run", "best_val_recall", "fit_s"):
         assert key in info
     assert info["k"] == k_for(0.5, 1536) == 768 and info["rank"] == RANK and info["input_kind"] == "residual"
-    assert info["label"] == "topk"                    # SiLU-gated model: oracle top-k labels
+    assert info["label"] == "topk"
     assert 0.08 < info["n_val"] / (info["n_val"] + info["n_train"]) < 0.12
     json.dumps(plan.info)                             # the store gets it as JSON
 
@@ -72,7 +73,7 @@ def test_best_checkpoint_is_kept(ctx, plan):
 
 def test_best_checkpoint_kept_when_later_epochs_get_worse(ctx):
     # a learning rate far too high makes epochs after the (svd) start worse: the start must be what comes back
-    p = fit_method("dejavu", ctx, {4: 0.5}, rank=16, epochs=2, lr=5.0, patience=2, batch_size=256)
+    p = fit_method("dejavu", ctx, {4: 0.5}, rank=16, epochs=2, lr=5.0, patience=2, batch_size=256, label="topk")
     info = p.info[4]
     hist = info["val_recall_history"]
     assert max(hist[1:]) < hist[0] and info["best_epoch"] == 0 and info["best_val_recall"] == hist[0]
@@ -113,7 +114,7 @@ def test_lookahead_reads_previous_layers_residual(ctx):
             return ctx.cache.load(layer, component, **kw)
 
     rec = FitContext(lm=ctx.lm, cache=Recording(), layers=LAYERS, seed=0)
-    p = fit_method("dejavu", rec, {4: 0.5}, rank=16, input_kind="lookahead", epochs=1)
+    p = fit_method("dejavu", rec, {4: 0.5}, rank=16, input_kind="lookahead", epochs=1, label="topk")
     assert (3, "residual") in calls and (4, "residual") not in calls and (4, "inter") in calls
     info = p.info[4]
     assert info["input_kind"] == "lookahead" == p.mlp[4].input_kind and info["input_layer"] == 3
@@ -167,7 +168,7 @@ def test_round_trip_gives_identical_masks(ctx, plan):
 def test_same_seed_same_weights(ctx):
     def fit(seed):
         c = FitContext(lm=ctx.lm, cache=ctx.cache, layers=LAYERS, seed=seed)
-        return fit_method("dejavu", c, {4: 0.7}, rank=16, epochs=2, batch_size=256, init="random")
+        return fit_method("dejavu", c, {4: 0.7}, rank=16, epochs=2, batch_size=256, init="random", label="topk")
 
     a, b, c = fit(7), fit(7), fit(8)
     for k, v in a.mlp[4].to_tensors().items():
@@ -197,3 +198,46 @@ def test_tiny_opt_relu_labels(tmp_path):
     assert info["label_rate"] == pytest.approx(float((inter > 0).float().mean()))   # ReLU: act > 0
     assert 0 < info["best_val_recall"] <= 1
     assert sorted(p.attn) == [1] and p.info[0]["attn"] == {"dense": True} and p.info[1]["attn"]["input_layer"] == 0
+
+
+def test_damage_targets_known_answer():
+    dmg = torch.tensor([[1.0, 3.0, 2.0], [4.0, 1.0, 1.0]])
+    y, norm = dv.damage_targets(dmg, 2)
+    assert y.tolist() == [[False, True, True], [True, True, False]] or y.tolist() == [[False, True, True], [True, False, True]]
+    # normalized by the mean damage of each token's label set: (3+2)/2 and (4+1)/2
+    torch.testing.assert_close(norm, torch.tensor([[0.4, 1.2, 0.8], [1.6, 0.4, 0.4]]))
+
+
+def test_damage_weighted_loss_and_recall():
+    logits = torch.tensor([[5.0, -5.0, 0.0]])
+    y = torch.tensor([[True, True, False]])
+    dmg = torch.tensor([[0.1, 1.9, 0.2]])
+    plain = dv.dejavu_loss(logits, y, 0.0)
+    weighted = dv.dejavu_loss(logits, y, 0.0, dmg)
+    # the missed positive (logit -5) carries most of the damage: the weighted loss punishes it more
+    assert weighted > plain
+
+    class Fixed:
+        def mask(self, x):
+            return torch.tensor([[True, False, True]])
+    # squared damage kept: (0.1² + 0.2²) / (0.1² + 1.9² + 0.2²)
+    assert dv.recall(Fixed(), torch.zeros(1, 1), y, dmg) == pytest.approx(0.05 / 3.66)
+    assert dv.recall(Fixed(), torch.zeros(1, 1), y) == pytest.approx(0.5)
+
+
+def test_damage_labels_are_the_default_on_gated_models_and_keep_more_damage(ctx, plan):
+    """label="auto" on a SiLU-gated model learns from output damage; its best checkpoint's recall is the share of
+    squared (per-token normalized) damage kept on validation tokens, recomputed here, and it keeps more of it than
+    the top-k-label fit."""
+    from workers.sparsity.predictors.base import output_damage
+
+    dmg_plan = fit_method("dejavu", ctx, {4: 0.5}, rank=RANK, **FAST)
+    info = dmg_plan.info[4]
+    assert info["label"] == "damage"
+    x_val = _val(ctx, info, 4, "residual")
+    inter = _val(ctx, info, 4, "inter")
+    _, dmg = dv.damage_targets(output_damage(inter, ctx.ffn_weights(4)["down"], ctx.ffn_out_gain(4)), info["k"])
+    kept = dv.recall(dmg_plan.mlp[4], x_val, None, dmg)
+    assert kept == pytest.approx(info["best_val_recall"], abs=1e-9)
+    assert kept > 0.5 + 0.2                              # a random half keeps ~0.5 of the squared damage
+    assert kept >= dv.recall(plan.mlp[4], x_val, None, dmg) - 0.01

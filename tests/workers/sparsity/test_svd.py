@@ -236,3 +236,46 @@ def test_tiny_opt_fits_and_its_natural_zeros_are_the_free_prefix(tmp_path):
         assert torch.equal(pred.mask(X2), fc1 > 0)                   # exactly the ReLU's own active set
         high = fit_method("svd", ctx, {layer: 0.8}, rank=16)
         assert high.info[layer]["calib_offfrac"] >= 0.8 and high.info[layer]["free_offfrac"] <= natural
+
+
+def test_output_damage_known_answers():
+    from workers.sparsity.predictors.base import output_damage
+
+    inter = torch.tensor([[1.0, -2.0]])
+    down = torch.tensor([[1.0, 0.0], [0.0, 3.0]])              # [d, D]: neuron 1 writes 3x as strongly
+    torch.testing.assert_close(output_damage(inter, down), torch.tensor([[1.0, 6.0]]))
+    # after a norm with gain g = (10, 1): columns (10, 0) and (0, 3); y = (1, -6), rms(y) = sqrt(37 / 2)
+    gain = torch.tensor([10.0, 1.0])
+    rms = (37 / 2) ** 0.5
+    torch.testing.assert_close(output_damage(inter, down, gain), torch.tensor([[10.0 / rms, 6.0 / rms]]))
+
+
+def test_svd_damage_sees_the_post_ffn_norm_gain(tmp_path):
+    """Gemma-3 scales the FFN output by a per-channel gain before the residual: a neuron that writes only to a
+    channel with a huge gain must stay on, however small its down column is (without the gain it looks cheapest)."""
+    from tests.workers.tiny_model_support import tiny_model
+    from workers.loading.adapters import adapter_for
+    from workers.loading.data import TokenSet
+    from workers.loading.models import LoadedModel, fingerprint
+
+    m = tiny_model("gemma3")
+    ad = adapter_for(m)
+    layer = ad.decoder_layers(m)[0]
+    with torch.no_grad():
+        down = layer.mlp.down_proj.weight                             # [d, D]
+        down[:, 0] = 0.0
+        down[0, 0] = 1e-3                                             # neuron 0: tiny column, channel 0 only
+        down[0, 1:] = 0.0                                             # nobody else writes channel 0
+        layer.post_feedforward_layernorm.weight.fill_(0.0)
+        layer.post_feedforward_layernorm.weight[0] = 1e4              # gain 1 + w: channel 0 weighs 10^4
+    lm = LoadedModel(model=m, tokenizer=None, ref="gemma3", adapter=ad, dims=ad.dims(m.config),
+                     fingerprint=fingerprint(m), source="config")
+    torch.manual_seed(0)
+    toks = TokenSet(torch.randint(0, 128, (8, 32)), "random", "calib", 256, 0, "fp-gemma-gain")
+    cache = capture_activations(lm, toks, components=("ffn_in", "gate", "inter"), root=tmp_path, progress=False,
+                                dtype="float32")
+    plan = fit_method("svd", FitContext(lm, cache, [0]), {0: 0.7}, rank=48)
+    X2 = cache.load(0, "ffn_in")[128:]
+    keep = plan.mlp[0].mask(X2).float().mean(0)
+    assert keep[0] > 0.95                     # the neuron the gain makes expensive stays on
+    assert keep[1:].mean() < 0.35             # the 0.7 budget is spent on the others

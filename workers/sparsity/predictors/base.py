@@ -154,6 +154,11 @@ class FitContext:
     def act_name(self) -> str:
         return self.lm.adapter.act_name(self.lm.model.config)
 
+    def ffn_out_gain(self, layer: int) -> torch.Tensor | None:
+        """The gain of the norm on the FFN's output (Gemma-3), None where the output goes straight to the residual."""
+        ad = self.lm.adapter
+        return ad.ffn_out_gain(ad.decoder_layers(self.lm.model)[layer])
+
     def inputs(self, layer: int, input_kind: str, max_tokens: int | None = None) -> torch.Tensor:
         """The predictor input for ``layer`` from the calibration cache, [N, d] float32."""
         return predictor_inputs(self.cache, layer, input_kind, max_tokens)
@@ -168,6 +173,24 @@ def predictor_inputs(cache, layer: int, input_kind: str, max_tokens: int | None 
     if input_kind == "lookahead":
         return cache.load(max(layer - 1, 0), "residual", max_tokens=max_tokens)
     raise ValueError(f"input_kind must be one of {INPUT_KINDS}")
+
+
+def output_damage(inter: torch.Tensor, down: torch.Tensor, gain: torch.Tensor | None = None) -> torch.Tensor:
+    """What dropping neuron i costs token t, measured where the FFN output enters the residual stream, [N, D].
+
+    ``inter`` [N, D]: the (signed) FFN intermediate act(gate)·up; ``down`` [d, D]. Without a norm on the FFN's
+    output (Llama, Qwen, OPT): |inter_ti|·‖W_down[:, i]‖, the size of the neuron's contribution. With one
+    (Gemma-3: y -> g ⊙ y / rms(y)), to first order the contribution becomes inter_ti·(g ⊙ W_down[:, i]) / rms(y_t):
+    the gain g re-weights the output channels (on Gemma-3-270M it spans 0.9 to 150 in layer 0 and the rank
+    correlation of ‖g ⊙ W_down[:, i]‖ with ‖W_down[:, i]‖ is 0.14-0.92 by layer), and the division by the
+    token's rms(y_t) makes a token whose FFN output is small as sensitive as one whose output is large.
+    """
+    if gain is None:
+        return inter.abs() * down.norm(dim=0)
+    cols = (gain[:, None] * down).norm(dim=0)
+    y = inter @ down.T
+    rms = y.square().mean(1, keepdim=True).sqrt_().clamp_min_(torch.finfo(y.dtype).tiny)
+    return inter.abs() * cols / rms
 
 
 FitFn = Callable[..., SparsityPlan]

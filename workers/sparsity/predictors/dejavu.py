@@ -12,7 +12,14 @@ Labels (what "the neuron is needed" means):
               "the neuron is in the oracle top set at the target sparsity": the k = round((1 - s) * D)
               neurons with the largest |act(gate) * up| for that token (the ``inter`` component). Then
               the label set and the kept set have the same size and recall equals precision.
-  ``auto``    (default) ``active`` when the model's FFN activation is ReLU, else ``topk``.
+  ``damage``  gated models, what a damage-aware Deja Vu learns: the label set is the top k by the damage of
+              dropping the neuron where the FFN output reaches the residual stream
+              (:func:`~workers.sparsity.predictors.base.output_damage`: |act(gate)·up|·‖W_down[:, i]‖, after the
+              post-FFN norm's gain and per-token scale on Gemma-3), each positive's BCE weight is its damage
+              relative to the mean damage of the token's label set (missing a high-damage neuron costs more),
+              the regression start fits the per-token normalized damage itself (not a 0/1 label), and the
+              best checkpoint is the one that keeps the largest share of squared damage on validation tokens.
+  ``auto``    (default) ``active`` when the model's FFN activation is ReLU, else ``damage``.
 
 Training, as in their ``trainer_mlp.py``: BCE on sigmoid(logits) with per-batch class weights -- positives
 weigh 1, negatives weigh w = (positive rate of the batch) + 0.005 (see :func:`class_weights`); AdamW with
@@ -72,14 +79,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.sparsity.predictors.base import (
-    INPUT_KINDS, FitContext, HeadPredictor, MLPPredictor, SparsityPlan, k_for, register,
+    INPUT_KINDS, FitContext, HeadPredictor, MLPPredictor, SparsityPlan, k_for, output_damage, register,
 )
 
 log = logging.getLogger(__name__)
 
 MLP_NEG_OFFSET = 0.005   # trainer_mlp.py: weight = y.sum() / y.numel() + 0.005
 HEAD_NEG_OFFSET = 0.0    # trainer_att.py: weight = y.sum() / y.numel()
-LABELS = ("auto", "active", "topk")
+LABELS = ("auto", "active", "topk", "damage")
 ATTN_INPUT_KINDS = ("lookahead", "residual")   # known before the layer's attention runs
 INITS = ("svd", "random")
 
@@ -150,8 +157,8 @@ class DejaVuMLPPredictor(_LowRank, MLPPredictor):
     def __init__(self, d: int, rank: int, n_neurons: int, k: int, input_kind: str = "residual",
                  label: str = "topk"):
         MLPPredictor.__init__(self, input_kind, "topk", k, n_neurons)
-        if label not in ("active", "topk"):
-            raise ValueError(f"label must be 'active' or 'topk', got {label!r}")
+        if label not in ("active", "topk", "damage"):
+            raise ValueError(f"label must be 'active', 'topk' or 'damage', got {label!r}")
         self.label = label
         with torch.random.fork_rng(devices=[]):  # nn.Linear draws an init we overwrite: leave global RNG alone
             self._build(d, rank, n_neurons)
@@ -205,6 +212,13 @@ def active_labels(inter: torch.Tensor) -> torch.Tensor:
     return inter != 0
 
 
+def damage_targets(dmg: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(labels: the top k by damage per token, damage normalized by the mean damage of each token's label set)."""
+    y = topk_labels(dmg, k)
+    scale = (dmg * y).sum(1, keepdim=True) / y.sum(1, keepdim=True).clamp_min(1)
+    return y, dmg / scale.clamp_min(torch.finfo(dmg.dtype).tiny)
+
+
 def class_weights(y: torch.Tensor, neg_offset: float) -> torch.Tensor:
     """Deja Vu's per-batch BCE weights: 1 for positives, (positive rate of the batch + neg_offset) for negatives.
 
@@ -214,15 +228,26 @@ def class_weights(y: torch.Tensor, neg_offset: float) -> torch.Tensor:
     return y * (1 - w) + w
 
 
-def dejavu_loss(logits: torch.Tensor, y: torch.Tensor, neg_offset: float) -> torch.Tensor:
+def dejavu_loss(logits: torch.Tensor, y: torch.Tensor, neg_offset: float,
+                dmg: torch.Tensor | None = None) -> torch.Tensor:
+    """Deja Vu's class-weighted BCE; with ``dmg`` (normalized damage, ``label="damage"``) each positive weighs its
+    normalized damage instead of 1."""
     y = y.float()
-    return F.binary_cross_entropy_with_logits(logits, y, weight=class_weights(y, neg_offset))
+    w = class_weights(y, neg_offset)
+    if dmg is not None:
+        w = torch.where(y > 0, dmg.float(), w)
+    return F.binary_cross_entropy_with_logits(logits, y, weight=w)
 
 
 @torch.no_grad()
-def recall(predictor, x: torch.Tensor, labels: torch.Tensor) -> float:
-    """Share of the label set that the predictor's mask keeps (over all tokens: hits / positives)."""
+def recall(predictor, x: torch.Tensor, labels: torch.Tensor, dmg: torch.Tensor | None = None) -> float:
+    """Share of the label set that the predictor's mask keeps (over all tokens: hits / positives); with ``dmg``
+    the share of the squared damage it keeps."""
     m = predictor.mask(x)
+    if dmg is not None:
+        d2 = dmg.to(m.device).float().square()
+        tot = float(d2.sum())
+        return float((d2 * m).sum()) / tot if tot else 1.0
     pos = int(labels.sum())
     return float((m & labels.to(m.device)).sum()) / pos if pos else 1.0
 
@@ -262,13 +287,14 @@ def svd_init(module: _LowRank, x: torch.Tensor, y: torch.Tensor, ridge: float = 
 
 def _train(model, x_tr, y_tr, x_val, y_val, *, epochs: int, lr: float, batch_size: int, weight_decay: float,
            neg_offset: float, patience: int, generator: torch.Generator, device: str,
-           stop_recall: float = 0.99) -> dict:
-    """Deja Vu's loop (trainer_mlp.py / trainer_att.py): keep the best validation recall, early stopping."""
+           stop_recall: float = 0.99, d_tr: torch.Tensor | None = None, d_val: torch.Tensor | None = None) -> dict:
+    """Deja Vu's loop (trainer_mlp.py / trainer_att.py): keep the best validation recall, early stopping.
+    With damage (``d_tr`` / ``d_val``): damage-weighted BCE, and the recall is the share of squared damage kept."""
     model.to(device)
     x_val, y_val = x_val.to(device), y_val.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     model.eval()
-    best = recall(model, x_val, y_val)
+    best = recall(model, x_val, y_val, d_val)
     history = [best]
     best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     best_epoch, no_improve, n = 0, 0, x_tr.shape[0]
@@ -280,12 +306,12 @@ def _train(model, x_tr, y_tr, x_val, y_val, *, epochs: int, lr: float, batch_siz
         for i in range(0, n, batch_size):
             idx = perm[i:i + batch_size]
             xb, yb = x_tr[idx].to(device), y_tr[idx].to(device)
-            loss = dejavu_loss(model.scores(xb), yb, neg_offset)
+            loss = dejavu_loss(model.scores(xb), yb, neg_offset, None if d_tr is None else d_tr[idx].to(device))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
         model.eval()
-        r = recall(model, x_val, y_val)
+        r = recall(model, x_val, y_val, d_val)
         history.append(r)
         if r > best:
             best, best_epoch, no_improve = r, epoch, 0
@@ -363,17 +389,22 @@ def _fit_mlp_layer(ctx: FitContext, layer: int, s: float, rank: int, opts: dict,
         raise ValueError(f"dejavu: layer {layer}: {x.shape[0]} input tokens but {inter.shape[0]} labels")
     D = inter.shape[1]
     k = k_for(s, D)
-    y = active_labels(inter) if label_kind == "active" else topk_labels(inter, k)
+    dmg = None
+    if label_kind == "damage":
+        y, dmg = damage_targets(output_damage(inter, ctx.ffn_weights(layer)["down"], ctx.ffn_out_gain(layer)), k)
+    else:
+        y = active_labels(inter) if label_kind == "active" else topk_labels(inter, k)
     del inter
     n_tr = _split(x.shape[0], opts["val_frac"])
     gen = torch.Generator().manual_seed(_layer_seed(ctx.seed, layer, 0))
     pred = DejaVuMLPPredictor(x.shape[1], rank, D, k, opts["input_kind"], label_kind)
     pred.reset_random(gen)
     if opts["init"] == "svd":
-        svd_init(pred, x[:n_tr], y[:n_tr])
+        svd_init(pred, x[:n_tr], (y if dmg is None else dmg)[:n_tr])
     res = _train(pred, x[:n_tr], y[:n_tr], x[n_tr:], y[n_tr:], epochs=opts["epochs"], lr=opts["lr"],
                  batch_size=opts["batch_size"], weight_decay=opts["weight_decay"], neg_offset=MLP_NEG_OFFSET,
-                 patience=opts["patience"], generator=gen, device=ctx.device)
+                 patience=opts["patience"], generator=gen, device=ctx.device,
+                 d_tr=None if dmg is None else dmg[:n_tr], d_val=None if dmg is None else dmg[n_tr:])
     info = {"target_sparsity": s, "k": k, "rank": rank, "input_kind": opts["input_kind"], "input_layer": src,
             "label": label_kind, "init": opts["init"], "n_train": n_tr, "n_val": x.shape[0] - n_tr,
             "label_rate": float(y.float().mean()), **res, "fit_s": round(time.perf_counter() - t0, 3)}
@@ -412,7 +443,7 @@ def fit_dejavu(ctx: FitContext, sparsity: dict[int, float], rank: int | None = N
 
     Options (all optional): ``input_kind`` (residual | lookahead | ffn_in), ``epochs`` (20), ``lr`` (1e-3),
     ``batch_size`` (1024), ``weight_decay`` (0.01), ``max_tokens`` (all), ``val_frac`` (0.1), ``patience`` (5),
-    ``init`` (svd | random), ``label`` (auto | active | topk), ``attn_sparsity`` (None = no head predictor; a
+    ``init`` (svd | random), ``label`` (auto | active | topk | damage), ``attn_sparsity`` (None = no head predictor; a
     float for every layer of ``ctx.layers`` outside ``dense_layers_attn``, or {layer: s}),
     ``dense_layers_attn`` (default 0..min(4, L // 6)), ``attn_input_kind`` (lookahead | residual), ``attn_lr`` (1e-3),
     ``attn_label_frac`` (0.3). A layer with sparsity 0 (k = D) stays dense: no predictor.
@@ -430,7 +461,7 @@ def fit_dejavu(ctx: FitContext, sparsity: dict[int, float], rank: int | None = N
         raise ValueError(f"dejavu: rank must be a positive int, got {rank!r}")
     label_kind = opts["label"]
     if label_kind == "auto":
-        label_kind = "active" if ctx.act_name() == "relu" else "topk"
+        label_kind = "active" if ctx.act_name() == "relu" else "damage"
 
     plan = SparsityPlan(info={})
     t_all = time.perf_counter()
