@@ -25,7 +25,9 @@ import traceback
 import torch
 
 from benchmarks.harness import Row, command_line, copy_bandwidth, device_name, time_graph, write_results
-from workers.decode.latency import bench_decode, decode_bytes, random_plan, runtime_for, shape_model
+from workers.decode.latency import (
+    bench_decode, calibrated_input_plan, decode_bytes, random_plan, runtime_for, shape_model,
+)
 
 _MAIN_FIELDS = ("p50_ms_per_token", "p90_ms_per_token", "accelerator_name", "batch", "point")
 # HF baselines: point name -> (cache, compile)
@@ -128,7 +130,9 @@ def main(argv=None):
               ("mlp.9", 0.9, None, True, "exact"), ("mlp.5+h.5", 0.5, 0.5, True, "exact"),
               ("mlp.5+h.5 kv-active", 0.5, 0.5, True, "active"),
               ("mlp.5 inline", 0.5, None, False, "exact"), ("mlp.9 inline", 0.9, None, False, "exact"),
-              ("mlp.5+h.5 inline", 0.5, 0.5, False, "exact")]
+              ("mlp.5+h.5 inline", 0.5, 0.5, False, "exact"),
+              # input sparsity on all seven projections (TEAL-style |x| thresholds calibrated on a prefill)
+              ("in.5", None, None, True, "exact"), ("in.7", None, None, True, "exact")]
     prompts = [int(p) for p in a.prompts.split(",")]
     if a.quick:
         points, prompts = points[:2], prompts[:1]
@@ -140,12 +144,16 @@ def main(argv=None):
             t1 = time.time()
             nbytes = None
             try:
-                plan = random_plan(model, ms, hs, rank=a.rank) if (ms or hs) else None
+                ins = float(name[3:]) if name.startswith("in.") else 0.0
+                if ins:
+                    plan = calibrated_input_plan(model, ins)
+                else:
+                    plan = random_plan(model, ms, hs, rank=a.rank) if (ms or hs) else None
                 r = bench_decode(rt, plan, device="cuda", batch=1, prompt_len=P, gen_len=a.gen,
                                  repeats=a.repeats, overlap=ov, kv_mode=kv, detail=True)[0]
                 ctx = P + a.gen // 2
                 dense_b = decode_bytes(rt, 0, 0, 0, ctx)
-                sp_b = decode_bytes(rt, ms or 0, hs or 0, a.rank, ctx, kv_mode=kv)
+                sp_b = decode_bytes(rt, ms or 0, hs or 0, a.rank, ctx, kv_mode=kv, input_sparsity=ins)
                 nbytes = sp_b["total"]
                 r.update(point=name, mlp_sparsity=ms, head_sparsity_target=hs, bytes=sp_b,
                          dense_bytes=dense_b["total"], ideal_speedup=dense_b["total"] / sp_b["total"],

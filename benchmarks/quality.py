@@ -91,7 +91,8 @@ class PointResult:
     per_layer_sparsity: dict = field(default_factory=dict)
     input_sparsity: float = 0.0      # realized fraction of projection inputs dropped (TEAL, WINA)
     input_by_proj: dict = field(default_factory=dict)
-    weight_skipped: float = 0.0      # fraction of decoder projection weights not read per token
+    weight_skipped: float = 0.0      # fraction of decoder projection weights not read per token (predictors as read)
+    predictor_frac_ffn: float = 0.0  # the predictors' own weights / the FFN weights of the predicted layers
 
     def summary(self) -> dict:
         d = asdict(self)
@@ -126,7 +127,7 @@ def run_point(wb: Workbench, method: str, sparsity: float, rank: int | None = No
         mean_auc=mean_mlp(layers, "auc"), fit_s=fitted.fit_s, eval_s=eval_s, threads=torch.get_num_threads(),
         layers=[q.row() for q in layers], per_layer_sparsity=fitted.per_layer,
         input_sparsity=applied.stats.input_sparsity(), input_by_proj=applied.stats.inputs.per_projection(),
-        weight_skipped=applied.stats.weight_skipped())
+        weight_skipped=applied.stats.weight_skipped(), predictor_frac_ffn=applied.stats.predictor_frac_ffn())
 
 
 def _point_key(p: dict) -> str:
@@ -201,7 +202,8 @@ def main(argv=None) -> int:
         print(f"{method:<10} {s:>5.2f} {str(r.rank):>5} {r.ppl:>8.2f} {100 * (r.ppl / r.dense_ppl - 1):>7.1f} "
               f"{r.mlp_sparsity:>7.3f} {r.mean_recall:>7.3f} {r.mean_auc:>6.3f} {r.fit_s:>7.1f} {r.eval_s:>7.1f} "
               f"{r.allocation} attn={r.attn_sparsity} head_sp={r.head_sparsity:.3f} "
-              f"in_sp={r.input_sparsity:.3f} w_skip={r.weight_skipped:.3f} {json.dumps(r.options)}",
+              f"in_sp={r.input_sparsity:.3f} w_skip={r.weight_skipped:.3f} pred/ffn={r.predictor_frac_ffn:.3f} "
+              f"{json.dumps(r.options)}",
               flush=True)
         if args.jsonl:
             with open(args.jsonl, "a") as f:

@@ -71,6 +71,37 @@ def random_plan(model_or_config, mlp_sparsity: float | None, head_sparsity: floa
     return plan
 
 
+@torch.no_grad()
+def calibrated_input_plan(model, sparsity: float, n_tokens: int = 256, seed: int = 0) -> SparsityPlan:
+    """TEAL-style input sparsity on every projection of every layer at ``sparsity``: per (layer, projection) the
+    |x| quantile of that projection's input over one prefill of ``n_tokens`` random tokens. For random-weight
+    shapes, where no calibration cache exists: the thresholds realize ``sparsity`` on inputs like the decode's."""
+    from workers.loading.adapters import adapter_for
+    from workers.sparsity.input_sparse import projection_modules
+
+    ad = adapter_for(model)
+    found: dict[tuple[int, str], torch.Tensor] = {}
+    hooks = []
+    for l, layer in ad.iter_layers(model):
+        for proj, mod in projection_modules(ad, layer).items():
+            def pre(_m, args, l=l, proj=proj):
+                x = args[0].float().abs().flatten()
+                x = x[::-(-x.numel() // 2 ** 24)]                  # torch.quantile takes at most 2^24 values
+                found[(l, proj)] = torch.quantile(x, sparsity)
+            hooks.append(mod.register_forward_pre_hook(pre))
+    try:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, model.config.vocab_size, (1, n_tokens), generator=g).to(next(model.parameters()).device)
+        model(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    plan = SparsityPlan()
+    for (l, proj), t in found.items():
+        plan.inputs.setdefault(l, {})[proj] = float(t)
+    return plan
+
+
 # ------------------------------------------------------------------------------------------------------------
 def accelerator_name(device) -> str:
     dev = torch.device(device)
@@ -278,10 +309,12 @@ def _bench_hf(model, device, batch, prompt_len, gen_len, repeats, warmup, g, det
 
 # ------------------------------------------------------------------------------------------------------------
 def decode_bytes(rt: DecodeRuntime, mlp_sparsity: float = 0.0, head_sparsity: float = 0.0, rank: int = 0,
-                 context: int = 0, kv_mode: str = "exact", head_rank: int | None = None) -> dict:
+                 context: int = 0, kv_mode: str = "exact", head_rank: int | None = None,
+                 input_sparsity: float = 0.0) -> dict:
     """Bytes one batch-1 decode step must read: weights (the sparse fraction of the FFN and of the attention
     projections), predictor weights (rank-``rank`` Deja Vu: r·(d + D) per layer, r·(d + H) for heads) and the
-    KV cache of ``context`` positions. ``kv_mode="exact"`` reads K/V projections dense."""
+    KV cache of ``context`` positions. ``kv_mode="exact"`` reads K/V projections dense. ``input_sparsity``: the
+    fraction of every projection's input channels skipped (TEAL-style plans: that fraction of each weight)."""
     dims = rt.dims
     es = rt.lm_head.element_size()
     d, D, H, KV, hd, nl = dims.d, dims.D, dims.n_heads, dims.n_kv_heads, dims.head_dim, len(rt.layers)
@@ -290,6 +323,6 @@ def decode_bytes(rt: DecodeRuntime, mlp_sparsity: float = 0.0, head_sparsity: fl
     kv_frac = (1 - head_sparsity) if kv_mode == "active" else 1.0
     kv = 2 * KV * hd * d * kv_frac
     pred = (rank * (d + D) if mlp_sparsity > 0 else 0) + ((head_rank or rank) * (d + H) if head_sparsity > 0 else 0)
-    weights = nl * (ffn + q_o + kv) * es + rt.lm_head.numel() * es
+    weights = nl * (ffn + q_o + kv) * (1 - input_sparsity) * es + rt.lm_head.numel() * es
     return dict(weights=weights, predictor=nl * pred * es, kv_cache=nl * 2 * KV * hd * context * es,
                 total=weights + nl * pred * es + nl * 2 * KV * hd * context * es)

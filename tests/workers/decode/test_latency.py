@@ -68,3 +68,22 @@ def test_hf_static_cache_baseline():
     assert r["p50_ms_per_token"] > 0
     with pytest.raises(ValueError, match="needs hf_cache='static'"):
         bench_decode(m, None, prompt_len=6, gen_len=4, repeats=1, runtime="hf-generate", hf_compile=True)
+
+
+def test_calibrated_input_plan_realizes_its_sparsity_in_the_runtime():
+    """Thresholds read from one prefill's projection inputs: decoding random tokens on the same model skips about
+    that fraction of every projection's inputs (inputs of a decode step are like the prefill's)."""
+    from tests.workers.tiny_model_support import tiny_model
+    from workers.decode.latency import calibrated_input_plan
+    from workers.decode.runtime import DecodeRuntime
+
+    m = tiny_model("llama")
+    plan = calibrated_input_plan(m, 0.5, n_tokens=48)
+    assert set(plan.inputs) == {0, 1} and set(plan.inputs[0]) == {"q", "k", "v", "o", "gate", "up", "down"}
+    rt = DecodeRuntime.from_hf(m, dtype=torch.float32, device="cpu")
+    rt.set_plan(plan)
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3))
+    rt.generate(ids, 16)
+    realized = rt.realized_sparsity()
+    assert 0.35 < realized["inputs"] < 0.65, realized      # every projection is input-sparse: weights = inputs
+    assert realized["weights"] == pytest.approx(realized["inputs"])

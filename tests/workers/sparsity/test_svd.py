@@ -170,6 +170,26 @@ def test_sequential_mode_calibrates_a_gate_filter(calib):
         assert abs(float((keep & (a.abs() <= f)).double().mean()) - info["seq_extra_offfrac"]) < 1e-3
 
 
+def test_superset_mode_predicts_a_superset_and_the_exact_gate_picks_the_rest(calib):
+    """superset=0.3 at a 0.5 target: the predictor keeps ~70 % of the pairs on X2 and the exact-gate filter drops
+    the lowest |act(gate)| of those down to ~50 %; the filter drops nothing the predictor already dropped."""
+    ctx, _ = calib
+    plan = fit_method("svd", ctx, {15: 0.5}, rank=32, superset=0.3)
+    assert plan.mlp_mode == "sequential"
+    f = plan.seq_filter[15]
+    W = ctx.ffn_weights(15)
+    _, X2 = _halves(ctx, 15)
+    a = torch.nn.functional.silu(X2 @ W["gate"].T).abs()
+    keep = plan.mlp[15].mask(X2)
+    assert abs(1 - float(keep.float().mean()) - 0.3) < 0.01
+    survive = keep & (a > f)
+    assert abs(1 - float(survive.float().mean()) - 0.5) < 0.01
+    # the survivors are the kept pairs with the largest exact |act(gate)|
+    assert float(a[keep & ~survive].max()) <= float(a[survive].min())
+    with pytest.raises(ValueError, match="superset"):
+        fit_method("svd", ctx, {15: 0.5}, rank=32, superset=0.6)
+
+
 # ---- API -------------------------------------------------------------------------------------------------------
 def test_unknown_and_invalid_options_are_rejected(calib):
     ctx, _ = calib

@@ -453,6 +453,22 @@ def seq_filter_threshold(act_gate_abs: torch.Tensor, damage: torch.Tensor, keep:
     return f, dropped / keep.numel()
 
 
+def superset_filter_threshold(act_gate_abs: torch.Tensor, keep: torch.Tensor, target: float) -> tuple[float, float]:
+    """The filter f for the exact gate on a predicted superset: among the kept pairs, those with |act(gate)| <= f
+    are dropped so that the fraction of all pairs off reaches ``target``. Returns (f, fraction the filter drops)."""
+    a = act_gate_abs[keep].double()
+    n_drop = int(round(target * keep.numel())) - int((~keep).sum())
+    if n_drop <= 0 or a.numel() == 0:
+        return 0.0, 0.0
+    n_drop = min(n_drop, a.numel())
+    f = float(torch.kthvalue(a, n_drop).values)
+    return f, int((a <= f).sum()) / keep.numel()
+
+
+def gated_model(ctx) -> bool:
+    return bool(ctx.lm.adapter.ffn.gated)
+
+
 # ============================================================================================================
 # fit
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -465,14 +481,14 @@ def default_rank(d: int, D: int) -> int:
     return min(min(d, D), max(8, 8 * int(round(DEFAULT_RANK_FRAC * min(d, D) / 8))))
 
 
-_KNOWN = ("damage", "target", "input_kind", "max_tokens", "mode", "rank_up", "q_steps", "seq_tol", "greedy")
+_KNOWN = ("damage", "target", "input_kind", "max_tokens", "mode", "rank_up", "q_steps", "seq_tol", "greedy", "superset")
 
 
 @register("svd")
 def fit_svd(ctx: FitContext, sparsity: dict[int, float], rank: int | None = None, damage: str = "full",
             target: str | None = None, input_kind: str = "ffn_in", max_tokens: int | None = None,
             mode: str = "parallel", rank_up: int | None = None, q_steps: int = Q_STEPS, seq_tol: float = 1e-4,
-            greedy: str = "sort", **unknown) -> SparsityPlan:
+            greedy: str = "sort", superset: float | None = None, **unknown) -> SparsityPlan:
     """Fit SVDP predictors for the layers in ``sparsity`` (layer -> absolute target off-fraction).
 
     ``rank``: r (default ``default_rank(d, D)``). ``damage``: one of ``DAMAGES``. ``target``: ``gate`` or
@@ -480,6 +496,10 @@ def fit_svd(ctx: FitContext, sparsity: dict[int, float], rank: int | None = None
     ``max_tokens``: cap on calibration tokens (split in halves). ``mode``: ``parallel`` or ``sequential`` (also
     calibrates ``plan.seq_filter``). ``rank_up``: rank of the W_up factors (product; default r). ``q_steps``: Q.
     ``seq_tol``: the sequential filter's damage budget. ``greedy``: ``sort`` / ``heap`` / ``reference``.
+    ``superset``: exact gate on a predicted superset (implies ``mode="sequential"``): the predictor is calibrated
+    to switch off only this fraction (< the layer's target), the exact gate runs on the rows it keeps, and the
+    filter |act(gate)| > f, with f set on X2 so that up and down skip the layer's target fraction, picks the
+    survivors. Bytes read: the predictor, gate rows (1 − superset), up and down rows (1 − target).
     """
     if unknown:
         raise ValueError(f"svd: unknown option(s) {sorted(unknown)}; known: rank, {', '.join(_KNOWN)}")
@@ -495,6 +515,12 @@ def fit_svd(ctx: FitContext, sparsity: dict[int, float], rank: int | None = None
         raise ValueError("svd: q_steps must be a positive int")
     if not 0.0 <= seq_tol < 1.0:
         raise ValueError("svd: seq_tol must be in [0, 1)")
+    if superset is not None:
+        if not gated_model(ctx):
+            raise ValueError("svd: superset needs a gated MLP (the exact gate decides the survivors)")
+        if not 0.0 <= float(superset) < 1.0:
+            raise ValueError(f"svd: superset must be in [0, 1), got {superset!r}")
+        mode = "sequential"
     gated = bool(ctx.lm.adapter.ffn.gated)
     if target is None:
         target = "product" if gated else "gate"
@@ -561,7 +587,9 @@ def fit_svd(ctx: FitContext, sparsity: dict[int, float], rank: int | None = None
             else:
                 dmg = (g2 * _linear(Xf2, W["up"], W.get("b_up"))).abs_()
             P = pred.proxy(X2)
-        cal = calibrate_bias(P, dmg, s, q_steps=q_steps, impl=greedy)
+        if superset is not None and float(superset) > s:
+            raise ValueError(f"svd: superset {superset} must not exceed the layer's target {s} (layer {layer})")
+        cal = calibrate_bias(P, dmg, s if superset is None else float(superset), q_steps=q_steps, impl=greedy)
         pred.bias.copy_(cal["bias"].float())
         info = {"target_sparsity": s, "calib_offfrac": cal["offfrac"], "free_offfrac": cal["free_offfrac"],
                 "damage_off": cal["damage_off"], "rank": r, "rank_up": r_up if target == "product" else None,
@@ -571,7 +599,10 @@ def fit_svd(ctx: FitContext, sparsity: dict[int, float], rank: int | None = None
         if mode == "sequential":
             with torch.no_grad():
                 keep = pred.scores(X2) > 0
-            f, extra = seq_filter_threshold(g2.abs(), dmg, keep, tol=seq_tol)
+            if superset is None:
+                f, extra = seq_filter_threshold(g2.abs(), dmg, keep, tol=seq_tol)
+            else:
+                f, extra = superset_filter_threshold(g2.abs(), keep, s)
             plan.seq_filter[layer] = f
             info.update({"seq_filter": f, "seq_tol": seq_tol, "seq_extra_offfrac": extra,
                          "pred_offfrac": 1.0 - float(keep.float().mean())})
