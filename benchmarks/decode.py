@@ -144,7 +144,7 @@ def main(argv=None):
             t1 = time.time()
             nbytes = None
             try:
-                ins = float(name[3:]) if name.startswith("in.") else 0.0
+                ins = float(name[2:]) if name.startswith("in.") else 0.0     # "in.5" -> 0.5
                 if ins:
                     plan = calibrated_input_plan(model, ins)
                 else:

@@ -22,10 +22,14 @@ FFN_DENSE = ("auto", "torch")
 
 
 class Blocks:
-    def __init__(self, w: ModelWeights, *, ffn_dense: str = "auto", cpu_rows: bool | None = None):
+    def __init__(self, w: ModelWeights, *, ffn_dense: str = "auto", cpu_rows: bool | None = None,
+                 count_inputs: bool = True):
         if ffn_dense not in FFN_DENSE:
             raise ValueError(f"ffn_dense must be one of {FFN_DENSE}, got {ffn_dense!r}")
         self.w, self.ffn_dense, self.cpu_rows = w, ffn_dense, cpu_rows
+        # accelerators: counting active inputs costs a few small kernels per projection (the CPU kernels count
+        # as they go); a timed run turns it off and measures realized sparsity in an untimed pass
+        self.count_inputs = count_inputs
         self.kv_all = torch.arange(w.dims.n_kv_heads, device=w.device, dtype=torch.int32)
         self.full_idx = torch.arange(w.dims.D, device=w.device, dtype=torch.int32)
 
@@ -100,8 +104,9 @@ class Blocks:
         if ops.backend_name(x) == "cpu":
             return cpu_kernels.input_sparse_linear_segments(x, w_t, thr, sizes, bias, counts=counts)
         y = ops.input_sparse_linear_segments(x, w_t, thr, sizes, bias)
-        on = x.abs().float()[:, None, :] > (thr[None, :, :] if thr.dim() == 2 else thr[None, :, None])
-        counts.add_(on.sum((0, 2)).to(counts.dtype))
+        if self.count_inputs:
+            on = x.abs().float()[:, None, :] > (thr[None, :, :] if thr.dim() == 2 else thr[None, :, None])
+            counts.add_(on.sum((0, 2)).to(counts.dtype))
         return y
 
     def ffn_input_sparse(self, L: LayerWeights, h, ent, stat_in, act_mul):

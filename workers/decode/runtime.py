@@ -48,9 +48,10 @@ KV_MODES = ("exact", "active")
 
 class DecodeRuntime:
     def __init__(self, weights: ModelWeights, *, ffn_dense: str = "auto", compile: bool = True,
-                 use_graph: bool = True, select_impl: str = "auto", cpu_rows: bool | None = None):
+                 use_graph: bool = True, select_impl: str = "auto", cpu_rows: bool | None = None,
+                 count_inputs: bool = True):
         self.weights = weights
-        self.blocks = Blocks(weights, ffn_dense=ffn_dense, cpu_rows=cpu_rows)
+        self.blocks = Blocks(weights, ffn_dense=ffn_dense, cpu_rows=cpu_rows, count_inputs=count_inputs)
         self.selector = ActiveSetSelector(select_impl)
         self.compile, self.use_graph = compile, use_graph
         self.overlap, self.kv_mode = True, "exact"
@@ -70,10 +71,14 @@ class DecodeRuntime:
         return cls(weights_mod.from_config(config, dtype, device, seed), **options)
 
     def configure(self, *, ffn_dense: str | None = None, compile: bool | None = None, use_graph: bool | None = None,
-                  select_impl: str | None = None, cpu_rows: bool | None = None) -> "DecodeRuntime":
+                  select_impl: str | None = None, cpu_rows: bool | None = None,
+                  count_inputs: bool | None = None) -> "DecodeRuntime":
         """Change constructor settings (those given); drops the compiled glue and any captured graph."""
         if ffn_dense is not None:
-            self.blocks = Blocks(self.weights, ffn_dense=ffn_dense, cpu_rows=self.blocks.cpu_rows)
+            self.blocks = Blocks(self.weights, ffn_dense=ffn_dense, cpu_rows=self.blocks.cpu_rows,
+                                 count_inputs=self.blocks.count_inputs)
+        if count_inputs is not None:
+            self.blocks.count_inputs = count_inputs
         if select_impl is not None:
             self.selector = ActiveSetSelector(select_impl)
         if cpu_rows is not None:

@@ -80,4 +80,6 @@ def _weights_skipped(rp: RuntimePlan, w: ModelWeights, c: Counters, batch: int, 
     if "heads" in kept:
         for l in rp.heads:
             skipped += (1.0 - float(kept["heads"][l]) / w.dims.n_heads) * (numel["q"][0] + numel["o"][0])
+    # the predictors' own weights are read for every token (as sparse_exec's weight_skipped counts them)
+    skipped -= sum(t.numel() for p in [*rp.mlp.values(), *rp.heads.values()] for t in p.to_tensors().values())
     return {"inputs": skipped_in / total, "weights": skipped / total}

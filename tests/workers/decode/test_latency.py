@@ -24,9 +24,9 @@ def test_pairs_alternate_and_decode_the_same_prompts(monkeypatch):
     seen = []
     real = latency._Run.decode
 
-    def spy(self, rt, ids, gen_len, device, keep):
+    def spy(self, rt, ids, gen_len, device, keep, measure=True):
         seen.append(("sparse" if rt.plan is not None else "dense", ids.clone(), keep))
-        return real(self, rt, ids, gen_len, device, keep)
+        return real(self, rt, ids, gen_len, device, keep, measure)
 
     monkeypatch.setattr(latency._Run, "decode", spy)
     bench_decode(m, plan, batch=1, prompt_len=6, gen_len=3, repeats=2, warmup=1)
