@@ -27,3 +27,13 @@ def tiny_model(family: str, seed: int = 0):
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(cfg).eval()
     return model
+
+
+def loaded(model, ref: str):
+    """A tiny model as the LoadedModel that capture and fit take (no tokenizer: tests feed token ids)."""
+    from workers.loading.adapters import adapter_for
+    from workers.loading.models import LoadedModel, fingerprint
+
+    ad = adapter_for(model)
+    return LoadedModel(model=model, tokenizer=None, ref=ref, adapter=ad, dims=ad.dims(model.config),
+                       fingerprint=fingerprint(model), source="config")

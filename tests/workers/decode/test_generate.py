@@ -19,14 +19,6 @@ from workers.sparsity.predictors import FitContext, fit_method
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tok():
     from transformers import AutoTokenizer

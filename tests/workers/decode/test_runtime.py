@@ -11,14 +11,6 @@ from workers.decode.runtime import DecodeRuntime
 FAMILIES = ["llama", "mistral", "qwen2", "gemma3", "opt"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _greedy_reference(model, ids, n):
     seq = ids
     with torch.no_grad():

@@ -10,14 +10,6 @@ from workers.decode.latency import bench_decode, random_plan
 from workers.decode.runtime import DecodeRuntime
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _projection_inputs(m, ids):
     """{(layer, projection): inputs [T, in]} of every projection of the HF model on ``ids``."""
     from workers.loading.adapters import adapter_for

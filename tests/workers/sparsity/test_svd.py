@@ -226,15 +226,10 @@ def test_few_tokens_make_the_gram_singular_and_the_fit_still_works(calib):
 
 # ---- a ReLU, non-gated model -----------------------------------------------------------------------------------
 def test_tiny_opt_fits_and_its_natural_zeros_are_the_free_prefix(tmp_path):
-    from tests.workers.tiny_model_support import tiny_model
-    from workers.loading.adapters import adapter_for
+    from tests.workers.tiny_model_support import loaded, tiny_model
     from workers.loading.data import TokenSet
-    from workers.loading.models import LoadedModel, fingerprint
 
-    m = tiny_model("opt")
-    ad = adapter_for(m)
-    lm = LoadedModel(model=m, tokenizer=None, ref="opt", adapter=ad, dims=ad.dims(m.config),
-                     fingerprint=fingerprint(m), source="config")
+    lm = loaded(tiny_model("opt"), "opt")
     torch.manual_seed(0)
     toks = TokenSet(torch.randint(0, 128, (8, 32)), "random", "calib", 256, 0, "fp-opt-svd")
     cache = capture_activations(lm, toks, components=("ffn_in", "gate", "inter"), root=tmp_path, progress=False,
@@ -273,14 +268,12 @@ def test_output_damage_known_answers():
 def test_svd_damage_sees_the_post_ffn_norm_gain(tmp_path):
     """Gemma-3 scales the FFN output by a per-channel gain before the residual: a neuron that writes only to a
     channel with a huge gain must stay on, however small its down column is (without the gain it looks cheapest)."""
-    from tests.workers.tiny_model_support import tiny_model
+    from tests.workers.tiny_model_support import loaded, tiny_model
     from workers.loading.adapters import adapter_for
     from workers.loading.data import TokenSet
-    from workers.loading.models import LoadedModel, fingerprint
 
     m = tiny_model("gemma3")
-    ad = adapter_for(m)
-    layer = ad.decoder_layers(m)[0]
+    layer = adapter_for(m).decoder_layers(m)[0]
     with torch.no_grad():
         down = layer.mlp.down_proj.weight                             # [d, D]
         down[:, 0] = 0.0
@@ -288,8 +281,7 @@ def test_svd_damage_sees_the_post_ffn_norm_gain(tmp_path):
         down[0, 1:] = 0.0                                             # nobody else writes channel 0
         layer.post_feedforward_layernorm.weight.fill_(0.0)
         layer.post_feedforward_layernorm.weight[0] = 1e4              # gain 1 + w: channel 0 weighs 10^4
-    lm = LoadedModel(model=m, tokenizer=None, ref="gemma3", adapter=ad, dims=ad.dims(m.config),
-                     fingerprint=fingerprint(m), source="config")
+    lm = loaded(m, "gemma3")
     torch.manual_seed(0)
     toks = TokenSet(torch.randint(0, 128, (8, 32)), "random", "calib", 256, 0, "fp-gemma-gain")
     cache = capture_activations(lm, toks, components=("ffn_in", "gate", "inter"), root=tmp_path, progress=False,
