@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import tarfile
 import time
 from dataclasses import dataclass, field
@@ -29,9 +30,11 @@ from sqlalchemy.exc import OperationalError
 
 from db import queries
 from db.engine import default_url, get_engine, session_scope
-from db.schemas import ArtifactRecord, DeviceType, LatencyRecord, LayerRecord, ModelInfo, SweepInfo, UnitInfo
+from db.schemas import (AccuracyRecord, ArtifactRecord, DeviceType, LatencyRecord, LayerRecord, ModelInfo, SweepInfo,
+                        UnitInfo)
 from orchestrator.pareto import Front, pareto
-from orchestrator.settings import BASELINE_RUNTIMES, Setting, accuracy_metrics, settings_for_model
+from orchestrator.settings import (BASELINE_RUNTIMES, Setting, accuracy_metrics, is_sparsity_metric,
+                                  settings_for_model)
 from workers.names import DENSE
 
 TTL_S = 15
@@ -216,6 +219,51 @@ def sweeps_of(url: str, unit_id: str) -> list[SweepInfo]:
 def layers(url: str, unit_id: str) -> list[LayerRecord]:
     with _session(url) as s:
         return queries.layer_metrics_for(s, unit_id)
+
+
+NOISE_K = 2.0     # two accuracies differ beyond noise when |a - b| > NOISE_K * sqrt(se_a^2 + se_b^2)
+
+
+def beyond_noise(a: float, se_a: float | None, b: float, se_b: float | None, k: float = NOISE_K) -> bool | None:
+    """Whether two scores differ by more than their noise (about a 95 % two-sided test for independent
+    estimates; the same items scored twice are positively correlated, so this errs towards "within noise").
+    None when a standard error is missing."""
+    if se_a is None or se_b is None:
+        return None
+    return abs(a - b) > k * math.sqrt(se_a * se_a + se_b * se_b)
+
+
+def compare_accuracy(rows: list[AccuracyRecord], dense_rows: list[AccuracyRecord]) -> list[dict]:
+    """One setting's accuracy rows beside the dense setting's, matched by (suite, task, metric), with the noise
+    rule applied (sparsity measurements are left out: nothing to compare there)."""
+    dense = {(r.suite, r.task, r.metric): r for r in dense_rows}
+    out = []
+    for r in sorted(rows, key=lambda r: (r.suite, r.task, r.metric)):
+        if is_sparsity_metric(r.metric):
+            continue
+        d = dense.get((r.suite, r.task, r.metric))
+        out.append({
+            "metric": f"{r.suite}/{r.task}/{r.metric}", "value": r.value, "stderr": r.stderr, "n": r.n,
+            "dense": None if d is None else d.value, "dense_stderr": None if d is None else d.stderr,
+            "diff": None if d is None else r.value - d.value,
+            "beyond_noise": None if d is None else beyond_noise(r.value, r.stderr, d.value, d.stderr),
+        })
+    return out
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def accuracy_vs_dense(url: str, model_id: int, fit_unit: str) -> list[dict]:
+    """``compare_accuracy`` of a setting against the model's dense setting, read from the store (stderr included)."""
+    sts = settings(url, model_id)
+    mine = next((s for s in sts if s.fit_unit == fit_unit), None)
+    if mine is None:
+        return []
+    dense = next((s for s in sts if s.is_dense and s.fit_unit != fit_unit), None)
+    with _session(url) as s:
+        rows = queries.accuracy_table(s, model_id=model_id)
+    own = set(mine.eval_units)
+    ref = set(dense.eval_units) if dense is not None else set()
+    return compare_accuracy([r for r in rows if r.unit_id in own], [r for r in rows if r.unit_id in ref])
 
 
 def latency_breakdown(url: str, model_id: int, fit_unit: str) -> list[tuple[str, LatencyRecord]]:

@@ -9,7 +9,8 @@
       - {name: dejavu, sparsity: [0.5], rank: [256], attn_sparsity: [null, 0.3]}
     suites:
       perplexity: {tokens: 2048}
-      tasks: [{name: piqa, limit: 100}, {name: copa, limit: 100}]
+      tasks: [{name: piqa, limit: 100}, {name: copa, limit: all}, {name: lm_eval:lambada_standard},
+              {name: yaml:tasks/my_task.yaml, limit: 50}]
     latency: {devices: [cpu], batch: [1], prompt_len: [128], gen_len: 16}
     resources: {fitters: 1, evaluators: 1}
 
@@ -25,7 +26,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from workers.names import DEVICE_TYPES, SHAPE_PREFIX, is_shape, shape_name
 
@@ -124,18 +126,24 @@ class PerplexitySpec(_Strict):
         return self
 
 
+def _all_items(v: Any) -> Any:
+    return None if v == "all" else v
+
+
 class TaskSpec(_Strict):
+    """One accuracy task. ``name``: a packaged task (offline data), ``lm_eval:NAME`` (any lm-eval task, data from
+    the hub) or ``yaml:PATH`` (a local lm-eval task file); see ``workers.evals.suites``. ``limit``: the first N
+    items, or every item with ``null`` / ``all`` (both stored as null)."""
+
     name: str
-    limit: Positive | None = 100
+    limit: Annotated[Positive | None, BeforeValidator(_all_items)] = 100
 
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
-        from workers.evals.suites import SUITES
+        from workers.evals.suites import check_task_name
 
-        if v not in SUITES:
-            raise ValueError(f"unknown task {v!r}; known: {sorted(SUITES)}")
-        return v
+        return check_task_name(v)     # one line: the packaged tasks and how to name the others
 
 
 class SuitesSpec(_Strict):
@@ -265,11 +273,19 @@ def load_spec(path: str | Path) -> SweepSpec:
 
 def check_inputs(spec: SweepSpec) -> None:
     """What the spec names on this machine's disk, checked before a job exists: model files and folders given by
-    path exist, and a local data file exists and holds some text. SpecError naming the field.
+    path exist, a local task YAML (``yaml:PATH``) is readable as one lm-eval task, and a local data file exists
+    and holds some text. SpecError naming the field.
 
     Packaged models and data, and Hugging Face ids, are left to the workers (they may be installed there only)."""
+    from workers.evals.suites import YAML_PREFIX, SuiteError, yaml_task_config
     from workers.loading.data import DataError, documents
 
+    for i, t in enumerate(spec.suites.tasks):
+        if t.name.startswith(YAML_PREFIX):
+            try:
+                yaml_task_config(t.name[len(YAML_PREFIX):])
+            except SuiteError as e:
+                raise SpecError(f"suites.tasks.{i}.name: {e}") from None
     for i, ref in enumerate(spec.models):
         p = Path(ref).expanduser()
         if ref.endswith(".gguf") and not p.is_file():

