@@ -12,7 +12,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from workers.evals.suites import SUITES, SuiteError, _check_names, format_table, run_suite
+from workers.evals.suites import format_table, run_suite
+from workers.evals.tasks import SUITES, SuiteError, check_task_names
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f" (upstream {t.upstream_split})")
         return 0
     try:
-        names = _check_names(a.tasks)
+        names = check_task_names(a.tasks)
     except SuiteError as e:
         p.error(str(e))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -24,7 +24,7 @@ from orchestrator.settings import setting_label
 from orchestrator.spec import SweepSpec
 from workers.names import DENSE, RUNTIME_HF, is_shape
 
-CODE_VERSION = "sweep-1"      # bump when a unit's computation changes meaning (old rows then stop matching)
+CODE_VERSION = "sweep-2"      # bump when a unit's computation changes meaning (old rows then stop matching)
 
 
 @dataclass(frozen=True)

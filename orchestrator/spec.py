@@ -127,12 +127,14 @@ class PerplexitySpec(_Strict):
 
 
 def _all_items(v: Any) -> Any:
-    return None if v == "all" else v
+    from workers.evals.tasks import ALL_ITEMS
+
+    return None if v == ALL_ITEMS else v
 
 
 class TaskSpec(_Strict):
     """One accuracy task. ``name``: a packaged task (offline data), ``lm_eval:NAME`` (any lm-eval task, data from
-    the hub) or ``yaml:PATH`` (a local lm-eval task file); see ``workers.evals.suites``. ``limit``: the first N
+    the hub) or ``yaml:PATH`` (a local lm-eval task file); see ``workers.evals.tasks``. ``limit``: the first N
     items, or every item with ``null`` / ``all`` (both stored as null)."""
 
     name: str
@@ -141,7 +143,7 @@ class TaskSpec(_Strict):
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
-        from workers.evals.suites import check_task_name
+        from workers.evals.tasks import check_task_name
 
         return check_task_name(v)     # one line: the packaged tasks and how to name the others
 
@@ -277,7 +279,7 @@ def check_inputs(spec: SweepSpec) -> None:
     and holds some text. SpecError naming the field.
 
     Packaged models and data, and Hugging Face ids, are left to the workers (they may be installed there only)."""
-    from workers.evals.suites import YAML_PREFIX, SuiteError, yaml_task_config
+    from workers.evals.tasks import YAML_PREFIX, SuiteError, yaml_task_config
     from workers.loading.data import DataError, documents
 
     for i, t in enumerate(spec.suites.tasks):

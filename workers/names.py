@@ -15,6 +15,11 @@ UNIT_KINDS = ("collect", "fit", "eval", "latency")
 RUNTIME_DENSE, RUNTIME_SPARSE, RUNTIME_DENSE_PAIRED, RUNTIME_HF = (
     "ctxsparse-dense", "ctxsparse-sparse", "ctxsparse-dense-paired", "hf-generate")
 SHAPE_PREFIX = "shape:"                      # "shape:llama2-7b": the real shapes with random weights (GPU latency)
+# the ``suite`` of a task's accuracy rows, the kind of task (workers.evals.tasks.task_kind): one multiple-choice
+# task (the only ones the mean task accuracy averages), MMLU, LAMBADA, generation, other log-likelihood tasks,
+# rolling log-likelihood (perplexity) tasks, and the rows of an lm-eval group
+SUITE_MC, SUITE_MMLU, SUITE_LAMBADA, SUITE_GEN, SUITE_LOGLIK, SUITE_PPL, SUITE_GROUP = (
+    "mc", "mmlu", "lambada", "gen", "loglik", "ppl", "group")
 
 
 def is_shape(ref: str) -> bool:

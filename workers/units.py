@@ -6,7 +6,8 @@ A unit's ``config`` (built by the orchestrator, hashed into its id) says everyth
   fit       + method, sparsity, rank, attn_sparsity, allocation, options, seed, threads
                                         -> a predictor bundle (``bundle_dir(unit id)``), per-layer quality rows
   eval      + fit_unit, suite (perplexity or a task), its size, threads
-                                        -> accuracy rows (perplexity, realized sparsity, or task accuracy)
+                                        -> accuracy rows (perplexity, realized sparsity, or task accuracy:
+                                           ``task_rows``)
   latency   + fit_unit, device_type, batch, prompt_len, gen_len, repeats, runtime, threads
                                         -> latency rows from a real decode loop
 
@@ -45,6 +46,25 @@ def shape_identity(name: str) -> tuple[str, str]:
 
 def bundle_dir(fit_unit: str) -> Path:
     return home() / "bundles" / fit_unit
+
+
+def task_rows(rows) -> list[dict]:
+    """Accuracy rows of ``run_suite``'s results (``SuiteResult``), each labelled ``suite`` = its task's kind
+    (``workers.evals.tasks.task_kind``: ``mc`` only for single multiple-choice tasks, which the mean task accuracy
+    averages). A packaged group's members (MMLU's subjects) get a row each too, as ``<task>/<member>`` (lm-eval's
+    subtask name) with the member's own value, stderr and n; an ``lm_eval:GROUP``'s members have rows of their own
+    already (``run_suite``), so only packaged groups are expanded."""
+    from workers.evals.tasks import SUITES
+
+    out = []
+    for r in rows:
+        out.append({"suite": r.kind, "task": r.task, "metric": r.metric, "higher_is_better": r.higher_is_better,
+                    "value": r.value, "stderr": r.stderr, "n": r.n})
+        if r.task in SUITES:
+            out += [{"suite": r.kind, "task": f"{r.task}/{member}", "metric": r.metric,
+                     "higher_is_better": r.higher_is_better, "value": value, "stderr": stderr, "n": n}
+                    for member, n, value, stderr in r.subtasks]
+    return out
 
 
 @dataclass
@@ -246,10 +266,7 @@ class Units:
                 out.summary = {"ppl": round(r.ppl, 3), "mlp_sparsity": round(applied.stats.mlp_sparsity(), 3)}
             else:
                 rows = run_suite(lm.model, lm.tokenizer, [cfg["suite"]], cfg.get("limit"))
-                for row in rows:
-                    out.accuracy.append({"suite": "mc", "task": row.task, "metric": row.metric,
-                                         "higher_is_better": row.higher_is_better,
-                                         "value": row.value, "stderr": row.stderr, "n": row.n})
+                out.accuracy += task_rows(rows)
                 out.summary = {r.metric: round(r.value, 3) for r in rows}
         return out
 

@@ -73,7 +73,7 @@ def _units(url: str, sweep_id: int) -> dict:
 
 
 def _expected_rows(u) -> int:
-    from workers.evals.suites import SUITES
+    from workers.evals.tasks import SUITES
 
     if u.kind == "eval":
         suite = u.config["suite"]

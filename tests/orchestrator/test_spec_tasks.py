@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.spec import SpecError, check_inputs, parse_spec
-from workers.evals import suites
+from workers.evals import tasks as registry
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD = {"name": "ok", "models": ["smollm2-135m"], "methods": [{"name": "svd", "sparsity": [0.5], "rank": [64]}]}
@@ -56,13 +56,13 @@ def test_limit_all_is_null():
 
 
 def test_lm_eval_names_are_checked_against_its_cached_index():
-    suites.lm_eval_task_names.cache_clear()
+    registry.lm_eval_task_names.cache_clear()
     t0 = time.time()
     spec = parse_spec(_tasks({"name": "lm_eval:hellaswag"}, {"name": "lm_eval:mmlu_anatomy", "limit": 5}))
     first = time.time() - t0
     assert [t.name for t in spec.suites.tasks] == ["lm_eval:hellaswag", "lm_eval:mmlu_anatomy"]
-    assert suites._index_cache_file().is_file()
-    suites.lm_eval_task_names.cache_clear()           # a new process: reads the cached index, indexes nothing
+    assert registry._index_cache_file().is_file()
+    registry.lm_eval_task_names.cache_clear()           # a new process: reads the cached index, indexes nothing
     t0 = time.time()
     msg = _error(_tasks({"name": "lm_eval:no_such_task_xyz"}))
     again = time.time() - t0

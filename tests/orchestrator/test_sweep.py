@@ -134,7 +134,7 @@ def test_worker_killed_mid_unit_loses_nothing_and_duplicates_nothing(ray_local, 
         u = queries.get_unit(s, victim.id)
         assert u.status == "done" and u.attempts >= 2 and u.worker != victim.worker
         rows = [r for r in queries.accuracy_table(s) if r.unit_id == victim.id]
-        from workers.evals.suites import SUITES
+        from workers.evals.tasks import SUITES
 
         suite = victim.config["suite"]
         expected = PERPLEXITY_METRICS if suite == "perplexity" else SUITES[suite].metrics

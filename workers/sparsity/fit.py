@@ -1,9 +1,10 @@
 """Fitting one sparsity setting: the steps a sweep's fit unit (``workers.units``) and the points runner
 (``benchmarks.quality``) share.
 
-  1. per-layer FFN budget from the allocation: ``uniform`` (every layer at the setting's sparsity) or ``greedy``
-     (``workers.sparsity.allocation``: damage curves measured on calibration tokens, the model-wide budget spent
-     where it hurts least); any other name is a ValueError naming the known ones;
+  1. per-layer FFN budget from the allocation: ``uniform`` (every layer at the setting's sparsity), ``greedy``
+     (``workers.sparsity.allocation``: single-layer damage curves measured on calibration tokens, the model-wide
+     budget spent where it hurts least) or ``exchange`` (budget moved between layers by their KL effect measured
+     with every layer sparsified); any other name is a ValueError naming the known ones;
   2. the method fitted at those budgets, the attention sparsity folded into its options (``dense``: the empty
      plan);
   3. the plan's per-layer quality on held-out activations, and the store's layer rows from it.
@@ -16,8 +17,9 @@ from typing import Callable
 
 from workers.names import DENSE
 
-ALLOCATIONS = ("uniform", "greedy")
+ALLOCATIONS = ("uniform", "greedy", "exchange")
 DAMAGE_TOKENS = 256      # calibration tokens (one window of this length) the greedy allocation's curves use
+EXCHANGE_TOKENS = 512    # calibration tokens (one window) the in-context exchange measures KL on
 
 
 def check_allocation(name: str) -> str:
@@ -43,6 +45,13 @@ def layer_budgets(ctx, sparsity: float, allocation: str = "uniform",
     check_allocation(allocation)
     if allocation == "uniform":
         return {l: sparsity for l in ctx.layers}
+    if allocation == "exchange":
+        from workers.loading.data import token_windows
+        from workers.sparsity.allocation import exchange_allocation
+
+        toks = token_windows(ctx.lm.tokenizer, ctx.cache.manifest["data_source"], "calib", EXCHANGE_TOKENS,
+                             EXCHANGE_TOKENS)
+        return exchange_allocation(ctx, toks, sparsity)
     from workers.sparsity.allocation import allocate
 
     return allocate((curves or (lambda: greedy_curves(ctx)))(), sparsity)

@@ -11,7 +11,8 @@ from torch import nn
 
 from benchmarks import suites as suites_cli
 from workers.evals import suites
-from workers.evals.suites import SUITES, SuiteError, build_task, gold_index, run_suite
+from workers.evals.suites import gold_index, run_suite
+from workers.evals.tasks import SUITES, SuiteError, build_task, data_dir
 
 
 def test_unknown_task_is_a_clear_error_listing_the_known_ones():
@@ -34,9 +35,9 @@ def test_registry_covers_the_shipped_tasks():
         if spec.output_type == "multiple_choice":
             assert set(spec.metrics) <= {"acc", "acc_norm"}
             for m in spec.members() or [None]:
-                assert (suites.data_dir(spec.name, m) / "state.json").exists()
+                assert (data_dir(spec.name, m) / "state.json").exists()
         else:
-            assert (suites.data_dir(spec.name) / "requests.jsonl.gz").exists()
+            assert (data_dir(spec.name) / "requests.jsonl.gz").exists()
     # upstream evaluates ARC on test; only validation ships: the rows must say so
     assert not SUITES["arc_easy"].comparable_with_published
     assert SUITES["piqa"].comparable_with_published and SUITES["copa"].comparable_with_published
@@ -91,6 +92,7 @@ def copa_piqa(smollm2):
 
 def test_rows_are_fractions_over_the_first_limit_items(copa_piqa):
     assert [(r.task, r.metric) for r in copa_piqa] == [("copa", "acc"), ("piqa", "acc"), ("piqa", "acc_norm")]
+    assert [r.kind for r in copa_piqa] == ["mc"] * 3
     for r in copa_piqa:
         assert r.n == 20 and 0.0 <= r.value <= 1.0
         assert r.higher_is_better is True                                    # lm-eval's direction for acc
@@ -156,6 +158,7 @@ def test_every_registered_task_scores_a_few_items(smollm2):
     assert {r.task for r in rows} == set(SUITES)
     for r in rows:
         assert r.n == (3 * 57 if r.task == "mmlu" else 3) and r.stderr is not None
+        assert r.kind == SUITES[r.task].kind
         if r.metric == "perplexity":
             assert r.value > 1.0 and not r.higher_is_better
             continue
@@ -205,7 +208,7 @@ def test_lambada_passages_give_back_the_shipped_requests():
     import gzip
 
     task = build_task("lambada_openai")
-    path = suites.data_dir("lambada_openai") / "requests.jsonl.gz"
+    path = data_dir("lambada_openai") / "requests.jsonl.gz"
     with gzip.open(path, "rt") as f:
         shipped = [json.loads(line)["request"] for line in f]
     docs = task.eval_docs
@@ -243,6 +246,7 @@ def test_lambada_and_social_iqa_rows_with_stderr(smollm2, lambada_siqa):
 
     assert [(r.task, r.metric) for r in lambada_siqa] == [
         ("lambada_openai", "acc"), ("lambada_openai", "perplexity"), ("social_iqa", "acc")]
+    assert [r.kind for r in lambada_siqa] == ["lambada", "lambada", "mc"]
     acc, ppl, siqa = lambada_siqa
     assert acc.n == ppl.n == siqa.n == 6 and acc.n_total == 5153 and siqa.n_total == 1954
     assert acc.split == "test" and acc.comparable_with_published and ppl.higher_is_better is False
@@ -308,6 +312,7 @@ def test_local_yaml_task_runs_end_to_end(smollm2, tmp_path):
     name = f"yaml:{yml}"
     (row,) = run_suite(smollm2.model, smollm2.tokenizer, [name], limit=None, keep_items=True)
     assert (row.task, row.lm_eval_task, row.metric, row.n, row.n_total) == (name, "tiny_facts", "acc", 4, 4)
+    assert row.kind == "mc"                                  # from lm-eval's output type: multiple_choice
     assert row.task_version == "2.0" and row.split == "test" and not row.comparable_with_published
     import hashlib
     assert row.data_fingerprint == hashlib.sha256(yml.read_bytes()).hexdigest()
@@ -327,6 +332,7 @@ def test_mmlu_aggregates_every_subject(smollm2):
     """One item per subject (57 items; ~45 s on a CPU): the row is the micro average with per-subject n."""
     (row,) = run_suite(smollm2.model, smollm2.tokenizer, ["mmlu"], limit=1, keep_items=True)
     assert row.n == 57 and row.n_total == 14042 and len(row.subtasks) == 57 and row.split == "test"
+    assert row.kind == "mmlu"
     assert {s[0] for s in row.subtasks} == {f"mmlu_{m}" for m in SUITES["mmlu"].members()}
     assert all(n == 1 for _, n, _, _ in row.subtasks)
     assert row.value == pytest.approx(sum(v * n for _, n, v, _ in row.subtasks) / 57)

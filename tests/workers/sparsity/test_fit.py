@@ -9,7 +9,7 @@ import pytest
 
 from workers.sparsity.fit import ALLOCATIONS, check_allocation, fit_setting, layer_budgets
 
-UNKNOWN = "unknown allocation 'magic'; known: ['uniform', 'greedy']"
+UNKNOWN = "unknown allocation 'magic'; known: ['uniform', 'greedy', 'exchange']"
 
 
 def _ctx(n_layers=3):
@@ -17,7 +17,7 @@ def _ctx(n_layers=3):
 
 
 def test_known_allocations_and_the_error_naming_them():
-    assert ALLOCATIONS == ("uniform", "greedy")
+    assert ALLOCATIONS == ("uniform", "greedy", "exchange")
     assert check_allocation("greedy") == "greedy"
     with pytest.raises(ValueError) as e:
         check_allocation("magic")

@@ -39,3 +39,25 @@ def test_greedy_allocation_beats_uniform_at_equal_total_sparsity():
 def test_allocation_rejects_an_impossible_budget():
     with pytest.raises(ValueError, match="budget"):
         allocate({0: [0.0, 1.0]}, 0.99, (0.0, 0.05))
+
+
+def test_exchange_moves_budget_to_the_layer_that_costs_nothing(tmp_path, monkeypatch):
+    """Two layers, the second's FFN writes nothing (W_down = 0): sparsifying it costs no KL, so the in-context
+    exchange moves budget from layer 0 to layer 1 (0.5 + 0.1 + 0.05 + 0.025), keeps the mean, and measures less KL
+    than uniform."""
+    from tests.workers.tiny_model_support import loaded, tiny_model
+    from workers.loading.data import TokenSet
+    from workers.sparsity.allocation import exchange_allocation
+    from workers.sparsity.predictors.base import FitContext
+
+    monkeypatch.setenv("CTXSPARSE_HOME", str(tmp_path))
+    m = tiny_model("llama")
+    with torch.no_grad():
+        m.model.layers[1].mlp.down_proj.weight.zero_()
+    lm = loaded(m, "llama-exchange")
+    toks = TokenSet(torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0)), "random", "calib",
+                    64, 0, "fp-exchange")
+    alloc = exchange_allocation(FitContext(lm, None, [0, 1]), toks, 0.5)
+    assert alloc == pytest.approx({0: 0.325, 1: 0.675})
+    assert sum(alloc.values()) / 2 == pytest.approx(0.5)
+    assert exchange_allocation(FitContext(lm, None, [0, 1]), toks, 0.5) == alloc      # cached: same answer
