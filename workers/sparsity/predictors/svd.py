@@ -465,10 +465,6 @@ def superset_filter_threshold(act_gate_abs: torch.Tensor, keep: torch.Tensor, ta
     return f, int((a <= f).sum()) / keep.numel()
 
 
-def gated_model(ctx) -> bool:
-    return bool(ctx.lm.adapter.ffn.gated)
-
-
 # ============================================================================================================
 # fit
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -515,13 +511,13 @@ def fit_svd(ctx: FitContext, sparsity: dict[int, float], rank: int | None = None
         raise ValueError("svd: q_steps must be a positive int")
     if not 0.0 <= seq_tol < 1.0:
         raise ValueError("svd: seq_tol must be in [0, 1)")
+    gated = bool(ctx.lm.adapter.ffn.gated)
     if superset is not None:
-        if not gated_model(ctx):
+        if not gated:
             raise ValueError("svd: superset needs a gated MLP (the exact gate decides the survivors)")
         if not 0.0 <= float(superset) < 1.0:
             raise ValueError(f"svd: superset must be in [0, 1), got {superset!r}")
         mode = "sequential"
-    gated = bool(ctx.lm.adapter.ffn.gated)
     if target is None:
         target = "product" if gated else "gate"
     if target not in TARGETS:
