@@ -37,17 +37,23 @@ def damage_curves(ctx, tokens, points=DEFAULT_POINTS, grid=DEFAULT_GRID) -> dict
 
     Cached as JSON under ``$CTXSPARSE_HOME/allocation`` by (model, tokens, layers, points, grid).
     """
-    key = hashlib.sha256(json.dumps([ctx.lm.fingerprint, tokens.fingerprint, list(ctx.layers), list(points),
-                                     list(grid)]).encode()).hexdigest()[:24]
+    return _cached_per_layer([ctx.lm.fingerprint, tokens.fingerprint, list(ctx.layers), list(points), list(grid)],
+                             lambda: _measure_curves(ctx, tokens, points, grid))
+
+
+def _cached_per_layer(key_parts: list, compute):
+    """``compute()`` ({layer: value}) cached as JSON under ``$CTXSPARSE_HOME/allocation`` by the hash of
+    ``key_parts``; written atomically, read back with int layer keys."""
+    key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:24]
     path = home() / "allocation" / f"{key}.json"
     if path.exists():
         return {int(k): v for k, v in json.loads(path.read_text()).items()}
-    curves = _measure_curves(ctx, tokens, points, grid)
+    out = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(curves))
+    tmp.write_text(json.dumps(out))
     os.replace(tmp, path)
-    return curves
+    return out
 
 
 @torch.no_grad()
@@ -116,17 +122,8 @@ def exchange_allocation(ctx, tokens, budget: float, delta: float = 0.1, rounds: 
     allocation only if its measured KL is lower, and halves ``delta``. Cost: 2·L + 2 forward passes per round.
     Cached under ``$CTXSPARSE_HOME/allocation`` like the curves.
     """
-    key = hashlib.sha256(json.dumps(["exchange", ctx.lm.fingerprint, tokens.fingerprint, list(ctx.layers), budget,
-                                     delta, rounds, lo, hi]).encode()).hexdigest()[:24]
-    path = home() / "allocation" / f"{key}.json"
-    if path.exists():
-        return {int(k): v for k, v in json.loads(path.read_text()).items()}
-    alloc = _exchange(ctx, tokens, budget, delta, rounds, lo, hi)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(alloc))
-    os.replace(tmp, path)
-    return alloc
+    return _cached_per_layer(["exchange", ctx.lm.fingerprint, tokens.fingerprint, list(ctx.layers), budget, delta,
+                              rounds, lo, hi], lambda: _exchange(ctx, tokens, budget, delta, rounds, lo, hi))
 
 
 @torch.no_grad()
