@@ -26,6 +26,8 @@ from workers.names import DENSE, RUNTIME_HF, is_shape
 
 CODE_VERSION = "sweep-2"      # bump when a unit's computation changes meaning (old rows then stop matching)
 
+EVAL_BATCH_ACCELERATOR = 32   # lm-eval sequences per forward on GPUs / NPUs
+
 
 @dataclass(frozen=True)
 class PlannedUnit:
@@ -111,8 +113,11 @@ def plan_units(spec: SweepSpec, described: dict[str, dict]) -> list[PlannedUnit]
                 units.append(_unit("eval", ref, acc, {**ev, "suite": "perplexity", "perplexity": p,
                                                       "heldout_fp": d["heldout_fp"]},
                                    [fit.id], f"{ref} {tag} perplexity", **coords))
+            # accelerators score 32 sequences per forward (8 on the CPU: the key is left out there, so CPU units
+            # keep their ids); padding changes only summation order
+            task_ev = ev if acc == "cpu" else {**ev, "batch_size": EVAL_BATCH_ACCELERATOR}
             for t in ([] if shape else spec.suites.tasks):
-                units.append(_unit("eval", ref, acc, {**ev, "suite": t.name, "limit": t.limit}, [fit.id],
+                units.append(_unit("eval", ref, acc, {**task_ev, "suite": t.name, "limit": t.limit}, [fit.id],
                                    f"{ref} {tag} {t.name}", **coords))
             if spec.latency is None:
                 continue

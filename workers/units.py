@@ -174,13 +174,13 @@ class Units:
         if is_shape(cfg["model"]):   # random predictors of the real shapes are drawn by the latency unit itself
             return UnitOutput(summary={"random_predictors": cfg["method"] != DENSE})
         lm, calib, held = self._caches(cfg)
-        ctx = FitContext(lm, calib, list(range(lm.dims.n_layers)), seed=cfg.get("seed", 0))
+        ctx = FitContext(lm, calib, list(range(lm.dims.n_layers)), seed=cfg.get("seed", 0), device=self.device)
         method, s, rank, attn = cfg["method"], cfg["sparsity"], cfg.get("rank"), cfg.get("attn_sparsity")
         t0 = time.time()
         dest = bundle_dir(unit_id)
         cached = self._cached_bundle(dest, lm)
         if cached is not None:     # the same unit (same id: same config and code) was fitted before: reuse it
-            plan = cached.plan(lm.model)
+            plan = cached.plan(lm.model, device="cpu")     # scored on the cached activations (CPU) below
             per_layer = {int(k): v for k, v in cached.manifest["per_layer_sparsity"].items()}
         else:
             fitted = F.fit_setting(ctx, method, s, rank, attn, allocation, cfg.get("options"))
@@ -265,7 +265,8 @@ class Units:
                 ]
                 out.summary = {"ppl": round(r.ppl, 3), "mlp_sparsity": round(applied.stats.mlp_sparsity(), 3)}
             else:
-                rows = run_suite(lm.model, lm.tokenizer, [cfg["suite"]], cfg.get("limit"))
+                rows = run_suite(lm.model, lm.tokenizer, [cfg["suite"]], cfg.get("limit"),
+                                 batch_size=cfg.get("batch_size", 8))
                 out.accuracy += task_rows(rows)
                 out.summary = {r.metric: round(r.value, 3) for r in rows}
         return out

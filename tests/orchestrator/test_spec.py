@@ -11,7 +11,7 @@ from orchestrator.plan import plan_units, settings
 from orchestrator.spec import SpecError, load_spec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = [ROOT / "orchestrator" / "sweeps" / "demo.yaml", ROOT / "k8s" / "sweep.example.yaml"]
+SHIPPED = sorted((ROOT / "orchestrator" / "sweeps").glob("*.yaml")) + [ROOT / "k8s" / "sweep.example.yaml"]
 GOOD = {"name": "ok", "models": ["smollm2-135m"], "methods": [{"name": "svd", "sparsity": [0.5], "rank": [64]}]}
 
 

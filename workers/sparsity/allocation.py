@@ -62,11 +62,12 @@ def _measure_curves(ctx, tokens, points, grid) -> dict[int, list[float]]:
     from workers.sparsity.sparse_exec import apply_sparsity
 
     model, act = ctx.lm.model, ctx.act_name()
-    ids = tokens.windows.to(next(model.parameters()).device)
+    dev = next(model.parameters()).device
+    ids = tokens.windows.to(dev)
     dense = F.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)
     curves = {}
     for l in ctx.layers:
-        w = ctx.ffn_weights(l)
+        w = {k: v.to(dev) for k, v in ctx.ffn_weights(l).items()}      # the oracle runs inside the model
         measured = [0.0]
         for s in points:
             plan = SparsityPlan(mlp={l: OracleMLP(w, act, k_for(s, ctx.lm.dims.D))})
@@ -132,9 +133,10 @@ def _exchange(ctx, tokens, budget, delta, rounds, lo, hi) -> dict[int, float]:
     from workers.sparsity.sparse_exec import apply_sparsity
 
     model, act, D = ctx.lm.model, ctx.act_name(), ctx.lm.dims.D
-    ids = tokens.windows.to(next(model.parameters()).device)
+    dev = next(model.parameters()).device
+    ids = tokens.windows.to(dev)
     dense = F.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)
-    weights = {l: ctx.ffn_weights(l) for l in ctx.layers}
+    weights = {l: {k: v.to(dev) for k, v in ctx.ffn_weights(l).items()} for l in ctx.layers}
 
     def kl(alloc: dict[int, float]) -> float:
         plan = SparsityPlan(mlp={l: OracleMLP(weights[l], act, k_for(s, D)) for l, s in alloc.items() if s > 0})

@@ -55,13 +55,15 @@ class Bundle:
     def fingerprint(self) -> str:
         return self.manifest["model"]["fingerprint"]
 
-    def plan(self, model: torch.nn.Module):
-        """The SparsityPlan, rebuilt onto ``model``'s own FFN weights (for methods that read them)."""
+    def plan(self, model: torch.nn.Module, device: str | torch.device | None = None):
+        """The SparsityPlan, rebuilt onto ``model``'s own FFN weights (for methods that read them), every predictor
+        on ``device`` (default: the model's; fitting code that scores cached activations asks for the CPU)."""
         from workers.loading.adapters import adapter_for
         from workers.sparsity.predictors.base import SparsityPlan
 
         ad = adapter_for(model)
         layers = ad.decoder_layers(model)
+        device = torch.device(device) if device is not None else next(model.parameters()).device
         p = self.manifest["plan"]
         classes = _predictor_classes()
         try:   # input thresholds are plain numbers: they live in the (digested) manifest
@@ -86,9 +88,9 @@ class Bundle:
                     raise BundleError(f"{self.path}: no {comp} predictor class for method {cfg.get('method')!r}")
                 prefix = f"{comp}.{layer}."
                 tensors = {k[len(prefix):]: v for k, v in self.tensors.items() if k.startswith(prefix)}
-                weights = {k: v.float() for k, v in ad.ffn_weights(layers[layer]).items()}
+                weights = {k: v.detach().to(device, torch.float32) for k, v in ad.ffn_weights(layers[layer]).items()}
                 try:
-                    target[layer] = cls.from_parts(cfg, tensors, weights)
+                    target[layer] = cls.from_parts(cfg, tensors, weights).to(device)
                 except (KeyError, RuntimeError, ValueError) as e:
                     raise BundleError(f"{self.path}: {comp} layer {layer}: cannot rebuild the predictor ({e})") \
                         from None

@@ -14,6 +14,9 @@ Modes:
   ``kernel``  ``kernels.ops.input_sparse_linear(x, Wᵀ, t)`` on a contiguous Wᵀ (each input's column of W
               is one contiguous row): the path that skips the work. WINA's per-column score is folded in
               exactly: x' = x ⊙ n, W'ᵀ = diag(1/n) Wᵀ, so |x'_i| > t is the WINA rule and x' W'ᵀ = x Wᵀ.
+              The kernel is a decode kernel (at most ``kernels.common.MAX_BATCH`` tokens, whose union of kept
+              inputs it reads); a call with more tokens (prefill, an evaluation window, where every token keeps
+              its own inputs and the union covers nearly all of W) runs the masked product instead.
 The realized input sparsity of every projection is counted in :class:`InputStats`.
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kernels.common import MAX_BATCH
 from workers.loading.adapters import adapter_for, get_path, linear_weight, set_path
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down", "qkv")
@@ -119,8 +123,8 @@ class InputSparseLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         keep = input_score(x2, self.scale) > self.threshold
         self._stats.add(self.layer, self.proj, keep.numel(), int(keep.sum()))
-        if self.mode == "masked":
-            return self.orig(x * keep.reshape(shape))
+        if self.mode == "masked" or x2.shape[0] > MAX_BATCH:
+            return self.orig(x * keep.reshape(shape).to(x.dtype))
         from kernels import ops, reference
 
         fn = getattr(ops, "input_sparse_linear", None) or reference.input_sparse_linear

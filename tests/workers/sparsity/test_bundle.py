@@ -83,6 +83,31 @@ def test_every_stored_predictor_kind_round_trips(tmp_path):
         assert torch.equal(back.mlp[0].mask(x), pred.mask(x))
 
 
+def _tensors_of(pred) -> list[torch.Tensor]:
+    """Every tensor a predictor computes with: parameters, buffers and plain tensor attributes (the oracle's
+    references to the layer's weights)."""
+    return [*pred.parameters(), *pred.buffers(), *(v for v in vars(pred).values() if isinstance(v, torch.Tensor))]
+
+
+def test_the_plan_lands_on_the_asked_device_for_every_predictor_kind(bundle, tmp_path):
+    """A GPU actor rebuilds bundles for its model's device, and the fit's quality pass for the CPU: every tensor of
+    every predictor must be where it was asked (``meta`` stands in for another device here)."""
+    model, _, path = bundle
+    _, extra = _plan(model)
+    paths = [path] + [save_bundle(SparsityPlan(mlp={0: p}), _lm(model), tmp_path / n, method=n, sparsity=0.5)
+                      for n, p in extra.items()]
+    kinds = set()
+    for p in paths:
+        plan = load_bundle(p).plan(model, device="meta")
+        for pred in [*plan.mlp.values(), *plan.attn.values()]:
+            kinds.add(type(pred).__name__)
+            ts = _tensors_of(pred)
+            assert ts and all(t.device.type == "meta" for t in ts), type(pred).__name__
+        for pred in load_bundle(p).plan(model).mlp.values():       # default: the model's device
+            assert all(t.device.type == "cpu" for t in _tensors_of(pred))
+    assert kinds == {"OracleMLP", "SVDPredictor", "DejaVuHeadPredictor", "StaticMLP", "DejaVuMLPPredictor"}
+
+
 def test_bundle_for_another_model_is_refused(bundle):
     _, _, path = bundle
     other = tiny_model("llama", seed=1)

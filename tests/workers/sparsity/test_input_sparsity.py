@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.common import MAX_BATCH
 from tests.workers.tiny_model_support import tiny_model
 from workers.loading.adapters import adapter_for, linear_weight
 from workers.loading.data import TokenSet
@@ -299,6 +300,12 @@ def test_kernel_mode_module_matches_the_reference_op_and_counts_what_it_drops():
         torch.testing.assert_close(mod(x), F.linear(x * (x.abs() > 0.5), lin.weight, lin.bias))
     assert st.seen[(0, "q")] == [80, int((x.abs() > 0.5).sum())]
     assert st.skipped_numel() == pytest.approx(st.sparsity() * 128)
+    # more tokens than a decode kernel takes (an evaluation window): the masked product, same numbers and counts
+    kept = st.seen[(0, "q")][1]
+    x = torch.randn(MAX_BATCH + 12, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(mod(x), F.linear(x * (x.abs() > 0.5), lin.weight, lin.bias))
+    assert st.seen[(0, "q")] == [80 + x.numel(), kept + int((x.abs() > 0.5).sum())]
 
 
 def test_everything_skipped_is_all_decoder_weights():

@@ -137,7 +137,11 @@ class SparsityPlan:
 
 @dataclass
 class FitContext:
-    """What a method fits from: the model (weights, adapter, dims) and the calibration activations."""
+    """What a method fits from: the model (weights, adapter, dims) and the calibration activations.
+
+    Fitting computes on the CPU, where the activation cache is read (the weights are copied there whatever the
+    model's device); ``device`` is where iterative training runs (Deja Vu's predictors: a GPU actor trains on
+    its GPU), its results coming back to the CPU."""
     lm: object                    # workers.loading.models.LoadedModel
     cache: object                 # workers.sparsity.capture.ActivationCache
     layers: list[int]
@@ -145,11 +149,11 @@ class FitContext:
     device: str = "cpu"
 
     def ffn_weights(self, layer: int) -> dict[str, torch.Tensor]:
-        """``gate`` (absent for non-gated), ``up`` [D, d], ``down`` [d, D] as float32 nn.Linear-layout tensors,
-        plus ``b_up`` / ``b_down`` where the projections have biases (OPT, GPT-2)."""
+        """``gate`` (absent for non-gated), ``up`` [D, d], ``down`` [d, D] as float32 nn.Linear-layout tensors
+        on the CPU, plus ``b_up`` / ``b_down`` where the projections have biases (OPT, GPT-2)."""
         ad = self.lm.adapter
         layer_module = ad.decoder_layers(self.lm.model)[layer]
-        return {k: v.float() for k, v in ad.ffn_weights(layer_module).items()}
+        return {k: v.detach().to("cpu", torch.float32) for k, v in ad.ffn_weights(layer_module).items()}
 
     def act_name(self) -> str:
         return self.lm.adapter.act_name(self.lm.model.config)
@@ -157,7 +161,8 @@ class FitContext:
     def ffn_out_gain(self, layer: int) -> torch.Tensor | None:
         """The gain of the norm on the FFN's output (Gemma-3), None where the output goes straight to the residual."""
         ad = self.lm.adapter
-        return ad.ffn_out_gain(ad.decoder_layers(self.lm.model)[layer])
+        g = ad.ffn_out_gain(ad.decoder_layers(self.lm.model)[layer])
+        return None if g is None else g.detach().to("cpu", torch.float32)
 
     def inputs(self, layer: int, input_kind: str, max_tokens: int | None = None) -> torch.Tensor:
         """The predictor input for ``layer`` from the calibration cache, [N, d] float32."""
