@@ -1,4 +1,5 @@
-"""``python -m db upgrade [URL]`` / ``python -m db current [URL]``.
+"""``python -m db upgrade [URL]`` / ``python -m db current [URL]``; a sweep's rows as JSON lines:
+``python -m db export SWEEP FILE [URL]`` and ``python -m db load FILE [URL]`` (see ``db.resultset``).
 
 URL defaults to ``$CTXSPARSE_DB_URL``, else the SQLite file under ``$CTXSPARSE_HOME``.
 Exit status 0 on success, 1 with a one-line message on stderr otherwise.
@@ -26,12 +27,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m db", description="ctxsparse SQL store migrations")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in (("upgrade", "migrate the database to the newest schema"),
-                        ("current", "print the database's schema revision")):
+                        ("current", "print the database's schema revision"),
+                        ("export", "write one sweep's rows (units, results, models) as JSON lines"),
+                        ("load", "insert a result-set file's rows that the store lacks (migrates it first)")):
         p = sub.add_parser(name, help=help_)
+        if name == "export":
+            p.add_argument("sweep", help="sweep name (the newest of that name) or id")
+            p.add_argument("file", help="the .jsonl file to write")
+        elif name == "load":
+            p.add_argument("file", help="a .jsonl file written by export")
         p.add_argument("url", nargs="?", default=None,
                        help="SQLAlchemy URL (default: $CTXSPARSE_DB_URL or the SQLite file under $CTXSPARSE_HOME)")
     args = parser.parse_args(argv)
     url = args.url or default_url()
+    if args.command in ("export", "load"):
+        return _resultset(args, url)
     try:
         if args.command == "upgrade":
             upgrade(url)
@@ -45,6 +55,33 @@ def main(argv: list[str] | None = None) -> int:
         action = "upgrade" if args.command == "upgrade" else "read the revision of"
         print(f"error: cannot {action} database {_safe(url)}: {type(exc).__name__}: {reason}",
               file=sys.stderr)
+        return 1
+    return 0
+
+
+def _resultset(args, url: str) -> int:
+    from db.engine import get_engine, session_scope
+    from db.resultset import ResultSetError, export_sweep, load_records, read_jsonl, write_jsonl
+
+    try:
+        if args.command == "export":
+            if current_revision(url) is None:
+                raise ResultSetError("the store is empty (no schema)")
+            engine = get_engine(url, read_only=True)
+            with session_scope(engine) as s:
+                sweep = int(args.sweep) if args.sweep.isdigit() else args.sweep
+                n = write_jsonl(export_sweep(s, sweep, current_revision(url)), args.file)
+            print(f"{args.file}: {n - 1} rows of sweep {args.sweep} from {_safe(url)}")
+        else:
+            records = read_jsonl(args.file)
+            upgrade(url)
+            with session_scope(get_engine(url)) as s:
+                added = load_records(s, records, args.file)
+            print(f"{_safe(url)}: loaded {args.file}: " +
+                  ", ".join(f"{n} {t}" for t, n in added.items()) + " new")
+    except (ResultSetError, SQLAlchemyError, ValueError, OSError) as exc:
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        print(f"error: cannot {args.command} {args.file} ({_safe(url)}): {reason}", file=sys.stderr)
         return 1
     return 0
 

@@ -68,17 +68,27 @@ def input_score(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
 
 @dataclass
 class InputStats:
-    """Per (layer, projection): weight elements, and (token, input) entries seen / kept."""
+    """Per (layer, projection): weight elements, and (token, input) entries seen / kept.
+
+    ``add`` takes the kept count as a number or as a tensor on the model's device; tensors are summed there and
+    read back only when ``seen`` is read (one copy per projection then, not one host sync per forward)."""
     numel: dict[tuple[int, str], int] = field(default_factory=dict)   # every projection of the model
-    seen: dict[tuple[int, str], list[int]] = field(default_factory=dict)
+    _seen: dict[tuple[int, str], list] = field(default_factory=dict)
+
+    @property
+    def seen(self) -> dict[tuple[int, str], list[int]]:
+        for v in self._seen.values():
+            if isinstance(v[1], torch.Tensor):
+                v[1] = int(v[1])
+        return self._seen
 
     def reset(self) -> None:
-        self.seen.clear()
+        self._seen.clear()
 
-    def add(self, layer: int, proj: str, n: int, kept: int) -> None:
-        s = self.seen.setdefault((layer, proj), [0, 0])
+    def add(self, layer: int, proj: str, n: int, kept: "int | torch.Tensor") -> None:
+        s = self._seen.setdefault((layer, proj), [0, 0])
         s[0] += n
-        s[1] += kept
+        s[1] = s[1] + kept
 
     def sparsity(self, proj: str | None = None, layer: int | None = None) -> float:
         """Realized fraction of (token, input) entries dropped, over the swapped projections selected."""
@@ -122,7 +132,7 @@ class InputSparseLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         keep = input_score(x2, self.scale) > self.threshold
-        self._stats.add(self.layer, self.proj, keep.numel(), int(keep.sum()))
+        self._stats.add(self.layer, self.proj, keep.numel(), keep.sum())      # counted on the device
         if self.mode == "masked" or x2.shape[0] > MAX_BATCH:
             return self.orig(x * keep.reshape(shape).to(x.dtype))
         from kernels import ops, reference

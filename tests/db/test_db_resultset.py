@@ -1,0 +1,118 @@
+"""Result sets: a sweep's rows exported as JSON lines load into another store (SQLite or PostgreSQL) with the same
+results, loading twice adds nothing, and a bad file writes nothing and names its line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlalchemy import func, select
+
+from db import queries as q
+from db.__main__ import main as db_main
+from db.engine import get_engine, session_scope, upgrade
+from db.models import AccuracyResult, LatencyResult, LayerMetric, Sweep, WorkUnit
+from db.resultset import FORMAT, ResultSetError, export_sweep, load_records, read_jsonl, write_jsonl
+from tests.db.db_support import N_ACC, N_LAT, N_LAYER, finish_all, seed, uid
+
+
+def _source(tmp_path, n_done=3, n_units=4):
+    """A SQLite store with two sweeps: 'a' (n_units units, the first n_done finished) and 'b' (one other unit)."""
+    url = f"sqlite:///{tmp_path / 'source.db'}"
+    eng = get_engine(url)
+    upgrade(eng)
+    seed(eng, n_units, sweep="sweep-a")
+    finish_all(eng, list(range(n_done)))
+    with session_scope(eng) as s:
+        other = q.upsert_model(s, name="other", fingerprint="fp-other", family="qwen2")
+        sid, _ = q.get_or_create_sweep(s, name="sweep-b", spec_hash="b" * 64, spec={"name": "sweep-b"})
+        from tests.db.db_support import unit_spec
+        q.register_units(s, sid, [unit_spec(99, other)])
+    return url, eng
+
+
+def _table_counts(eng) -> dict[str, int]:
+    with session_scope(eng) as s:
+        return {t.__tablename__: s.scalar(select(func.count()).select_from(t))
+                for t in (WorkUnit, AccuracyResult, LatencyResult, LayerMetric, Sweep)}
+
+
+def test_round_trip_into_another_store_gives_the_same_rows(tmp_path, db_url):
+    src_url, src = _source(tmp_path)
+    with session_scope(src) as s:
+        n = write_jsonl(export_sweep(s, "sweep-a", "rev"), tmp_path / "a.jsonl")
+    # header + model + sweep + 4 units + 4 memberships + the finished units' rows; nothing of sweep-b
+    assert n == 1 + 1 + 1 + 4 + 4 + 3 * (N_ACC + N_LAT + N_LAYER)
+    lines = [json.loads(x) for x in (tmp_path / "a.jsonl").read_text().splitlines()]
+    assert lines[0]["format"] == FORMAT and lines[0]["sweep"] == "sweep-a"
+    assert all(r["row"].get("fingerprint") != "fp-other" for r in lines[1:])
+
+    dst = get_engine(db_url)
+    upgrade(dst)
+    with session_scope(dst) as s:       # the target already has a model (other ids): keys are remapped
+        q.upsert_model(s, name="first", fingerprint="fp-first")
+    with session_scope(dst) as s:
+        added = load_records(s, read_jsonl(tmp_path / "a.jsonl"))
+    assert added == {"models": 1, "datasets": 0, "sweeps": 1, "work_units": 4, "sweep_units": 4,
+                     "accuracy_results": 3 * N_ACC, "latency_results": 3 * N_LAT, "layer_metrics": 3 * N_LAYER}
+    with session_scope(dst) as s, session_scope(src) as s0:
+        for i in range(4):
+            a, b = q.get_unit(s, uid(i)), q.get_unit(s0, uid(i))
+            assert (a.status, a.worker, a.config, a.duration_s) == (b.status, b.worker, b.config, b.duration_s)
+        vals = sorted(s.execute(select(AccuracyResult.unit_id, AccuracyResult.task, AccuracyResult.value,
+                                       AccuracyResult.higher_is_better)).all())
+        vals0 = sorted(s0.execute(select(AccuracyResult.unit_id, AccuracyResult.task, AccuracyResult.value,
+                                         AccuracyResult.higher_is_better)).all())
+        assert vals == vals0 and len(vals) == 3 * N_ACC
+        sw = s.scalars(select(Sweep).where(Sweep.name == "sweep-a")).one()
+        assert (sw.n_units_total, sw.n_units_done) == (4, 3)
+    before = _table_counts(dst)
+    with session_scope(dst) as s:       # loading again adds nothing
+        again = load_records(s, read_jsonl(tmp_path / "a.jsonl"))
+    assert set(again.values()) == {0} and _table_counts(dst) == before
+    dst.dispose()
+    src.dispose()
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.mark.parametrize("break_it, match", [
+    (lambda recs: [{"format": "something-else"}] + recs[1:], "not a ctxsparse result set"),
+    (lambda recs: recs[:3] + [{"table": "nonsense", "row": {}}] + recs[3:], r":4: expected"),
+    (lambda recs: [recs[0]] + [r for r in recs[1:] if r["table"] != "models"], "does not carry"),
+    (lambda recs: recs[:-1] + [recs[2]], r"sweeps row after"),
+    (lambda recs: recs[:4] + [{**recs[4], "row": {**recs[4]["row"], "colour": "red"}}] + recs[5:],
+     r"no column\(s\) \['colour'\]"),
+])
+def test_a_bad_file_writes_nothing_and_names_the_line(tmp_path, break_it, match):
+    _, src = _source(tmp_path)
+    with session_scope(src) as s:
+        recs = list(export_sweep(s, "sweep-a"))
+    src.dispose()
+    _write(tmp_path / "bad.jsonl", break_it(recs))
+    dst = get_engine(f"sqlite:///{tmp_path / 'dst.db'}")
+    upgrade(dst)
+    before = _table_counts(dst)
+    with pytest.raises(ResultSetError, match=match):
+        with session_scope(dst) as s:
+            load_records(s, read_jsonl(tmp_path / "bad.jsonl"), "bad.jsonl")
+    assert _table_counts(dst) == before
+    dst.dispose()
+
+
+def test_cli_export_load_and_errors(tmp_path, capsys):
+    src_url, src = _source(tmp_path)
+    src.dispose()
+    out, dst = tmp_path / "a.jsonl", f"sqlite:///{tmp_path / 'cli.db'}"
+    assert db_main(["export", "sweep-a", str(out), src_url]) == 0
+    assert db_main(["load", str(out), dst]) == 0
+    assert "4 work_units" in capsys.readouterr().out
+    assert db_main(["export", "no-such-sweep", str(tmp_path / "x.jsonl"), src_url]) == 1
+    err = capsys.readouterr().err
+    assert "no sweep 'no-such-sweep'" in err and "sweep-a" in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "junk.jsonl").write_text('{"format": "ctxsparse-resultset-1"}\nnot json\n')
+    assert db_main(["load", str(tmp_path / "junk.jsonl"), dst]) == 1
+    assert "junk.jsonl:2: not JSON" in capsys.readouterr().err
+    assert db_main(["load", str(tmp_path / "missing.jsonl"), dst]) == 1
+    assert "missing.jsonl" in capsys.readouterr().err
