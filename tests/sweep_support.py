@@ -1,12 +1,18 @@
 """A real, small sweep on SmolLM2 (shared by the orchestrator and dashboard tests).
 
-``TINY_SPEC`` is kept small enough for the 2-core CI (a few minutes with warm model caches): two sparsity
-methods plus dense, perplexity on 512 held-out tokens and 8 COPA items, CPU latency of 4 decode tokens.
+``TINY_SPEC`` is kept small enough for the 2-core CI: two sparsity methods plus dense, calibration on one window
+of 256 tokens, perplexity on one 256-token held-out window and 4 COPA items, CPU latency of 4 decode tokens.
+Most of a tiny sweep's time on a 2-core CPU is its actors starting (each imports torch and transformers and loads
+the model: ~10 s), not its units; so the default test suite runs one sweep (``SHARED_*`` below, the session
+fixture ``tiny_sweep`` in tests/conftest.py) and every test that only reads a sweep's store reads that one.
 """
 from __future__ import annotations
 
 import copy
 import os
+import sqlite3
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 SHARED_CACHES = ("activations", "allocation")
@@ -14,18 +20,36 @@ SHARED_CACHES = ("activations", "allocation")
 TINY_SPEC = {
     "name": "tiny-test",
     "models": ["smollm2-135m"],
-    "data": {"calib_tokens": 1024, "metric_tokens": 512, "seq_len": 256},
+    "data": {"calib_tokens": 256, "metric_tokens": 256, "seq_len": 256},
     "methods": [
         {"name": "oracle", "sparsity": [0.5]},
         {"name": "threshold", "sparsity": [0.5]},
     ],
-    "suites": {"perplexity": {"tokens": 512, "seq_len": 256}, "tasks": [{"name": "copa", "limit": 8}]},
+    "suites": {"perplexity": {"tokens": 256, "seq_len": 256}, "tasks": [{"name": "copa", "limit": 4}]},
     "latency": {"devices": ["cpu"], "batch": [1], "prompt_len": [16], "gen_len": 4, "repeats": 1},
     "resources": {"fitters": 1, "evaluators": 1, "benchers": 1, "torch_threads": 1},
 }
 
 # the accuracy rows of one perplexity eval unit (workers.units.Units.evaluate)
 PERPLEXITY_METRICS = ("ppl", "nll", "mlp_sparsity", "head_sparsity", "input_sparsity", "weight_skipped")
+
+# The session's shared sweep: TINY_SPEC's ``threshold`` (fitted on calibration data: a real fit; ``oracle`` would
+# add two eval units and a latency unit to the evaluator's serial path, ~10 s) plus a setting whose fit raises
+# (``threshold`` given an option it does not take), latency asked for on ``cpu`` and on ``cuda`` (which the CPU test
+# cluster lacks), and half a CPU per actor (the 2-CPU test cluster then holds collector, fitter, evaluator and
+# bencher at once). One run gives:
+# every unit done with its rows exactly once, the failing fit recorded with its error and its dependants failed
+# with the reason, and the cuda latency units left pending (no cuda rows invented). Latency is not timed alone
+# (``exclusive: false``): the bencher starts while the evaluator works, which takes ~30 s off the sweep on 2
+# cores; no test here reads the timings' values.
+FAILING_METHOD = {"name": "threshold", "sparsity": [0.5], "options": {"no_such_option": 1}}
+SHARED_METHOD = {"name": "threshold", "sparsity": [0.5]}
+assert SHARED_METHOD in TINY_SPEC["methods"]
+SHARED_OVERRIDES = {
+    "methods": [SHARED_METHOD, FAILING_METHOD],
+    "latency": {**TINY_SPEC["latency"], "devices": ["cpu", "cuda"], "exclusive": False},
+    "resources": {**TINY_SPEC["resources"], "cpus_per_actor": 0.5},
+}
 
 
 def tiny_spec(**overrides):
@@ -54,3 +78,120 @@ def private_home(root: Path) -> Path:
         (real / name).mkdir(parents=True, exist_ok=True)
         (home / name).symlink_to(real / name, target_is_directory=True)
     return home
+
+
+@contextmanager
+def home_set_to(home: Path):
+    """``CTXSPARSE_HOME`` is ``home`` inside (the sweep driver hands it to every actor), restored after."""
+    old = os.environ.get("CTXSPARSE_HOME")
+    os.environ["CTXSPARSE_HOME"] = str(home)
+    try:
+        yield home
+    finally:
+        if old is None:
+            os.environ.pop("CTXSPARSE_HOME", None)
+        else:
+            os.environ["CTXSPARSE_HOME"] = old
+
+
+def copy_sqlite(src: Path, dst: Path) -> None:
+    a, b = sqlite3.connect(src), sqlite3.connect(dst)
+    try:
+        a.backup(b)
+    finally:
+        b.close()
+        a.close()
+
+
+def copy_store(url: str, dst: Path) -> str:
+    """A copy of the SQLite store at ``url`` in ``dst``: for tests that add sweeps, so the shared one stays as
+    the other tests expect it."""
+    copy_sqlite(Path(url.removeprefix("sqlite:///")), dst)
+    return f"sqlite:///{dst}"
+
+
+@dataclass(frozen=True)
+class TinySweep:
+    url: str             # SQLAlchemy URL of the store (SQLite) holding this one sweep
+    outcome: object      # orchestrator.driver.SweepOutcome
+    home: Path           # CTXSPARSE_HOME of the sweep (its bundles)
+    seconds: float
+
+
+class SharedSweep:
+    """The session's one tiny sweep (``SHARED_OVERRIDES``), run by a driver process of its own on the session's
+    Ray cluster (``python -m tests.sweep_support ADDRESS URL``) while other tests run: on 2 cores most of a tiny
+    sweep is single-threaded (an actor starting, one unit at a time), so the rest of the suite fills the other
+    core. Its store is fresh, under ``root``; its CTXSPARSE_HOME is its own (a test may damage one of its bundle
+    files, then restores it), given in the driver's environment, never by changing this process's. The driver's
+    log (the sweep's progress, any traceback) is ``root / "driver.log"``."""
+
+    def __init__(self, root: Path, address: str):
+        import subprocess
+        import sys
+        import time
+
+        self.root, self.home = root, private_home(root)
+        self.url = f"sqlite:///{root / 'store.db'}"
+        self.log = root / "driver.log"
+        env = {**os.environ, "CTXSPARSE_HOME": str(self.home), "PYTHONPATH": str(REPO)}
+        self.t0 = time.time()
+        with self.log.open("w") as f:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.sweep_support", address, self.url], cwd=REPO,
+                                         env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self._result: TinySweep | None = None
+
+    def result(self, timeout: float) -> TinySweep:
+        """Wait for the sweep (at most ``timeout`` s); its outcome, or RuntimeError with the driver's log tail."""
+        import json
+        import subprocess
+        import time
+
+        from orchestrator.driver import SweepOutcome
+
+        if self._result is None:
+            try:
+                rc = self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.stop()
+                raise RuntimeError(f"the shared tiny sweep did not finish in {timeout:.0f} s; "
+                                   f"log {self.log}:\n{self._tail()}") from None
+            lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.startswith(OUTCOME)]
+            if rc != 0 or len(lines) != 1:
+                raise RuntimeError(f"the shared tiny sweep's driver exited with {rc}; log {self.log}:\n{self._tail()}")
+            outcome = SweepOutcome(**json.loads(lines[0][len(OUTCOME):]))
+            self._result = TinySweep(self.url, outcome, self.home, time.time() - self.t0)
+        return self._result
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=60)
+
+    def _tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+
+REPO = Path(__file__).resolve().parents[1]
+OUTCOME = "SHARED-SWEEP-OUTCOME "
+
+
+def _drive(address: str, url: str) -> None:
+    """The shared sweep's driver process: join the session's Ray cluster, run the sweep, print its outcome."""
+    import json
+    import logging
+    from dataclasses import asdict
+
+    import ray
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    ray.init(address=address, log_to_driver=False, configure_logging=False)
+    outcome = run_tiny_sweep(url, **SHARED_OVERRIDES)
+    print(OUTCOME + json.dumps(asdict(outcome)), flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _drive(*sys.argv[1:3])

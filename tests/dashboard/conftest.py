@@ -1,6 +1,8 @@
-"""Databases for the dashboard tests, filled by real tiny sweeps (tests/sweep_support.py), once per session.
+"""Stores for the dashboard tests, filled by real tiny sweeps (tests/sweep_support.py).
 
-``sweep_dbs`` runs the tiny SmolLM2 sweep twice through the Ray driver:
+Most tests read the session's one shared sweep (``tiny_sweep``, tests/conftest.py): one sweep with latency rows, a
+failed fit and its failed dependants, and cuda units left pending. The slow and browser tests also use
+``sweep_dbs``, which runs the tiny SmolLM2 sweep twice more through the Ray driver (minutes on 2 cores):
   1. with ``latency=None`` into ``nolat.db``: a model with accuracy rows and no latency rows;
   2. into a copy of that database, with latency on and one more setting whose fit must fail (``threshold`` given
      an option it does not take): ``full.db``. Fit and eval units of the first sweep are found done and reused,
@@ -12,14 +14,12 @@ files are this session's own (a test may damage one to check the sha256 guard, t
 """
 from __future__ import annotations
 
-import os
-import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.sweep_support import TINY_SPEC, private_home, run_tiny_sweep
+from tests.sweep_support import FAILING_METHOD, TINY_SPEC, copy_sqlite, home_set_to, private_home, run_tiny_sweep
 
 APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py")
 
@@ -32,36 +32,17 @@ class SweepDBs:
     outcomes: tuple
 
 
-
-
-def _copy_sqlite(src: Path, dst: Path) -> None:
-    a, b = sqlite3.connect(src), sqlite3.connect(dst)
-    try:
-        a.backup(b)
-    finally:
-        b.close()
-        a.close()
-
-
 @pytest.fixture(scope="session")
 def sweep_dbs(ray_local, tmp_path_factory) -> SweepDBs:
     root = tmp_path_factory.mktemp("dashboard")
     home = private_home(root)
     nolat, full = root / "nolat.db", root / "full.db"
-    old = os.environ.get("CTXSPARSE_HOME")
-    os.environ["CTXSPARSE_HOME"] = str(home)
-    try:
+    with home_set_to(home):
         first = run_tiny_sweep(f"sqlite:///{nolat}", latency=None)
-        _copy_sqlite(nolat, full)
-        methods = TINY_SPEC["methods"] + [{"name": "threshold", "sparsity": [0.5],
-                                           "options": {"no_such_option": 1}}]
+        copy_sqlite(nolat, full)
+        methods = TINY_SPEC["methods"] + [FAILING_METHOD]
         resources = {**TINY_SPEC["resources"], "cpus_per_actor": 0.5}
         second = run_tiny_sweep(f"sqlite:///{full}", methods=methods, resources=resources)
-    finally:
-        if old is None:
-            os.environ.pop("CTXSPARSE_HOME", None)
-        else:
-            os.environ["CTXSPARSE_HOME"] = old
     return SweepDBs(f"sqlite:///{full}", f"sqlite:///{nolat}", home, (first, second))
 
 

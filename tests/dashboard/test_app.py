@@ -1,4 +1,5 @@
-"""AppTest checks of every page against stores filled by real tiny sweeps (see conftest.py)."""
+"""AppTest checks of every page against stores filled by real tiny sweeps (see conftest.py): the session's shared
+sweep by default; the two-sweep and no-latency stores (``sweep_dbs``, two more sweeps) in the slow tests."""
 from __future__ import annotations
 
 import hashlib
@@ -48,7 +49,8 @@ def _model_id(url: str) -> int:
 
 
 def _fit_unit(url: str, method: str) -> str:
-    return next(s.fit_unit for s in data.settings(url, _model_id(url)) if s.method == method)
+    """The fit unit of the (done) setting of ``method``: the stores also hold a failed ``threshold`` fit."""
+    return next(s.fit_unit for s in data.settings(url, _model_id(url)) if s.method == method and s.status == "done")
 
 
 # ---------------------------------------------------------------- empty and missing stores
@@ -68,20 +70,48 @@ def test_missing_store(app, tmp_path):
     assert not (tmp_path / "nothing-here.db").exists()     # read-only: never created
 
 
-def test_engine_is_read_only(sweep_dbs):
+def test_engine_is_read_only(tiny_sweep):
     from sqlalchemy import text
 
     from db.engine import ReadOnlyDatabaseError
 
     with pytest.raises(ReadOnlyDatabaseError):
-        with data._engine(sweep_dbs.full).begin() as conn:
+        with data._engine(tiny_sweep.url).begin() as conn:
             conn.execute(text("DELETE FROM models"))
 
 
 # ---------------------------------------------------------------- overview
 
 
-def test_overview(app, sweep_dbs):
+def _check_failures(at, failures) -> None:
+    """The failed fit with its real error, and the units that depended on it, shown with their errors."""
+    assert sorted(f.kind for f in failures) == ["eval", "eval", "fit", "latency"]
+    fit = next(f for f in failures if f.kind == "fit")
+    assert "unknown options ['no_such_option']" in fit.error and "threshold" in fit.what
+    assert all("depends on failed" in f.error for f in failures if f is not fit)
+    assert "Failures" in _texts(at.subheader)
+    code = _texts(at.code)
+    assert all(f.error.strip() in code for f in failures)
+    assert any("unknown options" in e.label for e in at.expander)
+
+
+def test_overview(app, tiny_sweep):
+    url, out = tiny_sweep.url, tiny_sweep.outcome
+    at = _page(app(url), PAGES[0])
+    models, sweeps = at.dataframe[0].value, at.dataframe[1].value
+    assert list(models["model"]) == ["smollm2-135m"]
+    assert int(models["settings"][0]) == 3                      # dense, threshold, the failed fit
+    assert len(sweeps) == 1 and list(sweeps["name"]) == ["tiny-test"]
+    (row,) = data.sweeps(url)
+    r = sweeps.iloc[0]
+    assert (r["done"], r["failed"], r["total"]) == (row.done, row.failed, row.total) == (out.done, 4, out.total)
+    assert r["status"] == row.info.status == "failed"
+    assert r["done"] + r["failed"] + len(out.unplaceable) == r["total"]       # cuda units: pending
+    _check_failures(at, row.failures)
+
+
+@pytest.mark.slow
+def test_overview_of_two_sweeps(app, sweep_dbs):
     at = _page(app(sweep_dbs.full), PAGES[0])
     models, sweeps = at.dataframe[0].value, at.dataframe[1].value
     assert list(models["model"]) == ["smollm2-135m"]
@@ -95,18 +125,10 @@ def test_overview(app, sweep_dbs):
     newest, first = sweeps.iloc[0], sweeps.iloc[1]
     assert first["done"] == first["total"] == 10 and first["failed"] == 0
     assert newest["status"] == "failed" and newest["failed"] == 4 and newest["done"] + 4 == newest["total"]
-    # the failed fit with its real error, and the units that depended on it
-    failures = rows[int(newest["id"])].failures
-    assert sorted(f.kind for f in failures) == ["eval", "eval", "fit", "latency"]
-    fit = next(f for f in failures if f.kind == "fit")
-    assert "unknown options ['no_such_option']" in fit.error and "threshold" in fit.what
-    assert all("depends on failed" in f.error for f in failures if f is not fit)
-    assert "Failures" in _texts(at.subheader)
-    code = _texts(at.code)
-    assert all(f.error.strip() in code for f in failures)
-    assert any("unknown options" in e.label for e in at.expander)
+    _check_failures(at, rows[int(newest["id"])].failures)
 
 
+@pytest.mark.slow
 def test_overview_without_latency(app, sweep_dbs):
     at = _page(app(sweep_dbs.nolat), PAGES[0])
     sweeps = at.dataframe[1].value
@@ -117,9 +139,10 @@ def test_overview_without_latency(app, sweep_dbs):
 # ---------------------------------------------------------------- pareto
 
 
-def test_pareto_cpu(app, sweep_dbs):
-    at = _page(app(sweep_dbs.full), PAGES[1])
-    mid = _model_id(sweep_dbs.full)
+def test_pareto_cpu(app, tiny_sweep):
+    url = tiny_sweep.url
+    at = _page(app(url), PAGES[1])
+    mid = _model_id(url)
     at.selectbox(key="pareto_model").set_value(mid).run()
     assert at.selectbox(key="pareto_device").value == "cpu"    # the device type with rows comes first
     metric = at.selectbox(key="pareto_metric").value
@@ -131,15 +154,15 @@ def test_pareto_cpu(app, sweep_dbs):
         assert field in spec
     front = _front_table(at)
     all_rows = _all_table(at)
-    assert len(all_rows) == 3 and set(all_rows["method"]) == {"dense", "oracle", "threshold"}  # failed fit: no rows
-    assert 1 <= len(front) <= 3 and set(front["setting"]) <= set(all_rows["setting"])
+    assert len(all_rows) == 2 and set(all_rows["method"]) == {"dense", "threshold"}      # failed fit: no rows
+    assert 1 <= len(front) <= 2 and set(front["setting"]) <= set(all_rows["setting"])
     assert all_rows["latency_ms"].notna().all()
-    expected = data.front(sweep_dbs.full, mid, metric, "cpu")
+    expected = data.front(url, mid, metric, "cpu")
     assert set(front["fit_unit"]) == {r.setting.fit_unit for r in expected.front}
 
 
-def test_pareto_other_metric(app, sweep_dbs):
-    at = _page(app(sweep_dbs.full), PAGES[1])
+def test_pareto_other_metric(app, tiny_sweep):
+    at = _page(app(tiny_sweep.url), PAGES[1])
     metrics = at.selectbox(key="pareto_metric").options
     task = next(m for m in metrics if m.startswith("mc/") or "copa" in m)
     at.selectbox(key="pareto_metric").set_value(task).run()
@@ -147,8 +170,8 @@ def test_pareto_other_metric(app, sweep_dbs):
     assert len(_charts(at)) == 1 and len(_front_table(at)) >= 1
 
 
-def test_pareto_device_without_rows(app, sweep_dbs):
-    at = _page(app(sweep_dbs.full), PAGES[1])
+def test_pareto_device_without_rows(app, tiny_sweep):
+    at = _page(app(tiny_sweep.url), PAGES[1])
     assert at.selectbox(key="pareto_device").options[0] == "cpu"
     at.selectbox(key="pareto_device").set_value("npu").run()
     assert not at.exception
@@ -158,6 +181,7 @@ def test_pareto_device_without_rows(app, sweep_dbs):
     assert _all_table(at)["latency_ms"].isna().all()
 
 
+@pytest.mark.slow
 def test_pareto_model_without_latency(app, sweep_dbs):
     at = _page(app(sweep_dbs.nolat), PAGES[1])
     assert "no latency rows" in _texts(at.warning)
@@ -168,8 +192,8 @@ def test_pareto_model_without_latency(app, sweep_dbs):
 # ---------------------------------------------------------------- unit
 
 
-def test_unit_page(app, sweep_dbs):
-    url = sweep_dbs.full
+def test_unit_page(app, tiny_sweep):
+    url = tiny_sweep.url
     fit = _fit_unit(url, "threshold")
     at = _page(app(url), PAGES[2])
     at.selectbox(key="unit_setting").set_value(fit).run()
@@ -198,13 +222,40 @@ def test_unit_page(app, sweep_dbs):
     assert set(lat["device"]) == {f"cpu · {a}" for a in lat["device"].str.split(" · ").str[1]}
     config = json.loads(at.json[0].value)                     # the unit config that produced the setting
     assert config == data.unit(url, fit).config and config["method"] == "threshold" and config["sparsity"] == 0.5
-    # and the spec of every sweep the setting belongs to (the full store holds two sweeps sharing this unit)
-    specs = [json.loads(j.value) for j in at.json[1:] if "methods" in json.loads(j.value)]
-    assert specs and all({"threshold"} <= {m["name"] for m in sp["methods"]} for sp in specs)
+    # and the spec of every sweep the setting belongs to
+    specs = _sweep_specs(at)
+    assert [sp["name"] for sp in specs] == [sw.name for sw in data.sweeps_of(url, fit)] == ["tiny-test"]
+    assert {"threshold"} <= {m["name"] for m in specs[0]["methods"]}
+
+
+def _sweep_specs(at) -> list[dict]:
+    return [json.loads(j.value) for j in at.json[1:] if "methods" in json.loads(j.value)]
+
+
+@pytest.mark.slow
+def test_unit_page_lists_every_sweep_of_the_setting(app, sweep_dbs):
+    """The full store holds two sweeps sharing the threshold setting: the unit page shows both specs."""
+    url = sweep_dbs.full
+    fit = _fit_unit(url, "threshold")
+    at = _page(app(url), PAGES[2])
+    at.selectbox(key="unit_setting").set_value(fit).run()
+    assert not at.exception
+    specs = _sweep_specs(at)
+    assert len(specs) == 2 and all({"threshold"} <= {m["name"] for m in sp["methods"]} for sp in specs)
     assert sorted(sp["name"] for sp in specs) == sorted(sw.name for sw in data.sweeps_of(url, fit))
 
 
-def test_unit_page_dense(app, sweep_dbs):
+def test_unit_page_dense(app, tiny_sweep):
+    url = tiny_sweep.url
+    at = _page(app(url), PAGES[2])
+    at.selectbox(key="unit_setting").set_value(_fit_unit(url, "dense")).run()
+    assert not at.exception
+    assert "the dense setting skips nothing" in _texts(at.info)
+    assert "No latency rows" not in _texts(at.info)
+
+
+@pytest.mark.slow
+def test_unit_page_dense_without_latency(app, sweep_dbs):
     url = sweep_dbs.nolat
     at = _page(app(url), PAGES[2])
     at.selectbox(key="unit_setting").set_value(_fit_unit(url, "dense")).run()
@@ -213,9 +264,9 @@ def test_unit_page_dense(app, sweep_dbs):
     assert "No latency rows" in _texts(at.info)
 
 
-def test_selection_follows_pages(app, sweep_dbs):
-    url = sweep_dbs.full
-    fit = _fit_unit(url, "oracle")
+def test_selection_follows_pages(app, tiny_sweep):
+    url = tiny_sweep.url
+    fit = _fit_unit(url, "threshold")
     at = _page(app(url), PAGES[2])
     at.selectbox(key="unit_setting").set_value(fit).run()
     at.switch_page(PAGES[3]).run()
@@ -225,9 +276,9 @@ def test_selection_follows_pages(app, sweep_dbs):
 # ---------------------------------------------------------------- bundle
 
 
-def test_bundle_page(app, sweep_dbs):
-    url = sweep_dbs.full
-    fit = _fit_unit(url, "oracle")
+def test_bundle_page(app, tiny_sweep):
+    url = tiny_sweep.url
+    fit = _fit_unit(url, "threshold")
     at = _page(app(url), PAGES[3])
     at.selectbox(key="bundle_setting").set_value(fit).run()
     assert not at.exception and not at.error
@@ -236,11 +287,11 @@ def test_bundle_page(app, sweep_dbs):
     assert sorted(files["file"]) == ["manifest.json", "predictors.safetensors"]
     manifest = json.loads(at.json[0].value)
     assert manifest == data.check_bundle(url, fit).manifest
-    assert manifest["format"] == "ctxsparse-bundle" and manifest["method"] == "oracle"
+    assert manifest["format"] == "ctxsparse-bundle" and manifest["method"] == "threshold"
 
 
-def test_bundle_archive_matches_the_store(sweep_dbs):
-    url = sweep_dbs.full
+def test_bundle_archive_matches_the_store(tiny_sweep):
+    url = tiny_sweep.url
     fit = _fit_unit(url, "threshold")
     blob = data.bundle_archive(url, fit)
     rows = {Path(a.uri).name: a for a in data._bundle_files(url, fit)}
@@ -252,12 +303,12 @@ def test_bundle_archive_matches_the_store(sweep_dbs):
         assert hashlib.sha256(content).hexdigest() == rows[name].sha256
 
 
-def test_bundle_sha_mismatch(app, sweep_dbs):
+def test_bundle_sha_mismatch(app, tiny_sweep):
     """A bundle file changed on disk after the sweep: an error, and no download."""
-    url = sweep_dbs.full
+    url = tiny_sweep.url
     fit = _fit_unit(url, "threshold")
     target = next(Path(a.uri) for a in data._bundle_files(url, fit) if a.uri.endswith(".safetensors"))
-    assert sweep_dbs.home in target.parents                     # this session's own bundle
+    assert tiny_sweep.home in target.parents                     # this session's own bundle
     original = target.read_bytes()
     try:
         target.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))

@@ -45,3 +45,35 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     nref = ref.norm().item()
     diff = (out - ref).norm().item()
     return diff / nref if nref > 0 else diff
+
+
+# Without a GPU the Triton kernels run in Triton's interpreter, orders of magnitude slower: there the default
+# suite runs each test on a few combinations of its grid (each launch path, each dtype, both edge kinds at least
+# once) and the rest of the grid is marked slow (make test-all / make test-slow). On a GPU every combination is
+# in the default suite.
+INTERPRETED = not ON_GPU
+
+
+def _id(v) -> str:
+    return str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else str(v)
+
+
+def grid(names: str, axes: list, default) -> "pytest.MarkDecorator":
+    """``parametrize(names, product(*axes))``; in the interpreter a combination for which ``default(*combo)`` is
+    false is marked slow. Ids name every value (``float16-0.5-1-fixed``)."""
+    import itertools
+
+    import pytest
+
+    params = []
+    for combo in itertools.product(*axes):
+        slow = INTERPRETED and not default(*combo)
+        params.append(pytest.param(*combo, id="-".join(_id(v) for v in combo),
+                                   marks=(pytest.mark.slow,) if slow else ()))
+    return pytest.mark.parametrize(names, params)
+
+
+def in_default(*combos):
+    """A ``default`` predicate for ``grid``: true for exactly the listed combinations."""
+    keep = set(combos)
+    return lambda *combo: combo in keep

@@ -4,7 +4,7 @@ masked rows never read, edges, bits."""
 import pytest
 import torch
 
-from tests.kernels.kernel_support import rel_err, rnd, TOL, up
+from tests.kernels.kernel_support import INTERPRETED, grid, in_default, rel_err, rnd, TOL, up
 
 from kernels import input_sparse_triton as T
 from kernels import ops
@@ -38,9 +38,16 @@ def _check(out, ref, dtype, gen, what=""):
 MATRIX = ([(dtype, batch, cfg) for cfg in ("fma", "split_ticket") for dtype in DTYPES for batch in (1, 3)]
           + [(dtype, 3 if i % 2 else 1, cfg) for cfg in sorted(set(CONFIGS) - {"fma", "split_ticket"})
              for i, dtype in enumerate(DTYPES)])
+F32, F16, BF16 = DTYPES
+# in the interpreter (no GPU) the default suite takes every launch path once, every dtype and batch shape among
+# them; the rest of MATRIX is slow (tests/kernels/kernel_support.py)
+MATRIX_DEFAULT = {(F16, 1, "fma"), (BF16, 1, "split_ticket"), (F32, 1, "nosplit"), (F16, 3, "split_reduce"),
+                  (BF16, 1, "fma_nosplit"), (F32, 1, "mma")}
+assert MATRIX_DEFAULT <= set(MATRIX) and {c for _, _, c in MATRIX_DEFAULT} == set(CONFIGS)
 
 
-@pytest.mark.parametrize("dtype,batch,cfg", MATRIX)
+@pytest.mark.parametrize("dtype,batch,cfg", [
+    pytest.param(*m, marks=(pytest.mark.slow,) if INTERPRETED and m not in MATRIX_DEFAULT else ()) for m in MATRIX])
 def test_matches_reference(dtype, batch, cfg, device, gen, poison):
     w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
     bias = rnd((OUT,), gen, dtype, device) if batch == 3 else None
@@ -53,8 +60,7 @@ def test_matches_reference(dtype, batch, cfg, device, gen, poison):
         _check(out, ref, dtype, gen, f"s={s}")
 
 
-@pytest.mark.parametrize("cfg", ["nosplit", "split_ticket", "fma", "mma"])
-@pytest.mark.parametrize("batch", [1, 2])
+@grid("batch,cfg", [[1, 2], ["nosplit", "split_ticket", "fma", "mma"]], lambda batch, cfg: batch == 2 or cfg == "fma")
 def test_inactive_rows_are_never_read(batch, cfg, device, gen, poison):
     """Rows of w_t whose channel is inactive for every token hold NaN: a read would poison y."""
     dtype = torch.float16
@@ -71,7 +77,7 @@ def test_inactive_rows_are_never_read(batch, cfg, device, gen, poison):
     _check(out, ref, dtype, gen)
 
 
-@pytest.mark.parametrize("cfg", ["nosplit", "split_reduce", "split_ticket"])
+@grid("cfg", [["nosplit", "split_reduce", "split_ticket"]], lambda cfg: cfg != "split_ticket")
 def test_nothing_active_and_all_active(cfg, device, gen, poison):
     dtype = torch.float32
     w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
@@ -98,7 +104,7 @@ def test_threshold_forms_agree(device, gen):
     assert torch.equal(a, b) and torch.equal(a, c)
 
 
-@pytest.mark.parametrize("cfg", ["split_reduce", "split_ticket", "fma", "mma"])
+@grid("cfg", [["split_reduce", "split_ticket", "fma", "mma"]], lambda cfg: cfg == "split_ticket")
 def test_bit_identical_repeats(cfg, device, gen):
     dtype = torch.bfloat16
     w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
@@ -109,8 +115,8 @@ def test_bit_identical_repeats(cfg, device, gen):
         assert torch.equal(T.input_sparse_linear(x, w_t, t, config=CONFIGS[cfg]), first)
 
 
-@pytest.mark.parametrize("cfg", ["nosplit", "split_ticket", "split_reduce"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@grid("dtype,cfg", [[F32, BF16], ["nosplit", "split_ticket", "split_reduce"]],
+      in_default((BF16, "nosplit"),))
 def test_segments_per_projection_thresholds(dtype, cfg, device, gen, poison):
     """Fused QKV: one x, three output segments (sizes not multiples of BLOCK_N), one threshold each."""
     sizes = (40, 27, 33)

@@ -4,7 +4,7 @@ import torch
 
 from kernels import attn_triton as T
 from kernels import reference as R
-from tests.kernels.kernel_support import rel_err, rnd, TOL, up
+from tests.kernels.kernel_support import grid, in_default, rel_err, rnd, TOL, up
 
 D_MODEL, HD = 72, 12  # 6 query heads of 12 -> q dim 72
 
@@ -33,11 +33,13 @@ def test_kv_heads_for(n_heads, n_kv, s, mode, device, gen, poison):
         assert int(got[0][int(got[2][j])]) == int(q_idx[j]) // (n_heads // n_kv)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("n_heads,n_kv", [(6, 6), (6, 2)])
-@pytest.mark.parametrize("s", [0.0, 0.5, 0.9, 1.0])
-@pytest.mark.parametrize("batch", [1, 3])
-def test_head_sparse_qkv_and_out(dtype, n_heads, n_kv, s, batch, device, gen, poison):
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+@grid("dtype,heads,s,batch", [[F32, F16, BF16], [(6, 6), (6, 2)], [0.0, 0.5, 0.9, 1.0], [1, 3]],
+      in_default((F32, (6, 2), 0.5, 3), (F16, (6, 6), 0.9, 1), (BF16, (6, 2), 1.0, 1), (F16, (6, 2), 0.0, 3)))
+def test_head_sparse_qkv_and_out(dtype, heads, s, batch, device, gen, poison):
+    n_heads, n_kv = heads
     mode = "padded" if s in (0.5, 1.0) else "fixed"
     w_qkv = rnd(((n_heads + 2 * n_kv) * HD, D_MODEL), gen, dtype, device, D_MODEL**-0.5)
     bias = rnd(((n_heads + 2 * n_kv) * HD,), gen, dtype, device) if batch == 3 else None

@@ -4,10 +4,11 @@ import torch
 
 from kernels import ffn_triton as T
 from kernels import reference as R
-from tests.kernels.kernel_support import D_FF, D_MODEL, ffn_weights, make_idx, rel_err, rnd, TOL, up
+from tests.kernels.kernel_support import D_FF, D_MODEL, ffn_weights, grid, in_default, make_idx, rel_err, rnd, TOL, up
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SPARS = [0.0, 0.5, 0.9, 1.0]
+F32, F16, BF16 = DTYPES
 
 
 def _check(out, ref, dtype, gen, what=""):
@@ -15,10 +16,8 @@ def _check(out, ref, dtype, gen, what=""):
     assert err <= TOL[dtype], f"{what} rel err {err:.3g} > {TOL[dtype]} (seed {gen.initial_seed()})"
 
 
-@pytest.mark.parametrize("mode", ["fixed", "padded"])
-@pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("s", SPARS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@grid("dtype,s,batch,mode", [DTYPES, SPARS, [1, 3], ["fixed", "padded"]],
+      in_default((F32, 0.5, 1, "fixed"), (F16, 0.9, 3, "padded"), (BF16, 0.0, 3, "fixed"), (F16, 1.0, 1, "padded")))
 def test_gated_gather_gemv(dtype, s, batch, mode, device, gen, poison):
     wg, wu, _ = ffn_weights(gen, dtype, device)
     x = rnd((batch, D_MODEL), gen, dtype, device)
@@ -42,9 +41,7 @@ def test_gated_activations(act, device, gen, poison):
     _check(out, ref, dtype, gen, act)
 
 
-@pytest.mark.parametrize("batch", [1, 5])
-@pytest.mark.parametrize("s", [0.0, 0.9])
-@pytest.mark.parametrize("dtype", DTYPES)
+@grid("dtype,s,batch", [DTYPES, [0.0, 0.9], [1, 5]], in_default((F32, 0.0, 1), (BF16, 0.9, 5), (F16, 0.9, 1)))
 def test_gather_gemv_bias_and_scale(dtype, s, batch, device, gen, poison):
     w, _, _ = ffn_weights(gen, dtype, device)
     b = rnd((D_FF,), gen, dtype, device)
@@ -59,10 +56,8 @@ def test_gather_gemv_bias_and_scale(dtype, s, batch, device, gen, poison):
     _check(out, ref, dtype, gen, "scale")
 
 
-@pytest.mark.parametrize("mode", ["fixed", "padded"])
-@pytest.mark.parametrize("batch", [1, 3, 8])
-@pytest.mark.parametrize("s", SPARS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@grid("dtype,s,batch,mode", [DTYPES, SPARS, [1, 3, 8], ["fixed", "padded"]],
+      in_default((F32, 0.5, 3, "fixed"), (F16, 0.9, 8, "padded"), (BF16, 0.0, 1, "padded"), (F16, 1.0, 3, "fixed")))
 def test_gather_down(dtype, s, batch, mode, device, gen, poison):
     _, _, wdt = ffn_weights(gen, dtype, device)
     idx, count = make_idx(gen, D_FF, s, mode, device)
@@ -84,11 +79,9 @@ def test_gather_down_bit_identical(device, gen, poison):
         assert torch.equal(T.gather_down(h, wdt, idx, count).view(torch.int16), first.view(torch.int16))
 
 
-@pytest.mark.parametrize("path", ["fused", "split"])
-@pytest.mark.parametrize("mode", ["fixed", "padded"])
-@pytest.mark.parametrize("batch", [1, 6])
-@pytest.mark.parametrize("s", SPARS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@grid("dtype,s,batch,mode,path", [DTYPES, SPARS, [1, 6], ["fixed", "padded"], ["fused", "split"]],
+      in_default((F32, 0.5, 1, "fixed", "fused"), (F32, 0.5, 6, "padded", "split"), (F16, 0.9, 6, "padded", "fused"),
+                 (BF16, 0.0, 1, "fixed", "split"), (BF16, 1.0, 6, "padded", "fused"), (F16, 1.0, 1, "fixed", "split")))
 def test_sparse_ffn_parallel(dtype, s, batch, mode, path, device, gen, poison):
     wg, wu, wdt = ffn_weights(gen, dtype, device)
     x = rnd((batch, D_MODEL), gen, dtype, device)
@@ -113,10 +106,8 @@ def _gap_threshold(x, wg, idx, count, act):
     return float(0.5 * (v[i] + v[i + 1]))
 
 
-@pytest.mark.parametrize("path", ["fused", "split"])
-@pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("s", [0.0, 0.5, 0.9])
-@pytest.mark.parametrize("dtype", DTYPES)
+@grid("dtype,s,batch,path", [DTYPES, [0.0, 0.5, 0.9], [1, 3], ["fused", "split"]],
+      in_default((F32, 0.5, 1, "fused"), (F16, 0.9, 3, "split"), (BF16, 0.0, 3, "fused")))
 def test_sparse_ffn_sequential(dtype, s, batch, path, device, gen, poison):
     wg, wu, wdt = ffn_weights(gen, dtype, device)
     x = rnd((batch, D_MODEL), gen, dtype, device)
@@ -132,10 +123,8 @@ def test_sparse_ffn_sequential(dtype, s, batch, path, device, gen, poison):
     _check(out, ref, dtype, gen, path)
 
 
-@pytest.mark.parametrize("path", ["fused", "split"])
-@pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("s", SPARS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@grid("dtype,s,batch,path", [DTYPES, SPARS, [1, 4], ["fused", "split"]],
+      in_default((F32, 0.5, 1, "fused"), (F16, 0.9, 4, "split"), (BF16, 0.0, 4, "fused"), (F32, 1.0, 1, "split")))
 def test_sparse_mlp_relu(dtype, s, batch, path, device, gen, poison):
     w1, _, w2t = ffn_weights(gen, dtype, device)
     b1 = rnd((D_FF,), gen, dtype, device, 0.5)
@@ -147,7 +136,7 @@ def test_sparse_mlp_relu(dtype, s, batch, path, device, gen, poison):
     _check(out, ref, dtype, gen, path)
 
 
-@pytest.mark.parametrize("n", [1, 200, 1000, 20000])
+@grid("n", [[1, 200, 1000, 20000]], lambda n: n <= 1000)
 def test_compact_and_union(n, device, gen, poison):
     keep = (torch.rand(n, generator=gen) < 0.4).to(device)
     idx = torch.randperm(n, generator=gen).to(torch.int32).to(device)
@@ -166,9 +155,7 @@ DOT_CFG = {"gather": {"dot": True, "BLOCK_R": 16, "BLOCK_K": 32},
            "down": {"dot": True, "BLOCK_R": 16, "BLOCK_D": 32}}
 
 
-@pytest.mark.parametrize("batch", [1, 5])
-@pytest.mark.parametrize("s", [0.0, 0.9])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@grid("dtype,s,batch", [[F16, BF16], [0.0, 0.9], [1, 5]], in_default((F16, 0.9, 5),))
 def test_tensor_core_dot_path(dtype, s, batch, device, gen, poison):
     """tl.dot variants of the gather GEMV and the down projection (batch padded to 16; h rounded to the dtype)."""
     wg, wu, wdt = ffn_weights(gen, dtype, device)

@@ -18,6 +18,9 @@ Here:
   that cannot record its unit (its store refuses the write) has the unit failed with the reason, no hang.
 The sweep uses its own ``CTXSPARSE_HOME`` (model and activation caches linked to the usual ones) so that
 deleting a bundle file touches nothing another test or sweep uses.
+
+The PostgreSQL sweep and the troubled-worker sweep are slow (each starts its own actors: minutes on 2 cores);
+the default suite's shared sweep (tests/orchestrator/test_sweep.py) checks a failing fit's chain on SQLite.
 """
 from __future__ import annotations
 
@@ -83,6 +86,7 @@ def _expected_rows(u) -> int:
     return 0
 
 
+@pytest.mark.slow
 def test_pg_sweep_with_two_evaluators_loses_and_duplicates_nothing(pg_sweep):
     url, out, _, cluster = pg_sweep
     units = _units(url, out.sweep_id)
@@ -117,6 +121,7 @@ def test_pg_sweep_with_two_evaluators_loses_and_duplicates_nothing(pg_sweep):
     assert not LOCK_TROUBLE.findall(log), [ln for ln in log.splitlines() if LOCK_TROUBLE.search(ln)][:5]
 
 
+@pytest.mark.slow
 def test_a_method_that_raises_fails_its_chain_with_the_traceback_and_no_rows(pg_sweep):
     url, out, _, _ = pg_sweep
     units = _units(url, out.sweep_id)
@@ -138,14 +143,11 @@ def test_a_method_that_raises_fails_its_chain_with_the_traceback_and_no_rows(pg_
     assert done_fits == {"dense", "oracle", "threshold"}
 
 
-@pytest.mark.parametrize("out_name", ["bundle", "bundle.tar.gz"])
-def test_bundle_file_deleted_after_the_sweep_export_exits_2_and_writes_nothing(pg_sweep, tmp_path, capsys,
-                                                                              out_name):
+def _export_of_a_deleted_bundle_file_exits_2(url, sweep_id, home, tmp_path, capsys, out_name, method):
     from orchestrator.cli import main as cli
 
-    url, out, home, _ = pg_sweep
-    units = _units(url, out.sweep_id)
-    (fit,) = [u for u in units.values() if u.kind == "fit" and u.method == "oracle"]
+    units = _units(url, sweep_id)
+    (fit,) = [u for u in units.values() if u.kind == "fit" and u.method == method and u.status == "done"]
     with session_scope(get_engine(url)) as s:
         files = [Path(a.uri) for a in queries.artifacts_for(s, fit.id, "bundle_file")]
     assert files and all(p.is_relative_to(home) for p in files), files     # the sweep's own CTXSPARSE_HOME
@@ -162,6 +164,22 @@ def test_bundle_file_deleted_after_the_sweep_export_exits_2_and_writes_nothing(p
     finally:
         shutil.copy2(saved, victim)
     assert cli(["bundle", "export", fit.id[:12], "--out", str(tmp_path / out_name), "--db", url]) == 0  # restored
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("out_name", ["bundle", "bundle.tar.gz"])
+def test_bundle_file_deleted_after_the_sweep_export_exits_2_and_writes_nothing(pg_sweep, tmp_path, capsys,
+                                                                              out_name):
+    url, out, home, _ = pg_sweep
+    _export_of_a_deleted_bundle_file_exits_2(url, out.sweep_id, home, tmp_path, capsys, out_name, "oracle")
+
+
+@pytest.mark.parametrize("out_name", ["bundle", "bundle.tar.gz"])
+def test_bundle_file_deleted_after_the_shared_sweep_export_exits_2_and_writes_nothing(tiny_sweep, tmp_path,
+                                                                                     capsys, out_name):
+    """The same on the session's shared sweep (SQLite; tests/sweep_support.py), in the default suite."""
+    _export_of_a_deleted_bundle_file_exits_2(tiny_sweep.url, tiny_sweep.outcome.sweep_id, tiny_sweep.home,
+                                             tmp_path, capsys, out_name, "threshold")
 
 
 # ------------------------------------------------------------------ submitting the same spec twice
@@ -312,6 +330,7 @@ def troubled_sweep(ray_local, tmp_path_factory):
     return result["out"], fits, sweeps
 
 
+@pytest.mark.slow
 def test_a_worker_that_dies_every_time_fails_its_unit_after_max_attempts(troubled_sweep):
     out, fits, sweeps = troubled_sweep
     u = fits["oracle"]
@@ -322,6 +341,7 @@ def test_a_worker_that_dies_every_time_fails_its_unit_after_max_attempts(trouble
     assert [sw.status for sw in sweeps] == ["failed"]
 
 
+@pytest.mark.slow
 def test_a_worker_that_cannot_record_its_unit_gets_it_failed_with_the_reason(troubled_sweep):
     out, fits, _ = troubled_sweep
     rows_refused, nothing_written = fits["threshold"], fits["static"]

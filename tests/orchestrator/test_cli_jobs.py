@@ -7,6 +7,9 @@ the cuda units stay pending on this GPU-less cluster, so no model is loaded. Ray
 token: as in orchestrator/demo.sh, RAY_AUTH_MODE=token (the head writes ~/.ray/auth_token if missing and clients
 read it); Ray reads that setting once per process, hence every Ray client here is a subprocess.
 
+The job-server tests are slow (the head and each job's driver start in ~1-2 minutes on 2 cores); the default
+suite keeps the submission logic against a stand-in job client (tests/orchestrator/test_battery.py).
+
 Operational errors (an unreachable store, an unknown model, a missing or empty data file, budgets smaller than
 one window) are one message and exit status 2, found before any Ray work starts.
 """
@@ -154,6 +157,7 @@ def _sid(spec: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------- real job server
+@pytest.mark.slow
 def test_submit_never_starts_a_second_live_attempt(job_server):
     """A failed first attempt, its ``-r2`` retry still running: submitting again submits nothing, names the live
     attempt; once that attempt has ended, a new one (``-r3``) is submitted."""
@@ -178,6 +182,7 @@ def test_submit_never_starts_a_second_live_attempt(job_server):
     assert sorted(j for j in jobs if j.startswith(sid)) == [sid, f"{sid}-r2", f"{sid}-r3"]
 
 
+@pytest.mark.slow
 def test_submit_twice_status_logs_and_resume_of_a_real_sweep(job_server):
     spec = job_server.spec("jobs-real")
     db = f"sqlite:///{job_server.root / 'real.db'}"

@@ -55,6 +55,7 @@ def test_limit_all_is_null():
     assert "suites.tasks.0.limit" in _error(_tasks({"name": "piqa", "limit": "everything"}))
 
 
+@pytest.mark.slow       # indexing every YAML of lm-eval (the first check of a session: ~10-20 s on 2 cores)
 def test_lm_eval_names_are_checked_against_its_cached_index():
     registry.lm_eval_task_names.cache_clear()
     t0 = time.time()

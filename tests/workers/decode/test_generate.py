@@ -11,7 +11,7 @@ import torch
 from tests.workers.tiny_model_support import tiny_model
 from workers.decode.generate import generate_with_plan, run_bundle
 from workers.loading.data import TokenSet
-from workers.loading.models import load_model, packaged_gguf
+from workers.loading.models import load_model
 from workers.sparsity.bundle import apply_bundle, load_bundle, save_bundle
 from workers.sparsity.capture import capture_activations
 from workers.sparsity.predictors import FitContext, fit_method
@@ -20,11 +20,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog because"
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    src = packaged_gguf("smollm2-135m")
-    return AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+def tok(smollm2):
+    """SmolLM2's tokenizer (the float cache's copy of the GGUF's: parsing the GGUF again takes seconds)."""
+    return smollm2.tokenizer
 
 
 def _model_folder(folder, tok, seed=0):
@@ -113,6 +111,7 @@ def test_cli_generate_and_its_errors(tiny, tok, tmp_path, capsys):
         assert len(err) == 1 and err[0].startswith("ctxsparse generate: error:") and msg in err[0], err
 
 
+@pytest.mark.slow       # SmolLM2 decodes a few tokens/s on a 2-core CPU; the tiny-model tests above check the same
 def test_smollm2_teal_bundle(smollm2, tmp_path):
     """The real SmolLM2-135M with a TEAL bundle: the runtime's greedy tokens are HF generate's with the bundle."""
     t0 = time.time()

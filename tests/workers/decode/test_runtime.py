@@ -149,6 +149,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow       # a fresh interpreter process running every kernel of a decode step in Triton's interpreter
 def test_triton_interpreter_path():
     """The runtime's sparse step through the Triton kernels (interpreted on CPU; TRITON_INTERPRET must be set
     before triton is imported, hence a subprocess) gives the reference path's logits."""

@@ -10,23 +10,33 @@ from workers.sparsity.capture import CacheCorruptError, capture_activations, ope
 from workers.loading.data import token_windows
 
 LAYERS = [0, 7, 29]
+# SmolLM2 forwards ~100 tokens/s on a 2-core CPU: the captures here are 4 windows of 64 tokens (content checks,
+# streaming) and 2 windows of 64 (cache integrity); what is checked does not depend on how many tokens there are
+N_TOKENS, WINDOW = 256, 64
+ALL_LAYERS = list(range(30))      # at 64 tokens a window, one component of every layer outgrows a 1 MB buffer
 
 
 @pytest.fixture(scope="module")
 def calib(smollm2):
-    return token_windows(smollm2.tokenizer, "lambada", "calib", 1024, 256)
+    return token_windows(smollm2.tokenizer, "lambada", "calib", N_TOKENS, WINDOW)
+
+
+@pytest.fixture(scope="module")
+def calib2(smollm2):
+    """Two windows: enough for two shards, the least a damaged-cache check needs."""
+    return token_windows(smollm2.tokenizer, "lambada", "calib", 2 * WINDOW, WINDOW)
 
 
 def test_capture_records_consistent_components_and_hits_the_cache(smollm2, calib, tmp_path):
     c = capture_activations(smollm2, calib, layers=LAYERS, root=tmp_path, progress=False)
-    assert not c.hit and c.n_tokens == 1024
+    assert not c.hit and c.n_tokens == N_TOKENS
     again = capture_activations(smollm2, calib, layers=LAYERS, root=tmp_path, progress=False)
     assert again.hit and again.path == c.path
     mlp = smollm2.model.model.layers[7].mlp
     x = c.load(7, "ffn_in")
     gate, inter = c.load(7, "gate"), c.load(7, "inter")
-    assert x.shape == (1024, 576) and gate.shape == inter.shape == (1024, 1536)
-    assert c.load(7, "head_norm").shape == (1024, 9) and c.load(7, "residual").shape == (1024, 576)
+    assert x.shape == (N_TOKENS, 576) and gate.shape == inter.shape == (N_TOKENS, 1536)
+    assert c.load(7, "head_norm").shape == (N_TOKENS, 9) and c.load(7, "residual").shape == (N_TOKENS, 576)
     with torch.no_grad():
         ref_gate = mlp.gate_proj(x)
         ref_inter = F.silu(ref_gate) * mlp.up_proj(x)
@@ -40,15 +50,16 @@ def test_capture_records_consistent_components_and_hits_the_cache(smollm2, calib
 
 
 def test_small_memory_budget_streams_many_shards_with_the_same_content(smollm2, calib, tmp_path):
-    one = capture_activations(smollm2, calib, layers=[7], components=("inter",), root=tmp_path / "a",
+    one = capture_activations(smollm2, calib, layers=ALL_LAYERS, components=("inter",), root=tmp_path / "a",
                               progress=False)
-    many = capture_activations(smollm2, calib, layers=[7], components=("inter",), root=tmp_path / "b",
+    many = capture_activations(smollm2, calib, layers=ALL_LAYERS, components=("inter",), root=tmp_path / "b",
                                max_buffer_mb=1, progress=False)
-    assert len(one.manifest["shards"]) == 1 and len(many.manifest["shards"]) == 4   # one 256-token window each
-    assert torch.equal(one.load(7, "inter"), many.load(7, "inter"))
+    assert len(one.manifest["shards"]) == 1 and len(many.manifest["shards"]) == 4   # one 64-token window each
+    for layer in (0, 7, 29):
+        assert torch.equal(one.load(layer, "inter"), many.load(layer, "inter"))
 
 
-def test_interrupted_write_leaves_no_cache_that_looks_complete(smollm2, calib, tmp_path, monkeypatch):
+def test_interrupted_write_leaves_no_cache_that_looks_complete(smollm2, calib2, tmp_path, monkeypatch):
     real = capture_mod.save_file
     calls = {"n": 0}
 
@@ -60,17 +71,18 @@ def test_interrupted_write_leaves_no_cache_that_looks_complete(smollm2, calib, t
 
     monkeypatch.setattr(capture_mod, "save_file", dying_save)
     with pytest.raises(KeyboardInterrupt):
-        capture_activations(smollm2, calib, layers=[0], components=("gate",), root=tmp_path,
+        capture_activations(smollm2, calib2, layers=ALL_LAYERS, components=("gate",), root=tmp_path,
                             max_buffer_mb=1, progress=False)
+    assert calls["n"] == 2
     assert list(tmp_path.iterdir()) == []      # nothing published, scratch removed
     monkeypatch.setattr(capture_mod, "save_file", real)
-    c = capture_activations(smollm2, calib, layers=[0], components=("gate",), root=tmp_path,
+    c = capture_activations(smollm2, calib2, layers=ALL_LAYERS, components=("gate",), root=tmp_path,
                             max_buffer_mb=1, progress=False)
-    assert not c.hit and c.n_tokens == 1024
+    assert not c.hit and c.n_tokens == 2 * WINDOW and len(c.manifest["shards"]) == 2
 
 
-def test_corrupted_cache_is_detected_and_collected_again(smollm2, calib, tmp_path):
-    c = capture_activations(smollm2, calib, layers=[0], components=("gate",), root=tmp_path, progress=False)
+def test_corrupted_cache_is_detected_and_collected_again(smollm2, calib2, tmp_path):
+    c = capture_activations(smollm2, calib2, layers=[0], components=("gate",), root=tmp_path, progress=False)
     shard = c.path / c.manifest["shards"][0]["file"]
     data = bytearray(shard.read_bytes())
     data[-100:] = b"\x00" * 100                 # same size, different bytes
@@ -80,13 +92,13 @@ def test_corrupted_cache_is_detected_and_collected_again(smollm2, calib, tmp_pat
     shard.write_bytes(bytes(data[:1000]))       # truncated: caught by the cheap size check on every open
     with pytest.raises(CacheCorruptError, match="size"):
         open_cache(c.path)
-    fresh = capture_activations(smollm2, calib, layers=[0], components=("gate",), root=tmp_path, progress=False)
+    fresh = capture_activations(smollm2, calib2, layers=[0], components=("gate",), root=tmp_path, progress=False)
     assert not fresh.hit
     open_cache(fresh.path, checksums=True)
     assert any(p.name.startswith(".corrupt-") for p in tmp_path.iterdir())
 
 
-def test_shard_with_flipped_bytes_of_the_same_size_is_not_served_as_a_hit(smollm2, calib, tmp_path):
+def test_shard_with_flipped_bytes_of_the_same_size_is_not_served_as_a_hit(smollm2, calib2, tmp_path):
     """The damage sits in the tensor data (not the header), the size is unchanged: only the digest can tell."""
     kw = dict(layers=[0], components=("gate",), root=tmp_path, progress=False)
 
@@ -98,27 +110,27 @@ def test_shard_with_flipped_bytes_of_the_same_size_is_not_served_as_a_hit(smollm
         shard.write_bytes(bytes(data))
         assert shard.stat().st_size == cache.manifest["shards"][0]["bytes"]
 
-    c = capture_activations(smollm2, calib, **kw)
+    c = capture_activations(smollm2, calib2, **kw)
     want = c.load(0, "gate")
     flip(c)
     assert not torch.equal(c.load(0, "gate"), want)          # the flip reads back as different numbers
-    again = capture_activations(smollm2, calib, **kw)
+    again = capture_activations(smollm2, calib2, **kw)
     assert not again.hit and torch.equal(again.load(0, "gate"), want)
     assert [p.name.startswith(".corrupt-") for p in tmp_path.iterdir()].count(True) == 1
 
     # a shard this process has already checked on a hit is checked again once rewritten
-    assert capture_activations(smollm2, calib, **kw).hit
+    assert capture_activations(smollm2, calib2, **kw).hit
     time.sleep(0.05)            # file timestamps are coarse: let the clock move past the last write
     flip(again)
-    third = capture_activations(smollm2, calib, **kw)
+    third = capture_activations(smollm2, calib2, **kw)
     assert not third.hit and torch.equal(third.load(0, "gate"), want)
 
 
-def test_manifest_says_what_it_holds(smollm2, calib, tmp_path):
-    c = capture_activations(smollm2, calib, layers=[0], components=("head_norm",), root=tmp_path, progress=False)
+def test_manifest_says_what_it_holds(smollm2, calib2, tmp_path):
+    c = capture_activations(smollm2, calib2, layers=[0], components=("head_norm",), root=tmp_path, progress=False)
     m = json.loads((c.path / "manifest.json").read_text())
     assert m["complete"] and m["model_fingerprint"] == smollm2.fingerprint
-    assert m["data_fingerprint"] == calib.fingerprint and m["n_tokens"] == 1024 and m["dtype"] == "float16"
+    assert m["data_fingerprint"] == calib2.fingerprint and m["n_tokens"] == 2 * WINDOW and m["dtype"] == "float16"
     assert m["tokens_per_s"] > 0
 
 

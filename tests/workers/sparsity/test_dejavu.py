@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from workers.sparsity.capture import capture_activations
-from workers.loading.data import token_windows
 from workers.sparsity.predictors import dejavu as dv
 from workers.sparsity.predictors.base import FitContext, fit_method, get_method, k_for
 
@@ -18,10 +17,10 @@ RANK = 64
 
 
 @pytest.fixture(scope="module")
-def ctx(smollm2, tmp_path_factory):
+def ctx(smollm2, smollm2_calib_cache):
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    toks = token_windows(smollm2.tokenizer, "lambada", "calib", 2048, 512)
-    cache = capture_activations(smollm2, toks, layers=LAYERS, root=tmp_path_factory.mktemp("dv"), progress=False)
+    cache = smollm2_calib_cache        # 2048 tokens in windows of 512, every component (conftest.py here)
+    assert cache.n_tokens == 2048 and set(LAYERS) <= set(cache.manifest["layers"])
     return FitContext(lm=smollm2, cache=cache, layers=LAYERS, seed=0)
 
 

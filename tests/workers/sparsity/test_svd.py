@@ -21,11 +21,10 @@ N_CALIB = 2048
 
 
 @pytest.fixture(scope="module")
-def calib(smollm2, tmp_path_factory):
+def calib(smollm2, smollm2_calib_cache, tmp_path_factory):
     root = tmp_path_factory.mktemp("svd-acts")
-    toks = token_windows(smollm2.tokenizer, "lambada", "calib", N_CALIB, 512)
-    cache = capture_activations(smollm2, toks, layers=LAYERS, components=("ffn_in", "inter", "gate"), root=root,
-                                progress=False)
+    cache = smollm2_calib_cache                    # N_CALIB tokens, windows of 512 (tests/workers/sparsity/conftest.py)
+    assert cache.n_tokens == N_CALIB and set(LAYERS) <= set(cache.manifest["layers"])
     held = token_windows(smollm2.tokenizer, "lambada", "heldout", 1022, 512)
     heldout = capture_activations(smollm2, held, layers=LAYERS, components=("ffn_in", "inter"), root=root,
                                   progress=False)
@@ -113,7 +112,7 @@ def test_heap_sort_and_reference_pick_identical_steps_and_biases_on_a_real_layer
 
 
 # ---- calibration -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("target", ["gate", "product"])
+@pytest.mark.parametrize("target", [pytest.param("gate", marks=pytest.mark.slow), "product"])
 def test_realized_off_fraction_on_x2_matches_the_target(calib, target):
     ctx, _ = calib
     sp = {3: 0.3, 15: 0.7}
@@ -201,7 +200,7 @@ def test_unknown_and_invalid_options_are_rejected(calib):
         fit_method("svd", ctx, 0.5, rank=10_000)
 
 
-@pytest.mark.parametrize("target", ["gate", "product"])
+@pytest.mark.parametrize("target", [pytest.param("gate", marks=pytest.mark.slow), "product"])
 def test_round_trip_through_tensors_and_config_gives_identical_masks(calib, target):
     ctx, heldout = calib
     plan = fit_method("svd", ctx, {3: 0.5}, rank=32, target=target)
