@@ -54,6 +54,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 INTERPRETED = not ON_GPU
 
 
+def slow_in_interpreter(test):
+    """Mark ``test`` slow in the interpreter only (a test that checks what the interpreter cannot show)."""
+    import pytest
+
+    return pytest.mark.slow(test) if INTERPRETED else test
+
+
 def _id(v) -> str:
     return str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else str(v)
 

@@ -104,7 +104,9 @@ def test_threshold_forms_agree(device, gen):
     assert torch.equal(a, b) and torch.equal(a, c)
 
 
-@grid("cfg", [["split_reduce", "split_ticket", "fma", "mma"]], lambda cfg: cfg == "split_ticket")
+# run-to-run identity is about the order of the split reductions on a GPU; the interpreter runs a launch's programs
+# one after another, so there it cannot differ: slow there (tests/kernels/kernel_support.py)
+@grid("cfg", [["split_reduce", "split_ticket", "fma", "mma"]], lambda cfg: False)
 def test_bit_identical_repeats(cfg, device, gen):
     dtype = torch.bfloat16
     w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
