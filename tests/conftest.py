@@ -97,8 +97,17 @@ def _init_ray():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, resources={"NPU": 1}, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+        # Ray's start-up chatter on stderr (its NPU probe's traceback on a box without the Ascend stack, the token
+        # notice) goes to a file: started before the first test (pytest_collection_finish), nothing captures it
+        with open(SESSION_HOME / "ray-start.log", "w") as log:
+            saved = os.dup(2)
+            os.dup2(log.fileno(), 2)
+            try:
+                ray.init(num_cpus=2, resources={"NPU": 1}, include_dashboard=False, log_to_driver=False,
+                         configure_logging=False)
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
     return ray
 
 

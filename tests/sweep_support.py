@@ -33,15 +33,14 @@ TINY_SPEC = {
 # the accuracy rows of one perplexity eval unit (workers.units.Units.evaluate)
 PERPLEXITY_METRICS = ("ppl", "nll", "mlp_sparsity", "head_sparsity", "input_sparsity", "weight_skipped")
 
-# The session's shared sweep: TINY_SPEC's ``threshold`` (fitted on calibration data: a real fit; ``oracle`` would
-# add two eval units and a latency unit to the evaluator's serial path, ~10 s) plus a setting whose fit raises
-# (``threshold`` given an option it does not take), latency asked for on ``cpu`` and on ``cuda`` (which the CPU test
-# cluster lacks), and half a CPU per actor (the 2-CPU test cluster then holds collector, fitter, evaluator and
-# bencher at once). One run gives:
-# every unit done with its rows exactly once, the failing fit recorded with its error and its dependants failed
-# with the reason, and the cuda latency units left pending (no cuda rows invented). Latency is not timed alone
-# (``exclusive: false``): the bencher starts while the evaluator works, which takes ~30 s off the sweep on 2
-# cores; no test here reads the timings' values.
+# The session's shared sweep (run in the background: SharedSweep below): TINY_SPEC's ``threshold`` (fitted on
+# calibration data: a real fit; ``oracle`` too would add two eval units and a latency unit to the evaluator's
+# serial path) plus a setting whose fit raises (``threshold`` given an option it does not take), latency asked
+# for on ``cpu`` and on ``cuda`` (which the CPU test cluster lacks), and half a CPU per actor (the 2-CPU test
+# cluster then holds collector, fitter, evaluator and bencher at once). One run gives: every unit done with its
+# rows exactly once, the failing fit recorded with its error and its dependants failed with the reason, and the
+# cuda latency units left pending (no cuda rows invented). Latency is not timed alone (``exclusive: false``): the
+# bencher starts while the evaluator works, ~30 s less on 2 cores; no test here reads the timings' values.
 FAILING_METHOD = {"name": "threshold", "sparsity": [0.5], "options": {"no_such_option": 1}}
 SHARED_METHOD = {"name": "threshold", "sparsity": [0.5]}
 assert SHARED_METHOD in TINY_SPEC["methods"]
@@ -116,6 +115,8 @@ class TinySweep:
     outcome: object      # orchestrator.driver.SweepOutcome
     home: Path           # CTXSPARSE_HOME of the sweep (its bundles)
     seconds: float
+    resubmitted_url: str     # a copy of the store made right after the sweep, the same spec then submitted again
+    resubmitted: object      # that second run's SweepOutcome
 
 
 class SharedSweep:
@@ -123,8 +124,9 @@ class SharedSweep:
     Ray cluster (``python -m tests.sweep_support ADDRESS URL``) while other tests run: on 2 cores most of a tiny
     sweep is single-threaded (an actor starting, one unit at a time), so the rest of the suite fills the other
     core. Its store is fresh, under ``root``; its CTXSPARSE_HOME is its own (a test may damage one of its bundle
-    files, then restores it), given in the driver's environment, never by changing this process's. The driver's
-    log (the sweep's progress, any traceback) is ``root / "driver.log"``."""
+    files, then restores it), given in the driver's environment, never by changing this process's. Then, still in
+    the background, the same spec is submitted again on a copy of the store (``resubmitted``: what a resume does).
+    The driver's log (the sweeps' progress, any traceback) is ``root / "driver.log"``."""
 
     def __init__(self, root: Path, address: str):
         import subprocess
@@ -156,11 +158,12 @@ class SharedSweep:
                 self.stop()
                 raise RuntimeError(f"the shared tiny sweep did not finish in {timeout:.0f} s; "
                                    f"log {self.log}:\n{self._tail()}") from None
+            seconds = time.time() - self.t0
             lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.startswith(OUTCOME)]
-            if rc != 0 or len(lines) != 1:
+            if rc != 0 or len(lines) != 2:
                 raise RuntimeError(f"the shared tiny sweep's driver exited with {rc}; log {self.log}:\n{self._tail()}")
-            outcome = SweepOutcome(**json.loads(lines[0][len(OUTCOME):]))
-            self._result = TinySweep(self.url, outcome, self.home, time.time() - self.t0)
+            first, again = (SweepOutcome(**json.loads(ln[len(OUTCOME):])) for ln in lines)
+            self._result = TinySweep(self.url, first, self.home, seconds, resubmitted_url(self.url), again)
         return self._result
 
     def stop(self) -> None:
@@ -176,8 +179,13 @@ REPO = Path(__file__).resolve().parents[1]
 OUTCOME = "SHARED-SWEEP-OUTCOME "
 
 
+def resubmitted_url(url: str) -> str:
+    return f"sqlite:///{Path(url.removeprefix('sqlite:///')).with_name('resubmitted.db')}"
+
+
 def _drive(address: str, url: str) -> None:
-    """The shared sweep's driver process: join the session's Ray cluster, run the sweep, print its outcome."""
+    """The shared sweep's driver process: join the session's Ray cluster, run the sweep, print its outcome; copy
+    the store, submit the same spec again on the copy, print that outcome."""
     import json
     import logging
     from dataclasses import asdict
@@ -189,6 +197,10 @@ def _drive(address: str, url: str) -> None:
     ray.init(address=address, log_to_driver=False, configure_logging=False)
     outcome = run_tiny_sweep(url, **SHARED_OVERRIDES)
     print(OUTCOME + json.dumps(asdict(outcome)), flush=True)
+    again_url = resubmitted_url(url)
+    copy_store(url, Path(again_url.removeprefix("sqlite:///")))
+    again = run_tiny_sweep(again_url, **SHARED_OVERRIDES)
+    print(OUTCOME + json.dumps(asdict(again)), flush=True)
 
 
 if __name__ == "__main__":

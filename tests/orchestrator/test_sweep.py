@@ -2,8 +2,9 @@
 placement.
 
 The default tests read the session's one shared tiny sweep (``tiny_sweep``, tests/sweep_support.py): a setting
-whose fit raises and latency asked for on a device type the cluster lacks are part of it. The slow ones run
-sweeps of their own (a resubmission and a missing-device run on a copy of that store, a killed worker)."""
+whose fit raises and latency asked for on a device type the cluster lacks are part of it, and so is the same spec
+submitted again on a copy of its store. The slow ones run sweeps of their own (a run whose only units left need
+a missing device, on a copy of that store; a killed worker)."""
 from __future__ import annotations
 
 import os
@@ -107,20 +108,21 @@ def test_tiny_sweep_writes_every_row_once(tiny_sweep):
         assert pareto(settings, "perplexity/lambada-heldout/ppl", "cuda").message.startswith("no latency rows")
 
 
-@pytest.mark.slow
-def test_resubmitted_sweep_recomputes_nothing(tiny_sweep, tmp_path):
-    """The same spec again (on a copy of the store): nothing done is computed again; the failed fit is retried
-    and fails again, its dependants with it; the same sweep, the same rows."""
-    url = copy_store(tiny_sweep.url, tmp_path / "store.db")
-    before = _counts(url)
-    with home_set_to(tiny_sweep.home):
-        again = run_tiny_sweep(url, **SHARED_OVERRIDES)
-    after = _counts(url)
-    assert again.ran == 0 and sorted(again.failed) == sorted(tiny_sweep.outcome.failed)
-    assert again.done == tiny_sweep.outcome.done
-    assert sorted(again.unplaceable) == sorted(tiny_sweep.outcome.unplaceable)
+def test_resubmitted_sweep_recomputes_nothing(tiny_sweep):
+    """The same spec submitted again on a copy of the store (right after the sweep, by the shared sweep's driver):
+    nothing done is computed again; the failed fit is retried and fails again, its dependants with it; the same
+    sweep, the same rows."""
+    first, again = tiny_sweep.outcome, tiny_sweep.resubmitted
+    before, after = _counts(tiny_sweep.url), _counts(tiny_sweep.resubmitted_url)
+    assert again.sweep_id == first.sweep_id and again.total == first.total
+    assert again.ran == 0 and sorted(again.failed) == sorted(first.failed) and again.worker_deaths == 0
+    assert again.done == first.done and sorted(again.unplaceable) == sorted(first.unplaceable)
     assert sorted(after["acc"]) == sorted(before["acc"]) and sorted(after["lat"]) == sorted(before["lat"])
     assert len(after["sweeps"]) == 1                  # the same spec finds its sweep
+    attempts = {u.id: u.attempts for u in _all_units(tiny_sweep.resubmitted_url).values()}
+    first_attempts = {u.id: u.attempts for u in _all_units(tiny_sweep.url).values()}
+    assert {i: attempts[i] for i in attempts if i not in first.failed} == \
+           {i: first_attempts[i] for i in first_attempts if i not in first.failed}     # nothing done ran again
 
 
 @pytest.mark.slow
