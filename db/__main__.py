@@ -65,12 +65,12 @@ def _resultset(args, url: str) -> int:
 
     try:
         if args.command == "export":
-            if current_revision(url) is None:
+            rev = current_revision(url)
+            if rev is None:
                 raise ResultSetError("the store is empty (no schema)")
-            engine = get_engine(url, read_only=True)
-            with session_scope(engine) as s:
+            with session_scope(get_engine(url, read_only=True)) as s:
                 sweep = int(args.sweep) if args.sweep.isdigit() else args.sweep
-                n = write_jsonl(export_sweep(s, sweep, current_revision(url)), args.file)
+                n = write_jsonl(export_sweep(s, sweep, rev), args.file)
             print(f"{args.file}: {n - 1} rows of sweep {args.sweep} from {_safe(url)}")
         else:
             records = read_jsonl(args.file)

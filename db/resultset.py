@@ -80,10 +80,14 @@ def write_jsonl(records: Iterable[dict], path: str | Path) -> int:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     n = 0
-    with tmp.open("w") as f:
-        for r in records:
-            f.write(json.dumps(r, sort_keys=True, separators=(",", ":")) + "\n")
-            n += 1
+    try:
+        with tmp.open("w") as f:
+            for r in records:
+                f.write(json.dumps(r, sort_keys=True, separators=(",", ":")) + "\n")
+                n += 1
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     tmp.replace(path)
     return n
 

@@ -111,6 +111,7 @@ def test_cli_export_load_and_errors(tmp_path, capsys):
     assert db_main(["export", "no-such-sweep", str(tmp_path / "x.jsonl"), src_url]) == 1
     err = capsys.readouterr().err
     assert "no sweep 'no-such-sweep'" in err and "sweep-a" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x.jsonl").exists() and not list(tmp_path.glob("*.tmp"))    # nothing half-written
     (tmp_path / "junk.jsonl").write_text('{"format": "ctxsparse-resultset-1"}\nnot json\n')
     assert db_main(["load", str(tmp_path / "junk.jsonl"), dst]) == 1
     assert "junk.jsonl:2: not JSON" in capsys.readouterr().err

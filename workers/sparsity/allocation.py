@@ -67,7 +67,7 @@ def _measure_curves(ctx, tokens, points, grid) -> dict[int, list[float]]:
     dense = F.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)
     curves = {}
     for l in ctx.layers:
-        w = {k: v.to(dev) for k, v in ctx.ffn_weights(l).items()}      # the oracle runs inside the model
+        w = ctx.ffn_weights(l, device=dev)          # the oracle runs inside the model
         measured = [0.0]
         for s in points:
             plan = SparsityPlan(mlp={l: OracleMLP(w, act, k_for(s, ctx.lm.dims.D))})
@@ -136,7 +136,7 @@ def _exchange(ctx, tokens, budget, delta, rounds, lo, hi) -> dict[int, float]:
     dev = next(model.parameters()).device
     ids = tokens.windows.to(dev)
     dense = F.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)
-    weights = {l: {k: v.to(dev) for k, v in ctx.ffn_weights(l).items()} for l in ctx.layers}
+    weights = {l: ctx.ffn_weights(l, device=dev) for l in ctx.layers}
 
     def kl(alloc: dict[int, float]) -> float:
         plan = SparsityPlan(mlp={l: OracleMLP(weights[l], act, k_for(s, D)) for l, s in alloc.items() if s > 0})

@@ -148,12 +148,13 @@ class FitContext:
     seed: int = 0
     device: str = "cpu"
 
-    def ffn_weights(self, layer: int) -> dict[str, torch.Tensor]:
+    def ffn_weights(self, layer: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """``gate`` (absent for non-gated), ``up`` [D, d], ``down`` [d, D] as float32 nn.Linear-layout tensors
-        on the CPU, plus ``b_up`` / ``b_down`` where the projections have biases (OPT, GPT-2)."""
+        on ``device`` (the CPU, where fitting computes; code that runs a predictor inside the model asks for the
+        model's), plus ``b_up`` / ``b_down`` where the projections have biases (OPT, GPT-2)."""
         ad = self.lm.adapter
         layer_module = ad.decoder_layers(self.lm.model)[layer]
-        return {k: v.detach().to("cpu", torch.float32) for k, v in ad.ffn_weights(layer_module).items()}
+        return {k: v.detach().to(device, torch.float32) for k, v in ad.ffn_weights(layer_module).items()}
 
     def act_name(self) -> str:
         return self.lm.adapter.act_name(self.lm.model.config)
