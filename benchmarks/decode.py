@@ -131,8 +131,10 @@ def main(argv=None):
               ("mlp.5+h.5 kv-active", 0.5, 0.5, True, "active"),
               ("mlp.5 inline", 0.5, None, False, "exact"), ("mlp.9 inline", 0.9, None, False, "exact"),
               ("mlp.5+h.5 inline", 0.5, 0.5, False, "exact"),
-              # input sparsity on all seven projections (TEAL-style |x| thresholds calibrated on a prefill)
-              ("in.5", None, None, True, "exact"), ("in.7", None, None, True, "exact")]
+              # input sparsity on all seven projections, thresholds calibrated on a prefill: TEAL's |x| ("in")
+              # and WINA's |x_i|·‖W[:, i]‖ (one threshold per input channel in the kernels)
+              ("in.5", None, None, True, "exact"), ("in.7", None, None, True, "exact"),
+              ("wina.5", None, None, True, "exact")]
     prompts = [int(p) for p in a.prompts.split(",")]
     if a.quick:
         points, prompts = points[:2], prompts[:1]
@@ -144,9 +146,10 @@ def main(argv=None):
             t1 = time.time()
             nbytes = None
             try:
-                ins = float(name[2:]) if name.startswith("in.") else 0.0     # "in.5" -> 0.5
+                score = "wina" if name.startswith("wina.") else "abs"
+                ins = float("0." + name.split(".")[1]) if name.startswith(("in.", "wina.")) else 0.0  # in.5: 0.5
                 if ins:
-                    plan = calibrated_input_plan(model, ins)
+                    plan = calibrated_input_plan(model, ins, score=score)
                 else:
                     plan = random_plan(model, ms, hs, rank=a.rank) if (ms or hs) else None
                 r = bench_decode(rt, plan, device="cuda", batch=1, prompt_len=P, gen_len=a.gen,

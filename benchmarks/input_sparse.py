@@ -2,10 +2,12 @@
 
     python -m benchmarks.input_sparse [--quick] [--json NAME] [--dtypes fp16,bf16] [--batches 1,2,4]
                                       [--tune] [--use-tuned] [--config JSON] [--determinism N] [--smoke]
+                                      [--per-channel]
 
 Every projection of Llama-2-7B and Llama-3-8B at batch 1/2/4: gate/up [in=d, out=D], down [in=D, out=d], q/o
 (and Llama-2's k/v) [d, d], Llama-3's GQA k/v [d, 1024], and the fused QKV (one x, three output segments,
-one threshold each). x is random normal; the threshold sits at the s-quantile of max_b |x[b, i]|, so s is the
+one threshold each; --per-channel also times each sparse point with that threshold given once per input channel,
+as WINA runs). x is random normal; the threshold sits at the s-quantile of max_b |x[b, i]|, so s is the
 fraction of w_t rows skipped (the union over the batch; at batch 1 the input sparsity itself); the per-token
 sparsity is recorded too. Each point runs over L distinct weight copies (more bytes than the 60 MB L2), one
 CUDA graph of L calls, replayed and timed with CUDA events (benchmarks.harness); µs per call = replay / L.
@@ -84,9 +86,16 @@ def needed_bytes(x, thr_list, sizes, k, elt):
     return tot + x.numel() * elt + x.shape[0] * sum(sizes) * elt
 
 
-def point_fn(op, W, x, thr, sizes, cfg):
+def point_fn(op, W, x, thr, sizes, cfg, per_channel=False):
+    """One replay's calls: dense F.linear over the L copies, or the input-sparse op. ``per_channel``: the same
+    threshold passed as one per input channel ([nseg, in], as WINA runs): same rows read, plus the threshold
+    loads."""
     from kernels import input_sparse_triton as IS
 
+    if per_channel:
+        thr = thr.float().reshape(1, 1).expand(len(sizes or (0,)), x.shape[1]).contiguous()
+        if sizes is None:
+            thr = thr[0]
     if op == "dense":
         def fn():
             for w in W.w:
@@ -96,7 +105,8 @@ def point_fn(op, W, x, thr, sizes, cfg):
             for w in W.w_t:
                 IS.input_sparse_linear(x, w, thr, config=cfg)
     else:
-        ths = torch.stack([thr] * len(sizes)) if isinstance(thr, torch.Tensor) else [thr] * len(sizes)
+        ths = thr if per_channel else (torch.stack([thr] * len(sizes)) if isinstance(thr, torch.Tensor)
+                                        else [thr] * len(sizes))
 
         def fn():
             for w in W.w_t:
@@ -205,6 +215,17 @@ def bench(args, copy_bw, dev, cfgs):
                         rows.append(r)
                         log(f"{shape:32s} {dname} B={batch} s={s:.2f}: {ts.median:8.2f} us  dense {td.median:8.2f}"
                             f"  x{td.median / ts.median:5.2f}  {100 * (r.frac_copy_bw or 0):5.1f}% copy BW")
+                        if args.per_channel:
+                            tp = time_graph(point_fn("sparse", W, x, thr, sizes, cfg, per_channel=True),
+                                            reps=args.reps, per_replay=W.L, device=dev)
+                            rows.append(Row.measured(
+                                "input_sparse", "input_sparse_per_channel", tp, nbytes=nb, copy_bw_gbps=copy_bw,
+                                shape=shape, dtype=dname, batch=batch, device=str(dev),
+                                extra=dict(model=model, proj=name, k=k, n=n, s=s, layers=W.L,
+                                           dense_us=round(td.median, 3), scalar_us=round(ts.median, 3),
+                                           x_cublas=round(td.median / tp.median, 3), segments=sizes, config=cfg)))
+                            log(f"{'':32s} per-channel thresholds: {tp.median:8.2f} us"
+                                f"  ({tp.median / ts.median:5.3f} of one threshold)")
                 del W
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
@@ -252,6 +273,8 @@ def main(argv=None):
     ap.add_argument("--config", default=None, help="JSON launch-config override for the benchmark")
     ap.add_argument("--determinism", type=int, default=0)
     ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--per-channel", action="store_true",
+                    help="also time every sparse point with one threshold per input channel (WINA's form)")
     ap.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes")
     args = ap.parse_args(argv)
     try:

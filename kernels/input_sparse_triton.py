@@ -12,7 +12,9 @@ token's inactive entries are zeroed in x, so every token gets exactly its own ma
 compaction, no host sync (the threshold may be a 0-d device tensor), CUDA-graph capturable.
 
 The segmented op is the fused QKV case: one input x, W^T of q, k and v concatenated along out, and one
-threshold per output segment (up to 4 segments): segment j uses the mask |x| > thresholds[j].
+threshold per output segment (up to 4 segments): segment j uses the mask |x| > thresholds[j]. A threshold may
+also be one per input channel (thresholds [nseg, in]): WINA's |x_i|·‖W[:, i]‖ > t is |x_i| > t/‖W[:, i]‖, the
+product itself unchanged; those thresholds are read with the x chunk (4 bytes per channel and column block).
 
 Deterministic: every program owns a block of output columns and a fixed slice of the input channels; with one
 slice per column block it writes y directly, otherwise its fp32 partial goes to a workspace and the partials
@@ -77,30 +79,45 @@ def _segment_of(pid, N, c1, c2, c3, NSEG: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _x_chunk(x_ptr, stride_xb, k0, k_hi, thr, bs, bm, BLOCK_K: tl.constexpr):
+def _thr_at(thr, ks, km, THR_VEC: tl.constexpr):
+    """The threshold of input channels ``ks``: ``thr`` itself, or (THR_VEC) loaded from ``thr`` + ks, one per
+    channel (WINA's t / ‖W[:, i]‖); channels past the end get +inf (never active)."""
+    if THR_VEC:
+        return tl.load(thr + ks, mask=km, other=float("inf")).to(tl.float32)
+    else:
+        return thr
+
+
+@triton.jit
+def _x_chunk(x_ptr, stride_xb, k0, k_hi, thr, bs, bm, BLOCK_K: tl.constexpr, THR_VEC: tl.constexpr):
     """x[:, k0:k0+BLOCK_K] with each token's inactive entries (|x| <= thr) zeroed, and the union row mask."""
     ks = k0 + tl.arange(0, BLOCK_K)
     km = ks < k_hi
     xv = tl.load(x_ptr + bs[:, None] * stride_xb + ks[None, :], mask=bm[:, None] & km[None, :], other=0.0)
-    on = (tl.abs(xv.to(tl.float32)) > thr) & bm[:, None] & km[None, :]
+    t = _thr_at(thr, ks, km, THR_VEC)
+    if THR_VEC:
+        t = t[None, :]
+    on = (tl.abs(xv.to(tl.float32)) > t) & bm[:, None] & km[None, :]
     rowm = tl.max(on.to(tl.int32), axis=0) > 0  # union over the batch
     return tl.where(on, xv, tl.zeros_like(xv)), rowm
 
 
 @triton.jit
-def _x_row(x_ptr, ks, km, thr, b, B):
+def _x_row(x_ptr, ks, km, t, b, B):
     m = km & ((ks * 0 + b) < B)
     xv = tl.load(x_ptr + ks, mask=m, other=0.0).to(tl.float32)
-    on = (tl.abs(xv) > thr) & m
+    on = (tl.abs(xv) > t) & m
     return tl.where(on, xv, 0.0), on
 
 
 @triton.jit
-def _x_rows(x_ptr, stride_xb, k0, k_hi, thr, B, B_PAD: tl.constexpr, BLOCK_K: tl.constexpr):
+def _x_rows(x_ptr, stride_xb, k0, k_hi, thr, B, B_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
+            THR_VEC: tl.constexpr):
     """Per token b < 4: x[b, k0:k0+BLOCK_K] in fp32 with inactive entries zeroed (zeros past B), and the union
     row mask. One [BLOCK_K] vector per token, so they broadcast against a w tile without a layout change."""
     ks = k0 + tl.arange(0, BLOCK_K)
     km = ks < k_hi
+    thr = _thr_at(thr, ks, km, THR_VEC)
     x0, rm = _x_row(x_ptr, ks, km, thr, 0, B)
     x1 = x0 * 0.0
     x2 = x1
@@ -128,7 +145,7 @@ def _w_tile(w_ptr, k0, N, cols, cm, rowm, BLOCK_K: tl.constexpr):
 def _input_sparse_kernel(
     x_ptr, stride_xb, w_ptr, thr_ptr, t0, t1, t2, t3, bias_ptr, y_ptr, stride_yb, ws_ptr, cnt_ptr,
     B, K, N, k_per_split, c1, c2, c3,
-    NSEG: tl.constexpr, THR_PTR: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+    NSEG: tl.constexpr, THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
     TICKET: tl.constexpr, S_PAD: tl.constexpr, B_R: tl.constexpr,
     B_PAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
     DOT_F32: tl.constexpr, IEEE: tl.constexpr, MMA: tl.constexpr,
@@ -138,7 +155,9 @@ def _input_sparse_kernel(
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     seg, c0, hi = _segment_of(pid_n, N, c1, c2, c3, NSEG, BLOCK_N)
-    if THR_PTR:
+    if THR_VEC:
+        thr = thr_ptr + seg * K               # this segment's row of per-channel thresholds
+    elif THR_PTR:
         thr = tl.load(thr_ptr + seg).to(tl.float32)
     else:
         thr = tl.where(seg == 0, t0, tl.where(seg == 1, t1, tl.where(seg == 2, t2, t3)))
@@ -151,7 +170,7 @@ def _input_sparse_kernel(
     if USE_DOT:
         acc = tl.zeros([B_PAD, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            xm, rowm = _x_chunk(x_ptr, stride_xb, k0, k_hi, thr, bs, bm, BLOCK_K)
+            xm, rowm = _x_chunk(x_ptr, stride_xb, k0, k_hi, thr, bs, bm, BLOCK_K, THR_VEC)
             w = _w_tile(w_ptr, k0, N, cols, cm, rowm, BLOCK_K)
             if DOT_F32:
                 acc = tl.dot(xm.to(tl.float32), w.to(tl.float32), acc)
@@ -173,14 +192,14 @@ def _input_sparse_kernel(
             a1 = a0
             a2 = a0
             a3 = a0
-        x0, x1, x2, x3, rm = _x_rows(x_ptr, stride_xb, k_lo, k_hi, thr, B, B_PAD, BLOCK_K)
+        x0, x1, x2, x3, rm = _x_rows(x_ptr, stride_xb, k_lo, k_hi, thr, B, B_PAD, BLOCK_K, THR_VEC)
         w_c = _w_tile(w_ptr, k_lo, N, cols, cm, rm, BLOCK_K)
-        y0, y1, y2, y3, rm = _x_rows(x_ptr, stride_xb, k_lo + BLOCK_K, k_hi, thr, B, B_PAD, BLOCK_K)
+        y0, y1, y2, y3, rm = _x_rows(x_ptr, stride_xb, k_lo + BLOCK_K, k_hi, thr, B, B_PAD, BLOCK_K, THR_VEC)
         w_n = _w_tile(w_ptr, k_lo + BLOCK_K, N, cols, cm, rm, BLOCK_K)
-        z0, z1, z2, z3, rm_nn = _x_rows(x_ptr, stride_xb, k_lo + 2 * BLOCK_K, k_hi, thr, B, B_PAD, BLOCK_K)
+        z0, z1, z2, z3, rm_nn = _x_rows(x_ptr, stride_xb, k_lo + 2 * BLOCK_K, k_hi, thr, B, B_PAD, BLOCK_K, THR_VEC)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             w_nn = _w_tile(w_ptr, k0 + 2 * BLOCK_K, N, cols, cm, rm_nn, BLOCK_K)
-            v0, v1, v2, v3, rm_nnn = _x_rows(x_ptr, stride_xb, k0 + 3 * BLOCK_K, k_hi, thr, B, B_PAD, BLOCK_K)
+            v0, v1, v2, v3, rm_nnn = _x_rows(x_ptr, stride_xb, k0 + 3 * BLOCK_K, k_hi, thr, B, B_PAD, BLOCK_K, THR_VEC)
             if MMA:
                 xa = tl.where(r16[:, None] == 0, x0[None, :], 0.0)
                 if B_PAD > 1:
@@ -309,6 +328,7 @@ def _launch(x, w_t, thresholds, sizes, bias, config):
     for s in sizes:
         bounds.append(bounds[-1] + s)
     c = (bounds[1:-1] + [N, N, N])[:3]
+    thr_vec = isinstance(thresholds, torch.Tensor) and thresholds.dim() == 2
     if isinstance(thresholds, torch.Tensor):
         thr_ptr, tv = thresholds, (0.0,) * 4
     else:
@@ -321,7 +341,8 @@ def _launch(x, w_t, thresholds, sizes, bias, config):
     _input_sparse_kernel[(n_blocks, nsplit)](
         x, x.stride(0), w_t, thr_ptr, *tv, bias if bias is not None else w_t, y, y.stride(0), ws, cnt,
         B, K, N, per, *c,
-        NSEG=nseg, THR_PTR=isinstance(thresholds, torch.Tensor), HAS_BIAS=bias is not None, PARTIAL=partial,
+        NSEG=nseg, THR_PTR=isinstance(thresholds, torch.Tensor), THR_VEC=thr_vec, HAS_BIAS=bias is not None,
+        PARTIAL=partial,
         TICKET=ticket, S_PAD=triton.next_power_of_2(nsplit), B_R=C.b_pad(B),
         B_PAD=bp, BLOCK_K=block_k, BLOCK_N=block_n, USE_DOT=use_dot,
         DOT_F32=(use_dot or mma) and x.device.type == "cpu" and x.dtype != torch.float32, MMA=mma,
@@ -344,20 +365,27 @@ def _check(x, w_t, bias):
             "bias must be a contiguous [out] tensor on x's device"
 
 
-def _thr_tensor(t, n, device):
+def _thr_tensor(t, n, k, device):
+    """Thresholds as the kernel reads them: [n] (one per segment) or [n, k] fp32 (one per segment and input
+    channel, WINA's t / ‖W[:, i]‖)."""
     assert t.device == device, f"threshold on {t.device}, x on {device}"
-    assert t.numel() == n, f"{n} threshold(s) expected, got a tensor of {t.numel()}"
     assert t.dtype.is_floating_point, "threshold must be a float tensor"
+    if t.dim() == 2 or (t.numel() == n * k and t.numel() != n):
+        assert t.shape == (n, k) or (n == 1 and t.shape == (k,)), \
+            f"per-channel thresholds must be [{n}, {k}], got {tuple(t.shape)}"
+        return t.reshape(n, k).to(torch.float32).contiguous()
+    assert t.numel() == n, f"{n} threshold(s) or [{n}, {k}] per-channel ones expected, got {tuple(t.shape)}"
     return t.reshape(n).contiguous()
 
 
 def input_sparse_linear(x, w_t, threshold, bias=None, *, config=None):
     """y = mask(x) @ w_t (+ bias), mask(x)[b, i] = x[b, i] if |x[b, i]| > threshold else 0.
 
-    ``threshold``: a float or a one-element float tensor on x's device (read on the device: no sync)."""
+    ``threshold``: a float, a one-element float tensor on x's device (read on the device: no sync), or a tensor
+    [in] of one threshold per input channel."""
     _check(x, w_t, bias)
     if isinstance(threshold, torch.Tensor):
-        threshold = _thr_tensor(threshold, 1, x.device)
+        threshold = _thr_tensor(threshold, 1, x.shape[1], x.device)
     else:
         threshold = (float(threshold),)
     return _launch(x, w_t, threshold, (w_t.shape[1],), bias, config)
@@ -367,14 +395,15 @@ def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, config
     """Fused projections that share the input x (QKV): ``w_t`` = [W_q^T | W_k^T | W_v^T] ([in, sum(sizes)]),
     output segment j (``sizes[j]`` columns) computed with its own mask |x| > thresholds[j].
 
-    ``thresholds``: a float tensor of len(sizes) on x's device, or a sequence of floats; at most 4 segments."""
+    ``thresholds``: a float tensor of len(sizes) on x's device, a tensor [len(sizes), in] of one threshold per
+    segment and input channel (WINA: t / ‖W[:, i]‖), or a sequence of floats; at most 4 segments."""
     _check(x, w_t, bias)
     sizes = tuple(int(s) for s in sizes)
     assert 1 <= len(sizes) <= MAX_SEGMENTS, f"1..{MAX_SEGMENTS} segments, got {len(sizes)}"
     assert all(s > 0 for s in sizes) and sum(sizes) == w_t.shape[1], \
         f"segment sizes {sizes} must be positive and sum to out = {w_t.shape[1]}"
     if isinstance(thresholds, torch.Tensor):
-        thresholds = _thr_tensor(thresholds, len(sizes), x.device)
+        thresholds = _thr_tensor(thresholds, len(sizes), x.shape[1], x.device)
     else:
         thresholds = tuple(float(t) for t in thresholds)
         assert len(thresholds) == len(sizes), f"{len(sizes)} thresholds expected, got {len(thresholds)}"

@@ -106,6 +106,43 @@ def head_sparse_out(attn, w_o_t, q_idx, q_count=None, head_dim=None, bias=None, 
                        out_dtype=attn.dtype)
 
 
+def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, config=None):
+    """Input sparsity over ``w_t`` = Wᵀ [in, out] (segments as in kernels.reference): ``index_select`` of the
+    rows active for some token under some segment's threshold, then each segment's masked x over those rows.
+    Thresholds: floats, a tensor [nseg], or per input channel [nseg, in] (WINA). Finding the rows is one
+    ``nonzero`` (a host sync per call): the price of a gather without a masked-load kernel."""
+    _ensure_backend(x)
+    sizes = [int(s) for s in sizes]
+    assert sum(sizes) == w_t.shape[1], f"segment sizes {sizes} must sum to out = {w_t.shape[1]}"
+    n_in = x.shape[1]
+    if isinstance(thresholds, torch.Tensor) and thresholds.dim() == 2:
+        th = thresholds.to(device=x.device, dtype=torch.float32)
+    else:
+        ts = thresholds if isinstance(thresholds, torch.Tensor) else list(thresholds)
+        th = torch.stack([torch.as_tensor(t, dtype=torch.float32, device=x.device).reshape(-1).expand(n_in)
+                          for t in ts])
+    assert th.shape == (len(sizes), n_in), f"thresholds {tuple(th.shape)} for {len(sizes)} segment(s) of {n_in}"
+    on = x.abs().float()[None, :, :] > th[:, None, :]                     # [nseg, B, in]
+    rows = on.any(dim=1).any(dim=0).nonzero().squeeze(1)
+    wr = w_t.index_select(0, rows)
+    xr, onr = x.index_select(1, rows), on.index_select(2, rows)
+    outs, lo = [], 0
+    for j, s in enumerate(sizes):
+        outs.append((xr * onr[j].to(x.dtype)).to(w_t.dtype) @ wr[:, lo:lo + s])
+        lo += s
+    y = torch.cat(outs, dim=1)
+    if bias is not None:
+        y = y + bias
+    return y.to(x.dtype)
+
+
+def input_sparse_linear(x, w_t, threshold, bias=None, *, config=None):
+    """y = (x · [|x| > t]) @ w_t (+ bias) over the gathered active rows; ``threshold`` a float, a one-element
+    tensor or one per input channel [in]."""
+    t = threshold.reshape(1, -1) if isinstance(threshold, torch.Tensor) and threshold.numel() > 1 else [threshold]
+    return input_sparse_linear_segments(x, w_t, t, [w_t.shape[1]], bias)
+
+
 compact = _ref.compact
 union_active = _ref.union_active
 kv_heads_for = _ref.kv_heads_for

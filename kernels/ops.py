@@ -104,7 +104,7 @@ def sparse_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count=None, act="relu", *, 
 
 def _op(x, name: str):
     """The backend's own ``name`` op, or the torch reference's where the backend has none (the NPU path has no
-    input-sparse or dense-FFN op of its own)."""
+    dense-FFN op of its own)."""
     return getattr(backend(x), name, None) or getattr(_ref, name)
 
 

@@ -1,6 +1,6 @@
 """Input-sparse (TEAL/WINA) column-sparse GEMV vs the torch reference (fp64 ground truth): every launch path
 (no split, split + reduce kernel, split + ticket reduce, CUDA-core FMA, register-prefetched tensor-core MMA),
-masked rows never read, edges, bits."""
+masked rows never read, per-channel (WINA) thresholds, edges, bits."""
 import pytest
 import torch
 
@@ -145,6 +145,36 @@ def test_segments_per_projection_thresholds(dtype, cfg, device, gen, poison):
     assert torch.equal(one, T.input_sparse_linear(x, w_t, th[1], bias, config=CONFIGS[cfg]))
 
 
+@grid("dtype,cfg", [[F16, BF16, F32], ["fma", "split_ticket", "nosplit", "mma"]],
+      in_default((F16, "fma"), (BF16, "nosplit")))
+def test_per_channel_thresholds(dtype, cfg, device, gen, poison):
+    """WINA: one threshold per segment and input channel (t / ‖W[:, i]‖), read with x: the same product as the
+    reference, only rows active under their own channel's threshold read, and a row of equal thresholds gives
+    the scalar op's bits."""
+    sizes = (40, 27, 33)
+    w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
+    x = rnd((2, IN), gen, dtype, device)
+    norms = torch.rand(len(sizes), IN, generator=gen).to(device) * 3 + 0.1
+    score_t = torch.stack([_thr(x.float() * n, q) for n, q in zip(norms, (0.3, 0.6, 0.85))])
+    th = (score_t[:, None] / norms).float().contiguous()              # [nseg, in]
+    ref = R.input_sparse_linear_segments(up(x), up(w_t), th, sizes)
+    out = T.input_sparse_linear_segments(x, w_t, th, sizes, config=CONFIGS[cfg])
+    _check(out, ref, dtype, gen, "per-channel")
+    w_nan = w_t.clone()
+    lo = 0
+    for s, t in zip(sizes, th):
+        on = (x.float().abs() > t[None, :]).any(dim=0)
+        assert 0 < int(on.sum()) < IN
+        w_nan[~on, lo:lo + s] = float("nan")
+        lo += s
+    assert torch.equal(T.input_sparse_linear_segments(x, w_nan, th, sizes, config=CONFIGS[cfg]), out)
+    one = T.input_sparse_linear(x, w_t, th[1], config=CONFIGS[cfg])          # [in]: one segment
+    _check(one, R.input_sparse_linear(up(x), up(w_t), th[1]), dtype, gen, "one segment")
+    flat = torch.full((1, IN), float(score_t[1] / 2), device=device)
+    assert torch.equal(T.input_sparse_linear(x, w_t, flat, config=CONFIGS[cfg]),
+                       T.input_sparse_linear(x, w_t, flat[0, 0], config=CONFIGS[cfg]))
+
+
 def test_bad_input_is_rejected(device, gen):
     w_t = rnd((IN, OUT), gen, torch.float16, device)
     x = rnd((1, IN), gen, torch.float16, device)
@@ -158,6 +188,8 @@ def test_bad_input_is_rejected(device, gen):
         T.input_sparse_linear(rnd((9, IN), gen, torch.float16, device), w_t, 0.1)
     with pytest.raises(AssertionError, match="threshold"):
         T.input_sparse_linear(x, w_t, torch.tensor([0.1, 0.2], device=device))
+    with pytest.raises(AssertionError, match="per-channel"):
+        T.input_sparse_linear_segments(x, w_t, torch.zeros(2, IN + 1, device=device), (50, 50))
     with pytest.raises(AssertionError, match="sum to"):
         T.input_sparse_linear_segments(x, w_t, [0.1, 0.2], (50, 49))
     with pytest.raises(AssertionError, match="thresholds expected"):
@@ -174,3 +206,7 @@ def test_ops_dispatch(monkeypatch, device, gen):
         _check(ops.input_sparse_linear(x, w_t, t), ref, torch.float32, gen, name)
         seg = ops.input_sparse_linear_segments(x, w_t, torch.stack([t, t]), (60, 40))
         _check(seg, ref, torch.float32, gen, name + " segments")
+        per = torch.stack([torch.full((IN,), float(t), device=device), torch.rand(IN, generator=gen).to(device)])
+        _check(ops.input_sparse_linear_segments(x, w_t, per, (60, 40)),
+               R.input_sparse_linear_segments(up(x), up(w_t), per, (60, 40)), torch.float32, gen,
+               name + " per-channel")

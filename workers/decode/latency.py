@@ -72,20 +72,26 @@ def random_plan(model_or_config, mlp_sparsity: float | None, head_sparsity: floa
 
 
 @torch.no_grad()
-def calibrated_input_plan(model, sparsity: float, n_tokens: int = 256, seed: int = 0) -> SparsityPlan:
-    """TEAL-style input sparsity on every projection of every layer at ``sparsity``: per (layer, projection) the
-    |x| quantile of that projection's input over one prefill of ``n_tokens`` random tokens. For random-weight
-    shapes, where no calibration cache exists: the thresholds realize ``sparsity`` on inputs like the decode's."""
+def calibrated_input_plan(model, sparsity: float, n_tokens: int = 256, seed: int = 0,
+                          score: str = "abs") -> SparsityPlan:
+    """Input sparsity on every projection of every layer at ``sparsity``: per (layer, projection) the quantile of
+    that projection's input score (``abs``: TEAL's |x|; ``wina``: |x_i|·‖W[:, i]‖) over one prefill of
+    ``n_tokens`` random tokens. For random-weight shapes, where no calibration cache exists: the thresholds
+    realize ``sparsity`` on inputs like the decode's."""
     from workers.loading.adapters import adapter_for
-    from workers.sparsity.input_sparse import projection_modules
+    from workers.sparsity.input_sparse import column_norms, input_score, projection_modules
 
+    if score not in ("abs", "wina"):
+        raise ValueError(f"score must be 'abs' or 'wina', got {score!r}")
     ad = adapter_for(model)
     found: dict[tuple[int, str], torch.Tensor] = {}
     hooks = []
     for l, layer in ad.iter_layers(model):
         for proj, mod in projection_modules(ad, layer).items():
-            def pre(_m, args, l=l, proj=proj):
-                x = args[0].float().abs().flatten()
+            scale = column_norms(mod) if score == "wina" else None
+
+            def pre(_m, args, l=l, proj=proj, scale=scale):
+                x = input_score(args[0].float(), scale).flatten()
                 x = x[::-(-x.numel() // 2 ** 24)]                  # torch.quantile takes at most 2^24 values
                 found[(l, proj)] = torch.quantile(x, sparsity)
             hooks.append(mod.register_forward_pre_hook(pre))
@@ -96,7 +102,7 @@ def calibrated_input_plan(model, sparsity: float, n_tokens: int = 256, seed: int
     finally:
         for h in hooks:
             h.remove()
-    plan = SparsityPlan()
+    plan = SparsityPlan(input_score=score)
     for (l, proj), t in found.items():
         plan.inputs.setdefault(l, {})[proj] = float(t)
     return plan

@@ -16,8 +16,8 @@ once and then only the up / W_downᵀ rows of the kept neurons (``thr_ffn``). In
 TEAL / WINA): QKV share one input and one Wᵀ copy with three thresholds, gate|up likewise with two; O and down
 use ``w_o_t`` / ``w_down_t`` as stored; the Wᵀ copies exist only for the projections the plan needs (in
 ``LayerWeights.layouts``, dropped with the plan). WINA's |x_i|·‖W[:, i]‖ > t runs as |x_i| > t/‖W[:, i]‖ (one
-threshold per input channel, CPU only). Runtimes that share one ModelWeights share those layouts: set a plan
-on one of them only (another's set_plan drops the layouts its own plan does not need).
+threshold per input channel, read by the kernels with x). Runtimes that share one ModelWeights share those
+layouts: set a plan on one of them only (another's set_plan drops the layouts its own plan does not need).
 """
 from __future__ import annotations
 
@@ -125,9 +125,6 @@ def _inputs(rp: RuntimePlan, plan, w: ModelWeights) -> None:
         return
     check_plan_parts(plan)
     wina = plan.input_score == "wina"
-    if wina and w.device.type != "cpu":
-        raise ValueError("WINA input sparsity needs a threshold per input channel: the decode runtime runs it "
-                         "on the CPU only (the Triton input-sparse kernel takes one threshold per segment)")
     known = {"q", "k", "v", "o", "up", "down"} | ({"gate"} if w.gated else set())
     dims, dev = w.dims, w.device
     H, KV, hd, d, D = dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.d, dims.D

@@ -162,9 +162,11 @@ def test_input_sparsity_layouts_and_errors():
         plan = random_plan(m, None, 0.5, rank=8)
         plan.inputs = {1: {"q": 0.1}}
         rt.set_plan(plan)
-    rt = DecodeRuntime.from_hf(m, device="meta")       # not the CPU
-    with pytest.raises(ValueError, match="WINA"):
-        rt.set_plan(SparsityPlan(inputs={0: {"q": 0.1}}, input_score="wina"))
+    rt = DecodeRuntime.from_hf(m, device="meta")       # not the CPU: WINA's per-channel thresholds go there too
+    rt.set_plan(SparsityPlan(inputs={0: {"q": 0.1, "down": 0.2}}, input_score="wina"))
+    thr_qkv, thr_down = rt.sparse_plan.in_attn[0]["qkv"][0], rt.sparse_plan.in_ffn[0]["down"][0]
+    d, D = m.config.hidden_size, m.config.intermediate_size
+    assert thr_qkv.shape == (3, d) and thr_down.shape == (1, D) and thr_qkv.device.type == "meta"
 
 
 def _threshold_plan(m, ids, s):

@@ -50,10 +50,12 @@ def test_capture_records_consistent_components_and_hits_the_cache(smollm2, calib
 
 
 def test_small_memory_budget_streams_many_shards_with_the_same_content(smollm2, calib, tmp_path):
+    # one window per forward in both (a batched forward of 4 windows may round differently on the CPU: what is
+    # compared here is the streaming into shards, not the batching)
     one = capture_activations(smollm2, calib, layers=ALL_LAYERS, components=("inter",), root=tmp_path / "a",
-                              progress=False)
+                              batch_windows=1, progress=False)
     many = capture_activations(smollm2, calib, layers=ALL_LAYERS, components=("inter",), root=tmp_path / "b",
-                               max_buffer_mb=1, progress=False)
+                               max_buffer_mb=1, batch_windows=1, progress=False)
     assert len(one.manifest["shards"]) == 1 and len(many.manifest["shards"]) == 4   # one 64-token window each
     for layer in (0, 7, 29):
         assert torch.equal(one.load(layer, "inter"), many.load(layer, "inter"))
