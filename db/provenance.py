@@ -50,10 +50,13 @@ def _package_versions(names: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
 
 @lru_cache(maxsize=1)
 def git_rev() -> str:
-    """HEAD of the project checkout, else ``$CTXSPARSE_GIT_REV``, else ``"unknown"``.
+    """``$CTXSPARSE_GIT_REV`` where set (a shipped tree: the commit the shipment was built at, which a copy of the
+    tree with another .git would misreport), else HEAD of the project checkout, else ``"unknown"``.
 
     A checkout with uncommitted changes gets a ``-dirty`` suffix.
     """
+    if os.environ.get("CTXSPARSE_GIT_REV"):
+        return os.environ["CTXSPARSE_GIT_REV"]
     try:
         run = dict(cwd=_PROJECT_ROOT, capture_output=True, text=True, timeout=10, check=True)
         top = subprocess.run(["git", "rev-parse", "--show-toplevel"], **run).stdout.strip()
@@ -66,7 +69,7 @@ def git_rev() -> str:
             return rev + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("CTXSPARSE_GIT_REV") or "unknown"
+    return "unknown"
 
 
 def stamp() -> dict[str, object]:

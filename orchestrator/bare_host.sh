@@ -70,7 +70,7 @@ _ctxsparse_env() {
   export PYTHONPATH="$site:$_ctxsparse_root${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
   export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
   export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-  # provenance of result rows (the host's copy of the tree has no .git): the commit the shipment was built at
+  # provenance of result rows (the host's copy of the tree may have no .git, or another one): the shipment's commit
   for stamp in "$site"/.ctxsparse-ship-*; do
     [ -f "$stamp" ] && export CTXSPARSE_GIT_REV=${CTXSPARSE_GIT_REV:-$(cat "$stamp")}
   done

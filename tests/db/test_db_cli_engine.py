@@ -84,7 +84,12 @@ def test_provenance(monkeypatch, tmp_path):
     assert versions["sqlalchemy"] and versions["pydantic"]
     assert "surely-not-installed-pkg" not in provenance.package_versions(("surely-not-installed-pkg", "pydantic"))
     assert set(provenance.stamp()) == {"package_versions", "git_rev"}
-    # outside a git checkout: the env var, else "unknown"
+    # the env var wins where set (inside the checkout too: a shipped tree names the shipment's commit) ...
+    provenance.git_rev.cache_clear()
+    monkeypatch.setenv("CTXSPARSE_GIT_REV", "cafe01")
+    assert provenance.git_rev() == "cafe01"
+    monkeypatch.delenv("CTXSPARSE_GIT_REV")
+    # ... outside a git checkout: the env var, else "unknown"
     monkeypatch.setattr(provenance, "_PROJECT_ROOT", tmp_path)
     provenance.git_rev.cache_clear()
     try:
