@@ -103,9 +103,11 @@ def plan_units(spec: SweepSpec, described: dict[str, dict]) -> list[PlannedUnit]
             units.append(fit)
             coords = dict(method=st["method"], sparsity=st["sparsity"], rank=st["rank"],
                           attn_sparsity=st["attn_sparsity"])
-            # accuracy rows: on the CPU dense products with the unselected entries zeroed (the same selection and
-            # numbers up to summation order, at dense speed); on accelerators the sparse kernels themselves
-            ev = {**base, "fit_unit": fit.id, "threads": threads, "exec_mode": "masked" if acc == "cpu" else "kernel"}
+            # accuracy rows: dense products with the unselected entries zeroed, on every device (the same
+            # selection and numbers up to summation order as the token-sparse products, and faster than them for
+            # evaluation forwards on a CPU and on an H200: workers/sparsity/sparse_exec.py); latency rows run the
+            # decode kernels, which really skip the work
+            ev = {**base, "fit_unit": fit.id, "threads": threads, "exec_mode": "masked"}
             if shape:
                 pass
             elif spec.suites.perplexity is not None:

@@ -231,7 +231,7 @@ def apply_bundle(model: torch.nn.Module, bundle: str | Path | Bundle, *, check_m
                               f"(fingerprint {b.fingerprint[:12]}), this model's fingerprint is {fp[:12]}")
     plan = b.plan(model)
     # mode: "kernel" (only the selected work), "masked" (dense products, unselected entries zeroed) or "auto"
-    # (masked on the CPU, kernel elsewhere); see workers.sparsity.sparse_exec.apply_sparsity
+    # (masked); see workers.sparsity.sparse_exec
     return apply_sparsity(model, plan, input_mode="kernel" if mode == "kernel" else "masked", mode=mode)
 
 

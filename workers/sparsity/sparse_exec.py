@@ -8,9 +8,13 @@ Modules are swapped, never ``forward`` patched:
   * the attention output projection of each layer with a head predictor -> :class:`TokenSparseHeadOut`, which
     projects only each token's active heads.
 ``mode="masked"`` computes the same functions as dense products with the unselected entries zeroed (same
-selection and statistics, equal up to summation order): much faster on a CPU, where the token-sparse kernels
-cost more than dense; ``apply_sparsity``'s default ``"auto"`` takes it on the CPU and the kernels elsewhere, and
-``AppliedSparsity.mode`` records which path produced the numbers.
+selection and statistics, equal up to summation order). For evaluation forwards (many tokens, a different set per
+token) it is the faster path on every device measured: on a CPU the token-sparse products cost more than dense,
+and on an H200 they cost up to 1.5x the masked product (SDDMM and CSR products at 50 % density do not beat a dense
+GEMM, and their ``nonzero`` syncs with the host every layer). ``apply_sparsity``'s default ``"auto"`` is therefore
+``masked`` everywhere; ``kernel`` stays for checking that the skipped work really is skippable (tests compare the
+two), and ``AppliedSparsity.mode`` records which path produced the numbers. Decode latency, where the work is
+really skipped, is the decode runtime's (``workers.decode``), not this module's.
 Predictor inputs other than the FFN's own input (``residual``, ``lookahead``) come from forward pre-hooks on
 the decoder layers that keep the last hidden state entering each layer (removed again by ``revert``).
 
@@ -36,13 +40,44 @@ from workers.sparsity.input_sparse import (
 from workers.sparsity.predictors.base import HeadPredictor, MLPPredictor, SparsityPlan
 
 
+def _count(v: "int | torch.Tensor") -> int:
+    return int(v)     # a device tensor is read back here, once
+
+
 @dataclass
 class LayerStats:
+    """Counts of one layer. ``add_ffn`` / ``add_heads`` take the pair counts as numbers or as tensors on the
+    model's device; tensors are summed there and read back when a count is first read (one copy per layer then,
+    not one host sync per forward)."""
     tokens: int = 0
-    first_pairs: int = 0      # (token, neuron) pairs computed in the first projection (gate / fc1)
-    kept_pairs: int = 0       # pairs computed in up and down
-    heads_kept: int = 0
     head_tokens: int = 0
+    _first: "int | torch.Tensor" = 0    # (token, neuron) pairs computed in the first projection (gate / fc1)
+    _kept: "int | torch.Tensor" = 0     # pairs computed in up and down
+    _heads: "int | torch.Tensor" = 0    # (token, head) pairs kept
+
+    def add_ffn(self, tokens: int, first: "int | torch.Tensor", kept: "int | torch.Tensor") -> None:
+        self.tokens += tokens
+        self._first = self._first + first
+        self._kept = self._kept + kept
+
+    def add_heads(self, tokens: int, kept: "int | torch.Tensor") -> None:
+        self.head_tokens += tokens
+        self._heads = self._heads + kept
+
+    @property
+    def first_pairs(self) -> int:
+        self._first = _count(self._first)
+        return self._first
+
+    @property
+    def kept_pairs(self) -> int:
+        self._kept = _count(self._kept)
+        return self._kept
+
+    @property
+    def heads_kept(self) -> int:
+        self._heads = _count(self._heads)
+        return self._heads
 
 
 @dataclass
@@ -121,7 +156,8 @@ def masked_token_ffn(x, w_up, w_down_t, mask, act, w_gate=None, b_up=None, b_dow
     keep = mask if filter_threshold is None else mask & (a.abs() > filter_threshold)
     h = a * (x @ w_up.t()) if w_gate is not None else a
     y = (h * keep) @ w_down_t
-    return (y + b_down if b_down is not None else y), int(mask.sum()), int(keep.sum())
+    # the counts stay on the device (LayerStats sums them there): no host sync per layer and forward
+    return (y + b_down if b_down is not None else y), mask.sum(), keep.sum()
 
 
 class SparseFFN(nn.Module):
@@ -146,10 +182,7 @@ class SparseFFN(nn.Module):
         ffn = masked_token_ffn if self.mode == "masked" else token_sparse_ffn
         y, n_first, n_kept = ffn(x2, self.w_up, self.w_down_t, mask, self.act, w_gate=self.w_gate,
                                  b_up=self.b_up, b_down=self.b_down, filter_threshold=self.filter_threshold)
-        st = self._stats.layers.setdefault(self.layer, LayerStats())
-        st.tokens += x2.shape[0]
-        st.first_pairs += n_first
-        st.kept_pairs += n_kept
+        self._stats.layers.setdefault(self.layer, LayerStats()).add_ffn(x2.shape[0], n_first, n_kept)
         return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
 
 
@@ -177,9 +210,7 @@ class TokenSparseHeadOut(nn.Module):
         else:
             y = token_sparse_head_out(a2, linear_weight(self.orig), mask, self.head_dim,
                                       getattr(self.orig, "bias", None))
-        st = self._stats.layers.setdefault(self.layer, LayerStats())
-        st.head_tokens += a2.shape[0]
-        st.heads_kept += int(mask.sum())
+        self._stats.layers.setdefault(self.layer, LayerStats()).add_heads(a2.shape[0], mask.sum())
         return y.reshape(*shape[:-1], y.shape[-1]).to(attn.dtype)
 
 
@@ -212,7 +243,8 @@ def apply_sparsity(model: nn.Module, plan: SparsityPlan, input_mode: str = "mask
 
     ``mode`` for the FFN and head parts: ``kernel`` (only the selected entries computed, kernels.token_sparse),
     ``masked`` (dense products, unselected entries zeroed: same numbers up to summation order) or ``auto``
-    (masked when the model is on the CPU, else kernel); the result's ``mode`` says which ran.
+    (masked: the faster of the two for evaluation on every device measured, see the module's docstring); the
+    result's ``mode`` says which ran.
 
     ``plan.inputs`` (input sparsity) swaps projections for ``input_sparse.InputSparseLinear`` in ``input_mode``
     (``masked`` for accuracy runs, ``kernel`` to skip the work)."""
@@ -223,7 +255,7 @@ def apply_sparsity(model: nn.Module, plan: SparsityPlan, input_mode: str = "mask
     layers = ad.decoder_layers(model)
     stats = SparseStats(dims.D, dims.n_heads, plan.dense_gate, inputs=InputStats(model_projection_numel(model)))
     if mode == "auto":
-        mode = "masked" if next(model.parameters()).device.type == "cpu" else "kernel"
+        mode = "masked"
     if mode not in EXEC_MODES:
         raise ValueError(f"mode must be 'auto' or one of {EXEC_MODES}, got {mode!r}")
     stats.predictor_numel = sum(t.numel() for p in [*plan.mlp.values(), *plan.attn.values()]

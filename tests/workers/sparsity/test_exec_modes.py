@@ -46,7 +46,7 @@ def test_masked_equals_kernel(family, sequential):
     assert (dense - lm).abs().max() > 1e-3
 
 
-def test_auto_mode_is_masked_on_cpu_and_bad_mode_refused():
+def test_auto_mode_is_masked_and_bad_mode_refused():
     model = tiny_model("llama")
     plan = random_plan(model, 0.5, None, rank=8, seed=2)
     with apply_sparsity(model, plan) as applied:
@@ -54,3 +54,23 @@ def test_auto_mode_is_masked_on_cpu_and_bad_mode_refused():
     with pytest.raises(ValueError):
         apply_sparsity(model, plan, mode="fast")
     assert all("Sparse" not in type(m).__name__ for m in model.modules())
+
+
+def test_masked_counts_stay_on_the_device_until_read():
+    """The masked path adds each forward's pair counts as tensors (no host sync per layer); the first read turns
+    them into the same integers the kernel path counts."""
+    model = tiny_model("llama")
+    plan = random_plan(model, 0.5, 0.5, rank=8, input_kind="residual", seed=3)
+    toks = _tokens(n_windows=2, seq_len=16)
+    with torch.no_grad(), apply_sparsity(model, plan, mode="masked") as applied:
+        model(input_ids=toks.windows)
+        model(input_ids=toks.windows)
+        ls = next(iter(applied.stats.layers.values()))
+        assert isinstance(ls._kept, torch.Tensor) and isinstance(ls._heads, torch.Tensor)
+        masked = (ls.tokens, ls.first_pairs, ls.kept_pairs, ls.head_tokens, ls.heads_kept)
+        assert all(type(v) is int for v in masked) and ls.tokens == 2 * toks.n_tokens
+    with torch.no_grad(), apply_sparsity(model, plan, mode="kernel") as applied:
+        model(input_ids=toks.windows)
+        model(input_ids=toks.windows)
+        ls = next(iter(applied.stats.layers.values()))
+        assert (ls.tokens, ls.first_pairs, ls.kept_pairs, ls.head_tokens, ls.heads_kept) == masked

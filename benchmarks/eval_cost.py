@@ -1,0 +1,171 @@
+"""What a sparse setting's accuracy evaluation costs against dense, and whether the two execution modes agree.
+
+The sweep's own units (``workers.units.Units``: collect, fit, eval) run in one process on one device; for each
+task, dense and every (setting, mode) are evaluated back to back, so drift and load hit them alike. ``masked``
+computes the FFN / head parts as dense products with the unselected entries zeroed, ``kernel`` with the
+token-sparse products (``workers.sparsity.sparse_exec``); the selection is the same, so their accuracy values
+may differ only by summation order. Bundles and activation caches stay under ``$CTXSPARSE_HOME`` (a re-run fits
+nothing again).
+
+    python -m benchmarks.eval_cost --device cuda --settings oracle:0.5,threshold:0.5,svd:0.5:256 \\
+        --tasks perplexity,piqa:1000,arc_easy,lambada_openai:2000,gsm8k_cot:20 --json eval_cost.json
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from benchmarks.harness import command_line, write_results
+from workers.evals.tasks import SuiteError, check_task_names
+from workers.names import DENSE
+from workers.units import Units
+
+MODES = ("masked", "kernel")
+OPTIONS = {"svd": {"target": "product"}}      # the settings the GPU sweep publishes
+
+
+def _setting(spec: str) -> dict:
+    """``method:sparsity[:rank]``."""
+    parts = spec.split(":")
+    if len(parts) not in (2, 3):
+        raise ValueError(f"setting {spec!r}: expected method:sparsity[:rank]")
+    return {"method": parts[0], "sparsity": float(parts[1]), "rank": int(parts[2]) if len(parts) == 3 else None,
+            "options": OPTIONS.get(parts[0], {})}
+
+
+def _task(spec: str) -> tuple[str, int | None]:
+    """``name[:limit]``; ``perplexity`` is the held-out perplexity run."""
+    name, _, limit = spec.partition(":")
+    return name, int(limit) if limit else None
+
+
+def _id(cfg: dict) -> str:
+    return hashlib.sha1(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
+
+
+def _main_value(out) -> tuple[str, float, float | None]:
+    """(metric, value, stderr) a task is judged by: ppl for perplexity, else the first accuracy row's."""
+    rows = out.accuracy
+    row = next((r for r in rows if r["metric"] == "ppl"), rows[0])
+    return row["metric"], row["value"], row.get("stderr")
+
+
+def _report(a, lm, fits: dict, tasks: list, modes: list, rows: list, final: bool) -> None:
+    """Sums, ratios to dense and mode agreement over the tasks measured so far; written after every task (a cut
+    run keeps what it measured), printed at the end."""
+    done = [t for t in tasks if any(r["task"] == t[0] for r in rows)]
+    summary = []
+    dense_s = {r["task"]: r["seconds"] for r in rows if r["setting"] == DENSE}
+    for label in fits:
+        for mode in (["masked"] if label == DENSE else modes):
+            mine = [r for r in rows if r["setting"] == label and r["mode"] == mode and r["task"] in dense_s]
+            if not mine:
+                continue
+            total = sum(r["seconds"] for r in mine)
+            summary.append({"setting": label, "mode": mode, "seconds": total,
+                            "x_dense": total / sum(dense_s[r["task"]] for r in mine),
+                            "x_dense_by_task": {r["task"]: r["seconds"] / dense_s[r["task"]] for r in mine}})
+    agree = []
+    if set(modes) == set(MODES):
+        by = {(r["setting"], r["mode"], r["task"]): r for r in rows}
+        for label in fits:
+            for name, _ in done:
+                if label != DENSE and all((label, md, name) in by for md in MODES):
+                    m, k = by[(label, "masked", name)], by[(label, "kernel", name)]
+                    agree.append({"setting": label, "task": name, "masked": m["value"], "kernel": k["value"],
+                                  "diff": k["value"] - m["value"]})
+    if final:
+        print("\nsetting                mode     seconds  x dense")
+        for s in summary:
+            print(f"{s['setting']:<22} {s['mode']:<7} {s['seconds']:8.1f}  {s['x_dense']:.2f}")
+        if agree:
+            print("largest |kernel - masked| per task:",
+                  {t: max(abs(g["diff"]) for g in agree if g["task"] == t) for t, _ in done})
+    if a.json:
+        path = write_results(a.json, [], command=command_line("benchmarks.eval_cost"), device=a.device,
+                             meta={"model": a.model, "fingerprint": lm.fingerprint, "threads": a.threads,
+                                   "complete": final},
+                             sections={"evals": rows, "summary": summary, "agreement": agree,
+                                       "median_x_dense": {f"{s['setting']} {s['mode']}": statistics.median(
+                                           s["x_dense_by_task"].values()) for s in summary}})
+        if final:
+            print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.eval_cost", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--settings", default="oracle:0.5,threshold:0.5,svd:0.5:256",
+                   help="comma list of method:sparsity[:rank] (dense is always measured)")
+    p.add_argument("--tasks", default="perplexity,piqa:1000,arc_easy,lambada_openai:2000,gsm8k_cot:20",
+                   help="comma list of task[:limit]; 'perplexity' is the held-out run")
+    p.add_argument("--modes", default="masked,kernel")
+    p.add_argument("--calib-tokens", type=int, default=8192)
+    p.add_argument("--heldout-tokens", type=int, default=8192)
+    p.add_argument("--batch-size", type=int, default=32, help="sequences per lm-eval forward (the GPU sweep's)")
+    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--json", default=None, help="result file (a bare name goes under benchmarks/results/)")
+    a = p.parse_args(argv)
+    try:
+        settings = [_setting(s) for s in a.settings.split(",") if s]
+        tasks = [_task(t) for t in a.tasks.split(",") if t]
+        modes = [m for m in a.modes.split(",") if m]
+        if not set(modes) <= set(MODES):
+            raise ValueError(f"modes must be among {MODES}, got {modes}")
+        check_task_names([n for n, _ in tasks if n != "perplexity"])
+    except (ValueError, SuiteError) as e:
+        p.error(str(e))
+
+    units = Units(device=a.device)
+    lm = units.lm(a.model)
+    data = {"source": "lambada", "calib_tokens": a.calib_tokens, "metric_tokens": 1024, "seq_len": 512}
+    base = {"model": a.model, "model_fp": lm.fingerprint, "data": data, "threads": a.threads, "seed": 0}
+    fits, rows = {}, []
+    for st in [{"method": DENSE, "sparsity": 0.0, "rank": None, "options": {}}, *settings]:
+        cfg = {**base, **st, "attn_sparsity": None}
+        t0 = time.time()
+        out = units.run("fit", _id(cfg), cfg)
+        label = st["method"] if st["method"] == DENSE else f"{st['method']} s={st['sparsity']}" + (
+            f" r={st['rank']}" if st["rank"] else "")
+        fits[label] = _id(cfg)
+        print(f"fit {label}: {time.time() - t0:.1f} s {out.summary}", flush=True)
+
+    ppl_cfg = {"tokens": a.heldout_tokens, "seq_len": 512}
+    # untimed: each task once on two items (lm-eval builds its templates and reads the data on a task's first
+    # call in a process; that cost would otherwise land on whichever setting ran first)
+    for name, _ in tasks:
+        if name != "perplexity":
+            units.run("eval", "warm", {**base, "fit_unit": fits[DENSE], "exec_mode": "masked", "suite": name,
+                                       "limit": 2, "batch_size": a.batch_size})
+    for name, limit in tasks:
+        for label, fit_id in fits.items():
+            for mode in (["masked"] if label == DENSE else modes):
+                cfg = {**base, "fit_unit": fit_id, "exec_mode": mode}
+                cfg.update({"suite": "perplexity", "perplexity": ppl_cfg} if name == "perplexity" else
+                           {"suite": name, "limit": limit, "batch_size": a.batch_size})
+                if a.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = units.run("eval", _id(cfg), cfg)
+                if a.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                metric, value, stderr = _main_value(out)
+                rows.append({"task": name, "limit": limit, "setting": label, "mode": mode, "seconds": dt,
+                             "metric": metric, "value": value, "stderr": stderr})
+                print(f"{name:<11} {label:<22} {mode:<7} {dt:7.2f} s  {metric} {value:.4f}", flush=True)
+        _report(a, lm, fits, tasks, modes, rows, final=False)
+
+    _report(a, lm, fits, tasks, modes, rows, final=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
