@@ -214,9 +214,55 @@ def test_greedy_block_allocation_path_and_plan(llama, monkeypatch):
     for l in (0, 1):
         per = mod.path_at(paths[l], 0.3)
         assert set(plan.inputs[l]) == {p for p in projs if per[p] > 0}
-        assert plan.info[l]["inputs"]["greedy"] is True
+        assert plan.info[l]["inputs"]["greedy"] == "block"
     with pytest.raises(ValueError, match="do not combine"):
         fit_method("teal", ctx, 0.3, greedy=True, symmetric=True)
+    with pytest.raises(ValueError, match="greedy must be"):
+        fit_method("teal", ctx, 0.3, greedy="layers")
+
+
+def test_greedy_model_allocation_spends_the_budget_where_it_is_free_first(llama, monkeypatch):
+    """With W_o zeroed, attention adds nothing to the residual stream: dropping inputs of q, k, v or o costs no
+    KL at all, while every FFN step costs some. The model-wide greedy must therefore take every attention kind to
+    its cap before it touches gate, up or down; and a plan read between two path points meets its budget."""
+    import workers.loading.data as data
+    from workers.sparsity import input_allocation as mod
+
+    lm, tmp_path = llama
+    monkeypatch.setenv("CTXSPARSE_HOME", str(tmp_path / "home"))
+    with torch.no_grad():
+        for layer in lm.model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    ctx = _ctx(lm, tmp_path)
+    monkeypatch.setattr(data, "token_windows", lambda *a, **k: _tokens(3, 4, 32))
+    monkeypatch.setattr(mod, "STEP", 0.25)
+    monkeypatch.setattr(mod, "CAP", 0.75)
+    monkeypatch.setattr(mod, "MAX_BUDGET", 0.6)
+    calls = []
+    measure = mod._measure
+    monkeypatch.setattr(mod, "_measure", lambda *a: calls.append(a[-2]) or measure(*a))
+    attn, ffn = ["q", "k", "v", "o"], ["gate", "up", "down"]
+    first = mod.model_greedy_path(ctx, "abs", attn + ffn, until=0.2)   # measured only as far as asked
+    assert 0.2 <= first[-1][0] < 0.25
+    path = mod.model_greedy_path(ctx, "abs", attn + ffn)              # continues the cached prefix
+    assert path[:len(first)] == first
+    numel = {p: linear_weight(m).numel() for p, m in projection_modules(lm.adapter, lm.model.model.layers[0]).items()}
+    moved = [next(p for p in attn + ffn if b[1][p] != a[1][p]) for a, b in zip(path, path[1:])]
+    assert moved[:12] and set(moved[:12]) == set(attn) and all(p in ffn for p in moved[12:])
+    assert len(moved) > 12                                      # the attention kinds alone do not reach 0.6
+    assert all(kl == 0.0 for _, _, kl in path[:13]) and path[13][2] > 0
+    for b, per, _ in path:
+        assert b == pytest.approx(sum(per[p] * numel[p] for p in per) / sum(numel.values()), abs=1e-5)
+    mid = (path[13][0] + path[14][0]) / 2                     # halfway through the second FFN step
+    per = mod.path_at(path, mid)
+    assert sum(per[p] * numel[p] for p in per) / sum(numel.values()) == pytest.approx(mid, abs=1e-6)
+    plan = fit_method("teal", ctx, mid, greedy="model")      # reads the cached path
+    assert calls == [0.2, 0.6]                               # two measurements: the prefix, then the rest
+    assert len(list((tmp_path / "home" / "input_greedy").glob("model-*.json"))) == 1
+    for l in (0, 1):
+        assert set(plan.inputs[l]) == {p for p in per if per[p] > 0}
+        assert plan.info[l]["inputs"]["greedy"] == "model"
+    assert plan.inputs[0]["q"] == threshold_for(ctx.cache.load_hist(0, "q"), 0.75)
 
 
 def test_attention_input_sparsity_with_a_neuron_predictor_on_the_ffn(llama):

@@ -25,7 +25,10 @@ every budget up to ``GREEDY_MAX`` and cached under ``$CTXSPARSE_HOME/input_greed
 Options:
   ``projections``  the projections to sparsify (default: all of the model's; ``qkv`` on GPT-2's fused c_attn)
   ``symmetric``    TEAL's icdf(0.5 + s/2) rule instead of the |x| quantile (TEAL scoring only)
-  ``greedy``       TEAL's block-wise greedy allocation over the projections of each layer (see above)
+  ``greedy``       ``true`` / ``"block"``: TEAL's block-wise greedy allocation over the projections of each layer
+                   (see above); ``"model"``: one sparsity per projection kind for the whole model, the kinds
+                   raised in the order of their end-to-end KL per weight skipped
+                   (:mod:`workers.sparsity.input_allocation`)
   ``ffn``          a neuron predictor on the FFN beside input sparsity on attention:
                    ``{"method": "svd", "sparsity": 0.5, "rank": 256, "options": {...}}``; then ``projections``
                    must not include gate, up or down
@@ -73,7 +76,7 @@ def calib_sparsity(h, t: float, score: str = "abs") -> float:
     return H.cdf(abs_hist(h) if score == "abs" else h[_ROW["wina"]], t)
 
 
-def _hist(ctx: FitContext, layer: int, proj: str):
+def input_hist(ctx: FitContext, layer: int, proj: str):
     if "inhist" not in ctx.cache.components:
         raise ValueError("the activation cache has no input histograms: collect it with the 'inhist' component")
     return ctx.cache.load_hist(layer, proj)
@@ -81,7 +84,7 @@ def _hist(ctx: FitContext, layer: int, proj: str):
 
 def fit_input_sparsity(ctx: FitContext, sparsity: dict[int, float], score: str, method: str,
                        projections=None, symmetric: bool = False, ffn: dict | None = None,
-                       greedy: bool = False) -> SparsityPlan:
+                       greedy: "bool | str" = False) -> SparsityPlan:
     known = tuple(projection_paths(ctx.lm.adapter))
     projections = list(known if projections is None else projections)
     bad = sorted(set(projections) - set(known))
@@ -91,24 +94,47 @@ def fit_input_sparsity(ctx: FitContext, sparsity: dict[int, float], score: str, 
     if ffn is not None:
         plan = _with_ffn(ctx, ffn, projections, method)
         plan.input_score = score
+    greedy = check_greedy(greedy, method)
     if greedy and symmetric:
         raise ValueError(f"{method}: greedy and symmetric do not combine")
-    paths = greedy_paths(ctx, score, projections) if greedy else {}
+    if greedy == "model":
+        from workers.sparsity import input_allocation
+
+        model_path = input_allocation.model_greedy_path(ctx, score, projections, until=max(sparsity.values()))
+    paths = greedy_paths(ctx, score, projections) if greedy == "block" else {}
     for l, s in sorted(sparsity.items()):
         if s <= 0:
             continue
-        per_proj = path_at(paths[l], s) if greedy else {p: s for p in projections}
+        if greedy == "model":
+            per_proj = input_allocation.path_at(model_path, s)
+        else:
+            per_proj = path_at(paths[l], s) if greedy else {p: s for p in projections}
         thr, calib = {}, {}
         for p, sp in per_proj.items():
             if sp <= 0:
                 continue
-            h = _hist(ctx, l, p)
+            h = input_hist(ctx, l, p)
             thr[p] = threshold_for(h, sp, score, symmetric)
             calib[p] = round(calib_sparsity(h, thr[p], score), 5)
         plan.inputs[l] = thr
         plan.info.setdefault(l, {})["inputs"] = {"target_sparsity": s, "score": score, "symmetric": symmetric,
                                                  "greedy": greedy, "calib_sparsity": calib}
     return plan
+
+
+GREEDY_KINDS = ("block", "model")
+
+
+def check_greedy(greedy, method: str):
+    """The ``greedy`` option as False, "block" (TEAL's per-layer greedy; also ``true``) or "model"
+    (``workers.sparsity.input_allocation``: kinds ranked by their end-to-end KL)."""
+    if greedy is None or greedy is False:
+        return False
+    if greedy is True:
+        return "block"
+    if greedy in GREEDY_KINDS:
+        return greedy
+    raise ValueError(f"{method}: greedy must be false, true or one of {list(GREEDY_KINDS)}, got {greedy!r}")
 
 
 def path_at(path: list, budget: float) -> dict[str, float]:
@@ -165,7 +191,7 @@ def _greedy_layer(ctx, l: int, score: str, projections: list[str], inputs, step:
     numel = {p: linear_weight(get_path(layer, paths[p])).numel() for p in projections}
     total = sum(numel.values())
     steps = {p: step * (total / len(numel)) / numel[p] for p in projections}
-    hists = {p: _hist(ctx, l, p) for p in projections}
+    hists = {p: input_hist(ctx, l, p) for p in projections}
     thr_cache: dict[tuple[str, float], float] = {}
 
     def thr(p, sp):
@@ -224,18 +250,18 @@ def _with_ffn(ctx: FitContext, ffn: dict, projections: list[str], method: str) -
 
 @register("teal")
 def fit_teal(ctx: FitContext, sparsity: dict[int, float], rank=None, projections=None, symmetric: bool = False,
-             ffn: dict | None = None, greedy: bool = False, **unknown) -> SparsityPlan:
+             ffn: dict | None = None, greedy: "bool | str" = False, **unknown) -> SparsityPlan:
     if unknown:
         raise ValueError(f"teal: unknown options {sorted(unknown)}")
-    return fit_input_sparsity(ctx, sparsity, "abs", "teal", projections, bool(symmetric), ffn, bool(greedy))
+    return fit_input_sparsity(ctx, sparsity, "abs", "teal", projections, bool(symmetric), ffn, greedy)
 
 
 @register("wina")
 def fit_wina(ctx: FitContext, sparsity: dict[int, float], rank=None, projections=None, ffn: dict | None = None,
-             greedy: bool = False, **unknown) -> SparsityPlan:
+             greedy: "bool | str" = False, **unknown) -> SparsityPlan:
     if unknown:
         raise ValueError(f"wina: unknown options {sorted(unknown)}")
-    return fit_input_sparsity(ctx, sparsity, "wina", "wina", projections, False, ffn, bool(greedy))
+    return fit_input_sparsity(ctx, sparsity, "wina", "wina", projections, False, ffn, greedy)
 
 
 def symmetry_gaps(cache, layers, projections, sparsities=(0.25, 0.4, 0.5)) -> dict:
