@@ -10,11 +10,11 @@ Modules are swapped, never ``forward`` patched:
 ``mode="masked"`` computes the same functions as dense products with the unselected entries zeroed (same
 selection and statistics, equal up to summation order). For evaluation forwards (many tokens, a different set per
 token) it is the faster path on every device measured: on a CPU the token-sparse products cost more than dense,
-and on an H200 they cost up to 1.5x the masked product (SDDMM and CSR products at 50 % density do not beat a dense
-GEMM, and their ``nonzero`` syncs with the host every layer). ``apply_sparsity``'s default ``"auto"`` is therefore
-``masked`` everywhere; ``kernel`` stays for checking that the skipped work really is skippable (tests compare the
-two), and ``AppliedSparsity.mode`` records which path produced the numbers. Decode latency, where the work is
-really skipped, is the decode runtime's (``workers.decode``), not this module's.
+and on an H200 they cost 1.3-1.4x the masked product over a suite, up to 2x in generation (SDDMM and CSR products
+at 50 % density do not beat a dense GEMM, and their ``nonzero`` syncs with the host every layer; BENCHMARKS.md).
+``apply_sparsity``'s default ``"auto"`` is therefore ``masked`` everywhere; ``kernel`` stays for checking that the
+skipped work really is skippable (tests compare the two), and ``AppliedSparsity.mode`` records which path produced
+the numbers. Decode latency, where the work is really skipped, is the decode runtime's (``workers.decode``).
 Predictor inputs other than the FFN's own input (``residual``, ``lookahead``) come from forward pre-hooks on
 the decoder layers that keep the last hidden state entering each layer (removed again by ``revert``).
 
@@ -40,10 +40,6 @@ from workers.sparsity.input_sparse import (
 from workers.sparsity.predictors.base import HeadPredictor, MLPPredictor, SparsityPlan
 
 
-def _count(v: "int | torch.Tensor") -> int:
-    return int(v)     # a device tensor is read back here, once
-
-
 @dataclass
 class LayerStats:
     """Counts of one layer. ``add_ffn`` / ``add_heads`` take the pair counts as numbers or as tensors on the
@@ -66,17 +62,17 @@ class LayerStats:
 
     @property
     def first_pairs(self) -> int:
-        self._first = _count(self._first)
+        self._first = int(self._first)    # a device tensor is read back here, once
         return self._first
 
     @property
     def kept_pairs(self) -> int:
-        self._kept = _count(self._kept)
+        self._kept = int(self._kept)    # a device tensor is read back here, once
         return self._kept
 
     @property
     def heads_kept(self) -> int:
-        self._heads = _count(self._heads)
+        self._heads = int(self._heads)    # a device tensor is read back here, once
         return self._heads
 
 

@@ -100,15 +100,17 @@ def fit_input_sparsity(ctx: FitContext, sparsity: dict[int, float], score: str, 
     if greedy == "model":
         from workers.sparsity import input_allocation
 
-        model_path = input_allocation.model_greedy_path(ctx, score, projections, until=max(sparsity.values()))
+        model_path = input_allocation.model_greedy_path(ctx, score, projections, until=max(sparsity.values(), default=0.0))
     paths = greedy_paths(ctx, score, projections) if greedy == "block" else {}
     for l, s in sorted(sparsity.items()):
         if s <= 0:
             continue
         if greedy == "model":
             per_proj = input_allocation.path_at(model_path, s)
+        elif greedy == "block":
+            per_proj = path_at(paths[l], s)
         else:
-            per_proj = path_at(paths[l], s) if greedy else {p: s for p in projections}
+            per_proj = {p: s for p in projections}
         thr, calib = {}, {}
         for p, sp in per_proj.items():
             if sp <= 0:
