@@ -31,12 +31,21 @@ OPTIONS = {"svd": {"target": "product"}}      # the settings the GPU sweep publi
 
 
 def _setting(spec: str) -> dict:
-    """``method:sparsity[:rank]``."""
+    """``method:sparsity[:rank][:option=value]...`` (a value is read as JSON where it parses, else as a string)."""
     parts = spec.split(":")
-    if len(parts) not in (2, 3):
-        raise ValueError(f"setting {spec!r}: expected method:sparsity[:rank]")
-    return {"method": parts[0], "sparsity": float(parts[1]), "rank": int(parts[2]) if len(parts) == 3 else None,
-            "options": OPTIONS.get(parts[0], {})}
+    if len(parts) < 2:
+        raise ValueError(f"setting {spec!r}: expected method:sparsity[:rank][:option=value]...")
+    rank, options = None, dict(OPTIONS.get(parts[0], {}))
+    for part in parts[2:]:
+        key, eq, value = part.partition("=")
+        if not eq:
+            rank = int(part)
+            continue
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return {"method": parts[0], "sparsity": float(parts[1]), "rank": rank, "options": options}
 
 
 def _task(spec: str) -> tuple[str, int | None]:
@@ -103,7 +112,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--device", default="cuda")
     p.add_argument("--settings", default="oracle:0.5,threshold:0.5,svd:0.5:256",
-                   help="comma list of method:sparsity[:rank] (dense is always measured)")
+                   help="comma list of method:sparsity[:rank][:option=value]... (dense is always measured)")
     p.add_argument("--tasks", default="perplexity,piqa:1000,arc_easy,lambada_openai:2000,gsm8k_cot:20",
                    help="comma list of task[:limit]; 'perplexity' is the held-out run")
     p.add_argument("--modes", default="masked,kernel")
@@ -133,7 +142,8 @@ def main(argv=None) -> int:
         t0 = time.time()
         out = units.run("fit", _id(cfg), cfg)
         label = st["method"] if st["method"] == DENSE else f"{st['method']} s={st['sparsity']}" + (
-            f" r={st['rank']}" if st["rank"] else "")
+            f" r={st['rank']}" if st["rank"] else "") + "".join(
+            f" {k}={v}" for k, v in st["options"].items() if OPTIONS.get(st["method"], {}).get(k) != v)
         fits[label] = _id(cfg)
         print(f"fit {label}: {time.time() - t0:.1f} s {out.summary}", flush=True)
 
