@@ -8,18 +8,15 @@ differ by more than 10x in what half of their inputs cost in perplexity (SmolLM2
 Gemma-3: k and v, 3 % of the weights each, +6 % each), so the budget belongs where it costs least, measured on
 the whole model.
 
-The path: start with every kind dense; at each step raise the kind p of ``projections`` whose step (every layer's
-p at ``cur[p] + STEP``, the other kinds at their current sparsities) adds the least mean next-token KL to the
-dense model (calibration tokens) per weight element skipped. The search is lazy: each kind keeps the cost
-measured at its last trial, and only the kind that looks cheapest is measured again in the current state, until
-the cheapest one is freshly measured (the same choice as measuring every kind when no kind's cost falls as the
-others are raised; a few forwards a step instead of seven). Every layer
+The path: start with every kind dense; at each step, for every kind p of ``projections`` measure the mean
+next-token KL to the dense model (calibration tokens, every layer's p at ``cur[p] + STEP``, the other kinds at
+their current sparsities), and raise the kind with the least KL increase per weight element skipped. Every layer
 of a kind has the same sparsity (its threshold per layer from that layer's histogram). A step of a large kind
 (gate, up, down) skips more weights than one of k or v; the path records after each step the fraction of the
 swept projections' weights skipped (``budget``), and ``path_at`` reads the per-kind sparsities at a budget by
 interpolating the one kind that moved between the two points around it, so a plan's budget is met exactly.
-Cost: a few forwards of ``TOKENS`` calibration tokens per step, and a step per ``STEP`` of one kind (to a budget
-b with seven kinds of similar size, about 7·b / STEP steps). The path is measured only as
+Cost: up to ``len(projections)`` forwards of ``TOKENS`` calibration tokens per step, and a step per ``STEP`` of
+one kind (to a budget b with seven kinds of similar size, about 7·b / STEP steps). The path is measured only as
 far as the largest budget asked for, and cached under ``$CTXSPARSE_HOME/input_greedy`` by (model, activation
 cache, tokens, score, projections, settings); a larger budget later continues it.
 """
@@ -51,7 +48,7 @@ def model_greedy_path(ctx, score: str, projections: list[str], until: float = MA
 
     until = min(until, MAX_BUDGET)
     toks = token_windows(ctx.lm.tokenizer, ctx.cache.manifest["data_source"], "calib", TOKENS, SEQ)
-    key = hashlib.sha256(json.dumps(["model", "lazy", ctx.lm.fingerprint, ctx.cache.manifest.get("key"), toks.fingerprint,
+    key = hashlib.sha256(json.dumps(["model", ctx.lm.fingerprint, ctx.cache.manifest.get("key"), toks.fingerprint,
                                      score, projections, STEP, CAP, list(ctx.layers), H.BINS],
                                     sort_keys=True).encode()).hexdigest()[:32]
     cached = home() / "input_greedy" / f"model-{key}.json"
@@ -105,29 +102,20 @@ def _measure(ctx, score, projections, toks, until: float, path: list | None) -> 
                 out += F.kl_div(logp, d, log_target=True, reduction="none").sum(-1).mean().item()
             return out / len(ids)
 
-        def trial(p) -> tuple[float, float]:
-            """(KL increase per weight skipped, KL) of raising kind p by one step from the current state."""
-            set_kind(p, cur[p] + STEP)
-            k = kl()
-            set_kind(p, cur[p])
-            return (k - base) / (STEP * numel[p]), k
-
-        known: dict[str, tuple[float, float]] = {}     # each kind's last measured step (lazy greedy)
         while budget < until - 1e-9:
-            open_kinds = [p for p in projections if cur[p] + STEP <= CAP + 1e-9]
-            if not open_kinds:
+            best = None
+            for p in projections:
+                if cur[p] + STEP > CAP + 1e-9:
+                    continue
+                set_kind(p, cur[p] + STEP)
+                k = kl()
+                set_kind(p, cur[p])
+                per_weight = (k - base) / (STEP * numel[p])
+                if best is None or per_weight < best[0]:
+                    best = (per_weight, p, k)
+            if best is None:
                 return path, True
-            for p in open_kinds:
-                if p not in known:
-                    known[p] = trial(p)
-            fresh: set[str] = set()
-            while True:      # re-measure the best-looking kind until it stays the best after re-measuring
-                p = min(open_kinds, key=lambda q: known[q][0])
-                if p in fresh:
-                    break
-                known[p] = trial(p)
-                fresh.add(p)
-            base = known.pop(p)[1]
+            _, p, base = best
             cur[p] = round(cur[p] + STEP, 6)
             set_kind(p, cur[p])
             budget = sum(cur[q] * numel[q] for q in projections) / total
