@@ -24,9 +24,9 @@ import torch
 from benchmarks.harness import command_line, write_results
 from workers.evals.tasks import SuiteError, check_task_names
 from workers.names import DENSE
+from workers.sparsity.sparse_exec import EXEC_MODES as MODES
 from workers.units import Units
 
-MODES = ("masked", "kernel")
 OPTIONS = {"svd": {"target": "product"}}      # the settings the GPU sweep publishes
 
 
