@@ -16,12 +16,11 @@ import sys
 
 import torch
 
+from benchmarks.quality import calib_context
 from workers.evals.perplexity import perplexity
 from workers.loading.data import token_windows
 from workers.loading.models import load_model
-from workers.sparsity.capture import capture_activations
 from workers.sparsity.fit import fit_setting
-from workers.sparsity.predictors import FitContext
 from workers.sparsity.sparse_exec import EXEC_MODES, apply_sparsity
 
 
@@ -57,9 +56,7 @@ def main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     lm = load_model(a.model)
-    calib = capture_activations(lm, token_windows(lm.tokenizer, "lambada", "calib", a.calib_tokens, 512),
-                                progress=False)
-    ctx = FitContext(lm, calib, list(range(lm.dims.n_layers)))
+    ctx = calib_context(lm, a.calib_tokens)
     plan = fit_setting(ctx, a.method, a.sparsity, a.rank, options=json.loads(a.options)).plan
     if not plan.mlp:
         ap.error(f"{a.method} has no per-token FFN selection to compare")

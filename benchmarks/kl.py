@@ -14,19 +14,18 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from benchmarks.quality import calib_context
 from workers.loading.data import token_windows
 from workers.loading.models import load_model
-from workers.sparsity.capture import capture_activations
+from workers.sparsity.allocation import next_token_logp, token_kl
 from workers.sparsity.fit import fit_setting
-from workers.sparsity.predictors import FitContext
 from workers.sparsity.sparse_exec import apply_sparsity
 
 
 @torch.no_grad()
 def _logp(model, windows) -> list[torch.Tensor]:
-    return [F.log_softmax(model(input_ids=w[None]).logits.float(), -1)[0] for w in windows]
+    return [next_token_logp(model, w[None])[0] for w in windows]
 
 
 def main(argv=None) -> int:
@@ -48,9 +47,7 @@ def main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     lm = load_model(a.model)
-    cache = capture_activations(lm, token_windows(lm.tokenizer, "lambada", "calib", a.calib_tokens, 512),
-                                progress=False)
-    ctx = FitContext(lm, cache, list(range(lm.dims.n_layers)))
+    ctx = calib_context(lm, a.calib_tokens)
     toks = token_windows(lm.tokenizer, "lambada", a.split, a.tokens, 512)
     dense = _logp(lm.model, toks.windows)
 
@@ -65,8 +62,7 @@ def main(argv=None) -> int:
                              p.get("allocation", "uniform"), p.get("options"))
         with apply_sparsity(lm.model, fitted.plan):
             sparse = _logp(lm.model, toks.windows)
-        kl = sum(F.kl_div(s, d, log_target=True, reduction="none").sum(-1).sum().item()
-                 for s, d in zip(sparse, dense)) / sum(w.numel() for w in toks.windows)
+        kl = sum(token_kl(s, d).sum().item() for s, d in zip(sparse, dense)) / sum(w.numel() for w in toks.windows)
         row = {**p, "kl": kl, "nll_change": nll(sparse) - base_nll}
         rows.append(row)
         print(f"{json.dumps(p, sort_keys=True)}: KL {kl:.4f}  NLL change {row['nll_change']:+.4f}", flush=True)

@@ -52,12 +52,19 @@ class Workbench:
         return self._curves
 
 
+def calib_context(lm, calib_tokens: int, source: str = "lambada", seq_len: int = 512,
+                  progress: bool = False) -> FitContext:
+    """Every layer of ``lm`` with the activations of its first ``calib_tokens`` calibration tokens (cached)."""
+    calib = capture_activations(lm, token_windows(lm.tokenizer, source, "calib", calib_tokens, seq_len),
+                                progress=progress)
+    return FitContext(lm, calib, list(range(lm.dims.n_layers)))
+
+
 def prepare(model: str = "smollm2-135m", source: str = "lambada", calib_tokens: int = 16384,
             heldout_tokens: int = 8192, metric_tokens: int = 2048, seq_len: int = 512, progress: bool = True,
             lm=None) -> Workbench:
     lm = lm or load_model(model)
-    calib = capture_activations(lm, token_windows(lm.tokenizer, source, "calib", calib_tokens, seq_len),
-                                progress=progress)
+    calib = calib_context(lm, calib_tokens, source, seq_len, progress).cache
     held = token_windows(lm.tokenizer, source, "heldout", heldout_tokens, seq_len)
     held_metric = token_windows(lm.tokenizer, source, "heldout", metric_tokens, seq_len)
     held_cache = capture_activations(lm, held_metric, progress=progress)

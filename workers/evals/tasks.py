@@ -42,7 +42,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -213,11 +212,10 @@ def lm_eval_task_names() -> frozenset[str]:
         pass
     from lm_eval.tasks import TaskManager
 
+    from workers.paths import write_json_atomic
+
     names = sorted(TaskManager().all_tasks)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(names))
-    os.replace(tmp, path)
+    write_json_atomic(path, names)
     return frozenset(names)
 
 

@@ -18,18 +18,27 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
-import os
 
 import torch
 import torch.nn.functional as F
 
-from workers.paths import home
+from workers.paths import home, write_json_atomic
 from workers.sparsity.predictors.base import SparsityPlan, k_for
 
 DEFAULT_GRID = tuple(round(0.05 * i, 2) for i in range(20))   # 0.0 .. 0.95
 # measured points: a coarse set (e.g. 0.25/0.5/0.75) makes the interpolated marginals piecewise constant with a
 # kink at each point, and the greedy then stops every layer at the same kink (seen: uniform 0.5 exactly)
 DEFAULT_POINTS = tuple(round(0.1 * i, 1) for i in range(1, 10))
+
+
+def next_token_logp(model, ids: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities [batch, positions, vocab] of the next token, in float32."""
+    return F.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)
+
+
+def token_kl(logp: torch.Tensor, dense_logp: torch.Tensor) -> torch.Tensor:
+    """KL(dense || sparse) of each position's next-token distribution, from log-probabilities [..., vocab]."""
+    return F.kl_div(logp, dense_logp, log_target=True, reduction="none").sum(-1)
 
 
 def damage_curves(ctx, tokens, points=DEFAULT_POINTS, grid=DEFAULT_GRID) -> dict[int, list[float]]:
@@ -49,10 +58,7 @@ def _cached_per_layer(key_parts: list, compute):
     if path.exists():
         return {int(k): v for k, v in json.loads(path.read_text()).items()}
     out = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(out))
-    os.replace(tmp, path)
+    write_json_atomic(path, out)
     return out
 
 
@@ -64,7 +70,7 @@ def _measure_curves(ctx, tokens, points, grid) -> dict[int, list[float]]:
     model, act = ctx.lm.model, ctx.act_name()
     dev = next(model.parameters()).device
     ids = tokens.windows.to(dev)
-    dense = F.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)
+    dense = next_token_logp(model, ids)
     curves = {}
     for l in ctx.layers:
         w = ctx.ffn_weights(l, device=dev)          # the oracle runs inside the model
@@ -72,8 +78,8 @@ def _measure_curves(ctx, tokens, points, grid) -> dict[int, list[float]]:
         for s in points:
             plan = SparsityPlan(mlp={l: OracleMLP(w, act, k_for(s, ctx.lm.dims.D))})
             with apply_sparsity(model, plan):
-                logp = F.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)
-            measured.append(F.kl_div(logp, dense, log_target=True, reduction="none").sum(-1).mean().item())
+                logp = next_token_logp(model, ids)
+            measured.append(token_kl(logp, dense).mean().item())
         xs = torch.tensor((0.0, *points), dtype=torch.float64)
         ys = torch.tensor(measured, dtype=torch.float64).cummax(0).values
         curve = []
@@ -135,14 +141,14 @@ def _exchange(ctx, tokens, budget, delta, rounds, lo, hi) -> dict[int, float]:
     model, act, D = ctx.lm.model, ctx.act_name(), ctx.lm.dims.D
     dev = next(model.parameters()).device
     ids = tokens.windows.to(dev)
-    dense = F.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)
+    dense = next_token_logp(model, ids)
     weights = {l: ctx.ffn_weights(l, device=dev) for l in ctx.layers}
 
     def kl(alloc: dict[int, float]) -> float:
         plan = SparsityPlan(mlp={l: OracleMLP(weights[l], act, k_for(s, D)) for l, s in alloc.items() if s > 0})
         with apply_sparsity(model, plan):
-            logp = F.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)
-        return F.kl_div(logp, dense, log_target=True, reduction="none").sum(-1).mean().item()
+            logp = next_token_logp(model, ids)
+        return token_kl(logp, dense).mean().item()
 
     cur = {l: float(budget) for l in ctx.layers}
     base = kl(cur)

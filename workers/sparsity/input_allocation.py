@@ -26,11 +26,11 @@ import hashlib
 import json
 
 import torch
-import torch.nn.functional as F
 
 from workers.loading.adapters import get_path, linear_weight
-from workers.paths import home
+from workers.paths import home, write_json_atomic
 from workers.sparsity import histograms as H
+from workers.sparsity.allocation import next_token_logp, token_kl
 from workers.sparsity.input_sparse import InputStats, apply_input_sparsity, projection_paths
 
 STEP = 0.05          # a kind's sparsity rises by this much per step
@@ -56,10 +56,7 @@ def model_greedy_path(ctx, score: str, projections: list[str], until: float = MA
     path = doc["path"]
     if path is None or (path[-1][0] < until - 1e-9 and not doc["complete"]):
         path, complete = _measure(ctx, score, projections, toks, until, path)
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"path": path, "complete": complete}))
-        tmp.replace(cached)
+        write_json_atomic(cached, {"path": path, "complete": complete})
     return path
 
 
@@ -85,7 +82,7 @@ def _measure(ctx, score, projections, toks, until: float, path: list | None) -> 
     path = path or [[0.0, {p: 0.0 for p in projections}, 0.0]]
     budget, cur, base = path[-1][0], dict(path[-1][1]), path[-1][2]
     ids = toks.windows.to(next(model.parameters()).device)
-    dense = [F.log_softmax(model(input_ids=w[None], use_cache=False).logits.float(), -1) for w in ids]
+    dense = [next_token_logp(model, w[None]) for w in ids]
     applied = apply_input_sparsity(model, {l: {p: thr(l, p, cur[p]) for p in projections} for l in ctx.layers},
                                    score, "masked", InputStats())
     try:
@@ -98,8 +95,8 @@ def _measure(ctx, score, projections, toks, until: float, path: list | None) -> 
         def kl() -> float:
             out = 0.0
             for w, d in zip(ids, dense):
-                logp = F.log_softmax(model(input_ids=w[None], use_cache=False).logits.float(), -1)
-                out += F.kl_div(logp, d, log_target=True, reduction="none").sum(-1).mean().item()
+                logp = next_token_logp(model, w[None])
+                out += token_kl(logp, d).mean().item()
             return out / len(ids)
 
         while budget < until - 1e-9:

@@ -41,7 +41,7 @@ import json
 import torch
 
 from workers.loading.adapters import get_path, linear_weight
-from workers.paths import home
+from workers.paths import home, write_json_atomic
 from workers.sparsity import histograms as H
 from workers.sparsity.input_sparse import FFN_PROJECTIONS, InputStats, apply_input_sparsity, projection_paths
 from workers.sparsity.predictors.base import FitContext, SparsityPlan, fit_method, register
@@ -178,10 +178,7 @@ def greedy_paths(ctx: FitContext, score: str, projections: list[str]) -> dict:
     out = {}
     for l in ctx.layers:
         out[l] = _greedy_layer(ctx, l, score, projections, seen.pop(l), step, max_budget)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(".tmp")
-    tmp.write_text(json.dumps({str(k): v for k, v in out.items()}))
-    tmp.replace(cached)
+    write_json_atomic(cached, {str(k): v for k, v in out.items()})
     return out
 
 
