@@ -93,6 +93,23 @@ def sparse_ffn(x, w_gate, w_up, w_down_t, idx, count=None, act="silu", threshold
     return backend(x).sparse_ffn(x, w_gate, w_up, w_down_t, idx, count, act, threshold)
 
 
+def damage_filter_ffn(x, w_gate, w_up, w_down_t, idx, count, act, threshold, weight):
+    """Gated FFN, sequential pipeline with the damage filter: gate and up on the rows ``idx`` (a predicted
+    superset), then the rows whose |act(gate)·up|·weight[i] <= ``threshold`` for every token of the batch dropped
+    before down (the kept rows compacted on the device: no host sync, graph-capturable). ``weight`` [D] fp32:
+    c_i = ‖g ⊙ W_down[:, i]‖ (workers.sparsity.predictors.base.neuron_out_norm)."""
+    h = gated_gather_gemv(x, w_gate, w_up, idx, count, act, out_dtype=torch.float32)
+    rows = idx
+    if count is not None:          # entries past count may hold anything: read c at row 0 there, and drop them
+        valid = torch.arange(idx.shape[0], device=idx.device) < count
+        rows = torch.where(valid, idx, torch.zeros((), dtype=idx.dtype, device=idx.device))
+    keep = (h.abs() * weight.index_select(0, rows)).gt(threshold).any(0)
+    if count is not None:
+        keep &= valid
+    idx2, count2, h2 = _op(keep, "compact")(keep, idx, h)
+    return gather_down(h2, w_down_t, idx2, count2, out_dtype=x.dtype)
+
+
 def sparse_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count=None, act="relu", *, allow_dense=True):
     if backend(x) is _cpu:
         return _cpu.sparse_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count, act)

@@ -39,15 +39,19 @@ def _sampled(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, cols: torch.T
 def token_sparse_ffn(x: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor, mask: torch.Tensor,
                      act: str, w_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None,
                      b_down: torch.Tensor | None = None, filter_threshold: float | None = None,
-                     ) -> tuple[torch.Tensor, int, int]:
+                     filter_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:
     """FFN on the selected neurons of each token.
 
     x [T, d]; w_up, w_gate, w_down_t [D, d] (w_down_t = W_downᵀ); mask bool [T, D].
     Gated: h = act(gate)·up. Non-gated: h = act(up + b_up).
     ``filter_threshold`` (sequential pipeline): after the first projection, entries with |act(·)| <= threshold
     are dropped before the remaining projections (false positives of the predictor cost one dot product).
-    Returns (y [T, d], pairs computed in the first projection, pairs kept for the down projection).
+    With ``filter_weight`` c [D] (gated only), gate and up both run on the selected pairs and the filter reads
+    the damage |h|·c_i instead: entries with |h_ti|·c_i <= threshold are dropped before down.
+    Returns (y [T, d], pairs computed in the first projection (and in up, with ``filter_weight``), pairs kept for
+    the down projection).
     """
+    _check_filter(w_gate, filter_threshold, filter_weight)
     if x.dim() != 2 or mask.shape != (x.shape[0], w_up.shape[0]):
         raise ValueError(f"x must be [T, d] and mask [T, D]; got {tuple(x.shape)} and {tuple(mask.shape)}")
     if w_down_t.shape != w_up.shape:
@@ -61,14 +65,24 @@ def token_sparse_ffn(x: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor
     if w_gate is None and b_up is not None:
         z = z + b_up[cols]
     a = apply_act(z, act)
-    if filter_threshold is not None:
-        keep = a.abs() > filter_threshold
-        rows, cols, a = rows[keep], cols[keep], a[keep]
-    h = a * _sampled(x, w_up, rows, cols) if w_gate is not None else a
+    if filter_weight is not None:
+        h = a * _sampled(x, w_up, rows, cols)
+        keep = h.abs() * filter_weight[cols] > filter_threshold
+        rows, cols, h = rows[keep], cols[keep], h[keep]
+    else:
+        if filter_threshold is not None:
+            keep = a.abs() > filter_threshold
+            rows, cols, a = rows[keep], cols[keep], a[keep]
+        h = a * _sampled(x, w_up, rows, cols) if w_gate is not None else a
     y = _csr(rows, cols, T, D, h.to(x.dtype)) @ w_down_t
     if b_down is not None:
         y = y + b_down
     return y, n_first, rows.numel()
+
+
+def _check_filter(w_gate, filter_threshold, filter_weight) -> None:
+    if filter_weight is not None and (w_gate is None or filter_threshold is None):
+        raise ValueError("filter_weight (the damage filter) needs a gated FFN and a filter_threshold")
 
 
 def token_sparse_head_out(attn: torch.Tensor, w_o: torch.Tensor, head_mask: torch.Tensor, head_dim: int,
@@ -92,8 +106,9 @@ def token_sparse_head_out(attn: torch.Tensor, w_o: torch.Tensor, head_mask: torc
 
 
 def reference_token_sparse_ffn(x, w_up, w_down_t, mask, act, w_gate=None, b_up=None, b_down=None,
-                               filter_threshold=None):
+                               filter_threshold=None, filter_weight=None):
     """Dense computation, then the selection applied: the ground truth for tests."""
+    _check_filter(w_gate, filter_threshold, filter_weight)
     if w_gate is not None:
         a = apply_act(x @ w_gate.t(), act)
         up = x @ w_up.t()
@@ -101,8 +116,11 @@ def reference_token_sparse_ffn(x, w_up, w_down_t, mask, act, w_gate=None, b_up=N
         a = apply_act(x @ w_up.t() + (b_up if b_up is not None else 0), act)
         up = None
     keep = mask.clone()
-    if filter_threshold is not None:
+    h = a * up if up is not None else a
+    if filter_weight is not None:
+        keep &= h.abs() * filter_weight > filter_threshold
+    elif filter_threshold is not None:
         keep &= a.abs() > filter_threshold
-    h = (a * up if up is not None else a) * keep
+    h = h * keep
     y = h @ w_down_t
     return (y + b_down if b_down is not None else y), int(mask.sum()), int(keep.sum())

@@ -187,3 +187,29 @@ def test_fused_early_down_variants(early, device, gen, poison):
     cfg = {"fused": {"early_down": early, "BLOCK_R": 8, "nsplit": 5, "reduce_block": 32}}
     out = T.sparse_ffn(x, wg, wu, wdt, idx, count, "silu", path="fused", config=cfg)
     _check(out, R.sparse_ffn(up(x), up(wg), up(wu), up(wdt), idx, count, "silu"), dtype, gen, "fused")
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu", "reference"])
+def test_damage_filter_ffn(backend, device, gen, poison, monkeypatch):
+    """ops.damage_filter_ffn on each backend: gate and up on idx, then down on the rows whose
+    |act(gate)·up|·c_i exceeds f for some token of the batch, written out from that definition in fp64."""
+    from kernels import ops
+
+    if backend == "cpu" and device != "cpu":
+        pytest.skip("the CPU row kernels take CPU tensors")      # on a GPU host the triton case runs instead
+    monkeypatch.setenv("CTXSPARSE_KERNELS", backend)
+    dtype = torch.float32
+    wg, wu, wdt = ffn_weights(gen, dtype, device)
+    x = rnd((3, D_MODEL), gen, dtype, device)
+    idx, count = make_idx(gen, D_FF, 0.5, "padded", device)
+    c = (torch.rand(D_FF, generator=gen) + 0.5).to(device)
+    n = int(count)
+    rows = idx[:n].long().cpu()
+    h = (torch.nn.functional.silu(up(x) @ up(wg).T) * (up(x) @ up(wu).T)).cpu()[:, rows]
+    dmg = h.abs() * c.double().cpu()[rows]
+    f = float(dmg.max(0).values.median())
+    keep = (dmg > f).any(0)
+    want = (h[:, keep] @ up(wdt).cpu()[rows[keep]]).to(dtype)
+    assert 0 < int(keep.sum()) < n
+    out = ops.damage_filter_ffn(x, wg, wu, wdt, idx, count, "silu", f, c)
+    _check(out.cpu(), want, dtype, gen, backend)

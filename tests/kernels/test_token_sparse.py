@@ -65,3 +65,36 @@ def test_bad_shapes_are_rejected():
         token_sparse_ffn(x, w_up, w_down_t, mask[:, :-1], "silu", w_gate=w_gate)
     with pytest.raises(ValueError, match="W_down transposed"):
         token_sparse_ffn(x, w_up, w_down_t[:, :-1], mask, "silu", w_gate=w_gate)
+
+
+def test_damage_filter_keeps_pairs_by_act_times_up_times_column_weight():
+    """The damage filter: gate and up on the selected pairs, then down only where |act(gate)·up|·c_i > f; the
+    result written out from its definition, pair by pair."""
+    x, w_up, w_down_t, mask, w_gate, _, _ = _case(True, 0.6, T=9, d=7, D=13)
+    c = torch.rand(13, generator=torch.Generator().manual_seed(4), dtype=torch.float64) + 0.5
+    h = torch.nn.functional.silu(x @ w_gate.T) * (x @ w_up.T)
+    f = float((h.abs() * c)[mask].median())
+    want = torch.zeros(9, 7, dtype=torch.float64)
+    n_keep = 0
+    for t in range(9):
+        for i in range(13):
+            if mask[t, i] and abs(float(h[t, i])) * float(c[i]) > f:
+                want[t] += h[t, i] * w_down_t[i]
+                n_keep += 1
+    y, n1, n2 = token_sparse_ffn(x, w_up, w_down_t, mask, "silu", w_gate=w_gate, filter_threshold=f, filter_weight=c)
+    ref, r1, r2 = reference_token_sparse_ffn(x, w_up, w_down_t, mask, "silu", w_gate, filter_threshold=f,
+                                             filter_weight=c)
+    assert (n1, n2) == (r1, r2) == (int(mask.sum()), n_keep) and 0 < n_keep < n1
+    torch.testing.assert_close(y, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ref, want, rtol=1e-10, atol=1e-10)
+    # up is read on the selected pairs only, down on the survivors only
+    for tok in range(9):
+        xs, ms = x[tok: tok + 1], mask[tok: tok + 1]
+        keep = ms[0] & (h[tok].abs() * c > f)
+        wu, wd = w_up.clone(), w_down_t.clone()
+        wu[~ms[0]] = float("nan")
+        wd[~keep] = float("nan")
+        y1, _, _ = token_sparse_ffn(xs, wu, wd, ms, "silu", w_gate=w_gate, filter_threshold=f, filter_weight=c)
+        torch.testing.assert_close(y1, want[tok: tok + 1], rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="gated"):
+        token_sparse_ffn(x, w_up, w_down_t, mask, "relu", filter_threshold=f, filter_weight=c)

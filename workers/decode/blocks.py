@@ -89,9 +89,12 @@ class Blocks:
         y = a @ L.w_down_t
         return y + L.b_down if L.b_down is not None else y
 
-    def sparse_ffn(self, L: LayerWeights, h, idx, count, seq_thr=None):
-        """The FFN over the neurons ``idx`` (``count`` None: all of idx) only."""
+    def sparse_ffn(self, L: LayerWeights, h, idx, count, seq_thr=None, seq_w=None):
+        """The FFN over the neurons ``idx`` (``count`` None: all of idx) only; ``seq_thr`` the sequential filter
+        on |act(gate)|, or with ``seq_w`` (c_i per neuron) on the damage |act(gate)·up|·c_i."""
         w = self.w
+        if seq_w is not None:
+            return ops.damage_filter_ffn(h, L.w_gate, L.w_up, L.w_down_t, idx, count, w.act, seq_thr, seq_w)
         if w.gated:
             return ops.sparse_ffn(h, L.w_gate, L.w_up, L.w_down_t, idx, count, w.act, seq_thr,
                                   allow_dense=count is None)

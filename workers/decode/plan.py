@@ -29,6 +29,7 @@ from torch import nn
 
 from kernels.common import ACTS
 from workers.decode.weights import ModelWeights, column_norms
+from workers.sparsity.predictors.base import neuron_out_norm
 
 
 @dataclass
@@ -37,6 +38,7 @@ class RuntimePlan:
     mlp: dict = field(default_factory=dict)
     heads: dict = field(default_factory=dict)
     seq_thr: dict = field(default_factory=dict)
+    seq_w: dict = field(default_factory=dict)    # the damage filter's c_i per layer (SparsityPlan.seq_filter_on)
     thr_ffn: dict = field(default_factory=dict)
     in_attn: dict = field(default_factory=dict)
     in_ffn: dict = field(default_factory=dict)
@@ -87,6 +89,11 @@ def _predictors(rp: RuntimePlan, plan, w: ModelWeights) -> None:
         rp.mlp[l] = _on(p, w.device, w.dtype)
         if plan.mlp_mode == "sequential":
             rp.seq_thr[l] = plan.seq_filter.get(l)
+            if plan.seq_filter_on == "damage":
+                if not w.gated:
+                    raise ValueError(f"layer {l}: the damage filter needs a gated FFN")
+                L = w.layers[l]
+                rp.seq_w[l] = neuron_out_norm(L.w_down_t.float().t(), L.post_ffn).contiguous()
         fast = _threshold_fast(w, l, p, plan)
         if fast is not None:
             rp.thr_ffn[l] = fast

@@ -275,7 +275,7 @@ class DecodeRuntime:
         idx, count = sets.get("mlp", l, h if kind == "ffn_in" else (x_in if kind == "residual" or l == 0 else prev_x))
         if count is not None:
             c.mlp[l] += count[0]
-        return b.sparse_ffn(L, h, idx, count, rp.seq_thr.get(l))
+        return b.sparse_ffn(L, h, idx, count, rp.seq_thr.get(l), rp.seq_w.get(l))
 
     def _counts(self, l: int, ent):
         _, sizes, col = ent

@@ -71,6 +71,7 @@ class Bundle:
                       for k, per in p.get("inputs", {}).items()}
             plan = SparsityPlan(mlp_mode=p["mlp_mode"], dense_gate=p["dense_gate"],
                                 seq_filter={int(k): float(v) for k, v in p["seq_filter"].items()},
+                                seq_filter_on=p.get("seq_filter_on", "gate"),
                                 info={int(k): v for k, v in p["info"].items()},
                                 inputs=inputs, input_score=p.get("input_score", "abs"))
         except (AttributeError, TypeError, ValueError) as e:
@@ -149,6 +150,7 @@ def save_bundle(plan, lm, out: str | Path, *, method: str, sparsity: float, rank
         "per_layer_sparsity": {str(k): float(v) for k, v in sorted((per_layer_sparsity or {}).items())},
         "plan": {"mlp_mode": plan.mlp_mode, "dense_gate": bool(plan.dense_gate),
                  "seq_filter": {str(k): float(v) for k, v in sorted(plan.seq_filter.items())},
+                 "seq_filter_on": plan.seq_filter_on,
                  "info": {str(k): v for k, v in sorted(plan.info.items())},
                  "inputs": {str(k): {p: float(t) for p, t in sorted(per.items())}
                             for k, per in sorted(plan.inputs.items())},

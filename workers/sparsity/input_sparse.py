@@ -223,7 +223,8 @@ def apply_input_sparsity(model: nn.Module, thresholds: dict[int, dict[str, float
 def decoder_weight_skipped(stats) -> float:
     """Fraction of the decoder's projection weights (q, k, v, o, gate, up, down of every layer) not read per
     token, from a ``sparse_exec.SparseStats``: input-sparse projections, the FFN rows a neuron predictor
-    skipped (gate or fc1 on the first pass, up and down on the kept set) and the heads skipped in o, less the
+    skipped (gate or fc1 on the first pass, up and down on the kept set; up on the first pass where
+    ``stats.up_on_first``, the damage filter) and the heads skipped in o, less the
     predictors' own weights (``stats.predictor_numel``), which every token reads."""
     inp: InputStats = stats.inputs
     skipped = inp.skipped_numel()
@@ -233,8 +234,9 @@ def decoder_weight_skipped(stats) -> float:
             tot = ls.tokens * stats.n_neurons
             kept_frac = ls.kept_pairs / tot
             first_frac = 1.0 if stats.dense_first else ls.first_pairs / tot
-            skipped += (1 - first_frac) * inp.numel[(l, first)]
-            rest = ("up", "down") if first == "gate" else ("down",)
+            on_first = (first, "up") if first == "gate" and getattr(stats, "up_on_first", False) else (first,)
+            skipped += (1 - first_frac) * sum(inp.numel[(l, p)] for p in on_first)
+            rest = ("up", "down") if first == "gate" and len(on_first) == 1 else ("down",)
             skipped += (1 - kept_frac) * sum(inp.numel[(l, p)] for p in rest)
         if ls.head_tokens:
             skipped += (1 - ls.heads_kept / (ls.head_tokens * stats.n_heads)) * inp.numel[(l, "o")]

@@ -60,7 +60,10 @@ def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def mlp_quality(pred: MLPPredictor, cache, layer: int, target: float, act: str, seq_filter: float | None = None,
-                max_tokens: int = 2048, auc_tokens: int = 256) -> LayerQuality:
+                max_tokens: int = 2048, auc_tokens: int = 256,
+                filter_weight: torch.Tensor | None = None) -> LayerQuality:
+    """``seq_filter``: the sequential pipeline's filter f on |act(gate)|, or with ``filter_weight`` c [D] on the
+    damage |act(gate)·up|·c_i (SparsityPlan.seq_filter_on)."""
     inter = cache.load(layer, "inter", max_tokens=max_tokens)
     T, D = inter.shape
     oracle = topk_mask(inter.abs(), k_for(target, D))
@@ -69,7 +72,9 @@ def mlp_quality(pred: MLPPredictor, cache, layer: int, target: float, act: str, 
         scores = pred.scores(x)
         predicted = scores > 0 if pred.rule == "positive" else topk_mask(scores, pred.k)
     realized = predicted
-    if seq_filter is not None:
+    if seq_filter is not None and filter_weight is not None:
+        realized = predicted & (inter.abs() * filter_weight > seq_filter)
+    elif seq_filter is not None:
         realized = predicted & (apply_act(cache.load(layer, "gate", max_tokens=max_tokens), act).abs() > seq_filter)
     hit = (realized & oracle).sum().item()
     n_pred = realized.sum().item()
@@ -96,13 +101,17 @@ def head_quality(pred: HeadPredictor, cache, layer: int, target: float, max_toke
 
 
 def plan_quality(plan: SparsityPlan, cache, act: str, attn_target: float | None = None,
-                 max_tokens: int = 2048) -> list[LayerQuality]:
-    """Every planned layer's quality on the held-out cache."""
+                 max_tokens: int = 2048, filter_weights: dict | None = None) -> list[LayerQuality]:
+    """Every planned layer's quality on the held-out cache (``filter_weights``: {layer: c} for the damage
+    filter, see :func:`mlp_quality`)."""
+    if plan.mlp_mode == "sequential" and plan.seq_filter_on == "damage" and not filter_weights:
+        raise ValueError("the damage filter's quality needs filter_weights (c_i = ‖g ⊙ W_down[:, i]‖ per layer)")
     out = []
     for l, pred in sorted(plan.mlp.items()):
         target = plan.info.get(l, {}).get("target_sparsity", 1 - (pred.k or 0) / pred.n_neurons)
         thr = plan.seq_filter.get(l) if plan.mlp_mode == "sequential" else None
-        out.append(mlp_quality(pred, cache, l, target, act, thr, max_tokens))
+        fw = (filter_weights or {}).get(l) if thr is not None and plan.seq_filter_on == "damage" else None
+        out.append(mlp_quality(pred, cache, l, target, act, thr, max_tokens, filter_weight=fw))
     for l, pred in sorted(plan.attn.items()):
         target = attn_target if attn_target is not None else 1 - pred.k / pred.n_heads
         out.append(head_quality(pred, cache, l, target, max_tokens))

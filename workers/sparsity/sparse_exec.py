@@ -37,7 +37,7 @@ from workers.loading.adapters import adapter_for, get_path, linear_weight, set_p
 from workers.sparsity.input_sparse import (
     InputStats, apply_input_sparsity, check_plan_parts, decoder_weight_skipped, model_projection_numel,
 )
-from workers.sparsity.predictors.base import HeadPredictor, MLPPredictor, SparsityPlan
+from workers.sparsity.predictors.base import HeadPredictor, MLPPredictor, SparsityPlan, neuron_out_norm
 
 
 @dataclass
@@ -48,7 +48,7 @@ class LayerStats:
     tokens: int = 0
     head_tokens: int = 0
     _first: "int | torch.Tensor" = 0    # (token, neuron) pairs computed in the first projection (gate / fc1)
-    _kept: "int | torch.Tensor" = 0     # pairs computed in up and down
+    _kept: "int | torch.Tensor" = 0     # pairs computed in down (and in up, but with the damage filter)
     _heads: "int | torch.Tensor" = 0    # (token, head) pairs kept
 
     def add_ffn(self, tokens: int, first: "int | torch.Tensor", kept: "int | torch.Tensor") -> None:
@@ -81,6 +81,7 @@ class SparseStats:
     n_neurons: int
     n_heads: int
     dense_first: bool                       # the method runs the gate projection dense (threshold, oracle)
+    up_on_first: bool = False               # up runs on the first projection's pairs (the damage filter)
     layers: dict[int, LayerStats] = field(default_factory=dict)
     inputs: InputStats = field(default_factory=InputStats)   # input-sparse projections (TEAL, WINA)
     predictor_numel: int = 0                # weights of the plan's own predictors, read for every token
@@ -142,15 +143,19 @@ class _Taps:
 EXEC_MODES = ("kernel", "masked")
 
 
-def masked_token_ffn(x, w_up, w_down_t, mask, act, w_gate=None, b_up=None, b_down=None, filter_threshold=None):
+def masked_token_ffn(x, w_up, w_down_t, mask, act, w_gate=None, b_up=None, b_down=None, filter_threshold=None,
+                     filter_weight=None):
     """``token_sparse_ffn``'s function and counts as dense products with the unselected (token, neuron) entries
     zeroed: the evaluation path where dense is cheaper than the sparse kernels (the CPU)."""
     if w_gate is not None:
         a = apply_act(x @ w_gate.t(), act)
     else:
         a = apply_act(x @ w_up.t() + (b_up if b_up is not None else 0), act)
-    keep = mask if filter_threshold is None else mask & (a.abs() > filter_threshold)
     h = a * (x @ w_up.t()) if w_gate is not None else a
+    if filter_weight is not None:
+        keep = mask & (h.abs() * filter_weight > filter_threshold)
+    else:
+        keep = mask if filter_threshold is None else mask & (a.abs() > filter_threshold)
     y = (h * keep) @ w_down_t
     # the counts stay on the device (LayerStats sums them there): no host sync per layer and forward
     return (y + b_down if b_down is not None else y), mask.sum(), keep.sum()
@@ -158,11 +163,12 @@ def masked_token_ffn(x, w_up, w_down_t, mask, act, w_gate=None, b_up=None, b_dow
 
 class SparseFFN(nn.Module):
     def __init__(self, layer: int, weights: dict[str, torch.Tensor], act: str, predictor: MLPPredictor,
-                 filter_threshold: float | None, taps: _Taps, stats: SparseStats, mode: str = "kernel"):
+                 filter_threshold: float | None, taps: _Taps, stats: SparseStats, mode: str = "kernel",
+                 filter_weight: torch.Tensor | None = None):
         super().__init__()
         self.mode = mode
         self.layer, self.act, self.predictor = layer, act, predictor
-        self.filter_threshold = filter_threshold
+        self.filter_threshold, self.filter_weight = filter_threshold, filter_weight
         self._taps, self._stats = taps, stats
         self.w_gate = weights.get("gate")
         self.w_up = weights["up"]
@@ -177,7 +183,8 @@ class SparseFFN(nn.Module):
         mask = self.predictor.mask(pin)
         ffn = masked_token_ffn if self.mode == "masked" else token_sparse_ffn
         y, n_first, n_kept = ffn(x2, self.w_up, self.w_down_t, mask, self.act, w_gate=self.w_gate,
-                                 b_up=self.b_up, b_down=self.b_down, filter_threshold=self.filter_threshold)
+                                 b_up=self.b_up, b_down=self.b_down, filter_threshold=self.filter_threshold,
+                                 filter_weight=self.filter_weight)
         self._stats.layers.setdefault(self.layer, LayerStats()).add_ffn(x2.shape[0], n_first, n_kept)
         return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
 
@@ -249,7 +256,11 @@ def apply_sparsity(model: nn.Module, plan: SparsityPlan, input_mode: str = "mask
     dims = ad.dims(model.config)
     act = ad.act_name(model.config)
     layers = ad.decoder_layers(model)
-    stats = SparseStats(dims.D, dims.n_heads, plan.dense_gate, inputs=InputStats(model_projection_numel(model)))
+    damage_filter = plan.mlp_mode == "sequential" and plan.seq_filter_on == "damage"
+    if damage_filter and plan.mlp and not ad.ffn.gated:
+        raise ValueError("the damage filter (seq_filter_on='damage') needs a gated FFN: this model's has no gate")
+    stats = SparseStats(dims.D, dims.n_heads, plan.dense_gate, inputs=InputStats(model_projection_numel(model)),
+                        up_on_first=damage_filter)
     if mode == "auto":
         mode = "masked"
     if mode not in EXEC_MODES:
@@ -267,7 +278,11 @@ def apply_sparsity(model: nn.Module, plan: SparsityPlan, input_mode: str = "mask
             layer = layers[l]
             weights = ad.ffn_weights(layer)
             thr = plan.seq_filter.get(l) if plan.mlp_mode == "sequential" else None
-            sparse = SparseFFN(l, weights, act, pred, thr, taps, stats, mode)
+            fw = None
+            if damage_filter:
+                gain = ad.ffn_out_gain(layer)
+                fw = neuron_out_norm(weights["down"], None if gain is None else gain.to(weights["down"].device))
+            sparse = SparseFFN(l, weights, act, pred, thr, taps, stats, mode, fw)
             if ad.ffn.module:
                 _swap(applied, layer, ad.ffn.module, sparse)
             else:  # FFN inline in the layer (OPT): fc1 and act become identities, fc2 the whole sparse FFN

@@ -84,6 +84,26 @@ def test_sparse_step_matches_sparse_exec(family, kind):
     assert rt.realized_sparsity() == pytest.approx({"mlp": 0.5, "heads": 0.5})
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("filter_on, f", [("gate", 0.05), ("damage", 0.002)])
+def test_sequential_filters_match_sparse_exec(family, filter_on, f):
+    """The sequential pipeline's two filters (|act(gate)|, and the damage |act(gate)·up|·‖g ⊙ W_down[:, i]‖ with
+    Gemma-3's post-FFN gain) drop the same pairs in the runtime as in sparse_exec, and do drop some."""
+    m = tiny_model(family)
+    ids = torch.randint(0, 128, (1, 14), generator=torch.Generator().manual_seed(5))
+    plan = random_plan(m, 0.3, None, rank=8, input_kind="residual", seed=4)
+    unfiltered = _hf_sparse_decode_logits(m, plan, ids, 10)
+    plan.mlp_mode, plan.seq_filter_on, plan.seq_filter = "sequential", filter_on, {l: f for l in plan.mlp}
+    ref = _hf_sparse_decode_logits(m, plan, ids, 10)
+    assert max(float((a - b).abs().max()) for a, b in zip(ref[1:], unfiltered[1:])) > 1e-4
+    rt = DecodeRuntime.from_hf(m).set_plan(plan)
+    rt.setup(1, 14)
+    torch.testing.assert_close(rt.prefill(ids[:, :10]), ref[0], atol=1e-5, rtol=1e-4)
+    for i, t in enumerate(range(10, 14)):
+        rt.tok.copy_(ids[:, t])
+        torch.testing.assert_close(rt.step(keep_logits=True), ref[i + 1], atol=1e-5, rtol=1e-4)
+
+
 def test_sparse_ffn_gets_the_predicted_indices(monkeypatch):
     """Spy on the kernel call: idx is the predictor's top-k of its input (batch 1), nothing else."""
     from kernels import ops

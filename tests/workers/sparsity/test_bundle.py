@@ -83,6 +83,28 @@ def test_every_stored_predictor_kind_round_trips(tmp_path):
         assert torch.equal(back.mlp[0].mask(x), pred.mask(x))
 
 
+def test_sequential_damage_filter_round_trips(tmp_path):
+    """The sequential pipeline's filter (threshold and what it reads) travels in the manifest: the bundle's sparse
+    model is the fitted one, and differs from the same predictors without the filter."""
+    model = tiny_model("llama")
+    plan, _ = _plan(model)
+    plan.attn.clear()
+    plan.mlp_mode, plan.seq_filter_on, plan.seq_filter = "sequential", "damage", {0: 0.002, 1: 0.002}
+    path = save_bundle(plan, _lm(model), tmp_path / "seq", method="svd", sparsity=0.5)
+    back = load_bundle(path).plan(model)
+    assert (back.mlp_mode, back.seq_filter_on, back.seq_filter) == ("sequential", "damage", {0: 0.002, 1: 0.002})
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with apply_sparsity(model, plan):
+            want = model(ids).logits
+        with apply_bundle(model, path):
+            got = model(ids).logits
+        plan.mlp_mode = "parallel"
+        with apply_sparsity(model, plan):
+            unfiltered = model(ids).logits
+    assert torch.equal(got, want) and not torch.allclose(got, unfiltered)
+
+
 def _tensors_of(pred) -> list[torch.Tensor]:
     """Every tensor a predictor computes with: parameters, buffers and plain tensor attributes (the oracle's
     references to the layer's weights)."""

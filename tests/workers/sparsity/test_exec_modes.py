@@ -25,20 +25,22 @@ def _run(model, plan, mode, toks):
         return applied.mode, logits, ppl, counts, (st.mlp_sparsity(), st.head_sparsity())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "opt"])
-@pytest.mark.parametrize("sequential", [False, True])
+@pytest.mark.parametrize("family, sequential", [(f, s) for f in ("llama", "qwen2", "gemma3", "opt")
+                                                for s in (None, "gate", "damage") if not (f == "opt" and s == "damage")])
 def test_masked_equals_kernel(family, sequential):
     model = tiny_model(family)
     plan = random_plan(model, 0.5, 0.5, rank=8, input_kind="residual", seed=1)
-    if sequential:             # the sequential pipeline: a gate filter after the predictor's set
-        plan.mlp_mode = "sequential"
-        plan.seq_filter = {l: 0.05 for l in plan.mlp}
+    if sequential:             # the sequential pipeline: a filter after the predictor's set
+        plan.mlp_mode, plan.seq_filter_on = "sequential", sequential
+        plan.seq_filter = {l: 0.05 if sequential == "gate" else 0.002 for l in plan.mlp}
     toks = _tokens()
     mk, lk, pk, ck, sk = _run(model, plan, "kernel", toks)
     mm, lm, pm, cm, sm = _run(model, plan, "masked", toks)
     assert (mk, mm) == ("kernel", "masked")
     assert ck == cm and sk == sm                       # same selection, pair for pair
     assert 0.2 < sk[0] < 0.95 and 0.2 < sk[1] < 0.8      # something was skipped (and not everything)
+    if sequential:                                     # the filter dropped pairs of the predicted set
+        assert all(0 < kept < first for _, first, kept, _ in ck.values())
     torch.testing.assert_close(lm, lk, atol=1e-5, rtol=1e-4)
     assert pm.ppl == pytest.approx(pk.ppl, rel=1e-5) and pm.n_tokens == pk.n_tokens
     with torch.no_grad():                              # and the sparse model is not the dense one
@@ -74,3 +76,29 @@ def test_masked_counts_stay_on_the_device_until_read():
         model(input_ids=toks.windows)
         ls = next(iter(applied.stats.layers.values()))
         assert (ls.tokens, ls.first_pairs, ls.kept_pairs, ls.head_tokens, ls.heads_kept) == masked
+
+
+def test_damage_filter_refused_on_a_non_gated_ffn():
+    model = tiny_model("opt")
+    plan = random_plan(model, 0.5, None, rank=8, seed=1)
+    plan.mlp_mode, plan.seq_filter_on, plan.seq_filter = "sequential", "damage", {l: 0.01 for l in plan.mlp}
+    with pytest.raises(ValueError, match="gated"):
+        apply_sparsity(model, plan)
+    assert all("Sparse" not in type(m).__name__ for m in model.modules())
+
+
+def test_weights_skipped_counts_up_on_the_superset_with_the_damage_filter():
+    """Hand-built counts: 70 % of the pairs computed in gate (and, with the damage filter, in up), 50 % in down,
+    on layer 0 of two; the fraction of decoder weights skipped follows from the projections' sizes."""
+    from workers.sparsity.input_sparse import InputStats
+    from workers.sparsity.sparse_exec import LayerStats, SparseStats
+
+    D, d = 10, 4
+    numel = {(l, p): n for l in (0, 1) for p, n in (("q", d * d), ("k", d * d), ("v", d * d), ("o", d * d),
+                                                    ("gate", D * d), ("up", D * d), ("down", D * d))}
+    total = sum(numel.values())
+    for up_on_first, want in ((False, 0.3 * D * d + 0.5 * 2 * D * d), (True, 0.3 * 2 * D * d + 0.5 * D * d)):
+        st = SparseStats(D, 2, False, inputs=InputStats(numel), up_on_first=up_on_first)
+        st.layers[0] = LayerStats()
+        st.layers[0].add_ffn(100, 700, 500)
+        assert st.weight_skipped() == pytest.approx(want / total, rel=1e-12)

@@ -189,6 +189,33 @@ def test_superset_mode_predicts_a_superset_and_the_exact_gate_picks_the_rest(cal
         fit_method("svd", ctx, {15: 0.5}, rank=32, superset=0.6)
 
 
+def test_superset_damage_filter_keeps_the_largest_damage_of_the_superset(calib):
+    """superset_filter="damage": same predicted superset, but the survivors are the kept pairs with the largest
+    |act(gate)·up|·‖W_down[:, i]‖ (SmolLM2 has no post-FFN norm), again down to ~50 % of the pairs."""
+    ctx, _ = calib
+    plan = fit_method("svd", ctx, {15: 0.5}, rank=32, superset=0.3, superset_filter="damage")
+    assert plan.mlp_mode == "sequential" and plan.seq_filter_on == "damage"
+    assert plan.info[15]["superset_filter"] == "damage"
+    f = plan.seq_filter[15]
+    W = ctx.ffn_weights(15)
+    _, X2 = _halves(ctx, 15)
+    dmg = (torch.nn.functional.silu(X2 @ W["gate"].T) * (X2 @ W["up"].T)).abs() * W["down"].norm(dim=0)
+    keep = plan.mlp[15].mask(X2)
+    assert abs(1 - float(keep.float().mean()) - 0.3) < 0.01
+    survive = keep & (dmg > f)
+    assert abs(1 - float(survive.float().mean()) - 0.5) < 0.01
+    assert float(dmg[keep & ~survive].max()) <= float(dmg[survive].min()) * (1 + 1e-5)
+    # the gate filter at the same budget keeps a different, less damaging set
+    gate_plan = fit_method("svd", ctx, {15: 0.5}, rank=32, superset=0.3)
+    a = torch.nn.functional.silu(X2 @ W["gate"].T).abs()
+    by_gate = keep & (a > gate_plan.seq_filter[15])
+    assert float(dmg[survive].sum()) > float(dmg[by_gate].sum())
+    with pytest.raises(ValueError, match="superset_filter needs superset"):
+        fit_method("svd", ctx, {15: 0.5}, rank=32, superset_filter="damage")
+    with pytest.raises(ValueError, match="superset_filter must be one of"):
+        fit_method("svd", ctx, {15: 0.5}, rank=32, superset=0.3, superset_filter="up")
+
+
 # ---- API -------------------------------------------------------------------------------------------------------
 def test_unknown_and_invalid_options_are_rejected(calib):
     ctx, _ = calib

@@ -110,17 +110,25 @@ class HeadPredictor(nn.Module):
         return {k: v.detach().contiguous() for k, v in self.state_dict().items()}
 
 
+SEQ_FILTERS = ("gate", "damage")     # what the sequential pipeline's filter reads (SparsityPlan.seq_filter_on)
+
+
 @dataclass
 class SparsityPlan:
     """Per-layer predictors plus how the sparse FFN runs, and per-projection input thresholds.
 
-    ``mlp_mode``: ``parallel`` computes gate, up and down on the predicted set; ``sequential`` computes gate on
-    the predicted set, then drops the rows whose |act(gate)| <= ``seq_filter[layer]`` before up and down.
+    ``mlp_mode``: ``parallel`` computes gate, up and down on the predicted set; ``sequential`` filters the
+    predicted set with ``seq_filter[layer]`` = f, on the score ``seq_filter_on`` names:
+      * ``gate``: gate on the predicted set, then the rows with |act(gate)| <= f dropped before up and down;
+      * ``damage``: gate and up on the predicted set, then the rows whose damage |act(gate)·up|·c_i <= f dropped
+        before down, c_i = ‖g ⊙ W_down[:, i]‖ (:func:`neuron_out_norm`: what neuron i adds to the residual stream
+        per unit of its value).
     """
     mlp: dict[int, MLPPredictor] = field(default_factory=dict)
     attn: dict[int, HeadPredictor] = field(default_factory=dict)
     mlp_mode: str = "parallel"
     seq_filter: dict[int, float] = field(default_factory=dict)
+    seq_filter_on: str = "gate"
     info: dict = field(default_factory=dict)     # per-layer facts for the store: targets, thresholds, fit time
     dense_gate: bool = False                     # the method runs the gate projection dense (threshold, oracle)
     # input sparsity (TEAL, WINA): {layer: {projection: t}}; a projection keeps input i iff score_i > t, with
@@ -131,6 +139,8 @@ class SparsityPlan:
     def __post_init__(self):
         if self.mlp_mode not in ("parallel", "sequential"):
             raise ValueError("mlp_mode must be 'parallel' or 'sequential'")
+        if self.seq_filter_on not in SEQ_FILTERS:
+            raise ValueError(f"seq_filter_on must be one of {SEQ_FILTERS}, got {self.seq_filter_on!r}")
         if self.input_score not in ("abs", "wina"):
             raise ValueError("input_score must be 'abs' or 'wina'")
 
@@ -181,6 +191,12 @@ def predictor_inputs(cache, layer: int, input_kind: str, max_tokens: int | None 
     raise ValueError(f"input_kind must be one of {INPUT_KINDS}")
 
 
+def neuron_out_norm(down: torch.Tensor, gain: torch.Tensor | None = None) -> torch.Tensor:
+    """c_i = ‖g ⊙ W_down[:, i]‖ (‖W_down[:, i]‖ without a norm on the FFN's output), [D]: the size of what neuron i
+    adds to the residual stream per unit of its intermediate value. ``down`` [d, D], ``gain`` [d] or None."""
+    return (down if gain is None else gain[:, None].to(down.dtype) * down).norm(dim=0)
+
+
 def output_damage(inter: torch.Tensor, down: torch.Tensor, gain: torch.Tensor | None = None) -> torch.Tensor:
     """What dropping neuron i costs token t, measured where the FFN output enters the residual stream, [N, D].
 
@@ -191,9 +207,9 @@ def output_damage(inter: torch.Tensor, down: torch.Tensor, gain: torch.Tensor | 
     correlation of ‖g ⊙ W_down[:, i]‖ with ‖W_down[:, i]‖ is 0.14-0.92 by layer), and the division by the
     token's rms(y_t) makes a token whose FFN output is small as sensitive as one whose output is large.
     """
+    cols = neuron_out_norm(down, gain)
     if gain is None:
-        return inter.abs() * down.norm(dim=0)
-    cols = (gain[:, None] * down).norm(dim=0)
+        return inter.abs() * cols
     y = inter @ down.T
     rms = y.square().mean(1, keepdim=True).sqrt_().clamp_min_(torch.finfo(y.dtype).tiny)
     return inter.abs() * cols / rms

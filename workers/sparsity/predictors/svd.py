@@ -80,7 +80,7 @@ import torch
 
 from workers.loading.adapters import activation_fn
 from workers.sparsity.predictors.base import (
-    INPUT_KINDS, FitContext, MLPPredictor, SparsityPlan, output_damage, register,
+    INPUT_KINDS, SEQ_FILTERS, FitContext, MLPPredictor, SparsityPlan, neuron_out_norm, output_damage, register,
 )
 
 Q_STEPS = 256
@@ -453,10 +453,11 @@ def seq_filter_threshold(act_gate_abs: torch.Tensor, damage: torch.Tensor, keep:
     return f, dropped / keep.numel()
 
 
-def superset_filter_threshold(act_gate_abs: torch.Tensor, keep: torch.Tensor, target: float) -> tuple[float, float]:
-    """The filter f for the exact gate on a predicted superset: among the kept pairs, those with |act(gate)| <= f
-    are dropped so that the fraction of all pairs off reaches ``target``. Returns (f, fraction the filter drops)."""
-    a = act_gate_abs[keep].double()
+def superset_filter_threshold(score: torch.Tensor, keep: torch.Tensor, target: float) -> tuple[float, float]:
+    """The filter f for the exact gate on a predicted superset: among the kept pairs, those with score <= f
+    (|act(gate)|, or the damage |act(gate)·up|·c_i) are dropped so that the fraction of all pairs off reaches
+    ``target``. Returns (f, fraction the filter drops)."""
+    a = score[keep].double()
     n_drop = int(round(target * keep.numel())) - int((~keep).sum())
     if n_drop <= 0 or a.numel() == 0:
         return 0.0, 0.0
@@ -477,14 +478,16 @@ def default_rank(d: int, D: int) -> int:
     return min(min(d, D), max(8, 8 * int(round(DEFAULT_RANK_FRAC * min(d, D) / 8))))
 
 
-_KNOWN = ("damage", "target", "input_kind", "max_tokens", "mode", "rank_up", "q_steps", "seq_tol", "greedy", "superset")
+_KNOWN = ("damage", "target", "input_kind", "max_tokens", "mode", "rank_up", "q_steps", "seq_tol", "greedy", "superset",
+          "superset_filter")
 
 
 @register("svd")
 def fit_svd(ctx: FitContext, sparsity: dict[int, float], rank: int | None = None, damage: str = "full",
             target: str | None = None, input_kind: str = "ffn_in", max_tokens: int | None = None,
             mode: str = "parallel", rank_up: int | None = None, q_steps: int = Q_STEPS, seq_tol: float = 1e-4,
-            greedy: str = "sort", superset: float | None = None, **unknown) -> SparsityPlan:
+            greedy: str = "sort", superset: float | None = None, superset_filter: str = "gate",
+            **unknown) -> SparsityPlan:
     """Fit SVDP predictors for the layers in ``sparsity`` (layer -> absolute target off-fraction).
 
     ``rank``: r (default ``default_rank(d, D)``). ``damage``: one of ``DAMAGES``. ``target``: ``gate`` or
@@ -496,6 +499,10 @@ def fit_svd(ctx: FitContext, sparsity: dict[int, float], rank: int | None = None
     to switch off only this fraction (< the layer's target), the exact gate runs on the rows it keeps, and the
     filter |act(gate)| > f, with f set on X2 so that up and down skip the layer's target fraction, picks the
     survivors. Bytes read: the predictor, gate rows (1 − superset), up and down rows (1 − target).
+    ``superset_filter``: what picks the survivors of the superset: ``gate`` (|act(gate)|, above) or ``damage``
+    (gate and up both run on the superset, and the filter reads each neuron's damage |act(gate)·up|·c_i,
+    c_i = ‖g ⊙ W_down[:, i]‖: the oracle's own criterion within the superset, at the price of up's rows on the
+    whole superset). Bytes read then: the predictor, gate and up rows (1 − superset), down rows (1 − target).
     """
     if unknown:
         raise ValueError(f"svd: unknown option(s) {sorted(unknown)}; known: rank, {', '.join(_KNOWN)}")
@@ -518,6 +525,10 @@ def fit_svd(ctx: FitContext, sparsity: dict[int, float], rank: int | None = None
         if not 0.0 <= float(superset) < 1.0:
             raise ValueError(f"svd: superset must be in [0, 1), got {superset!r}")
         mode = "sequential"
+    if superset_filter not in SEQ_FILTERS:
+        raise ValueError(f"svd: superset_filter must be one of {SEQ_FILTERS}, got {superset_filter!r}")
+    if superset_filter != "gate" and superset is None:
+        raise ValueError("svd: superset_filter needs superset (the fraction the predictor may switch off)")
     if target is None:
         target = "product" if gated else "gate"
     if target not in TARGETS:
@@ -527,7 +538,7 @@ def fit_svd(ctx: FitContext, sparsity: dict[int, float], rank: int | None = None
     act_name = ctx.act_name()
     act = activation_fn(act_name)
 
-    plan = SparsityPlan(mlp_mode=mode)
+    plan = SparsityPlan(mlp_mode=mode, seq_filter_on=superset_filter)
     for layer in sorted(sparsity):
         t0 = time.perf_counter()
         s = float(sparsity[layer])
@@ -598,7 +609,13 @@ def fit_svd(ctx: FitContext, sparsity: dict[int, float], rank: int | None = None
             if superset is None:
                 f, extra = seq_filter_threshold(g2.abs(), dmg, keep, tol=seq_tol)
             else:
-                f, extra = superset_filter_threshold(g2.abs(), keep, s)
+                if superset_filter == "damage":
+                    score = (g2 * _linear(Xf2, W["up"], W.get("b_up"))).abs_() \
+                        * neuron_out_norm(W["down"], ctx.ffn_out_gain(layer))
+                else:
+                    score = g2.abs()
+                f, extra = superset_filter_threshold(score, keep, s)
+                info["superset_filter"] = superset_filter
             plan.seq_filter[layer] = f
             info.update({"seq_filter": f, "seq_tol": seq_tol, "seq_extra_offfrac": extra,
                          "pred_offfrac": 1.0 - float(keep.float().mean())})
