@@ -115,6 +115,13 @@ class MethodSpec(_Strict):
             raise ValueError("rank / sparsity / attn_sparsity / allocation are grid fields, not options")
         return v
 
+    @model_validator(mode="after")
+    def _known_options(self) -> "MethodSpec":
+        from workers.sparsity.predictors import check_option_names
+
+        check_option_names(self.name, self.options)      # a typo fails at submit, not after the collect
+        return self
+
 
 class PerplexitySpec(_Strict):
     tokens: Annotated[int, Field(ge=128, le=10_000_000)] = 2048

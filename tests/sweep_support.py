@@ -41,7 +41,9 @@ PERPLEXITY_METRICS = ("ppl", "nll", "mlp_sparsity", "head_sparsity", "input_spar
 # rows exactly once, the failing fit recorded with its error and its dependants failed with the reason, and the
 # cuda latency units left pending (no cuda rows invented). Latency is not timed alone (``exclusive: false``): the
 # bencher starts while the evaluator works, ~30 s less on 2 cores; no test here reads the timings' values.
-FAILING_METHOD = {"name": "threshold", "sparsity": [0.5], "options": {"no_such_option": 1}}
+# a value only the fit can refuse (an unknown option name is refused at submit)
+FAILING_METHOD = {"name": "svd", "sparsity": [0.5], "options": {"target": "no_such_target"}}
+FAILING_ERROR = "target must be one of"
 SHARED_METHOD = {"name": "threshold", "sparsity": [0.5]}
 assert SHARED_METHOD in TINY_SPEC["methods"]
 SHARED_OVERRIDES = {

@@ -76,11 +76,26 @@ class UnitOutput:
     summary: dict = field(default_factory=dict)      # a few figures for the driver's progress log
 
 
+LOGITS_SHARE = 0.5      # of an evaluator's device memory, for a scoring forward's logits (the rest: weights, cache)
+
+
+def accelerator_memory(device: str) -> int | None:
+    """Total memory of the accelerator ``device`` names (bytes); None for the CPU."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev.index if dev.index is not None else 0).total_memory
+    if dev.type == "npu":
+        return torch.npu.get_device_properties(dev.index if dev.index is not None else 0).total_memory
+    return None
+
+
 class Units:
     """Computes units; caches loaded models (by ref and device) across calls."""
 
-    def __init__(self, device: str = "cpu", versions: dict[str, str] | None = None, git_rev: str | None = None):
+    def __init__(self, device: str = "cpu", versions: dict[str, str] | None = None, git_rev: str | None = None,
+                 memory_share: float = 1.0):
         self.device = device
+        self.memory_share = float(memory_share)      # of the accelerator's memory: this actor's (Ray's num_gpus)
         self.versions, self.git_rev = dict(versions or {}), git_rev   # stamped into bundles
         self._lms: dict[str, object] = {}
 
@@ -266,10 +281,16 @@ class Units:
                 out.summary = {"ppl": round(r.ppl, 3), "mlp_sparsity": round(applied.stats.mlp_sparsity(), 3)}
             else:
                 rows = run_suite(lm.model, lm.tokenizer, [cfg["suite"]], cfg.get("limit"),
-                                 batch_size=cfg.get("batch_size", 8))
+                                 batch_size=cfg.get("batch_size", 8), logits_budget=self.logits_budget())
                 out.accuracy += task_rows(rows)
                 out.summary = {r.metric: round(r.value, 3) for r in rows}
         return out
+
+    def logits_budget(self) -> int | None:
+        """Bytes an evaluation forward's logits may take on an accelerator: LOGITS_SHARE of this actor's share of
+        the device memory (None on the CPU: the batch as planned)."""
+        total = accelerator_memory(self.device)
+        return None if total is None else int(total * self.memory_share * LOGITS_SHARE)
 
     def latency(self, unit_id: str, cfg: dict) -> UnitOutput:
         from workers.decode.latency import bench_decode, random_plan

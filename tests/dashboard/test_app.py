@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dashboard import data
+from tests.sweep_support import FAILING_ERROR
 
 PAGES = ("views/overview.py", "views/pareto.py", "views/unit.py", "views/bundle.py")
 
@@ -49,7 +50,7 @@ def _model_id(url: str) -> int:
 
 
 def _fit_unit(url: str, method: str) -> str:
-    """The fit unit of the (done) setting of ``method``: the stores also hold a failed ``threshold`` fit."""
+    """The fit unit of the (done) setting of ``method``: the stores also hold a failed fit (FAILING_METHOD)."""
     return next(s.fit_unit for s in data.settings(url, _model_id(url)) if s.method == method and s.status == "done")
 
 
@@ -87,12 +88,12 @@ def _check_failures(at, failures) -> None:
     """The failed fit with its real error, and the units that depended on it, shown with their errors."""
     assert sorted(f.kind for f in failures) == ["eval", "eval", "fit", "latency"]
     fit = next(f for f in failures if f.kind == "fit")
-    assert "unknown options ['no_such_option']" in fit.error and "threshold" in fit.what
+    assert FAILING_ERROR in fit.error and "svd" in fit.what
     assert all("depends on failed" in f.error for f in failures if f is not fit)
     assert "Failures" in _texts(at.subheader)
     code = _texts(at.code)
     assert all(f.error.strip() in code for f in failures)
-    assert any("unknown options" in e.label for e in at.expander)
+    assert any(FAILING_ERROR in e.label for e in at.expander)
 
 
 def test_overview(app, tiny_sweep):

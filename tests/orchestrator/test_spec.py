@@ -144,3 +144,22 @@ def test_one_window_budgets_and_every_model_ref_form_are_valid(tmp_path):
     assert one.suites.perplexity.tokens == one.suites.perplexity.seq_len == 512
     refs = ["smollm2-135m", "gemma3-270m", "HuggingFaceTB/SmolLM2-135M", "models/x.gguf", str(tmp_path)]
     assert parse_spec(_with(models=refs)).models == refs
+
+
+@pytest.mark.parametrize("method, options, ok", [
+    ("svd", {"superset": 0.3, "superset_filter": "damage"}, True),
+    ("dejavu", {"input_kind": "ffn_in", "label": "damage"}, True),
+    ("teal", {"greedy": "model"}, True),
+    ("threshold", {"no_such_option": 1}, False),
+    ("svd", {"supreset": 0.3}, False),
+    ("dejavu", {"epoch": 3}, False),
+])
+def test_option_names_are_checked_at_submit(method, options, ok):
+    """A misspelt option fails when the spec is read, naming the known ones (values are the fit's to check)."""
+    data = _with(methods=[{"name": method, "sparsity": [0.5], "options": options}])
+    if ok:
+        parse_spec(data, "test.yaml")
+        return
+    with pytest.raises(SpecError) as e:
+        parse_spec(data, "test.yaml")
+    assert f"methods.0: Value error, {method}: unknown option(s) [{next(iter(options))!r}]; known: [" in str(e.value)

@@ -18,8 +18,8 @@ from db import queries
 from db.engine import get_engine, session_scope
 from orchestrator.pareto import pareto
 from orchestrator.settings import settings_for_model
-from tests.sweep_support import (FAILING_METHOD, PERPLEXITY_METRICS, SHARED_METHOD, SHARED_OVERRIDES, copy_store,
-                                 home_set_to, run_tiny_sweep, tiny_spec)
+from tests.sweep_support import (FAILING_ERROR, FAILING_METHOD, PERPLEXITY_METRICS, SHARED_METHOD, SHARED_OVERRIDES,
+                                 copy_store, home_set_to, run_tiny_sweep, tiny_spec)
 
 
 def _counts(url: str) -> dict:
@@ -50,7 +50,7 @@ def test_tiny_sweep_writes_every_row_once(tiny_sweep):
     # the failing fit and what depends on it (its 2 evals, its cpu latency unit) failed, with the reason
     bad_fit = [u for u in units.values() if u.kind == "fit" and u.config.get("options") == FAILING_METHOD["options"]]
     assert len(bad_fit) == 1 and bad_fit[0].status == "failed"
-    assert "unknown options ['no_such_option']" in bad_fit[0].error
+    assert FAILING_ERROR in bad_fit[0].error
     chain = {u.id for u in units.values() if bad_fit[0].id in (u.id, u.config.get("fit_unit"))
              and u.device_type == "cpu"}
     assert sorted(u.kind for u in units.values() if u.id in chain) == ["eval", "eval", "fit", "latency"]
@@ -77,7 +77,7 @@ def test_tiny_sweep_writes_every_row_once(tiny_sweep):
         assert len(nll) == n_ok and all(r.stderr is None for r in nll)       # one window: no stderr
         model = queries.list_models(s)[0]
         settings = settings_for_model(s, model.id)
-        assert sorted(st.method for st in settings) == ["dense", "threshold", "threshold"]
+        assert sorted(st.method for st in settings) == ["dense", FAILING_METHOD["name"], SHARED_METHOD["name"]]
         (failed,) = [st for st in settings if st.status == "failed"]
         assert failed.accuracy == {} and failed.latency == []
         ok = [st for st in settings if st is not failed]

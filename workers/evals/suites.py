@@ -254,14 +254,59 @@ def _mean_stderr(values: Sequence[float]) -> float | None:
     return math.sqrt(sum((v - mu) ** 2 for v in values) / (n - 1) / n)
 
 
+LOGIT_BYTES = 12        # per (position, vocabulary entry) of a scoring forward: the logits, lm-eval's fp32 copy and
+                        # its log-softmax
+BUDGET_SCHEDULE = 4     # the batch is re-sized this many times along the requests (sorted longest first)
+
+
+def budget_batch(length: int, vocab: int, budget_bytes: int, max_batch: int) -> int:
+    """Sequences per scoring forward so that the logits of ``length`` positions over ``vocab`` entries stay within
+    ``budget_bytes``: at least 1, at most ``max_batch``. A function of the request lengths only, so a run's
+    batches (and numbers) do not depend on what else shares the device."""
+    per_seq = max(1, length) * vocab * LOGIT_BYTES
+    return max(1, min(max_batch, budget_bytes // per_seq))
+
+
+def _budgeted_hflm(budget_bytes: int):
+    """lm-eval's HFLM whose batch size is ``budget_batch`` of the longest request of each stretch of the sorted
+    requests (lm-eval's ``auto:N`` schedule, with the size computed instead of probed by out-of-memory trials)."""
+    from lm_eval.models.huggingface import HFLM
+
+    class BudgetedHFLM(HFLM):
+        _generating = False
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            self._generating = True
+            try:
+                return super().generate_until(requests, disable_tqdm)
+            finally:
+                self._generating = False
+
+        def _detect_batch_size(self, requests=None, pos: int = 0):
+            if requests:
+                _, context_enc, continuation_enc = requests[pos]
+                length = len((context_enc + continuation_enc)[-(self.max_length + 1):][:-1])
+            elif self._generating:         # generation keeps the logits of one position per sequence and step
+                return self.max_batch_size
+            else:                          # rolling log-likelihood: windows of up to max_length
+                length = self.max_length
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            return budget_batch(length, vocab, budget_bytes, self.max_batch_size)
+
+    return BudgetedHFLM
+
+
 def run_suite(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, batch_size: int = 8,
-              seed: int = 0, keep_items: bool = False) -> list[SuiteResult]:
+              seed: int = 0, keep_items: bool = False, logits_budget: int | None = None) -> list[SuiteResult]:
     """Score ``model`` (any HF causal LM module, dense or sparse) on tasks; one row per (task, metric).
 
     ``tasks``: packaged names, ``lm_eval:NAME`` or ``yaml:PATH`` (see the module doc).
     ``limit``: the first ``limit`` items of each task in dataset order (each group member's: MMLU's subjects);
     ``None``: every item. All tasks run in one lm-eval pass (requests of every task batched together,
     ``batch_size`` sequences per forward). ``keep_items``: attach the per-item scores to each row.
+    ``logits_budget`` (bytes): at most ``batch_size`` sequences per forward, fewer where the longest request of a
+    stretch would need more than this for its logits (``budget_batch``: Gemma-3's 262k-entry vocabulary makes a
+    32-sequence forward of long requests ask for tens of GiB).
     """
     names = check_task_names(tasks)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
@@ -277,7 +322,13 @@ def run_suite(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, b
     was_training = model.training
     model.eval()
     try:
-        hflm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+        if logits_budget is None:
+            hflm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+        else:
+            if not isinstance(logits_budget, int) or logits_budget < 1:
+                raise SuiteError(f"logits_budget must be a positive int (bytes), not {logits_budget!r}")
+            hflm = _budgeted_hflm(logits_budget)(pretrained=model, tokenizer=tokenizer,
+                                                 batch_size=f"auto:{BUDGET_SCHEDULE}", max_batch_size=batch_size)
         with _in_process_bootstrap():
             out = lm_eval.simple_evaluate(
                 model=hflm, tasks=[t for e in entries for t in e.leaves.values()], limit=limit,

@@ -18,6 +18,7 @@ Selection rules (``rule``):
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -219,13 +220,30 @@ FitFn = Callable[..., SparsityPlan]
 REGISTRY: dict[str, FitFn] = {}
 
 
-def register(name: str):
+OPTIONS: dict[str, frozenset] = {}
+_NOT_OPTIONS = ("ctx", "sparsity", "rank")        # fit arguments that are grid fields, not method options
+
+
+def register(name: str, options=None):
+    """Register a fit function under ``name``. Its option names are its keyword parameters (besides ctx, sparsity,
+    rank), or ``options`` where it takes them as ``**kwargs`` (a spec is checked against them at submit)."""
     def deco(fn: FitFn) -> FitFn:
         if name in REGISTRY:
             raise ValueError(f"method {name!r} registered twice")
         REGISTRY[name] = fn
+        params = inspect.signature(fn).parameters.values()
+        OPTIONS[name] = frozenset(options if options is not None else
+                                  (p.name for p in params if p.kind is not p.VAR_KEYWORD and p.name not in _NOT_OPTIONS))
         return fn
     return deco
+
+
+def check_option_names(name: str, options) -> None:
+    """Unknown option names for method ``name`` fail here, with the known ones (values are checked by the fit)."""
+    get_method(name)                                  # an unknown method fails here, naming the registered ones
+    unknown = sorted(set(options) - OPTIONS[name])
+    if unknown:
+        raise ValueError(f"{name}: unknown option(s) {unknown}; known: {sorted(OPTIONS[name])}")
 
 
 def get_method(name: str) -> FitFn:
