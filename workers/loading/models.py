@@ -43,6 +43,62 @@ class ModelLoadError(RuntimeError):
     pass
 
 
+# A GGUF carries its tokenizer's data, not a tokenizer: transformers rebuilds one on every host. A host whose rebuild
+# differs scores garbage with the right weights (an H200 host's conversion gave Gemma-3 a held-out perplexity of
+# 34,600 instead of 39.6, weights fingerprint identical), so load_model checks the packaged models' tokenizers
+# against the ids below: what TOKENIZER_PROBE tokenizes to where BENCHMARKS.md's dense perplexities were measured
+# (SmolLM2 51.19, Gemma-3 39.64). ``make ship`` ships the builder's tokenizer files (SHIPPED_TOKENIZERS_ENV).
+TOKENIZER_PROBE = ("The quick brown fox jumps over the lazy dog. Il était une fois 12345 naïve café.\n"
+                   "  Tabs\tand  spaces; \"quotes\" — dashes.")
+REFERENCE_TOKENS = {
+    "smollm2-135m": [504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767, 30, 18984, 216, 19380, 2889, 16520, 8675,
+                     271, 216, 33, 34, 35, 36, 37, 15486, 46494, 37366, 30, 3805, 312, 7366, 197, 397, 216, 5600, 43,
+                     476, 385, 2346, 18, 1841, 287, 9604, 30],
+    "gemma3-270m": [2, 818, 3823, 8864, 37423, 38167, 1024, 506, 31770, 4799, 236761, 6042, 19068, 3037, 16886,
+                    236743, 236770, 236778, 236800, 236812, 236810, 120362, 33443, 236761, 107, 138, 76222, 255968,
+                    624, 138, 35220, 236793, 623, 52231, 236775, 2192, 157677, 236761],
+}
+SHIPPED_TOKENIZERS_ENV = "CTXSPARSE_TOKENIZERS"    # folder of <gguf sha256[:20]>/ tokenizer folders (bare_host.sh)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model")
+
+
+def check_tokenizer(ref: str, tokenizer) -> None:
+    """A packaged model's tokenizer must give REFERENCE_TOKENS on TOKENIZER_PROBE (other refs: not checked)."""
+    want = REFERENCE_TOKENS.get(ref)
+    if want is None:
+        return
+    got = list(tokenizer(TOKENIZER_PROBE)["input_ids"])
+    if got != want:
+        import tokenizers
+        import transformers
+
+        i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        raise ModelLoadError(
+            f"{ref}: the tokenizer here gives other token ids than the reference (from position {i}: "
+            f"{got[i:i + 4]} instead of {want[i:i + 4]}; transformers {transformers.__version__}, tokenizers "
+            f"{tokenizers.__version__}): every score would be wrong with the right weights. Use the tokenizer "
+            f"`make ship` ships (bare_host.sh sets ${SHIPPED_TOKENIZERS_ENV}), or delete the model cache folder and "
+            "convert the GGUF with other transformers/tokenizers versions.")
+
+
+def packaged_tokenizer_folder(name: str) -> Path:
+    """The folder holding packaged model ``name``'s tokenizer as built here (converting its GGUF once if needed),
+    checked against REFERENCE_TOKENS: what ``make ship`` packs for hosts whose own conversion may differ."""
+    from transformers import AutoTokenizer
+
+    folder = _float_cache_for_gguf(packaged_gguf(name))
+    check_tokenizer(name, AutoTokenizer.from_pretrained(folder))
+    return folder
+
+
+def shipped_tokenizer(gguf_sha256: str) -> Path | None:
+    """The tokenizer folder shipped for a GGUF (by its sha256), if ``$CTXSPARSE_TOKENIZERS`` has one."""
+    root = os.environ.get(SHIPPED_TOKENIZERS_ENV)
+    folder = Path(root) / gguf_sha256[:20] if root else None
+    return folder if folder is not None and (folder / "tokenizer.json").is_file() else None
+
+
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
@@ -163,7 +219,11 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
         folder = _float_cache_for_gguf(Path(loc))
         meta.update(json.loads((Path(folder) / "ctxsparse_meta.json").read_text()))
     t0 = time.time()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tok_folder = folder
+    if kind == "gguf" and (shipped := shipped_tokenizer(meta["gguf_sha256"])) is not None:
+        tok_folder, meta["tokenizer"] = shipped, str(shipped)   # the builder's tokenizer, not this host's conversion
+    tokenizer = AutoTokenizer.from_pretrained(tok_folder)
+    check_tokenizer(ref, tokenizer)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
     model.to(device).eval()
     meta["load_s"] = round(time.time() - t0, 2)

@@ -37,6 +37,46 @@ def test_fingerprint_sees_a_changed_weight(smollm2):
     assert fingerprint(m) != fp
 
 
+def test_a_tokenizer_that_differs_from_the_reference_is_refused(smollm2, monkeypatch):
+    """The weights can be right and the tokenizer wrong (a host's own rebuild of a GGUF's tokenizer): the packaged
+    models' tokenizers must give the reference ids on the probe, and a differing one is refused by name."""
+    from workers.loading import models
+
+    models.check_tokenizer("smollm2-135m", smollm2.tokenizer)       # the reference itself passes
+    models.check_tokenizer("some/other-model", smollm2.tokenizer)   # refs without a reference: not checked
+    wrong = list(models.REFERENCE_TOKENS["smollm2-135m"])
+    wrong[5] += 1
+    monkeypatch.setitem(models.REFERENCE_TOKENS, "smollm2-135m", wrong)
+    with pytest.raises(ModelLoadError, match=r"smollm2-135m: the tokenizer here gives other token ids .* position 5"):
+        load_model("smollm2-135m")
+
+
+def test_a_shipped_tokenizer_is_the_one_loaded(smollm2, tmp_path, monkeypatch):
+    """$CTXSPARSE_TOKENIZERS/<gguf sha256[:20]>/ (what bare_host.sh unpacks from the shipment) wins over this
+    host's conversion; the reference check then applies to it."""
+    import shutil
+
+    from workers.loading import models
+
+    src = models.packaged_tokenizer_folder("smollm2-135m")
+    dest = tmp_path / smollm2.meta["gguf_sha256"][:20]
+    dest.mkdir()
+    for name in models.TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, dest / name)
+    monkeypatch.setenv(models.SHIPPED_TOKENIZERS_ENV, str(tmp_path))
+    lm = load_model("smollm2-135m")
+    assert lm.meta["tokenizer"] == str(dest) and lm.fingerprint == smollm2.fingerprint
+    # a shipped tokenizer that differs is refused too: drop a merge rule from tokenizer.json
+    import json
+
+    tj = json.loads((dest / "tokenizer.json").read_text())
+    tj["model"]["merges"] = tj["model"]["merges"][1:]
+    (dest / "tokenizer.json").write_text(json.dumps(tj))
+    with pytest.raises(ModelLoadError, match="other token ids"):
+        load_model("smollm2-135m")
+
+
 @pytest.mark.slow      # cold, it assembles and dequantizes a 253 MB GGUF: about a minute of a 2-core CI
 def test_gemma3_from_its_wheels_continues_sensibly():
     lm = load_model("gemma3-270m")
