@@ -63,6 +63,18 @@ def _hf_sparse_decode_logits(m, plan, ids, n_prompt):
     return logits
 
 
+def _runtime_matches(m, plan, ids, ref, n_prompt):
+    """The runtime under ``plan``: prefill of ids[:, :n_prompt], then one step per later token, each step's logits
+    equal to ``ref`` (from _hf_sparse_decode_logits). Returns the runtime."""
+    rt = DecodeRuntime.from_hf(m).set_plan(plan)
+    rt.setup(1, ids.shape[1])
+    torch.testing.assert_close(rt.prefill(ids[:, :n_prompt]), ref[0], atol=1e-5, rtol=1e-4)
+    for i, t in enumerate(range(n_prompt, ids.shape[1])):
+        rt.tok.copy_(ids[:, t])
+        torch.testing.assert_close(rt.step(keep_logits=True), ref[i + 1], atol=1e-5, rtol=1e-4)
+    return rt
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("kind", ["lookahead", "residual", "ffn_in"])
 def test_sparse_step_matches_sparse_exec(family, kind):
@@ -74,13 +86,7 @@ def test_sparse_step_matches_sparse_exec(family, kind):
     if kind == "ffn_in":
         for p in plan.mlp.values():
             p.input_kind = "ffn_in"
-    ref = _hf_sparse_decode_logits(m, plan, ids, 10)
-    rt = DecodeRuntime.from_hf(m).set_plan(plan)
-    rt.setup(1, 16)
-    torch.testing.assert_close(rt.prefill(ids[:, :10]), ref[0], atol=1e-5, rtol=1e-4)
-    for i, t in enumerate(range(10, 16)):
-        rt.tok.copy_(ids[:, t])
-        torch.testing.assert_close(rt.step(keep_logits=True), ref[i + 1], atol=1e-5, rtol=1e-4)
+    rt = _runtime_matches(m, plan, ids, _hf_sparse_decode_logits(m, plan, ids, 10), 10)
     assert rt.realized_sparsity() == pytest.approx({"mlp": 0.5, "heads": 0.5})
 
 
@@ -96,12 +102,7 @@ def test_sequential_filters_match_sparse_exec(family, filter_on, f):
     plan.mlp_mode, plan.seq_filter_on, plan.seq_filter = "sequential", filter_on, {l: f for l in plan.mlp}
     ref = _hf_sparse_decode_logits(m, plan, ids, 10)
     assert max(float((a - b).abs().max()) for a, b in zip(ref[1:], unfiltered[1:])) > 1e-4
-    rt = DecodeRuntime.from_hf(m).set_plan(plan)
-    rt.setup(1, 14)
-    torch.testing.assert_close(rt.prefill(ids[:, :10]), ref[0], atol=1e-5, rtol=1e-4)
-    for i, t in enumerate(range(10, 14)):
-        rt.tok.copy_(ids[:, t])
-        torch.testing.assert_close(rt.step(keep_logits=True), ref[i + 1], atol=1e-5, rtol=1e-4)
+    _runtime_matches(m, plan, ids, ref, 10)
 
 
 def test_sparse_ffn_gets_the_predicted_indices(monkeypatch):
