@@ -80,15 +80,21 @@ def _measure_curves(ctx, tokens, points, grid) -> dict[int, list[float]]:
             with apply_sparsity(model, plan):
                 logp = next_token_logp(model, ids)
             measured.append(token_kl(logp, dense).mean().item())
-        xs = torch.tensor((0.0, *points), dtype=torch.float64)
-        ys = torch.tensor(measured, dtype=torch.float64).cummax(0).values
-        curve = []
-        for g in grid:
-            i = min(int(torch.searchsorted(xs, torch.tensor(g, dtype=torch.float64), right=True)) - 1, len(xs) - 2)
-            t = (g - xs[i]) / (xs[i + 1] - xs[i])
-            curve.append(float(ys[i] + t * (ys[i + 1] - ys[i])))
-        curves[l] = curve
+        curves[l] = curve_on_grid(points, measured[1:], grid)
     return curves
+
+
+def curve_on_grid(points, measured, grid=DEFAULT_GRID) -> list[float]:
+    """Damage measured at sparsities ``points`` (damage(0) = 0 added), made non-decreasing and linearly
+    interpolated onto ``grid``."""
+    xs = torch.tensor((0.0, *points), dtype=torch.float64)
+    ys = torch.tensor((0.0, *measured), dtype=torch.float64).cummax(0).values
+    curve = []
+    for g in grid:
+        i = min(int(torch.searchsorted(xs, torch.tensor(g, dtype=torch.float64), right=True)) - 1, len(xs) - 2)
+        t = (g - xs[i]) / (xs[i + 1] - xs[i])
+        curve.append(float(ys[i] + t * (ys[i + 1] - ys[i])))
+    return curve
 
 
 def allocate(curves: dict[int, list[float]], budget: float, grid=DEFAULT_GRID) -> dict[int, float]:

@@ -1,0 +1,65 @@
+"""Greedy allocation over per-layer damage curves measured with the method's own predictors (SVDP r256) instead of
+the oracle's: each layer alone sparsified by SVDP fitted at s = 0.1 … 0.9, next-token KL to the dense model on 256
+calibration tokens, the same interpolation and greedy as workers.sparsity.allocation, then SVDP fitted at the
+allocated budgets (mean 0.5) and held-out perplexity on 8,192 tokens. An experiment (not an allocation option:
+it allocated worse than uniform on Gemma-3, BENCHMARKS.md).
+
+    python -m benchmarks.method_allocation [MODEL] [CALIB_TOKENS] [OUT.json]
+"""
+import json
+import sys
+import time
+
+import torch
+
+from benchmarks.quality import calib_context
+from workers.evals.perplexity import perplexity
+from workers.loading.data import token_windows
+from workers.loading.models import load_model
+from workers.sparsity.allocation import DEFAULT_POINTS, allocate, curve_on_grid, next_token_logp, token_kl
+from workers.sparsity.predictors import SparsityPlan, fit_method
+from workers.sparsity.sparse_exec import apply_sparsity
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    model = sys.argv[1] if len(sys.argv) > 1 else "gemma3-270m"
+    calib_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
+    lm = load_model(model)
+    ctx = calib_context(lm, calib_tokens)
+    ids = token_windows(lm.tokenizer, "lambada", "calib", 256, 256).windows
+    held = token_windows(lm.tokenizer, "lambada", "heldout", 8192, 512)
+    t0 = time.time()
+    with torch.no_grad():
+        dense = next_token_logp(lm.model, ids)
+    plans = {s: fit_method("svd", ctx, s, rank=256) for s in DEFAULT_POINTS}
+    print("fits", round(time.time() - t0), flush=True)
+    curves = {}
+    for l in ctx.layers:
+        measured = [0.0]
+        for s in DEFAULT_POINTS:
+            p = plans[s]
+            one = SparsityPlan(mlp={l: p.mlp[l]}, mlp_mode=p.mlp_mode, seq_filter=p.seq_filter)
+            with torch.no_grad(), apply_sparsity(lm.model, one):
+                measured.append(token_kl(next_token_logp(lm.model, ids), dense).mean().item())
+        curves[l] = curve_on_grid(DEFAULT_POINTS, measured[1:])
+        print(l, [round(m, 4) for m in measured], flush=True)
+    print("curves", round(time.time() - t0), flush=True)
+    res = {"model": model}
+    for budget in (0.5,):
+        alloc = allocate(curves, budget)
+        plan = fit_method("svd", ctx, alloc, rank=256)
+        with torch.no_grad(), apply_sparsity(lm.model, plan) as ap:
+            r = perplexity(lm.model, held)
+            sp = ap.stats.mlp_sparsity()
+        with torch.no_grad():
+            d = perplexity(lm.model, held)
+        res[budget] = {"alloc": alloc, "ppl": r.ppl, "dense": d.ppl, "mlp_sparsity": sp, "delta": r.ppl / d.ppl - 1}
+        print(json.dumps(res[budget]), flush=True)
+    out = sys.argv[3] if len(sys.argv) > 3 else f"method_allocation_{model}.json"
+    with open(out, "w") as f:
+        json.dump({"curves": curves, **{str(k): v for k, v in res.items() if k != "model"}}, f)
+
+
+if __name__ == "__main__":
+    main()
