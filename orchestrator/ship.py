@@ -388,9 +388,9 @@ def build(outdir: Path, models: list[str], evals: bool, piece_mib: int, batch_mi
     names = [e["name"] for e in files]
     if len(set(names)) != len(names):
         raise ShipError(f"two shipped files share a name: {sorted(n for n in names if names.count(n) > 1)}")
-    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
+    from db.provenance import git_rev     # HEAD, "-dirty" with uncommitted changes: what the host's rows will name
     manifest = {"format": 1, "piece_mib": piece_mib, "batch_mib": batch_mib, "ray": ray_version,
-                "git_rev": git.stdout.strip() if git.returncode == 0 else "unknown",
+                "git_rev": git_rev(),
                 "models": models, "evals": evals, "distributions": sorted(dists),
                 "files": sorted(files, key=lambda e: (e["kind"], e["name"]))}
     manifest["batches"] = lay_out_batches(outdir, manifest, batch_mib * MIB)
