@@ -4,10 +4,10 @@ calibration tokens, the same interpolation and greedy as workers.sparsity.alloca
 allocated budgets (mean 0.5) and held-out perplexity on 8,192 tokens. An experiment (not an allocation option:
 it allocated worse than uniform on Gemma-3, BENCHMARKS.md).
 
-    python -m benchmarks.method_allocation [MODEL] [CALIB_TOKENS] [OUT.json]
+    python -m benchmarks.method_allocation --model gemma3-270m --calib-tokens 8192 --json OUT.json
 """
+import argparse
 import json
-import sys
 import time
 
 import torch
@@ -21,10 +21,15 @@ from workers.sparsity.predictors import SparsityPlan, fit_method
 from workers.sparsity.sparse_exec import apply_sparsity
 
 
-def main() -> None:
-    torch.set_num_threads(2)
-    model = sys.argv[1] if len(sys.argv) > 1 else "gemma3-270m"
-    calib_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="greedy allocation over SVDP's own single-layer damage curves")
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--calib-tokens", type=int, default=8192)
+    ap.add_argument("--json", default=None, help="output file (default: method_allocation_MODEL.json)")
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    model, calib_tokens = a.model, a.calib_tokens
     lm = load_model(model)
     ctx = calib_context(lm, calib_tokens)
     ids = token_windows(lm.tokenizer, "lambada", "calib", 256, 256).windows
@@ -56,10 +61,10 @@ def main() -> None:
             d = perplexity(lm.model, held)
         res[budget] = {"alloc": alloc, "ppl": r.ppl, "dense": d.ppl, "mlp_sparsity": sp, "delta": r.ppl / d.ppl - 1}
         print(json.dumps(res[budget]), flush=True)
-    out = sys.argv[3] if len(sys.argv) > 3 else f"method_allocation_{model}.json"
-    with open(out, "w") as f:
+    with open(a.json or f"method_allocation_{model}.json", "w") as f:
         json.dump({"curves": curves, **{str(k): v for k, v in res.items() if k != "model"}}, f)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
