@@ -50,19 +50,17 @@ def main(argv=None) -> int:
         curves[l] = curve_on_grid(DEFAULT_POINTS, measured[1:])
         print(l, [round(m, 4) for m in measured], flush=True)
     print("curves", round(time.time() - t0), flush=True)
-    res = {"model": model}
-    for budget in (0.5,):
-        alloc = allocate(curves, budget)
-        plan = fit_method("svd", ctx, alloc, rank=256)
-        with torch.no_grad(), apply_sparsity(lm.model, plan) as ap:
+    alloc = allocate(curves, 0.5)
+    plan = fit_method("svd", ctx, alloc, rank=256)
+    with torch.no_grad():
+        with apply_sparsity(lm.model, plan) as applied:
             r = perplexity(lm.model, held)
-            sp = ap.stats.mlp_sparsity()
-        with torch.no_grad():
-            d = perplexity(lm.model, held)
-        res[budget] = {"alloc": alloc, "ppl": r.ppl, "dense": d.ppl, "mlp_sparsity": sp, "delta": r.ppl / d.ppl - 1}
-        print(json.dumps(res[budget]), flush=True)
+            sp = applied.stats.mlp_sparsity()
+        d = perplexity(lm.model, held)
+    res = {"alloc": alloc, "ppl": r.ppl, "dense": d.ppl, "mlp_sparsity": sp, "delta": r.ppl / d.ppl - 1}
+    print(json.dumps(res), flush=True)
     with open(a.json or f"method_allocation_{model}.json", "w") as f:
-        json.dump({"curves": curves, **{str(k): v for k, v in res.items() if k != "model"}}, f)
+        json.dump({"curves": curves, "0.5": res}, f)
     return 0
 
 

@@ -9,7 +9,8 @@ selected (token, neuron) pair), the down projection with a CSR × dense product 
 neuron contributes one row). Cost scales with the number of selected pairs; nothing dense is computed and
 then masked. Works on any torch device that implements sparse CSR (CPU, CUDA).
 
-``reference_token_sparse_ffn`` is the plain dense-then-mask formula, for tests only.
+``masked_token_ffn`` computes the same function as dense products with the unselected entries zeroed (the
+evaluation path where that is faster); ``reference_token_sparse_ffn`` is it with int counts, for tests.
 """
 from __future__ import annotations
 
@@ -65,19 +66,24 @@ def token_sparse_ffn(x: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor
     if w_gate is None and b_up is not None:
         z = z + b_up[cols]
     a = apply_act(z, act)
-    if filter_weight is not None:
+    if filter_weight is not None:      # the damage filter needs up on every selected pair
         h = a * _sampled(x, w_up, rows, cols)
-        keep = h.abs() * filter_weight[cols] > filter_threshold
+        keep = _passes_filter(a, h, filter_threshold, filter_weight[cols])
         rows, cols, h = rows[keep], cols[keep], h[keep]
-    else:
+    else:                              # the gate filter (if any) before up: up only on the survivors
         if filter_threshold is not None:
-            keep = a.abs() > filter_threshold
+            keep = _passes_filter(a, None, filter_threshold, None)
             rows, cols, a = rows[keep], cols[keep], a[keep]
         h = a * _sampled(x, w_up, rows, cols) if w_gate is not None else a
     y = _csr(rows, cols, T, D, h.to(x.dtype)) @ w_down_t
     if b_down is not None:
         y = y + b_down
     return y, n_first, rows.numel()
+
+
+def _passes_filter(a, h, threshold: float, weight):
+    """The sequential pipeline's filter: |h|·c > f with the damage weights c, else |act(first projection)| > f."""
+    return (h.abs() * weight if weight is not None else a.abs()) > threshold
 
 
 def _check_filter(w_gate, filter_threshold, filter_weight) -> None:
@@ -105,22 +111,26 @@ def token_sparse_head_out(attn: torch.Tensor, w_o: torch.Tensor, head_mask: torc
     return y + b_o if b_o is not None else y
 
 
-def reference_token_sparse_ffn(x, w_up, w_down_t, mask, act, w_gate=None, b_up=None, b_down=None,
-                               filter_threshold=None, filter_weight=None):
-    """Dense computation, then the selection applied: the ground truth for tests."""
+def masked_token_ffn(x, w_up, w_down_t, mask, act, w_gate=None, b_up=None, b_down=None, filter_threshold=None,
+                     filter_weight=None):
+    """``token_sparse_ffn``'s function and counts as dense products with the unselected (token, neuron) entries
+    zeroed (the evaluation path where dense is cheaper than the sparse products; ``sparse_exec`` mode "masked").
+    The counts stay tensors on x's device: no host sync per call."""
     _check_filter(w_gate, filter_threshold, filter_weight)
     if w_gate is not None:
         a = apply_act(x @ w_gate.t(), act)
-        up = x @ w_up.t()
     else:
         a = apply_act(x @ w_up.t() + (b_up if b_up is not None else 0), act)
-        up = None
-    keep = mask.clone()
-    h = a * up if up is not None else a
-    if filter_weight is not None:
-        keep &= h.abs() * filter_weight > filter_threshold
-    elif filter_threshold is not None:
-        keep &= a.abs() > filter_threshold
-    h = h * keep
-    y = h @ w_down_t
-    return (y + b_down if b_down is not None else y), int(mask.sum()), int(keep.sum())
+    h = a * (x @ w_up.t()) if w_gate is not None else a
+    keep = mask if filter_threshold is None else mask & _passes_filter(a, h, filter_threshold, filter_weight)
+    y = (h * keep) @ w_down_t
+    return (y + b_down if b_down is not None else y), mask.sum(), keep.sum()
+
+
+def reference_token_sparse_ffn(x, w_up, w_down_t, mask, act, w_gate=None, b_up=None, b_down=None,
+                               filter_threshold=None, filter_weight=None):
+    """Dense computation, then the selection applied (``masked_token_ffn`` with int counts): the ground truth for
+    tests."""
+    y, n_first, n_kept = masked_token_ffn(x, w_up, w_down_t, mask, act, w_gate, b_up, b_down, filter_threshold,
+                                          filter_weight)
+    return y, int(n_first), int(n_kept)

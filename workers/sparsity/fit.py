@@ -85,17 +85,12 @@ def fit_setting(ctx, method: str, sparsity: float, rank: int | None = None, attn
 def layer_quality(plan, heldout_cache, lm, attn_sparsity: float | None = None) -> list:
     """Every planned layer's quality (``workers.sparsity.metrics.LayerQuality``) on held-out activations."""
     from workers.sparsity.metrics import plan_quality
-    from workers.sparsity.predictors.base import neuron_out_norm
+    from workers.sparsity.predictors.base import layer_out_norms
 
     weights = None
     if plan.mlp_mode == "sequential" and plan.seq_filter_on == "damage":   # the filter reads |h|·c_i
-        ad = lm.adapter
-        layers = ad.decoder_layers(lm.model)
-        weights = {}
-        for l in plan.mlp:
-            gain = ad.ffn_out_gain(layers[l])
-            weights[l] = neuron_out_norm(ad.ffn_weights(layers[l])["down"].detach().float().cpu(),
-                                         None if gain is None else gain.cpu())
+        layers = lm.adapter.decoder_layers(lm.model)
+        weights = {l: layer_out_norms(lm.adapter, layers[l]).float().cpu() for l in plan.mlp}
     return plan_quality(plan, heldout_cache, lm.adapter.act_name(lm.model.config), attn_target=attn_sparsity,
                         filter_weights=weights)
 

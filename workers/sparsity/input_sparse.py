@@ -234,9 +234,10 @@ def decoder_weight_skipped(stats) -> float:
             tot = ls.tokens * stats.n_neurons
             kept_frac = ls.kept_pairs / tot
             first_frac = 1.0 if stats.dense_first else ls.first_pairs / tot
-            on_first = (first, "up") if first == "gate" and getattr(stats, "up_on_first", False) else (first,)
+            up_first = first == "gate" and stats.up_on_first
+            on_first, rest = ((first, "up"), ("down",)) if up_first else \
+                ((first,), ("up", "down") if first == "gate" else ("down",))
             skipped += (1 - first_frac) * sum(inp.numel[(l, p)] for p in on_first)
-            rest = ("up", "down") if first == "gate" and len(on_first) == 1 else ("down",)
             skipped += (1 - kept_frac) * sum(inp.numel[(l, p)] for p in rest)
         if ls.head_tokens:
             skipped += (1 - ls.heads_kept / (ls.head_tokens * stats.n_heads)) * inp.numel[(l, "o")]

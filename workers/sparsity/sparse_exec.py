@@ -31,13 +31,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kernels.common import apply_act
-from kernels.token_sparse import token_sparse_ffn, token_sparse_head_out
+from kernels.token_sparse import masked_token_ffn, token_sparse_ffn, token_sparse_head_out
 from workers.loading.adapters import adapter_for, get_path, linear_weight, set_path
 from workers.sparsity.input_sparse import (
     InputStats, apply_input_sparsity, check_plan_parts, decoder_weight_skipped, model_projection_numel,
 )
-from workers.sparsity.predictors.base import HeadPredictor, MLPPredictor, SparsityPlan, neuron_out_norm
+from workers.sparsity.predictors.base import HeadPredictor, MLPPredictor, SparsityPlan, layer_out_norms
 
 
 @dataclass
@@ -141,24 +140,6 @@ class _Taps:
 
 
 EXEC_MODES = ("kernel", "masked")
-
-
-def masked_token_ffn(x, w_up, w_down_t, mask, act, w_gate=None, b_up=None, b_down=None, filter_threshold=None,
-                     filter_weight=None):
-    """``token_sparse_ffn``'s function and counts as dense products with the unselected (token, neuron) entries
-    zeroed: the evaluation path where dense is cheaper than the sparse kernels (the CPU)."""
-    if w_gate is not None:
-        a = apply_act(x @ w_gate.t(), act)
-    else:
-        a = apply_act(x @ w_up.t() + (b_up if b_up is not None else 0), act)
-    h = a * (x @ w_up.t()) if w_gate is not None else a
-    if filter_weight is not None:
-        keep = mask & (h.abs() * filter_weight > filter_threshold)
-    else:
-        keep = mask if filter_threshold is None else mask & (a.abs() > filter_threshold)
-    y = (h * keep) @ w_down_t
-    # the counts stay on the device (LayerStats sums them there): no host sync per layer and forward
-    return (y + b_down if b_down is not None else y), mask.sum(), keep.sum()
 
 
 class SparseFFN(nn.Module):
@@ -278,10 +259,7 @@ def apply_sparsity(model: nn.Module, plan: SparsityPlan, input_mode: str = "mask
             layer = layers[l]
             weights = ad.ffn_weights(layer)
             thr = plan.seq_filter.get(l) if plan.mlp_mode == "sequential" else None
-            fw = None
-            if damage_filter:
-                gain = ad.ffn_out_gain(layer)
-                fw = neuron_out_norm(weights["down"], None if gain is None else gain.to(weights["down"].device))
+            fw = layer_out_norms(ad, layer) if damage_filter else None
             sparse = SparseFFN(l, weights, act, pred, thr, taps, stats, mode, fw)
             if ad.ffn.module:
                 _swap(applied, layer, ad.ffn.module, sparse)

@@ -198,6 +198,14 @@ def neuron_out_norm(down: torch.Tensor, gain: torch.Tensor | None = None) -> tor
     return (down if gain is None else gain[:, None].to(down.dtype) * down).norm(dim=0)
 
 
+def layer_out_norms(adapter, layer: nn.Module) -> torch.Tensor:
+    """:func:`neuron_out_norm` of a model's decoder layer, from its own down weights and post-FFN norm gain (in the
+    weights' dtype, on their device)."""
+    down = adapter.ffn_weights(layer)["down"].detach()
+    gain = adapter.ffn_out_gain(layer)
+    return neuron_out_norm(down, None if gain is None else gain.to(down.device))
+
+
 def output_damage(inter: torch.Tensor, down: torch.Tensor, gain: torch.Tensor | None = None) -> torch.Tensor:
     """What dropping neuron i costs token t, measured where the FFN output enters the residual stream, [N, D].
 

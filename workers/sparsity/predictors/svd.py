@@ -585,14 +585,15 @@ def fit_svd(ctx: FitContext, sparsity: dict[int, float], rank: int | None = None
         # what switching a neuron off costs, on X2
         with torch.no_grad():
             g2 = act(_linear(Xf2, Wg, bg))                                        # act(gate) or act(fc1)
+            # act(gate)·up (the FFN intermediate) where the damage or the superset's filter reads it
+            need_up = gated and (damage != "gate" or superset_filter == "damage")
+            inter = g2 * _linear(Xf2, W["up"], W.get("b_up")) if need_up else g2
             if damage == "full":       # measured where the output reaches the residual stream (post-FFN norm)
-                inter = g2 * _linear(Xf2, W["up"], W.get("b_up")) if gated else g2
                 dmg = output_damage(inter, W["down"], ctx.ffn_out_gain(layer))
-                del inter
             elif damage == "gate" or not gated:
                 dmg = g2.abs()
             else:
-                dmg = (g2 * _linear(Xf2, W["up"], W.get("b_up"))).abs_()
+                dmg = inter.abs()
             P = pred.proxy(X2)
         if superset is not None and float(superset) > s:
             raise ValueError(f"svd: superset {superset} must not exceed the layer's target {s} (layer {layer})")
@@ -610,8 +611,7 @@ def fit_svd(ctx: FitContext, sparsity: dict[int, float], rank: int | None = None
                 f, extra = seq_filter_threshold(g2.abs(), dmg, keep, tol=seq_tol)
             else:
                 if superset_filter == "damage":
-                    score = (g2 * _linear(Xf2, W["up"], W.get("b_up"))).abs_() \
-                        * neuron_out_norm(W["down"], ctx.ffn_out_gain(layer))
+                    score = inter.abs() * neuron_out_norm(W["down"], ctx.ffn_out_gain(layer))
                 else:
                     score = g2.abs()
                 f, extra = superset_filter_threshold(score, keep, s)
@@ -619,6 +619,7 @@ def fit_svd(ctx: FitContext, sparsity: dict[int, float], rank: int | None = None
             plan.seq_filter[layer] = f
             info.update({"seq_filter": f, "seq_tol": seq_tol, "seq_extra_offfrac": extra,
                          "pred_offfrac": 1.0 - float(keep.float().mean())})
+        del inter
         plan.mlp[layer] = pred
         info["fit_s"] = round(time.perf_counter() - t0, 4)
         plan.info[layer] = info
