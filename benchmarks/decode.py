@@ -1,8 +1,8 @@
 """Decode benchmark on a GPU: our runtime dense / sparse vs Hugging Face ``generate``, 7B-class shapes.
 
     python -m benchmarks.decode [--shape llama2-7b] [--prompts 128,512,1024] [--gen 64] [--quick]
-        [--select-impl auto|torch|triton] [--points dense,mlp.5,...] [--hf eager,static,static-compile]
-        [--no-hf] [--json NAME]
+        [--select-impl auto|torch|triton] [--input-path auto|mask|gather] [--points dense,mlp.5,...]
+        [--hf eager,static,static-compile] [--no-hf] [--json NAME]
     python -m benchmarks.decode --diag       # dense variants and the per-layer selection costs only
     python -m benchmarks.decode --select     # top-k candidates alone: µs per layer
 
@@ -90,6 +90,8 @@ def main(argv=None):
     ap.add_argument("--select", action="store_true", help="only the top-k selection candidates (µs per layer)")
     ap.add_argument("--select-impl", default="auto", choices=("auto", "torch", "triton"),
                     help="the runtime's top-k (DecodeRuntime's select_impl)")
+    ap.add_argument("--input-path", default="auto", choices=("auto", "mask", "gather"),
+                    help="the input-sparse kernel (DecodeRuntime's input_path)")
     ap.add_argument("--points", default=None, help="comma-separated point names to run (default: all)")
     a = ap.parse_args(argv)
     try:
@@ -105,7 +107,8 @@ def main(argv=None):
         return 0
     out = a.json or f"decode_{a.shape}.json"
     dev = device_name("cuda")
-    meta = dict(shape=a.shape, gen_len=a.gen, repeats=a.repeats, rank=a.rank, select_impl=a.select_impl)
+    meta = dict(shape=a.shape, gen_len=a.gen, repeats=a.repeats, rank=a.rank, select_impl=a.select_impl,
+                input_path=a.input_path)
     meta["copy_bw_gbps"] = bw = round(copy_bandwidth(), 1)
     rows: list[Row] = []
 
@@ -114,7 +117,7 @@ def main(argv=None):
 
     t0 = time.time()
     model = shape_model(a.shape)
-    rt = runtime_for(model, "cuda").configure(select_impl=a.select_impl)
+    rt = runtime_for(model, "cuda").configure(select_impl=a.select_impl, input_path=a.input_path)
     meta["build_s"] = time.time() - t0
     try:
         meta["checks"] = checks(model, rt)
@@ -134,7 +137,12 @@ def main(argv=None):
               # input sparsity on all seven projections, thresholds calibrated on a prefill: TEAL's |x| ("in")
               # and WINA's |x_i|·‖W[:, i]‖ (one threshold per input channel in the kernels)
               ("in.5", None, None, True, "exact"), ("in.7", None, None, True, "exact"),
-              ("wina.5", None, None, True, "exact")]
+              ("wina.5", None, None, True, "exact"),
+              # the FFN predictors' positive-score rule (a compaction, no top-k): about half the neurons
+              ("mlp.5 pos", 0.5, None, True, "exact")]
+    # "NAME@PATH" (e.g. in.5@gather): the point with the runtime's input_path set to PATH
+    points += [(f"{p[0]}@{path}",) + p[1:] for p in points if p[0].startswith(("in.", "wina."))
+               for path in ("mask", "gather")]
     prompts = [int(p) for p in a.prompts.split(",")]
     if a.quick:
         points, prompts = points[:2], prompts[:1]
@@ -145,13 +153,16 @@ def main(argv=None):
         for name, ms, hs, ov, kv in points:
             t1 = time.time()
             nbytes = None
+            base, _, ipath = name.partition("@")
+            rt.input_path = ipath or a.input_path
             try:
-                score = "wina" if name.startswith("wina.") else "abs"
-                ins = float("0." + name.split(".")[1]) if name.startswith(("in.", "wina.")) else 0.0  # in.5: 0.5
+                score = "wina" if base.startswith("wina.") else "abs"
+                ins = float("0." + base.split(".")[1]) if base.startswith(("in.", "wina.")) else 0.0  # in.5: 0.5
                 if ins:
                     plan = calibrated_input_plan(model, ins, score=score)
                 else:
-                    plan = random_plan(model, ms, hs, rank=a.rank) if (ms or hs) else None
+                    rule = "positive" if base.endswith(" pos") else "topk"
+                    plan = random_plan(model, ms, hs, rank=a.rank, mlp_rule=rule) if (ms or hs) else None
                 r = bench_decode(rt, plan, device="cuda", batch=1, prompt_len=P, gen_len=a.gen,
                                  repeats=a.repeats, overlap=ov, kv_mode=kv, detail=True)[0]
                 ctx = P + a.gen // 2

@@ -2,7 +2,7 @@
 
     python -m benchmarks.input_sparse [--quick] [--json NAME] [--dtypes fp16,bf16] [--batches 1,2,4]
                                       [--tune] [--use-tuned] [--config JSON] [--determinism N] [--smoke]
-                                      [--per-channel]
+                                      [--per-channel] [--paths mask,gather] [--tune-gather]
 
 Every projection of Llama-2-7B and Llama-3-8B at batch 1/2/4: gate/up [in=d, out=D], down [in=D, out=d], q/o
 (and Llama-2's k/v) [d, d], Llama-3's GQA k/v [d, 1024], and the fused QKV (one x, three output segments,
@@ -17,6 +17,10 @@ Dense baseline: F.linear on the usual [out, in] weight (cuBLAS). Bytes: the w_t 
 --tune times a grid of launch configs on the batch-1 fp16 Llama-2 shapes at s = 0.5 and 0.7 and reports each
 config's geometric-mean time over the per-point best; --use-tuned runs the benchmark with the winner (else the
 frozen kernels.configs.INPUT_SPARSE). --determinism N checks N repeated calls are bit-identical.
+--paths: the kernel paths timed side by side at every sparse point (interleaved in one run): "mask" (the
+masked-load kernel: w_t rows masked in the load, no compaction) and "gather" (one program lists the active
+channels, then the row-gather GEMV reads only those rows). --tune-gather times a grid of the gather's launch
+configs the same way (--use-tuned then uses its winner for the gather path).
 --smoke: CPU + Triton interpreter, tiny shapes (a check of this script). Imports only torch/triton/stdlib.
 """
 from __future__ import annotations
@@ -137,7 +141,21 @@ def tune_candidates(batch):
     return c
 
 
-def tune(args, copy_bw, dev):
+def gather_candidates(batch):
+    """The gather path's row-gather launch configs (column block, rows per step, K splits, warps)."""
+    c = []
+    for bd in (64, 128, 256):
+        for br in (32, 64):
+            for sp in (4, 8, 16, 32):
+                for nw in (4, 8):
+                    if bd * br // (32 * nw) > 256:
+                        continue
+                    c.append(dict(path="gather", down=dict(BLOCK_D=bd, BLOCK_R=br, splits=sp, num_warps=nw,
+                                                           dot=batch > 1)))
+    return c
+
+
+def tune(args, copy_bw, dev, candidates=tune_candidates):
     """-> ({b_pad: best config}, table). Batch 1 on the Llama-2 gate/up, down and q shapes at s = .5/.7;
     batch 2 and 4 on the same shapes at union s = .5/.7 (fp16)."""
     from benchmarks.harness import time_graph
@@ -147,7 +165,7 @@ def tune(args, copy_bw, dev):
     pts = [(name, k, n) for name, k, n, sz in projections("llama2-7b") if sz is None]
     best_cfg, table = {}, []
     for batch in args.tune_batches:
-        cands = tune_candidates(batch)
+        cands = candidates(batch)
         res = {i: {} for i in range(len(cands))}
         for name, k, n in pts:
             W = Weights(k, n, dtype, dev)
@@ -177,7 +195,10 @@ def tune(args, copy_bw, dev):
     return best_cfg, table
 
 
-def bench(args, copy_bw, dev, cfgs):
+VARIANT = {"mask": "input_sparse", "gather": "input_sparse_gather"}
+
+
+def bench(args, copy_bw, dev, path_cfgs):
     from benchmarks.harness import Row, time_graph
 
     rows = []
@@ -189,7 +210,7 @@ def bench(args, copy_bw, dev, cfgs):
                 W = Weights(k, n, dtype, dev, 2 if SMOKE else None)
                 segs = sizes or (n,)
                 for batch in args.batches:
-                    cfg = cfgs.get(batch)
+                    cfg = path_cfgs["mask"].get(batch)
                     x0 = torch.randn(batch, k, generator=gen).to(dtype).to(dev)
                     td = time_graph(point_fn("dense", W, x0, None, None, cfg), reps=args.reps, per_replay=W.L,
                                     device=dev)
@@ -203,18 +224,21 @@ def bench(args, copy_bw, dev, cfgs):
                         x, thr = make_x(batch, k, s, dtype, dev, gen)
                         per_tok = float((x.float().abs() <= thr).float().mean()) if s > 0 else 0.0
                         nb = needed_bytes(x, [thr] * len(segs), segs, k, W.elt)
-                        ts = time_graph(point_fn("sparse", W, x, thr, sizes, cfg), reps=args.reps,
-                                        per_replay=W.L, device=dev)
-                        r = Row.measured("input_sparse", "input_sparse", ts, nbytes=nb, copy_bw_gbps=copy_bw,
-                                         shape=shape, dtype=dname, batch=batch, device=str(dev),
-                                         extra=dict(model=model, proj=name, k=k, n=n, s=s,
-                                                    s_per_token=round(per_tok, 4), layers=W.L,
-                                                    dense_us=round(td.median, 3),
-                                                    x_cublas=round(td.median / ts.median, 3), segments=sizes,
-                                                    config=cfg))
-                        rows.append(r)
-                        log(f"{shape:32s} {dname} B={batch} s={s:.2f}: {ts.median:8.2f} us  dense {td.median:8.2f}"
-                            f"  x{td.median / ts.median:5.2f}  {100 * (r.frac_copy_bw or 0):5.1f}% copy BW")
+                        for path in args.paths:
+                            pc = path_cfgs[path].get(batch)
+                            ts = time_graph(point_fn("sparse", W, x, thr, sizes, pc), reps=args.reps,
+                                            per_replay=W.L, device=dev)
+                            r = Row.measured("input_sparse", VARIANT[path], ts, nbytes=nb, copy_bw_gbps=copy_bw,
+                                             shape=shape, dtype=dname, batch=batch, device=str(dev),
+                                             extra=dict(model=model, proj=name, k=k, n=n, s=s, path=path,
+                                                        s_per_token=round(per_tok, 4), layers=W.L,
+                                                        dense_us=round(td.median, 3),
+                                                        x_cublas=round(td.median / ts.median, 3), segments=sizes,
+                                                        config=pc))
+                            rows.append(r)
+                            log(f"{shape:32s} {dname} B={batch} s={s:.2f} {path:6s}: {ts.median:8.2f} us"
+                                f"  dense {td.median:8.2f}  x{td.median / ts.median:5.2f}"
+                                f"  {100 * (r.frac_copy_bw or 0):5.1f}% copy BW")
                         if args.per_channel:
                             tp = time_graph(point_fn("sparse", W, x, thr, sizes, cfg, per_channel=True),
                                             reps=args.reps, per_replay=W.L, device=dev)
@@ -275,6 +299,8 @@ def main(argv=None):
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--per-channel", action="store_true",
                     help="also time every sparse point with one threshold per input channel (WINA's form)")
+    ap.add_argument("--paths", default="mask,gather", help="kernel paths timed side by side (mask, gather)")
+    ap.add_argument("--tune-gather", action="store_true", help="tune the gather path's launch configs")
     ap.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes")
     args = ap.parse_args(argv)
     try:
@@ -282,9 +308,11 @@ def main(argv=None):
         args.batches = [int(b) for b in args.batches.split(",") if b]
         args.models = [m for m in args.models.split(",") if m]
         args.tune_batches = [int(b) for b in args.tune_batches.split(",") if b]
-        bad = [d for d in args.dtypes if d not in DTYPES] + [m for m in args.models if m not in MODELS]
+        args.paths = [p for p in args.paths.split(",") if p]
+        bad = ([d for d in args.dtypes if d not in DTYPES] + [m for m in args.models if m not in MODELS]
+               + [p for p in args.paths if p not in VARIANT])
         if bad or not all(1 <= b <= 8 for b in args.batches):
-            raise ValueError(f"unknown dtypes/models {bad} or batch outside 1..8")
+            raise ValueError(f"unknown dtypes/models/paths {bad} or batch outside 1..8")
         override = json.loads(args.config) if args.config else None
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -321,29 +349,40 @@ def main(argv=None):
                 tb = [t for t in best if t <= C.b_pad(b)]
                 if tb:
                     cfgs[b] = dict(best[max(tb)])
+    gcfgs = {b: dict(c, path="gather") for b, c in cfgs.items()}
+    if args.tune_gather and dev.type == "cuda":
+        best_g, table_g = tune(args, copy_bw, dev, candidates=gather_candidates)
+        sections["tune_gather"] = table_g
+        log(f"tuned gather best: {best_g}")
+        if args.use_tuned:
+            for b in gcfgs:
+                tb = [t for t in best_g if t <= C.b_pad(b)]
+                if tb:
+                    gcfgs[b] = dict(best_g[max(tb)])
     if args.determinism:
-        det = {"used": cfgs,
+        det = {"used": cfgs, "gather": gcfgs,
                "split_ticket": {b: dict(c, progs_per_sm=4, reduce="ticket") for b, c in cfgs.items()},
                "split_kernel": {b: dict(c, progs_per_sm=4, reduce="kernel") for b, c in cfgs.items()}}
         sections["determinism"] = determinism(args.determinism, dev, det)
-    rows = [] if args.no_bench else bench(args, copy_bw, dev, cfgs)
+    rows = [] if args.no_bench else bench(args, copy_bw, dev, {"mask": cfgs, "gather": gcfgs})
     if rows:
         summary(rows)
     name = args.json or f"h200_input_sparse_{_dt.date.today().isoformat()}.json"
     if not SMOKE or args.json:
         path = write_results(name, rows, command=command_line("benchmarks.input_sparse"), device=str(dev),
-                             meta=dict(copy_bw_gbps=copy_bw, configs={b: cfgs[b] for b in args.batches}, min_bytes=MIN_BYTES), sections=sections)
+                             meta=dict(copy_bw_gbps=copy_bw, configs={b: cfgs[b] for b in args.batches},
+                                       gather_configs={b: gcfgs[b] for b in args.batches}, min_bytes=MIN_BYTES), sections=sections)
         log(f"wrote {path}")
     return 0
 
 
 def summary(rows):
-    log("\nproj                          dtype B     s      us   dense   x cuBLAS  %copyBW")
+    log("\nproj                          dtype B     s  path        us   dense   x cuBLAS  %copyBW")
     for r in rows:
-        if r.op != "input_sparse":
+        if r.op not in VARIANT.values():
             continue
         e = r.extra
-        log(f"{r.shape:30s} {r.dtype:4s} {r.batch} {e['s']:5.2f} {r.median:7.2f} {e['dense_us']:7.2f}"
+        log(f"{r.shape:30s} {r.dtype:4s} {r.batch} {e['s']:5.2f} {e['path']:6s} {r.median:7.2f} {e['dense_us']:7.2f}"
             f"  {e['x_cublas']:7.2f}  {100 * (r.frac_copy_bw or 0):6.1f}")
 
 

@@ -146,9 +146,24 @@ def head_sparse_out(attn, w_o_t, q_idx, q_count=None, head_dim=None, bias=None):
     return backend(attn).head_sparse_out(attn, w_o_t, q_idx, q_count, head_dim, bias)
 
 
-def input_sparse_linear(x, w_t, threshold, bias=None):
-    return _op(x, "input_sparse_linear")(x, w_t, threshold, bias)
+INPUT_PATHS = ("auto", "mask", "gather")
 
 
-def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None):
-    return _op(x, "input_sparse_linear_segments")(x, w_t, thresholds, sizes, bias)
+def _input_path_config(x, path: str):
+    """The Triton kernel's launch override for ``path`` ("auto": the frozen configs.INPUT_SPARSE choice; "mask":
+    the masked-load kernel; "gather": compaction + row gather). Other backends have one path: "auto" only."""
+    if path not in INPUT_PATHS:
+        raise ValueError(f"input path must be one of {INPUT_PATHS}, got {path!r}")
+    if path == "auto":
+        return {}
+    if backend_name(x) != "triton":
+        raise ValueError(f"input path {path!r} is a Triton kernel choice; backend here: {backend_name(x)}")
+    return {"config": {"path": path}}
+
+
+def input_sparse_linear(x, w_t, threshold, bias=None, *, path="auto"):
+    return _op(x, "input_sparse_linear")(x, w_t, threshold, bias, **_input_path_config(x, path))
+
+
+def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, path="auto"):
+    return _op(x, "input_sparse_linear_segments")(x, w_t, thresholds, sizes, bias, **_input_path_config(x, path))

@@ -23,10 +23,12 @@ FFN_DENSE = ("auto", "torch")
 
 class Blocks:
     def __init__(self, w: ModelWeights, *, ffn_dense: str = "auto", cpu_rows: bool | None = None,
-                 count_inputs: bool = True):
+                 count_inputs: bool = True, input_path: str = "auto"):
         if ffn_dense not in FFN_DENSE:
             raise ValueError(f"ffn_dense must be one of {FFN_DENSE}, got {ffn_dense!r}")
-        self.w, self.ffn_dense, self.cpu_rows = w, ffn_dense, cpu_rows
+        if input_path not in ops.INPUT_PATHS:
+            raise ValueError(f"input_path must be one of {ops.INPUT_PATHS}, got {input_path!r}")
+        self.w, self.ffn_dense, self.cpu_rows, self.input_path = w, ffn_dense, cpu_rows, input_path
         # accelerators: counting active inputs costs a few small kernels per projection (the CPU kernels count
         # as they go); a timed run turns it off and measures realized sparsity in an untimed pass
         self.count_inputs = count_inputs
@@ -106,7 +108,7 @@ class Blocks:
         thr, sizes, _ = ent
         if ops.backend_name(x) == "cpu":
             return cpu_kernels.input_sparse_linear_segments(x, w_t, thr, sizes, bias, counts=counts)
-        y = ops.input_sparse_linear_segments(x, w_t, thr, sizes, bias)
+        y = ops.input_sparse_linear_segments(x, w_t, thr, sizes, bias, path=self.input_path)
         if self.count_inputs:
             on = x.abs().float()[:, None, :] > (thr[None, :, :] if thr.dim() == 2 else thr[None, :, None])
             counts.add_(on.sum((0, 2)).to(counts.dtype))

@@ -47,9 +47,12 @@ def shape_model(name: str, dtype=torch.float16, device="cuda", seed: int = 0):
 
 
 def random_plan(model_or_config, mlp_sparsity: float | None, head_sparsity: float | None = None, *,
-                rank: int = 256, input_kind: str = "lookahead", seed: int = 0, layers=None) -> SparsityPlan:
+                rank: int = 256, input_kind: str = "lookahead", seed: int = 0, layers=None,
+                mlp_rule: str = "topk") -> SparsityPlan:
     """Deja Vu predictors (rank ``rank``, top-k) with random weights for every layer (or ``layers``): the
-    predictor GEMVs, top-k and kernels cost what a fitted plan costs; the chosen sets are arbitrary."""
+    predictor GEMVs, top-k and kernels cost what a fitted plan costs; the chosen sets are arbitrary.
+    ``mlp_rule="positive"``: the FFN predictors keep the neurons whose score is > 0 (the SVD predictors' rule: no
+    top-k, a compaction), about half of them for these random scores whatever ``mlp_sparsity`` says."""
     from workers.loading.adapters import adapter_for
     from workers.sparsity.predictors.dejavu import DejaVuHeadPredictor, DejaVuMLPPredictor
 
@@ -61,6 +64,8 @@ def random_plan(model_or_config, mlp_sparsity: float | None, head_sparsity: floa
         if mlp_sparsity is not None:
             p = DejaVuMLPPredictor(dims.d, min(rank, dims.d), dims.D, k_for(mlp_sparsity, dims.D), input_kind)
             p.reset_random(g)
+            if mlp_rule != "topk":
+                p.rule, p.k = mlp_rule, None
             plan.mlp[l] = p
         if head_sparsity is not None:
             h = DejaVuHeadPredictor(dims.d, min(rank, dims.d), dims.n_heads, k_for(head_sparsity, dims.n_heads),

@@ -17,7 +17,8 @@ attention), ``glue`` (norms, RoPE + attention; compiled on CUDA), ``stats`` (rea
 Every setting a benchmark varies is a keyword of the constructor (and of ``from_hf`` / ``from_config``), and
 :meth:`configure` changes it later: ``ffn_dense`` ("auto" | "torch"), ``compile`` (torch.compile of the glue on
 CUDA), ``use_graph`` (one CUDA graph per step), ``select_impl`` ("auto" | "torch" | "triton"), ``cpu_rows``
-(CPU dense products through the row kernels; None: matmuls until :meth:`pick_cpu_dense` times both).
+(CPU dense products through the row kernels; None: matmuls until :meth:`pick_cpu_dense` times both),
+``input_path`` ("auto" | "mask" | "gather": the input-sparse kernel, kernels.ops.INPUT_PATHS).
 ``set_plan`` takes ``overlap`` (side-stream look-ahead on CUDA) and ``kv_mode`` ("exact": K/V of every head,
 the semantics of workers.sparsity.sparse_exec; "active": only the KV heads the active query heads need, skipped
 entries masked out of later attention -- Deja Vu's saving without its "recompute later", an approximation).
@@ -34,6 +35,7 @@ import time
 
 import torch
 
+from kernels import ops
 from workers.decode import weights as weights_mod
 from workers.decode.blocks import Blocks
 from workers.decode.glue import EAGER, attn_prefill, glue_fns, norm, rot_half
@@ -49,9 +51,10 @@ KV_MODES = ("exact", "active")
 class DecodeRuntime:
     def __init__(self, weights: ModelWeights, *, ffn_dense: str = "auto", compile: bool = True,
                  use_graph: bool = True, select_impl: str = "auto", cpu_rows: bool | None = None,
-                 count_inputs: bool = True):
+                 count_inputs: bool = True, input_path: str = "auto"):
         self.weights = weights
-        self.blocks = Blocks(weights, ffn_dense=ffn_dense, cpu_rows=cpu_rows, count_inputs=count_inputs)
+        self.blocks = Blocks(weights, ffn_dense=ffn_dense, cpu_rows=cpu_rows, count_inputs=count_inputs,
+                             input_path=input_path)
         self.selector = ActiveSetSelector(select_impl)
         self.compile, self.use_graph = compile, use_graph
         self.overlap, self.kv_mode = True, "exact"
@@ -72,11 +75,12 @@ class DecodeRuntime:
 
     def configure(self, *, ffn_dense: str | None = None, compile: bool | None = None, use_graph: bool | None = None,
                   select_impl: str | None = None, cpu_rows: bool | None = None,
-                  count_inputs: bool | None = None) -> "DecodeRuntime":
+                  count_inputs: bool | None = None, input_path: str | None = None) -> "DecodeRuntime":
         """Change constructor settings (those given); drops the compiled glue and any captured graph."""
-        if ffn_dense is not None:
-            self.blocks = Blocks(self.weights, ffn_dense=ffn_dense, cpu_rows=self.blocks.cpu_rows,
-                                 count_inputs=self.blocks.count_inputs)
+        if ffn_dense is not None or input_path is not None:
+            b = self.blocks
+            self.blocks = Blocks(self.weights, ffn_dense=ffn_dense or b.ffn_dense, cpu_rows=b.cpu_rows,
+                                 count_inputs=b.count_inputs, input_path=input_path or b.input_path)
         if count_inputs is not None:
             self.blocks.count_inputs = count_inputs
         if select_impl is not None:
@@ -113,6 +117,18 @@ class DecodeRuntime:
     @cpu_rows.setter
     def cpu_rows(self, value):
         self.blocks.cpu_rows = value
+        self._graph = None
+
+    @property
+    def input_path(self) -> str:
+        return self.blocks.input_path
+
+    @input_path.setter
+    def input_path(self, value: str):
+        """Switch the input-sparse kernel path without dropping the compiled glue (the graph is recaptured)."""
+        if value not in ops.INPUT_PATHS:
+            raise ValueError(f"input_path must be one of {ops.INPUT_PATHS}, got {value!r}")
+        self.blocks.input_path = value
         self._graph = None
 
     @property

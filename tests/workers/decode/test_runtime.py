@@ -166,6 +166,17 @@ s = torch.randn(2, 50, generator=torch.Generator().manual_seed(6))
 for impl in ("auto", "triton"):    # the Triton select: ascending top-k indices of every row
     rt.configure(select_impl=impl)
     assert torch.equal(rt.selector.topk(s, 20), torch.topk(s, 20).indices.sort().values.int())
+from workers.decode.latency import calibrated_input_plan
+rt = DecodeRuntime.from_hf(m).set_plan(calibrated_input_plan(m, 0.5, n_tokens=32))
+rt.setup(1, 12)
+got = {}
+for backend, path in (("reference", "auto"), ("triton", "mask"), ("triton", "gather")):
+    os.environ["CTXSPARSE_KERNELS"] = backend
+    rt.configure(input_path=path)
+    rt.prefill(ids)
+    got[path] = torch.stack([rt.step(keep_logits=True) for _ in range(3)])
+for path in ("mask", "gather"):     # input sparsity on every projection through either Triton kernel path
+    torch.testing.assert_close(got[path], got["auto"], atol=1e-4, rtol=1e-3)
 print("OK")
 """
 
