@@ -142,7 +142,7 @@ def main(argv=None):
               ("mlp.5 pos", 0.5, None, True, "exact")]
     # "NAME@PATH" (e.g. in.5@gather): the point with the runtime's input_path set to PATH
     points += [(f"{p[0]}@{path}",) + p[1:] for p in points if p[0].startswith(("in.", "wina."))
-               for path in ("mask", "gather")]
+               for path in ("mask", "gather", "local")]
     prompts = [int(p) for p in a.prompts.split(",")]
     if a.quick:
         points, prompts = points[:2], prompts[:1]

@@ -2,7 +2,7 @@
 
     python -m benchmarks.input_sparse [--quick] [--json NAME] [--dtypes fp16,bf16] [--batches 1,2,4]
                                       [--tune] [--use-tuned] [--config JSON] [--determinism N] [--smoke]
-                                      [--per-channel] [--paths mask,gather] [--tune-gather]
+                                      [--per-channel] [--paths mask,gather,local] [--tune-paths gather,local]
 
 Every projection of Llama-2-7B and Llama-3-8B at batch 1/2/4: gate/up [in=d, out=D], down [in=D, out=d], q/o
 (and Llama-2's k/v) [d, d], Llama-3's GQA k/v [d, 1024], and the fused QKV (one x, three output segments,
@@ -18,9 +18,10 @@ Dense baseline: F.linear on the usual [out, in] weight (cuBLAS). Bytes: the w_t 
 config's geometric-mean time over the per-point best; --use-tuned runs the benchmark with the winner (else the
 frozen kernels.configs.INPUT_SPARSE). --determinism N checks N repeated calls are bit-identical.
 --paths: the kernel paths timed side by side at every sparse point (interleaved in one run): "mask" (the
-masked-load kernel: w_t rows masked in the load, no compaction) and "gather" (one program lists the active
-channels, then the row-gather GEMV reads only those rows). --tune-gather times a grid of the gather's launch
-configs the same way (--use-tuned then uses its winner for the gather path).
+masked-load kernel: w_t rows masked in the load, no compaction), "gather" (one program lists the active
+channels, then the row-gather GEMV reads only those rows) and "local" (each program compacts its own K slice,
+then reads and multiplies only those rows; one launch). --tune-paths times a grid of those paths' launch configs
+the same way (--use-tuned then uses each path's winner).
 --smoke: CPU + Triton interpreter, tiny shapes (a check of this script). Imports only torch/triton/stdlib.
 """
 from __future__ import annotations
@@ -155,6 +156,22 @@ def gather_candidates(batch):
     return c
 
 
+def local_candidates(batch):
+    """The in-program compaction's launch configs (channels per K slice, column block, rows per step, warps)."""
+    c = []
+    for per in (128, 256, 512):
+        for bn in (64, 128, 256):
+            for br in (16, 32, 64):
+                for nw in (4, 8):
+                    if not 16 <= br * bn // (32 * nw) <= 128:
+                        continue
+                    c.append(dict(path="local", per=per, BLOCK_N=bn, BLOCK_R=br, num_warps=nw))
+    return c
+
+
+CANDIDATES = {"gather": gather_candidates, "local": local_candidates}
+
+
 def tune(args, copy_bw, dev, candidates=tune_candidates):
     """-> ({b_pad: best config}, table). Batch 1 on the Llama-2 gate/up, down and q shapes at s = .5/.7;
     batch 2 and 4 on the same shapes at union s = .5/.7 (fp16)."""
@@ -195,7 +212,7 @@ def tune(args, copy_bw, dev, candidates=tune_candidates):
     return best_cfg, table
 
 
-VARIANT = {"mask": "input_sparse", "gather": "input_sparse_gather"}
+VARIANT = {"mask": "input_sparse", "gather": "input_sparse_gather", "local": "input_sparse_local"}
 
 
 def bench(args, copy_bw, dev, path_cfgs):
@@ -299,8 +316,8 @@ def main(argv=None):
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--per-channel", action="store_true",
                     help="also time every sparse point with one threshold per input channel (WINA's form)")
-    ap.add_argument("--paths", default="mask,gather", help="kernel paths timed side by side (mask, gather)")
-    ap.add_argument("--tune-gather", action="store_true", help="tune the gather path's launch configs")
+    ap.add_argument("--paths", default="mask,gather,local", help="kernel paths timed side by side")
+    ap.add_argument("--tune-paths", default="", help="compaction paths whose launch configs to tune (gather,local)")
     ap.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes")
     args = ap.parse_args(argv)
     try:
@@ -309,8 +326,9 @@ def main(argv=None):
         args.models = [m for m in args.models.split(",") if m]
         args.tune_batches = [int(b) for b in args.tune_batches.split(",") if b]
         args.paths = [p for p in args.paths.split(",") if p]
+        args.tune_paths = [p for p in args.tune_paths.split(",") if p]
         bad = ([d for d in args.dtypes if d not in DTYPES] + [m for m in args.models if m not in MODELS]
-               + [p for p in args.paths if p not in VARIANT])
+               + [p for p in args.paths if p not in VARIANT] + [p for p in args.tune_paths if p not in CANDIDATES])
         if bad or not all(1 <= b <= 8 for b in args.batches):
             raise ValueError(f"unknown dtypes/models/paths {bad} or batch outside 1..8")
         override = json.loads(args.config) if args.config else None
@@ -349,29 +367,34 @@ def main(argv=None):
                 tb = [t for t in best if t <= C.b_pad(b)]
                 if tb:
                     cfgs[b] = dict(best[max(tb)])
-    gcfgs = {b: dict(c, path="gather") for b, c in cfgs.items()}
-    if args.tune_gather and dev.type == "cuda":
-        best_g, table_g = tune(args, copy_bw, dev, candidates=gather_candidates)
-        sections["tune_gather"] = table_g
-        log(f"tuned gather best: {best_g}")
-        if args.use_tuned:
-            for b in gcfgs:
-                tb = [t for t in best_g if t <= C.b_pad(b)]
-                if tb:
-                    gcfgs[b] = dict(best_g[max(tb)])
+    path_cfgs = {"mask": cfgs}
+    for path in ("gather", "local"):
+        path_cfgs[path] = {b: dict(c, path=path) for b, c in cfgs.items()}
+        if path == "local":
+            path_cfgs[path] = {b: dict(C.INPUT_SPARSE_LOCAL, path=path) for b in cfgs}
+        if path in args.tune_paths and dev.type == "cuda":
+            best_p, table_p = tune(args, copy_bw, dev, candidates=CANDIDATES[path])
+            sections[f"tune_{path}"] = table_p
+            log(f"tuned {path} best: {best_p}")
+            if args.use_tuned:
+                for b in path_cfgs[path]:
+                    tb = [t for t in best_p if t <= C.b_pad(b)]
+                    if tb:
+                        path_cfgs[path][b] = dict(best_p[max(tb)])
     if args.determinism:
-        det = {"used": cfgs, "gather": gcfgs,
+        det = {"used": cfgs, "gather": path_cfgs["gather"], "local": path_cfgs["local"],
                "split_ticket": {b: dict(c, progs_per_sm=4, reduce="ticket") for b, c in cfgs.items()},
                "split_kernel": {b: dict(c, progs_per_sm=4, reduce="kernel") for b, c in cfgs.items()}}
         sections["determinism"] = determinism(args.determinism, dev, det)
-    rows = [] if args.no_bench else bench(args, copy_bw, dev, {"mask": cfgs, "gather": gcfgs})
+    rows = [] if args.no_bench else bench(args, copy_bw, dev, path_cfgs)
     if rows:
         summary(rows)
     name = args.json or f"h200_input_sparse_{_dt.date.today().isoformat()}.json"
     if not SMOKE or args.json:
         path = write_results(name, rows, command=command_line("benchmarks.input_sparse"), device=str(dev),
                              meta=dict(copy_bw_gbps=copy_bw, configs={b: cfgs[b] for b in args.batches},
-                                       gather_configs={b: gcfgs[b] for b in args.batches}, min_bytes=MIN_BYTES), sections=sections)
+                                       path_configs={p: {b: c[b] for b in args.batches} for p, c in path_cfgs.items()},
+                                       min_bytes=MIN_BYTES), sections=sections)
         log(f"wrote {path}")
     return 0
 

@@ -74,6 +74,10 @@ INPUT_SPARSE = {
     8: dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5, progs_per_sm=2, reduce="ticket", dot=True),
 }
 
+# The in-program compaction path ("local"): channels per K slice (a power of two), column block, active rows per
+# step. A first guess; the H200 tune is in kernels/NOTES.md.
+INPUT_SPARSE_LOCAL = dict(per=256, BLOCK_N=128, BLOCK_R=32, num_warps=4)
+
 # CPU (Triton interpreter, CI): few big programs keep the interpreter fast; chunks smaller than the
 # test shapes keep the d-loop and row-tail masking exercised.
 INTERP = {

@@ -37,10 +37,12 @@ import triton.language as tl
 
 from . import common as _c
 from . import configs as C
+from ._tl_common import _accum_rows
 from .common import MAX_BATCH, check_x
 from .ffn_triton import _cfg, _launch_down, _launch_reduce
 
 MAX_SEGMENTS = 4
+PATHS = ("mask", "gather", "local")
 
 
 @triton.jit
@@ -142,6 +144,49 @@ def _w_tile(w_ptr, k0, N, cols, cm, rowm, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _segment_thr(seg, thr_ptr, t0, t1, t2, t3, K, THR_PTR: tl.constexpr, THR_VEC: tl.constexpr):
+    """Segment ``seg``'s threshold: a pointer to its row of per-channel thresholds (THR_VEC), or a scalar."""
+    if THR_VEC:
+        return thr_ptr + seg * K
+    elif THR_PTR:
+        return tl.load(thr_ptr + seg).to(tl.float32)
+    else:
+        return tl.where(seg == 0, t0, tl.where(seg == 1, t1, tl.where(seg == 2, t2, t3)))
+
+
+@triton.jit
+def _write_out(out, bs, bm, cols, cm, pid_n, pid_s, B, N, ws_ptr, cnt_ptr, y_ptr, stride_yb, bias_ptr,
+               HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, TICKET: tl.constexpr, S_PAD: tl.constexpr,
+               B_R: tl.constexpr):
+    """A program's [B_PAD, BLOCK_N] sums: into y directly (one K slice), or as an fp32 partial whose column
+    block is then summed in a fixed order by its last program (TICKET) or by a reduce launch."""
+    om = bm[:, None] & cm[None, :]
+    if PARTIAL:
+        tl.store(ws_ptr + (pid_s * B + bs[:, None]) * N + cols[None, :], out, mask=om)
+        if TICKET:
+            # the last program of this column block to finish sums all the partials as one [S_PAD, BLOCK_N]
+            # tile per token (a fixed reduction tree, whoever is last: deterministic), then re-arms the counter
+            nsplit = tl.num_programs(1)
+            tl.debug_barrier()
+            ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if ticket == nsplit - 1:
+                ss = tl.arange(0, S_PAD)
+                for b in tl.static_range(B_R):
+                    rb = ((cols * 0 + b) < B) & cm
+                    part = tl.load(ws_ptr + (ss[:, None] * B + b) * N + cols[None, :],
+                                   mask=(ss[:, None] < nsplit) & rb[None, :], other=0.0, cache_modifier=".cg")
+                    tot = tl.sum(part, axis=0)
+                    if HAS_BIAS:
+                        tot += tl.load(bias_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+                    tl.store(y_ptr + b * stride_yb + cols, tot.to(y_ptr.dtype.element_ty), mask=rb)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    else:
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + bs[:, None] * stride_yb + cols[None, :], out.to(y_ptr.dtype.element_ty), mask=om)
+
+
+@triton.jit
 def _input_sparse_kernel(
     x_ptr, stride_xb, w_ptr, thr_ptr, t0, t1, t2, t3, bias_ptr, y_ptr, stride_yb, ws_ptr, cnt_ptr,
     B, K, N, k_per_split, c1, c2, c3,
@@ -155,12 +200,7 @@ def _input_sparse_kernel(
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     seg, c0, hi = _segment_of(pid_n, N, c1, c2, c3, NSEG, BLOCK_N)
-    if THR_VEC:
-        thr = thr_ptr + seg * K               # this segment's row of per-channel thresholds
-    elif THR_PTR:
-        thr = tl.load(thr_ptr + seg).to(tl.float32)
-    else:
-        thr = tl.where(seg == 0, t0, tl.where(seg == 1, t1, tl.where(seg == 2, t2, t3)))
+    thr = _segment_thr(seg, thr_ptr, t0, t1, t2, t3, K, THR_PTR, THR_VEC)
     cols = c0 + tl.arange(0, BLOCK_N)
     cm = cols < hi
     bs = tl.arange(0, B_PAD)
@@ -237,30 +277,68 @@ def _input_sparse_kernel(
             if B_PAD > 2:
                 out += tl.where(bs[:, None] == 2, tl.sum(a2, axis=0)[None, :], 0.0)
                 out += tl.where(bs[:, None] == 3, tl.sum(a3, axis=0)[None, :], 0.0)
-    om = bm[:, None] & cm[None, :]
-    if PARTIAL:
-        tl.store(ws_ptr + (pid_s * B + bs[:, None]) * N + cols[None, :], out, mask=om)
-        if TICKET:
-            # the last program of this column block to finish sums all the partials as one [S_PAD, BLOCK_N]
-            # tile per token (a fixed reduction tree, whoever is last: deterministic), then re-arms the counter
-            nsplit = tl.num_programs(1)
-            tl.debug_barrier()
-            ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if ticket == nsplit - 1:
-                ss = tl.arange(0, S_PAD)
-                for b in tl.static_range(B_R):
-                    rb = ((cols * 0 + b) < B) & cm
-                    part = tl.load(ws_ptr + (ss[:, None] * B + b) * N + cols[None, :],
-                                   mask=(ss[:, None] < nsplit) & rb[None, :], other=0.0, cache_modifier=".cg")
-                    tot = tl.sum(part, axis=0)
-                    if HAS_BIAS:
-                        tot += tl.load(bias_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-                    tl.store(y_ptr + b * stride_yb + cols, tot.to(y_ptr.dtype.element_ty), mask=rb)
-                tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    _write_out(out, bs, bm, cols, cm, pid_n, pid_s, B, N, ws_ptr, cnt_ptr, y_ptr, stride_yb, bias_ptr,
+               HAS_BIAS, PARTIAL, TICKET, S_PAD, B_R)
+
+
+@triton.jit
+def _input_sparse_local_kernel(
+    x_ptr, stride_xb, w_ptr, thr_ptr, t0, t1, t2, t3, bias_ptr, y_ptr, stride_yb, ws_ptr, cnt_ptr, sidx_ptr, sv_ptr,
+    B, K, N, c1, c2, c3,
+    NSEG: tl.constexpr, THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+    TICKET: tl.constexpr, S_PAD: tl.constexpr, B_R: tl.constexpr,
+    B_PAD: tl.constexpr, PER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The same sums with a compaction inside each program: the program lists the channels of its K slice (PER
+    of them) active for some token, in order, with each token's masked x, in a scratch row of its (segment,
+    slice) -- every column block of that slice writes the same values there -- then loads and multiplies only
+    those rows, BLOCK_R at a time. Instructions and bytes both scale with the active rows."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    nsplit = tl.num_programs(1)
+    seg, c0, hi = _segment_of(pid_n, N, c1, c2, c3, NSEG, BLOCK_N)
+    thr = _segment_thr(seg, thr_ptr, t0, t1, t2, t3, K, THR_PTR, THR_VEC)
+    cols = c0 + tl.arange(0, BLOCK_N)
+    cm = cols < hi
+    bs = tl.arange(0, B_PAD)
+    bm = bs < B
+    ks = pid_s * PER + tl.arange(0, PER)
+    km = ks < K
+    xm = bm[:, None] & km[None, :]
+    xv = tl.load(x_ptr + bs[:, None] * stride_xb + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+    t = _thr_at(thr, ks, km, THR_VEC)
+    if THR_VEC:
+        t = t[None, :]
+    on = (tl.abs(xv) > t) & xm
+    u = tl.max(on.to(tl.int32), axis=0)                 # union over the batch
+    pos = tl.cumsum(u, axis=0) - u
+    n_act = tl.sum(u, axis=0)
+    row = (seg * nsplit + pid_s).to(tl.int64)
+    tl.store(sidx_ptr + row * PER + pos, ks, mask=u > 0)
+    tl.store(sv_ptr + (row * B_PAD + bs[:, None]) * PER + pos[None, :], tl.where(on, xv, 0.0),
+             mask=(u > 0)[None, :])
+    tl.debug_barrier()                                  # the scratch row, written by all threads, read by all
+    if B_PAD == 1:
+        acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
     else:
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + bs[:, None] * stride_yb + cols[None, :], out.to(y_ptr.dtype.element_ty), mask=om)
+        acc = tl.zeros([B_PAD, BLOCK_N], dtype=tl.float32)
+    for r0 in range(0, n_act, BLOCK_R):
+        j = r0 + tl.arange(0, BLOCK_R)
+        rm = j < n_act
+        rows = tl.load(sidx_ptr + row * PER + j, mask=rm, other=0).to(tl.int64)
+        w = tl.load(w_ptr + rows[:, None] * N + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        hv = tl.load(sv_ptr + (row * B_PAD + bs[:, None]) * PER + j[None, :], mask=rm[None, :], other=0.0)
+        if B_PAD == 1:
+            acc += tl.sum(hv, axis=0)[:, None] * w      # one FMA per element; K reduced once, after the loop
+        else:
+            acc = _accum_rows(acc, hv, w, B_PAD)
+    if B_PAD == 1:
+        out = tl.sum(acc, axis=0)[None, :]
+    else:
+        out = acc
+    _write_out(out, bs, bm, cols, cm, pid_n, pid_s, B, N, ws_ptr, cnt_ptr, y_ptr, stride_yb, bias_ptr,
+               HAS_BIAS, PARTIAL, TICKET, S_PAD, B_R)
 
 
 @triton.jit
@@ -346,6 +424,42 @@ def _launch_gather(x, w_t, thresholds, sizes, bias, cfg):
                         segments=(v.stride(0), sizes) if nseg > 1 else None)
 
 
+def _launch_local(x, w_t, thresholds, sizes, bias, cfg):
+    """The in-program compaction path: one launch (partials summed by the ticket reduce), no sync."""
+    B, K = x.shape
+    N = w_t.shape[1]
+    nseg = len(sizes)
+    dev = x.device
+    per, block_n, block_r = cfg["per"], cfg["BLOCK_N"], cfg["BLOCK_R"]
+    assert per == triton.next_power_of_2(per), f"per (channels per K slice) must be a power of two, got {per}"
+    n_blocks = _n_blocks(sizes, block_n)
+    nsplit = triton.cdiv(K, per)
+    bp = C.b_pad(B)
+    bounds = [0]
+    for sz in sizes:
+        bounds.append(bounds[-1] + sz)
+    c = (bounds[1:-1] + [N, N, N])[:3]
+    y = _c.empty((B, N), dev, x.dtype)
+    partial = nsplit > 1
+    ws = _c.empty((nsplit, B, N), dev, torch.float32) if partial else y
+    cnt = _counters(dev, n_blocks) if partial else y
+    sidx = _c.empty((nseg * nsplit, per), dev, torch.int32)
+    sv = _c.empty((nseg * nsplit, bp, per), dev, torch.float32)
+    if isinstance(thresholds, torch.Tensor):
+        thr_ptr, tv = thresholds, (0.0,) * 4
+    else:
+        thr_ptr, tv = x, tuple(float(t) for t in thresholds) + (0.0,) * (4 - nseg)
+    _input_sparse_local_kernel[(n_blocks, nsplit)](
+        x, x.stride(0), w_t, thr_ptr, *tv, bias if bias is not None else w_t, y, y.stride(0), ws, cnt, sidx, sv,
+        B, K, N, *c,
+        NSEG=nseg, THR_PTR=isinstance(thresholds, torch.Tensor),
+        THR_VEC=isinstance(thresholds, torch.Tensor) and thresholds.dim() == 2, HAS_BIAS=bias is not None,
+        PARTIAL=partial, TICKET=True, S_PAD=triton.next_power_of_2(nsplit), B_R=bp, B_PAD=bp, PER=per,
+        BLOCK_R=block_r, BLOCK_N=block_n, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
+    )
+    return y
+
+
 # ------------------------------------------------------------------------------------------------
 def _config(B, device, override):
     bp = C.b_pad(B)
@@ -397,8 +511,10 @@ def _launch(x, w_t, thresholds, sizes, bias, config):
     N = w_t.shape[1]
     nseg = len(sizes)
     cfg = _config(B, x.device, config)
-    if cfg.get("path", "mask") not in ("mask", "gather"):
-        raise ValueError(f"input-sparse path must be 'mask' or 'gather', got {cfg['path']!r}")
+    if cfg.get("path", "mask") not in PATHS:
+        raise ValueError(f"input-sparse path must be one of {PATHS}, got {cfg['path']!r}")
+    if cfg.get("path") == "local":
+        return _launch_local(x, w_t, thresholds, sizes, bias, cfg)
     if cfg.get("path") == "gather" and _gather_block_d(sizes, 128):
         return _launch_gather(x, w_t, thresholds, sizes, bias, cfg)
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]

@@ -23,6 +23,9 @@ CONFIGS = {
     # the compaction path: active channels listed by one program (chunks smaller than IN), then the row gather
     "gather": dict(path="gather", chunk=32, down=dict(BLOCK_D=32, BLOCK_R=16, splits=3)),
     "gather_dot": dict(path="gather", chunk=64, down=dict(BLOCK_D=32, BLOCK_R=16, splits=2, dot=True)),
+    # compaction inside each program: K slices of 32 channels (the last one partial), 8 active rows per step
+    "local": dict(path="local", per=32, BLOCK_N=32, BLOCK_R=8, num_warps=4),
+    "local_nosplit": dict(path="local", per=128, BLOCK_N=64, BLOCK_R=16, num_warps=4),
 }
 
 
@@ -45,7 +48,8 @@ F32, F16, BF16 = DTYPES
 # in the interpreter (no GPU) the default suite takes every launch path once, every dtype and batch shape among
 # them; the rest of MATRIX is slow (tests/kernels/kernel_support.py)
 MATRIX_DEFAULT = {(F16, 1, "fma"), (BF16, 1, "split_ticket"), (F32, 1, "nosplit"), (F16, 3, "split_reduce"),
-                  (BF16, 1, "fma_nosplit"), (F32, 1, "mma"), (F16, 3, "gather"), (BF16, 1, "gather_dot")}
+                  (BF16, 1, "fma_nosplit"), (F32, 1, "mma"), (F16, 3, "gather"), (BF16, 1, "gather_dot"),
+                  (F32, 1, "local"), (F16, 3, "local_nosplit")}
 assert MATRIX_DEFAULT <= set(MATRIX) and {c for _, _, c in MATRIX_DEFAULT} == set(CONFIGS)
 
 
@@ -63,8 +67,8 @@ def test_matches_reference(dtype, batch, cfg, device, gen, poison):
         _check(out, ref, dtype, gen, f"s={s}")
 
 
-@grid("batch,cfg", [[1, 2], ["nosplit", "split_ticket", "fma", "mma", "gather"]],
-      lambda batch, cfg: batch == 2 or cfg in ("fma", "gather"))
+@grid("batch,cfg", [[1, 2], ["nosplit", "split_ticket", "fma", "mma", "gather", "local"]],
+      lambda batch, cfg: batch == 2 or cfg in ("fma", "gather", "local"))
 def test_inactive_rows_are_never_read(batch, cfg, device, gen, poison):
     """Rows of w_t whose channel is inactive for every token hold NaN: a read would poison y."""
     dtype = torch.float16
@@ -81,7 +85,7 @@ def test_inactive_rows_are_never_read(batch, cfg, device, gen, poison):
     _check(out, ref, dtype, gen)
 
 
-@grid("cfg", [["nosplit", "split_reduce", "split_ticket", "gather"]], lambda cfg: cfg != "split_ticket")
+@grid("cfg", [["nosplit", "split_reduce", "split_ticket", "gather", "local"]], lambda cfg: cfg != "split_ticket")
 def test_nothing_active_and_all_active(cfg, device, gen, poison):
     dtype = torch.float32
     w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
@@ -110,7 +114,7 @@ def test_threshold_forms_agree(device, gen):
 
 # run-to-run identity is about the order of the split reductions on a GPU; the interpreter runs a launch's programs
 # one after another, so there it cannot differ: slow there (tests/kernels/kernel_support.py)
-@grid("cfg", [["split_reduce", "split_ticket", "fma", "mma", "gather"]], lambda cfg: False)
+@grid("cfg", [["split_reduce", "split_ticket", "fma", "mma", "gather", "local"]], lambda cfg: False)
 def test_bit_identical_repeats(cfg, device, gen):
     dtype = torch.bfloat16
     w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
@@ -121,8 +125,8 @@ def test_bit_identical_repeats(cfg, device, gen):
         assert torch.equal(T.input_sparse_linear(x, w_t, t, config=CONFIGS[cfg]), first)
 
 
-@grid("dtype,cfg", [[F32, BF16], ["nosplit", "split_ticket", "split_reduce"]],
-      in_default((BF16, "nosplit"),))
+@grid("dtype,cfg", [[F32, BF16], ["nosplit", "split_ticket", "split_reduce", "local"]],
+      in_default((BF16, "nosplit"), (F32, "local")))
 def test_segments_per_projection_thresholds(dtype, cfg, device, gen, poison):
     """Fused QKV: one x, three output segments (sizes not multiples of BLOCK_N), one threshold each."""
     sizes = (40, 27, 33)
@@ -149,8 +153,8 @@ def test_segments_per_projection_thresholds(dtype, cfg, device, gen, poison):
     assert torch.equal(one, T.input_sparse_linear(x, w_t, th[1], bias, config=CONFIGS[cfg]))
 
 
-@grid("dtype,cfg", [[F16, BF16, F32], ["fma", "split_ticket", "nosplit", "mma"]],
-      in_default((F16, "fma"), (BF16, "nosplit")))
+@grid("dtype,cfg", [[F16, BF16, F32], ["fma", "split_ticket", "nosplit", "mma", "local"]],
+      in_default((F16, "fma"), (BF16, "nosplit"), (F16, "local")))
 def test_per_channel_thresholds(dtype, cfg, device, gen, poison):
     """WINA: one threshold per segment and input channel (t / ‖W[:, i]‖), read with x: the same product as the
     reference, only rows active under their own channel's threshold read, and a row of equal thresholds gives
