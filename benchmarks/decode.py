@@ -1,7 +1,7 @@
 """Decode benchmark on a GPU: our runtime dense / sparse vs Hugging Face ``generate``, 7B-class shapes.
 
     python -m benchmarks.decode [--shape llama2-7b] [--prompts 128,512,1024] [--gen 64] [--quick]
-        [--select-impl auto|torch|triton] [--input-path auto|mask|gather] [--points dense,mlp.5,...]
+        [--select-impl auto|torch|triton] [--input-path auto|mask|local] [--points dense,mlp.5,...]
         [--hf eager,static,static-compile] [--no-hf] [--json NAME]
     python -m benchmarks.decode --diag       # dense variants and the per-layer selection costs only
     python -m benchmarks.decode --select     # top-k candidates alone: µs per layer
@@ -90,7 +90,7 @@ def main(argv=None):
     ap.add_argument("--select", action="store_true", help="only the top-k selection candidates (µs per layer)")
     ap.add_argument("--select-impl", default="auto", choices=("auto", "torch", "triton"),
                     help="the runtime's top-k (DecodeRuntime's select_impl)")
-    ap.add_argument("--input-path", default="auto", choices=("auto", "mask", "gather"),
+    ap.add_argument("--input-path", default="auto", choices=("auto", "mask", "local"),
                     help="the input-sparse kernel (DecodeRuntime's input_path)")
     ap.add_argument("--points", default=None, help="comma-separated point names to run (default: all)")
     a = ap.parse_args(argv)
@@ -140,9 +140,9 @@ def main(argv=None):
               ("wina.5", None, None, True, "exact"),
               # the FFN predictors' positive-score rule (a compaction, no top-k): about half the neurons
               ("mlp.5 pos", 0.5, None, True, "exact")]
-    # "NAME@PATH" (e.g. in.5@gather): the point with the runtime's input_path set to PATH
+    # "NAME@PATH" (e.g. in.5@local): the point with the runtime's input_path set to PATH
     points += [(f"{p[0]}@{path}",) + p[1:] for p in points if p[0].startswith(("in.", "wina."))
-               for path in ("mask", "gather", "local")]
+               for path in ("mask", "local")]
     prompts = [int(p) for p in a.prompts.split(",")]
     if a.quick:
         points, prompts = points[:2], prompts[:1]

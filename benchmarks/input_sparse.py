@@ -2,7 +2,7 @@
 
     python -m benchmarks.input_sparse [--quick] [--json NAME] [--dtypes fp16,bf16] [--batches 1,2,4]
                                       [--tune] [--use-tuned] [--config JSON] [--determinism N] [--smoke]
-                                      [--per-channel] [--paths mask,gather,local] [--tune-paths gather,local]
+                                      [--per-channel] [--paths mask,local] [--tune-paths local]
 
 Every projection of Llama-2-7B and Llama-3-8B at batch 1/2/4: gate/up [in=d, out=D], down [in=D, out=d], q/o
 (and Llama-2's k/v) [d, d], Llama-3's GQA k/v [d, 1024], and the fused QKV (one x, three output segments,
@@ -18,10 +18,9 @@ Dense baseline: F.linear on the usual [out, in] weight (cuBLAS). Bytes: the w_t 
 config's geometric-mean time over the per-point best; --use-tuned runs the benchmark with the winner (else the
 frozen kernels.configs.INPUT_SPARSE). --determinism N checks N repeated calls are bit-identical.
 --paths: the kernel paths timed side by side at every sparse point (interleaved in one run): "mask" (the
-masked-load kernel: w_t rows masked in the load, no compaction), "gather" (one program lists the active
-channels, then the row-gather GEMV reads only those rows) and "local" (each program compacts its own K slice,
-then reads and multiplies only those rows; one launch). --tune-paths times a grid of those paths' launch configs
-the same way (--use-tuned then uses each path's winner).
+masked-load kernel: w_t rows masked in the load, no compaction) and "local" (each program compacts its own K
+slice, then reads and multiplies only those rows; one launch). --tune-paths local times a grid of the local
+path's launch configs the same way (--use-tuned then uses its winner).
 --smoke: CPU + Triton interpreter, tiny shapes (a check of this script). Imports only torch/triton/stdlib.
 """
 from __future__ import annotations
@@ -142,25 +141,11 @@ def tune_candidates(batch):
     return c
 
 
-def gather_candidates(batch):
-    """The gather path's row-gather launch configs (column block, rows per step, K splits, warps)."""
-    c = []
-    for bd in (64, 128, 256):
-        for br in (32, 64):
-            for sp in (4, 8, 16, 32):
-                for nw in (4, 8):
-                    if bd * br // (32 * nw) > 256:
-                        continue
-                    c.append(dict(path="gather", down=dict(BLOCK_D=bd, BLOCK_R=br, splits=sp, num_warps=nw,
-                                                           dot=batch > 1)))
-    return c
-
-
 def local_candidates(batch):
     """The in-program compaction's launch configs (channels per K slice, column block, rows per step, warps)."""
     c = []
-    for per in (128, 256, 512):
-        for bn in (64, 128, 256):
+    for per in (256, 512, 1024, 2048):
+        for bn in (128, 256):
             for br in (16, 32, 64):
                 for nw in (4, 8):
                     if not 16 <= br * bn // (32 * nw) <= 128:
@@ -169,7 +154,7 @@ def local_candidates(batch):
     return c
 
 
-CANDIDATES = {"gather": gather_candidates, "local": local_candidates}
+CANDIDATES = {"local": local_candidates}
 
 
 def tune(args, copy_bw, dev, candidates=tune_candidates):
@@ -212,7 +197,7 @@ def tune(args, copy_bw, dev, candidates=tune_candidates):
     return best_cfg, table
 
 
-VARIANT = {"mask": "input_sparse", "gather": "input_sparse_gather", "local": "input_sparse_local"}
+VARIANT = {"mask": "input_sparse", "local": "input_sparse_local"}
 
 
 def bench(args, copy_bw, dev, path_cfgs):
@@ -316,8 +301,8 @@ def main(argv=None):
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--per-channel", action="store_true",
                     help="also time every sparse point with one threshold per input channel (WINA's form)")
-    ap.add_argument("--paths", default="mask,gather,local", help="kernel paths timed side by side")
-    ap.add_argument("--tune-paths", default="", help="compaction paths whose launch configs to tune (gather,local)")
+    ap.add_argument("--paths", default="mask,local", help="kernel paths timed side by side")
+    ap.add_argument("--tune-paths", default="", help="paths whose launch configs to tune (local)")
     ap.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes")
     args = ap.parse_args(argv)
     try:
@@ -355,7 +340,8 @@ def main(argv=None):
     copy_bw = copy_bandwidth(device=str(dev)) if dev.type == "cuda" else None
     log(f"copy bandwidth: {copy_bw} GB/s")
     sections = {}
-    cfgs = {b: dict(C.INPUT_SPARSE.get(C.b_pad(b), C.INPUT_SPARSE[max(C.INPUT_SPARSE)])) for b in range(1, 9)}
+    cfgs = {b: dict(C.INPUT_SPARSE.get(C.b_pad(b), C.INPUT_SPARSE[max(C.INPUT_SPARSE)]), path="mask")
+            for b in range(1, 9)}
     if override:
         cfgs = {b: dict(c, **override) for b, c in cfgs.items()}
     if args.tune and dev.type == "cuda":
@@ -368,10 +354,8 @@ def main(argv=None):
                 if tb:
                     cfgs[b] = dict(best[max(tb)])
     path_cfgs = {"mask": cfgs}
-    for path in ("gather", "local"):
-        path_cfgs[path] = {b: dict(c, path=path) for b, c in cfgs.items()}
-        if path == "local":
-            path_cfgs[path] = {b: dict(C.INPUT_SPARSE_LOCAL, path=path) for b in cfgs}
+    for path in CANDIDATES:
+        path_cfgs[path] = {b: dict(C.INPUT_SPARSE_LOCAL, path=path) for b in cfgs}
         if path in args.tune_paths and dev.type == "cuda":
             best_p, table_p = tune(args, copy_bw, dev, candidates=CANDIDATES[path])
             sections[f"tune_{path}"] = table_p
@@ -382,7 +366,7 @@ def main(argv=None):
                     if tb:
                         path_cfgs[path][b] = dict(best_p[max(tb)])
     if args.determinism:
-        det = {"used": cfgs, "gather": path_cfgs["gather"], "local": path_cfgs["local"],
+        det = {"used": cfgs, "local": path_cfgs["local"],
                "split_ticket": {b: dict(c, progs_per_sm=4, reduce="ticket") for b, c in cfgs.items()},
                "split_kernel": {b: dict(c, progs_per_sm=4, reduce="kernel") for b, c in cfgs.items()}}
         sections["determinism"] = determinism(args.determinism, dev, det)

@@ -74,9 +74,10 @@ INPUT_SPARSE = {
     8: dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5, progs_per_sm=2, reduce="ticket", dot=True),
 }
 
-# The in-program compaction path ("local"): channels per K slice (a power of two), column block, active rows per
-# step. A first guess; the H200 tune is in kernels/NOTES.md.
-INPUT_SPARSE_LOCAL = dict(per=256, BLOCK_N=128, BLOCK_R=32, num_warps=4)
+# The in-program compaction path ("local", batch 1): channels per K slice (a power of two), column block, active
+# rows per step; taken by default for outputs of >= min_out columns (the masked-load kernel below that: the
+# H200 runs in kernels/NOTES.md, "Input sparsity").
+INPUT_SPARSE_LOCAL = dict(per=512, BLOCK_N=256, BLOCK_R=32, num_warps=4, min_out=2048)
 
 # CPU (Triton interpreter, CI): few big programs keep the interpreter fast; chunks smaller than the
 # test shapes keep the d-loop and row-tail masking exercised.
@@ -85,6 +86,7 @@ INTERP = {
     "gather": dict(BLOCK_R=32, BLOCK_K=64, num_warps=4),
     "down": dict(BLOCK_D=64, BLOCK_R=32, splits=3, num_warps=4),
     "input_sparse": dict(BLOCK_N=32, BLOCK_K=32, splits=2, num_warps=4),
+    "input_sparse_local": dict(per=32, BLOCK_N=32, BLOCK_R=8, num_warps=4),
 }
 
 

@@ -141,26 +141,16 @@ def _fused_ffn_kernel(
 @triton.jit
 def _gather_down_kernel(
     h_ptr, stride_hb, wt_ptr, idx_ptr, count_ptr, ws_ptr,
-    K, d, B, stride_hs, c1, c2, c3,
+    K, d, B,
     GROUP: tl.constexpr, HAS_COUNT: tl.constexpr,
     B_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, USE_DOT: tl.constexpr,
-    DOT_F32: tl.constexpr, NSEG: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     """Program (d-chunk, split): partial[split, b, chunk] = sum over the split's rows j of
-    h[b, j] * W^T[row(j), chunk], row(j) = idx[j // GROUP] * GROUP + j % GROUP.
-    NSEG > 1: the output columns are segments [0, c1), [c1, c2), ... (each a multiple of BLOCK_D) and segment s
-    reads its own plane of h, h_ptr + s * stride_hs (input sparsity's fused QKV: one threshold per segment)."""
+    h[b, j] * W^T[row(j), chunk], row(j) = idx[j // GROUP] * GROUP + j % GROUP."""
     pid_d = tl.program_id(0)
     pid_s = tl.program_id(1)
     nsplit = tl.num_programs(1)
-    if NSEG > 1:
-        c0 = pid_d * BLOCK_D
-        plane = (c0 >= c1).to(tl.int64)
-        if NSEG > 2:
-            plane += (c0 >= c2).to(tl.int64)
-        if NSEG > 3:
-            plane += (c0 >= c3).to(tl.int64)
-        h_ptr += plane * stride_hs
     if HAS_COUNT:
         n = tl.minimum(tl.load(count_ptr).to(tl.int32), K) * GROUP
     else:
@@ -330,9 +320,8 @@ def _launch_reduce(ws, nsplit, bias, y, block=None):
     return y
 
 
-def _launch_down(h, w_t, idx, count, bias, group, out_dtype, config=None, segments=None):
-    """``segments``: (h planes' stride, segment sizes) for input sparsity's fused QKV (see the kernel)."""
-    B = h.shape[-2]
+def _launch_down(h, w_t, idx, count, bias, group, out_dtype, config=None):
+    B = h.shape[0]
     d = w_t.shape[1]
     K = idx.shape[0]
     bp = C.b_pad(B)
@@ -345,15 +334,10 @@ def _launch_down(h, w_t, idx, count, bias, group, out_dtype, config=None, segmen
     nsplit = max(1, min(cfg["splits"], triton.cdiv(K * group, cfg["BLOCK_R"])))
     ws = _c.empty((nsplit, B, d), h.device, torch.float32)
     grid = (triton.cdiv(d, block_d), nsplit)
-    stride_hs, sizes = segments or (0, (d,))
-    bounds = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
-    assert all(c % block_d == 0 for c in bounds), f"segment bounds {bounds} must be multiples of {block_d}"
-    c1, c2, c3 = (bounds + [d, d, d])[:3]
     _gather_down_kernel[grid](
-        h, h.stride(-2), w_t, idx, count if count is not None else idx, ws, K, d, B, stride_hs, c1, c2, c3,
+        h, h.stride(0), w_t, idx, count if count is not None else idx, ws, K, d, B,
         GROUP=group, HAS_COUNT=count is not None, B_PAD=bp, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=block_d,
-        USE_DOT=use_dot, DOT_F32=use_dot and h.device.type == "cpu", NSEG=len(sizes),
-        num_warps=cfg["num_warps"],
+        USE_DOT=use_dot, DOT_F32=use_dot and h.device.type == "cpu", num_warps=cfg["num_warps"],
     )
     y = _c.empty((B, d), h.device, out_dtype)
     return _launch_reduce(ws, nsplit, bias, y)

@@ -39,10 +39,10 @@ from . import common as _c
 from . import configs as C
 from ._tl_common import _accum_rows
 from .common import MAX_BATCH, check_x
-from .ffn_triton import _cfg, _launch_down, _launch_reduce
+from .ffn_triton import _launch_reduce
 
 MAX_SEGMENTS = 4
-PATHS = ("mask", "gather", "local")
+PATHS = ("mask", "local")
 
 
 @triton.jit
@@ -341,89 +341,6 @@ def _input_sparse_local_kernel(
                HAS_BIAS, PARTIAL, TICKET, S_PAD, B_R)
 
 
-@triton.jit
-def _seg_thr(thr_ptr, t0, t1, t2, t3, s: tl.constexpr, ks, km, K, THR_PTR: tl.constexpr, THR_VEC: tl.constexpr):
-    """Segment ``s``'s threshold for channels ``ks``: [1, CHUNK] per channel (THR_VEC), else a scalar read on the
-    device (THR_PTR) or passed by value."""
-    if THR_VEC:
-        return tl.load(thr_ptr + s * K + ks, mask=km, other=float("inf")).to(tl.float32)[None, :]
-    elif THR_PTR:
-        return tl.load(thr_ptr + s).to(tl.float32)
-    elif s == 0:
-        return t0
-    elif s == 1:
-        return t1
-    elif s == 2:
-        return t2
-    else:
-        return t3
-
-
-@triton.jit
-def _active_rows_kernel(x_ptr, stride_xb, thr_ptr, t0, t1, t2, t3, idx_ptr, v_ptr, stride_vs, stride_vb,
-                        count_ptr, B, K, NSEG: tl.constexpr, THR_PTR: tl.constexpr, THR_VEC: tl.constexpr,
-                        B_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """One program: the input channels active for some token and segment, ascending, into idx[:count];
-    v[s, b, j] = x[b, idx[j]] if |x[b, idx[j]]| > t_s there, else 0 (fp32). Entries past count are not written."""
-    bs = tl.arange(0, B_PAD)
-    bm = bs < B
-    base = tl.full([], 0, tl.int32)
-    for k0 in range(0, K, CHUNK):
-        ks = k0 + tl.arange(0, CHUNK)
-        km = ks < K
-        xm = bm[:, None] & km[None, :]
-        xv = tl.load(x_ptr + bs[:, None] * stride_xb + ks[None, :], mask=xm, other=0.0).to(tl.float32)
-        ax = tl.abs(xv)
-        on = tl.zeros([CHUNK], dtype=tl.int32)
-        for sg in tl.static_range(NSEG):
-            t = _seg_thr(thr_ptr, t0, t1, t2, t3, sg, ks, km, K, THR_PTR, THR_VEC)
-            on = tl.maximum(on, tl.max(((ax > t) & xm).to(tl.int32), axis=0))
-        pos = base + tl.cumsum(on, axis=0) - on
-        kept = on > 0
-        tl.store(idx_ptr + pos, ks, mask=kept)
-        for sg in tl.static_range(NSEG):
-            t = _seg_thr(thr_ptr, t0, t1, t2, t3, sg, ks, km, K, THR_PTR, THR_VEC)
-            tl.store(v_ptr + sg * stride_vs + bs[:, None] * stride_vb + pos[None, :], tl.where(ax > t, xv, 0.0),
-                     mask=bm[:, None] & kept[None, :])
-        base += tl.sum(on, axis=0)
-    jj = tl.arange(0, 2)
-    tl.store(count_ptr + jj * 0, jj * 0 + base, mask=jj == 0)
-
-
-def _gather_block_d(sizes, block_d):
-    """The largest power of two <= ``block_d`` that divides every segment bound (the gather kernel gives each
-    program one segment), or 0 if that is below 16."""
-    bounds = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
-    while block_d >= 16 and any(c % block_d for c in bounds):
-        block_d //= 2
-    return block_d if block_d >= 16 else 0
-
-
-def _launch_gather(x, w_t, thresholds, sizes, bias, cfg):
-    """The compaction path: one program lists the active input channels (union over tokens and segments) and
-    their masked values, then the row-gather GEMV of kernels.ffn_triton (split-K partials, fixed-order reduce)
-    reads only those rows of w_t. Three launches, no sync; the same bits on every call."""
-    B, K = x.shape
-    nseg = len(sizes)
-    dev = x.device
-    down = dict(cfg.get("down") or {})
-    down["BLOCK_D"] = _gather_block_d(sizes, min(_cfg("down", C.b_pad(B), down, dev)["BLOCK_D"],
-                                                 triton.next_power_of_2(w_t.shape[1])))
-    idx = _c.empty(K, dev, torch.int32)
-    count = _c.empty(1, dev, torch.int32)
-    v = _c.empty((nseg, B, K), dev, torch.float32)
-    thr_ptr = thresholds if isinstance(thresholds, torch.Tensor) else x
-    tv = (0.0,) * 4 if isinstance(thresholds, torch.Tensor) else tuple(thresholds) + (0.0,) * (4 - nseg)
-    chunk = cfg.get("chunk", 4096)
-    _active_rows_kernel[(1,)](
-        x, x.stride(0), thr_ptr, *tv, idx, v, v.stride(0), v.stride(1), count, B, K,
-        NSEG=nseg, THR_PTR=isinstance(thresholds, torch.Tensor), THR_VEC=isinstance(thresholds, torch.Tensor)
-        and thresholds.dim() == 2, B_PAD=C.b_pad(B), CHUNK=chunk, num_warps=max(1, min(16, chunk // 256)),
-    )
-    return _launch_down(v, w_t, idx, count, bias, 1, x.dtype, down,
-                        segments=(v.stride(0), sizes) if nseg > 1 else None)
-
-
 def _launch_local(x, w_t, thresholds, sizes, bias, cfg):
     """The in-program compaction path: one launch (partials summed by the ticket reduce), no sync."""
     B, K = x.shape
@@ -461,14 +378,27 @@ def _launch_local(x, w_t, thresholds, sizes, bias, cfg):
 
 
 # ------------------------------------------------------------------------------------------------
-def _config(B, device, override):
+def _config(B, N, device, override):
+    """Launch config: ``override["path"]`` if given, else the local path at batch 1 on CUDA for outputs of at
+    least configs.INPUT_SPARSE_LOCAL["min_out"] columns (measured faster there), the masked-load kernel otherwise;
+    then that path's frozen table, the interpreter's sizes on the CPU, and the override."""
     bp = C.b_pad(B)
-    table = C.INPUT_SPARSE
-    cfg = dict(table[bp] if bp in table else table[max(table)])
+    path = (override or {}).get("path")
+    if path is None:
+        local = bp == 1 and device.type == "cuda" and N >= C.INPUT_SPARSE_LOCAL["min_out"]
+        path = "local" if local else "mask"
+    if path not in PATHS:
+        raise ValueError(f"input-sparse path must be one of {PATHS}, got {path!r}")
+    if path == "local":
+        cfg = dict(C.INPUT_SPARSE_LOCAL)
+    else:
+        table = C.INPUT_SPARSE
+        cfg = dict(table[bp] if bp in table else table[max(table)])
     if device.type == "cpu":
-        cfg.update(C.INTERP["input_sparse"])
+        cfg.update(C.INTERP["input_sparse_local" if path == "local" else "input_sparse"])
     if override:
         cfg.update(override)
+    cfg["path"] = path
     return cfg
 
 
@@ -510,13 +440,9 @@ def _launch(x, w_t, thresholds, sizes, bias, config):
     B, K = x.shape
     N = w_t.shape[1]
     nseg = len(sizes)
-    cfg = _config(B, x.device, config)
-    if cfg.get("path", "mask") not in PATHS:
-        raise ValueError(f"input-sparse path must be one of {PATHS}, got {cfg['path']!r}")
-    if cfg.get("path") == "local":
+    cfg = _config(B, N, x.device, config)
+    if cfg["path"] == "local":
         return _launch_local(x, w_t, thresholds, sizes, bias, cfg)
-    if cfg.get("path") == "gather" and _gather_block_d(sizes, 128):
-        return _launch_gather(x, w_t, thresholds, sizes, bias, cfg)
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
     bp = C.b_pad(B)
     use_dot = bool(cfg.get("dot", True)) or bp > 4  # the register-prefetched loop keeps up to 4 token vectors

@@ -146,12 +146,12 @@ def head_sparse_out(attn, w_o_t, q_idx, q_count=None, head_dim=None, bias=None):
     return backend(attn).head_sparse_out(attn, w_o_t, q_idx, q_count, head_dim, bias)
 
 
-INPUT_PATHS = ("auto", "mask", "gather", "local")
+INPUT_PATHS = ("auto", "mask", "local")
 
 
 def _input_path_config(x, path: str):
     """The Triton kernel's launch override for ``path`` ("auto": the frozen configs.INPUT_SPARSE choice; "mask":
-    the masked-load kernel; "gather": compaction launch + row gather; "local": compaction inside each program).
+    the masked-load kernel; "local": the compaction inside each program).
     Other backends have one path: "auto" only."""
     if path not in INPUT_PATHS:
         raise ValueError(f"input path must be one of {INPUT_PATHS}, got {path!r}")

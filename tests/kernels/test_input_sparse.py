@@ -20,9 +20,6 @@ CONFIGS = {
     "fma": dict(BLOCK_N=32, BLOCK_K=16, splits=2, dot=False, reduce="ticket"),
     "fma_nosplit": dict(BLOCK_N=64, BLOCK_K=32, splits=1, dot=False),
     "mma": dict(BLOCK_N=32, BLOCK_K=16, splits=3, dot=False, mma=True, reduce="ticket"),
-    # the compaction path: active channels listed by one program (chunks smaller than IN), then the row gather
-    "gather": dict(path="gather", chunk=32, down=dict(BLOCK_D=32, BLOCK_R=16, splits=3)),
-    "gather_dot": dict(path="gather", chunk=64, down=dict(BLOCK_D=32, BLOCK_R=16, splits=2, dot=True)),
     # compaction inside each program: K slices of 32 channels (the last one partial), 8 active rows per step
     "local": dict(path="local", per=32, BLOCK_N=32, BLOCK_R=8, num_warps=4),
     "local_nosplit": dict(path="local", per=128, BLOCK_N=64, BLOCK_R=16, num_warps=4),
@@ -48,8 +45,8 @@ F32, F16, BF16 = DTYPES
 # in the interpreter (no GPU) the default suite takes every launch path once, every dtype and batch shape among
 # them; the rest of MATRIX is slow (tests/kernels/kernel_support.py)
 MATRIX_DEFAULT = {(F16, 1, "fma"), (BF16, 1, "split_ticket"), (F32, 1, "nosplit"), (F16, 3, "split_reduce"),
-                  (BF16, 1, "fma_nosplit"), (F32, 1, "mma"), (F16, 3, "gather"), (BF16, 1, "gather_dot"),
-                  (F32, 1, "local"), (F16, 3, "local_nosplit")}
+                  (BF16, 1, "fma_nosplit"), (F32, 1, "mma"), (F32, 1, "local"),
+                  (F16, 3, "local_nosplit")}
 assert MATRIX_DEFAULT <= set(MATRIX) and {c for _, _, c in MATRIX_DEFAULT} == set(CONFIGS)
 
 
@@ -67,8 +64,8 @@ def test_matches_reference(dtype, batch, cfg, device, gen, poison):
         _check(out, ref, dtype, gen, f"s={s}")
 
 
-@grid("batch,cfg", [[1, 2], ["nosplit", "split_ticket", "fma", "mma", "gather", "local"]],
-      lambda batch, cfg: batch == 2 or cfg in ("fma", "gather", "local"))
+@grid("batch,cfg", [[1, 2], ["nosplit", "split_ticket", "fma", "mma", "local"]],
+      lambda batch, cfg: batch == 2 or cfg in ("fma", "local"))
 def test_inactive_rows_are_never_read(batch, cfg, device, gen, poison):
     """Rows of w_t whose channel is inactive for every token hold NaN: a read would poison y."""
     dtype = torch.float16
@@ -85,7 +82,7 @@ def test_inactive_rows_are_never_read(batch, cfg, device, gen, poison):
     _check(out, ref, dtype, gen)
 
 
-@grid("cfg", [["nosplit", "split_reduce", "split_ticket", "gather", "local"]], lambda cfg: cfg != "split_ticket")
+@grid("cfg", [["nosplit", "split_reduce", "split_ticket", "local"]], lambda cfg: cfg != "split_ticket")
 def test_nothing_active_and_all_active(cfg, device, gen, poison):
     dtype = torch.float32
     w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
@@ -114,7 +111,7 @@ def test_threshold_forms_agree(device, gen):
 
 # run-to-run identity is about the order of the split reductions on a GPU; the interpreter runs a launch's programs
 # one after another, so there it cannot differ: slow there (tests/kernels/kernel_support.py)
-@grid("cfg", [["split_reduce", "split_ticket", "fma", "mma", "gather", "local"]], lambda cfg: False)
+@grid("cfg", [["split_reduce", "split_ticket", "fma", "mma", "local"]], lambda cfg: False)
 def test_bit_identical_repeats(cfg, device, gen):
     dtype = torch.bfloat16
     w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
@@ -183,32 +180,6 @@ def test_per_channel_thresholds(dtype, cfg, device, gen, poison):
                        T.input_sparse_linear(x, w_t, flat[0, 0], config=CONFIGS[cfg]))
 
 
-@grid("dtype,cfg", [[F16, F32], ["gather", "gather_dot"]], in_default((F16, "gather"),))
-def test_gather_path_segments(dtype, cfg, device, gen, poison):
-    """The compaction path on fused QKV: segment bounds on the gather's column blocks, one threshold per segment
-    (scalar or per channel); rows inactive for every segment never read; segments that straddle a block fall
-    back to the masked-load kernel with the same result."""
-    sizes = (48, 32, 20)
-    w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
-    x = rnd((2, IN), gen, dtype, device)
-    bias = rnd((OUT,), gen, dtype, device)
-    th = torch.stack([_thr(x, q) for q in (0.3, 0.6, 0.9)])
-    ref = R.input_sparse_linear_segments(up(x), up(w_t), th, sizes, up(bias))
-    out = T.input_sparse_linear_segments(x, w_t, th, sizes, bias, config=CONFIGS[cfg])
-    _check(out, ref, dtype, gen, "gather, scalar thresholds")
-    assert torch.equal(T.input_sparse_linear_segments(x, w_t, [float(v) for v in th], sizes, bias,
-                                                      config=CONFIGS[cfg]), out)
-    w_nan = w_t.clone()
-    w_nan[~(x.float().abs() > th.min()).any(dim=0)] = float("nan")
-    assert torch.equal(T.input_sparse_linear_segments(x, w_nan, th, sizes, bias, config=CONFIGS[cfg]), out)
-    per = (th[:, None] * (torch.rand(3, IN, generator=gen).to(device) + 0.5)).float().contiguous()
-    out_p = T.input_sparse_linear_segments(x, w_t, per, sizes, config=CONFIGS[cfg])
-    _check(out_p, R.input_sparse_linear_segments(up(x), up(w_t), per, sizes), dtype, gen, "gather, per channel")
-    odd = (40, 27, 33)                     # bounds 40, 67: no block of >= 16 columns fits, the masked-load kernel
-    out_o = T.input_sparse_linear_segments(x, w_t, th, odd, bias, config=CONFIGS[cfg])
-    _check(out_o, R.input_sparse_linear_segments(up(x), up(w_t), th, odd, up(bias)), dtype, gen, "fallback")
-
-
 def test_bad_input_is_rejected(device, gen):
     w_t = rnd((IN, OUT), gen, torch.float16, device)
     x = rnd((1, IN), gen, torch.float16, device)
@@ -244,3 +215,19 @@ def test_ops_dispatch(monkeypatch, device, gen):
         _check(ops.input_sparse_linear_segments(x, w_t, per, (60, 40)),
                R.input_sparse_linear_segments(up(x), up(w_t), per, (60, 40)), torch.float32, gen,
                name + " per-channel")
+
+
+def test_path_choice():
+    """Batch 1 on CUDA takes the local (in-program compaction) path for wide outputs, the masked-load kernel for
+    narrow ones and for batches; an explicit path wins; a wrong one is refused by name."""
+    from kernels import configs as C
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    wide, narrow = C.INPUT_SPARSE_LOCAL["min_out"], C.INPUT_SPARSE_LOCAL["min_out"] - 1
+    assert T._config(1, wide, cuda, None)["path"] == "local"
+    assert T._config(1, narrow, cuda, None)["path"] == "mask"
+    assert T._config(2, wide, cuda, None)["path"] == "mask"
+    assert T._config(1, wide, cpu, None)["path"] == "mask"
+    assert T._config(1, narrow, cuda, {"path": "local"})["per"] == C.INPUT_SPARSE_LOCAL["per"]
+    with pytest.raises(ValueError, match="path must be one of"):
+        T._config(1, wide, cuda, {"path": "gather"})

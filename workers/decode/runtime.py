@@ -18,7 +18,7 @@ Every setting a benchmark varies is a keyword of the constructor (and of ``from_
 :meth:`configure` changes it later: ``ffn_dense`` ("auto" | "torch"), ``compile`` (torch.compile of the glue on
 CUDA), ``use_graph`` (one CUDA graph per step), ``select_impl`` ("auto" | "torch" | "triton"), ``cpu_rows``
 (CPU dense products through the row kernels; None: matmuls until :meth:`pick_cpu_dense` times both),
-``input_path`` ("auto" | "mask" | "gather": the input-sparse kernel, kernels.ops.INPUT_PATHS).
+``input_path`` ("auto" | "mask" | "local": the input-sparse kernel, kernels.ops.INPUT_PATHS).
 ``set_plan`` takes ``overlap`` (side-stream look-ahead on CUDA) and ``kv_mode`` ("exact": K/V of every head,
 the semantics of workers.sparsity.sparse_exec; "active": only the KV heads the active query heads need, skipped
 entries masked out of later attention -- Deja Vu's saving without its "recompute later", an approximation).

@@ -170,12 +170,12 @@ from workers.decode.latency import calibrated_input_plan
 rt = DecodeRuntime.from_hf(m).set_plan(calibrated_input_plan(m, 0.5, n_tokens=32))
 rt.setup(1, 12)
 got = {}
-for backend, path in (("reference", "auto"), ("triton", "mask"), ("triton", "gather")):
+for backend, path in (("reference", "auto"), ("triton", "mask"), ("triton", "local")):
     os.environ["CTXSPARSE_KERNELS"] = backend
     rt.configure(input_path=path)
     rt.prefill(ids)
     got[path] = torch.stack([rt.step(keep_logits=True) for _ in range(3)])
-for path in ("mask", "gather"):     # input sparsity on every projection through either Triton kernel path
+for path in ("mask", "local"):      # input sparsity on every projection through either Triton kernel path
     torch.testing.assert_close(got[path], got["auto"], atol=1e-4, rtol=1e-3)
 print("OK")
 """
