@@ -355,7 +355,7 @@ def main(argv=None):
                     cfgs[b] = dict(best[max(tb)])
     path_cfgs = {"mask": cfgs}
     for path in CANDIDATES:
-        path_cfgs[path] = {b: dict(C.INPUT_SPARSE_LOCAL, path=path) for b in cfgs}
+        path_cfgs[path] = {b: dict(path=path) for b in cfgs}   # the frozen config for each shape
         if path in args.tune_paths and dev.type == "cuda":
             best_p, table_p = tune(args, copy_bw, dev, candidates=CANDIDATES[path])
             sections[f"tune_{path}"] = table_p

@@ -75,9 +75,19 @@ INPUT_SPARSE = {
 }
 
 # The in-program compaction path ("local", batch 1): channels per K slice (a power of two), column block, active
-# rows per step; taken by default for outputs of >= min_out columns (the masked-load kernel below that: the
-# H200 runs in kernels/NOTES.md, "Input sparsity").
-INPUT_SPARSE_LOCAL = dict(per=512, BLOCK_N=256, BLOCK_R=32, num_warps=4, min_out=2048)
+# rows per step; taken by default for outputs of >= LOCAL_MIN_OUT columns (the masked-load kernel below that),
+# one config per projection kind (the H200 tunes in kernels/NOTES.md, "Input sparsity").
+LOCAL_MIN_OUT = 2048
+INPUT_SPARSE_LOCAL = {
+    "wide_in": dict(per=1024, BLOCK_N=128, BLOCK_R=64, num_warps=4),    # in >= 8192 (down)
+    "wide_out": dict(per=512, BLOCK_N=256, BLOCK_R=32, num_warps=4),    # out >= 8192 (gate|up, fused QKV)
+    "square": dict(per=512, BLOCK_N=128, BLOCK_R=32, num_warps=4),      # q, o
+}
+
+
+def input_sparse_local(k: int, n: int) -> dict:
+    """The local path's launch config for a projection of ``k`` inputs and ``n`` outputs."""
+    return dict(INPUT_SPARSE_LOCAL["wide_in" if k >= 8192 else "wide_out" if n >= 8192 else "square"])
 
 # CPU (Triton interpreter, CI): few big programs keep the interpreter fast; chunks smaller than the
 # test shapes keep the d-loop and row-tail masking exercised.

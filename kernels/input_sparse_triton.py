@@ -378,19 +378,18 @@ def _launch_local(x, w_t, thresholds, sizes, bias, cfg):
 
 
 # ------------------------------------------------------------------------------------------------
-def _config(B, N, device, override):
+def _config(B, K, N, device, override):
     """Launch config: ``override["path"]`` if given, else the local path at batch 1 on CUDA for outputs of at
-    least configs.INPUT_SPARSE_LOCAL["min_out"] columns (measured faster there), the masked-load kernel otherwise;
-    then that path's frozen table, the interpreter's sizes on the CPU, and the override."""
+    least configs.LOCAL_MIN_OUT columns (measured faster there), the masked-load kernel otherwise; then that
+    path's frozen config for the shape, the interpreter's sizes on the CPU, and the override."""
     bp = C.b_pad(B)
     path = (override or {}).get("path")
     if path is None:
-        local = bp == 1 and device.type == "cuda" and N >= C.INPUT_SPARSE_LOCAL["min_out"]
-        path = "local" if local else "mask"
+        path = "local" if bp == 1 and device.type == "cuda" and N >= C.LOCAL_MIN_OUT else "mask"
     if path not in PATHS:
         raise ValueError(f"input-sparse path must be one of {PATHS}, got {path!r}")
     if path == "local":
-        cfg = dict(C.INPUT_SPARSE_LOCAL)
+        cfg = C.input_sparse_local(K, N)
     else:
         table = C.INPUT_SPARSE
         cfg = dict(table[bp] if bp in table else table[max(table)])
@@ -440,7 +439,7 @@ def _launch(x, w_t, thresholds, sizes, bias, config):
     B, K = x.shape
     N = w_t.shape[1]
     nseg = len(sizes)
-    cfg = _config(B, N, x.device, config)
+    cfg = _config(B, K, N, x.device, config)
     if cfg["path"] == "local":
         return _launch_local(x, w_t, thresholds, sizes, bias, cfg)
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]

@@ -223,11 +223,13 @@ def test_path_choice():
     from kernels import configs as C
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    wide, narrow = C.INPUT_SPARSE_LOCAL["min_out"], C.INPUT_SPARSE_LOCAL["min_out"] - 1
-    assert T._config(1, wide, cuda, None)["path"] == "local"
-    assert T._config(1, narrow, cuda, None)["path"] == "mask"
-    assert T._config(2, wide, cuda, None)["path"] == "mask"
-    assert T._config(1, wide, cpu, None)["path"] == "mask"
-    assert T._config(1, narrow, cuda, {"path": "local"})["per"] == C.INPUT_SPARSE_LOCAL["per"]
+    wide, narrow = C.LOCAL_MIN_OUT, C.LOCAL_MIN_OUT - 1
+    assert T._config(1, 4096, wide, cuda, None)["path"] == "local"
+    assert T._config(1, 4096, narrow, cuda, None)["path"] == "mask"
+    assert T._config(2, 4096, wide, cuda, None)["path"] == "mask"
+    assert T._config(1, 4096, wide, cpu, None)["path"] == "mask"
+    assert T._config(1, 4096, narrow, cuda, {"path": "local"})["per"] == C.INPUT_SPARSE_LOCAL["square"]["per"]
+    assert T._config(1, 11008, 4096, cuda, None)["BLOCK_R"] == C.INPUT_SPARSE_LOCAL["wide_in"]["BLOCK_R"]
+    assert T._config(1, 4096, 11008, cuda, None)["BLOCK_N"] == C.INPUT_SPARSE_LOCAL["wide_out"]["BLOCK_N"]
     with pytest.raises(ValueError, match="path must be one of"):
-        T._config(1, wide, cuda, {"path": "gather"})
+        T._config(1, 4096, wide, cuda, {"path": "gather"})
