@@ -6,28 +6,35 @@ Ops (same signatures as kernels.reference):
     input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None) -> y [B, sum(sizes)]
 
 ``w_t`` is W^T stored [in, out] contiguous (``linear.weight.t().contiguous()``), so input channel i is one
-contiguous row. y[b] = sum over i with |x[b, i]| > t of x[b, i] * w_t[i, :] (+ bias). The mask is applied in
-the load: a row of w_t is read only if some token of the batch has that channel active (the union), and each
-token's inactive entries are zeroed in x, so every token gets exactly its own masked product. No index
-compaction, no host sync (the threshold may be a 0-d device tensor), CUDA-graph capturable.
+contiguous row. y[b] = sum over i with |x[b, i]| > t of x[b, i] * w_t[i, :] (+ bias). A row of w_t is read only
+if some token of the batch has that channel active (the union); each token's inactive entries are zeroed, so
+every token gets exactly its own masked product. No host sync (the threshold may be a 0-d device tensor),
+CUDA-graph capturable. Two kernels (``path``, configs.py):
+
+* "mask": the mask is applied in the weight load, no compaction. Bytes fall with the sparsity, instructions do
+  not (every row's converts and FMAs run, on zeros), so its time flattens at high sparsity.
+* "local": each program first lists the active channels of its own K slice (a prefix sum over the slice, written
+  to a scratch row that every column block of the slice fills with the same values), then loads and multiplies
+  only those rows. Bytes and instructions both fall with the sparsity; one launch. The default at batch 1 on
+  CUDA for outputs of >= configs.LOCAL_MIN_OUT columns.
 
 The segmented op is the fused QKV case: one input x, W^T of q, k and v concatenated along out, and one
 threshold per output segment (up to 4 segments): segment j uses the mask |x| > thresholds[j]. A threshold may
 also be one per input channel (thresholds [nseg, in]): WINA's |x_i|·‖W[:, i]‖ > t is |x_i| > t/‖W[:, i]‖, the
-product itself unchanged; those thresholds are read with the x chunk (4 bytes per channel and column block).
+product itself unchanged; those thresholds are read with the x chunk.
 
 Deterministic: every program owns a block of output columns and a fixed slice of the input channels; with one
 slice per column block it writes y directly, otherwise its fp32 partial goes to a workspace and the partials
 are summed in a fixed order, either by the last program of the column block to finish (``reduce="ticket"``:
 an atomic arrival counter picks that program, it never touches the sums) or by a second launch
-(``reduce="kernel"``). No atomic adds: the same inputs give the same bits. Three inner loops (configs.py):
+(``reduce="kernel"``). No atomic adds: the same inputs give the same bits. The mask path has three inner loops:
 CUDA-core FMAs with the next two weight tiles prefetched in registers (batch <= 4; the frozen choice at batch
 1 and 2), the same loop with tensor-core tl.dot (``mma``), and a cp.async-pipelined tl.dot with the batch
 padded to 16 rows (``dot``; batch >= 4). fp32 accumulation throughout; fp16, bf16 and fp32 inputs.
 
-Measured on an H200 (kernels/NOTES.md): a per-call floor that grows with in x out whether or not rows are read
-(the loop's instructions run over every row) keeps the batch-1 speed-up at 1.3x (50 %) / 1.5x (70 %) for
-fp16 gate/up and down; batch >= 2 is slower than cuBLAS.
+Measured on an H200 (kernels/NOTES.md): at batch 1 both paths pay a per-call constant above cuBLAS's; the best of
+the two is 1.3-1.4x cuBLAS at 50 % sparsity and 1.7-1.8x at 70 % for gate/up, down and the fused QKV; the local
+path runs bf16 as fast as fp16. Batch >= 2 is slower than cuBLAS.
 """
 from __future__ import annotations
 
