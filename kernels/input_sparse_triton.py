@@ -162,6 +162,19 @@ def _segment_thr(seg, thr_ptr, t0, t1, t2, t3, K, THR_PTR: tl.constexpr, THR_VEC
 
 
 @triton.jit
+def _program_tile(thr_ptr, t0, t1, t2, t3, B, K, N, c1, c2, c3, NSEG: tl.constexpr, THR_PTR: tl.constexpr,
+                  THR_VEC: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's (column block, K slice) ids, segment, threshold, output columns and token rows."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    seg, c0, hi = _segment_of(pid_n, N, c1, c2, c3, NSEG, BLOCK_N)
+    thr = _segment_thr(seg, thr_ptr, t0, t1, t2, t3, K, THR_PTR, THR_VEC)
+    cols = c0 + tl.arange(0, BLOCK_N)
+    bs = tl.arange(0, B_PAD)
+    return pid_n, pid_s, seg, thr, cols, cols < hi, bs, bs < B
+
+
+@triton.jit
 def _write_out(out, bs, bm, cols, cm, pid_n, pid_s, B, N, ws_ptr, cnt_ptr, y_ptr, stride_yb, bias_ptr,
                HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, TICKET: tl.constexpr, S_PAD: tl.constexpr,
                B_R: tl.constexpr):
@@ -204,14 +217,8 @@ def _input_sparse_kernel(
 ):
     """Program (column block, K slice): acc[b, n] = sum_{k in slice, |x[b,k]| > t} x[b, k] * w_t[k, n].
     Rows of w_t whose channel is inactive for every token are masked out of the load (no bytes read)."""
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    seg, c0, hi = _segment_of(pid_n, N, c1, c2, c3, NSEG, BLOCK_N)
-    thr = _segment_thr(seg, thr_ptr, t0, t1, t2, t3, K, THR_PTR, THR_VEC)
-    cols = c0 + tl.arange(0, BLOCK_N)
-    cm = cols < hi
-    bs = tl.arange(0, B_PAD)
-    bm = bs < B
+    pid_n, pid_s, seg, thr, cols, cm, bs, bm = _program_tile(thr_ptr, t0, t1, t2, t3, B, K, N, c1, c2, c3, NSEG,
+                                                             THR_PTR, THR_VEC, B_PAD, BLOCK_N)
     k_lo = pid_s * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     if USE_DOT:
@@ -300,15 +307,9 @@ def _input_sparse_local_kernel(
     of them) active for some token, in order, with each token's masked x, in a scratch row of its (segment,
     slice) -- every column block of that slice writes the same values there -- then loads and multiplies only
     those rows, BLOCK_R at a time. Instructions and bytes both scale with the active rows."""
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    pid_n, pid_s, seg, thr, cols, cm, bs, bm = _program_tile(thr_ptr, t0, t1, t2, t3, B, K, N, c1, c2, c3, NSEG,
+                                                             THR_PTR, THR_VEC, B_PAD, BLOCK_N)
     nsplit = tl.num_programs(1)
-    seg, c0, hi = _segment_of(pid_n, N, c1, c2, c3, NSEG, BLOCK_N)
-    thr = _segment_thr(seg, thr_ptr, t0, t1, t2, t3, K, THR_PTR, THR_VEC)
-    cols = c0 + tl.arange(0, BLOCK_N)
-    cm = cols < hi
-    bs = tl.arange(0, B_PAD)
-    bm = bs < B
     ks = pid_s * PER + tl.arange(0, PER)
     km = ks < K
     xm = bm[:, None] & km[None, :]
@@ -348,6 +349,21 @@ def _input_sparse_local_kernel(
                HAS_BIAS, PARTIAL, TICKET, S_PAD, B_R)
 
 
+def _segment_bounds(sizes, N):
+    """c1, c2, c3: the first column of segments 1..3 (N past the last segment)."""
+    bounds = [0]
+    for sz in sizes:
+        bounds.append(bounds[-1] + sz)
+    return (bounds[1:-1] + [N, N, N])[:3]
+
+
+def _thr_args(x, thresholds):
+    """(pointer, four floats) as the kernels take thresholds: a device tensor, or values (the pointer unused)."""
+    if isinstance(thresholds, torch.Tensor):
+        return thresholds, (0.0,) * 4
+    return x, tuple(float(t) for t in thresholds) + (0.0,) * (4 - len(thresholds))
+
+
 def _launch_local(x, w_t, thresholds, sizes, bias, cfg):
     """The in-program compaction path: one launch (partials summed by the ticket reduce), no sync."""
     B, K = x.shape
@@ -359,20 +375,14 @@ def _launch_local(x, w_t, thresholds, sizes, bias, cfg):
     n_blocks = _n_blocks(sizes, block_n)
     nsplit = triton.cdiv(K, per)
     bp = C.b_pad(B)
-    bounds = [0]
-    for sz in sizes:
-        bounds.append(bounds[-1] + sz)
-    c = (bounds[1:-1] + [N, N, N])[:3]
+    c = _segment_bounds(sizes, N)
     y = _c.empty((B, N), dev, x.dtype)
     partial = nsplit > 1
     ws = _c.empty((nsplit, B, N), dev, torch.float32) if partial else y
     cnt = _counters(dev, n_blocks) if partial else y
     sidx = _c.empty((nseg * nsplit, per), dev, torch.int32)
     sv = _c.empty((nseg * nsplit, bp, per), dev, torch.float32)
-    if isinstance(thresholds, torch.Tensor):
-        thr_ptr, tv = thresholds, (0.0,) * 4
-    else:
-        thr_ptr, tv = x, tuple(float(t) for t in thresholds) + (0.0,) * (4 - nseg)
+    thr_ptr, tv = _thr_args(x, thresholds)
     _input_sparse_local_kernel[(n_blocks, nsplit)](
         x, x.stride(0), w_t, thr_ptr, *tv, bias if bias is not None else w_t, y, y.stride(0), ws, cnt, sidx, sv,
         B, K, N, *c,
@@ -459,15 +469,9 @@ def _launch(x, w_t, thresholds, sizes, bias, config):
         bp = max(16, bp)
     n_blocks = _n_blocks(sizes, block_n)
     nsplit, per = _splits(cfg, K, n_blocks, x.device)
-    bounds = [0]
-    for s in sizes:
-        bounds.append(bounds[-1] + s)
-    c = (bounds[1:-1] + [N, N, N])[:3]
+    c = _segment_bounds(sizes, N)
     thr_vec = isinstance(thresholds, torch.Tensor) and thresholds.dim() == 2
-    if isinstance(thresholds, torch.Tensor):
-        thr_ptr, tv = thresholds, (0.0,) * 4
-    else:
-        thr_ptr, tv = x, tuple(float(t) for t in thresholds) + (0.0,) * (4 - nseg)
+    thr_ptr, tv = _thr_args(x, thresholds)
     y = _c.empty((B, N), x.device, x.dtype)
     partial = nsplit > 1
     ticket = partial and cfg.get("reduce", "kernel") == "ticket"
