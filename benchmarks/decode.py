@@ -25,6 +25,7 @@ import traceback
 import torch
 
 from benchmarks.harness import Row, command_line, copy_bandwidth, device_name, time_graph, write_results
+from kernels import ops
 from workers.decode.latency import (
     bench_decode, calibrated_input_plan, decode_bytes, random_plan, runtime_for, shape_model,
 )
@@ -90,7 +91,7 @@ def main(argv=None):
     ap.add_argument("--select", action="store_true", help="only the top-k selection candidates (µs per layer)")
     ap.add_argument("--select-impl", default="auto", choices=("auto", "torch", "triton"),
                     help="the runtime's top-k (DecodeRuntime's select_impl)")
-    ap.add_argument("--input-path", default="auto", choices=("auto", "mask", "local"),
+    ap.add_argument("--input-path", default="auto", choices=ops.INPUT_PATHS,
                     help="the input-sparse kernel (DecodeRuntime's input_path)")
     ap.add_argument("--points", default=None, help="comma-separated point names to run (default: all)")
     a = ap.parse_args(argv)
@@ -142,7 +143,7 @@ def main(argv=None):
               ("mlp.5 pos", 0.5, None, True, "exact")]
     # "NAME@PATH" (e.g. in.5@local): the point with the runtime's input_path set to PATH
     points += [(f"{p[0]}@{path}",) + p[1:] for p in points if p[0].startswith(("in.", "wina."))
-               for path in ("mask", "local")]
+               for path in ops.INPUT_PATHS if path != "auto"]
     prompts = [int(p) for p in a.prompts.split(",")]
     if a.quick:
         points, prompts = points[:2], prompts[:1]

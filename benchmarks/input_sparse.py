@@ -197,6 +197,17 @@ def tune(args, copy_bw, dev, candidates=tune_candidates):
     return best_cfg, table
 
 
+def adopt(best, cfgs):
+    """Tuned winners into ``cfgs`` {batch: config}: a batch uses the winner tuned at its B_PAD (or the largest
+    tuned below it)."""
+    from kernels import configs as C
+
+    for b in cfgs:
+        tb = [t for t in best if t <= C.b_pad(b)]
+        if tb:
+            cfgs[b] = dict(best[max(tb)])
+
+
 VARIANT = {"mask": "input_sparse", "local": "input_sparse_local"}
 
 
@@ -349,10 +360,7 @@ def main(argv=None):
         sections["tune"] = table
         log(f"tuned best: {best}")
         if args.use_tuned:
-            for b in cfgs:  # a batch uses the winner tuned at its B_PAD (or the largest tuned below it)
-                tb = [t for t in best if t <= C.b_pad(b)]
-                if tb:
-                    cfgs[b] = dict(best[max(tb)])
+            adopt(best, cfgs)
     path_cfgs = {"mask": cfgs}
     for path in CANDIDATES:
         path_cfgs[path] = {b: dict(path=path) for b in cfgs}   # the frozen config for each shape
@@ -361,10 +369,7 @@ def main(argv=None):
             sections[f"tune_{path}"] = table_p
             log(f"tuned {path} best: {best_p}")
             if args.use_tuned:
-                for b in path_cfgs[path]:
-                    tb = [t for t in best_p if t <= C.b_pad(b)]
-                    if tb:
-                        path_cfgs[path][b] = dict(best_p[max(tb)])
+                adopt(best_p, path_cfgs[path])
     if args.determinism:
         det = {"used": cfgs, "local": path_cfgs["local"],
                "split_ticket": {b: dict(c, progs_per_sm=4, reduce="ticket") for b, c in cfgs.items()},

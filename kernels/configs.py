@@ -77,6 +77,7 @@ INPUT_SPARSE = {
 # The in-program compaction path ("local", batch 1): channels per K slice (a power of two), column block, active
 # rows per step; taken by default for outputs of >= LOCAL_MIN_OUT columns (the masked-load kernel below that),
 # one config per projection kind (the H200 tunes in kernels/NOTES.md, "Input sparsity").
+INPUT_PATHS = ("mask", "local")      # the input-sparse kernels (kernels/input_sparse_triton.py)
 LOCAL_MIN_OUT = 2048
 INPUT_SPARSE_LOCAL = {
     "wide_in": dict(per=1024, BLOCK_N=128, BLOCK_R=64, num_warps=4),    # in >= 8192 (down)

@@ -49,7 +49,6 @@ from .common import MAX_BATCH, check_x
 from .ffn_triton import _launch_reduce
 
 MAX_SEGMENTS = 4
-PATHS = ("mask", "local")
 
 
 @triton.jit
@@ -358,10 +357,11 @@ def _segment_bounds(sizes, N):
 
 
 def _thr_args(x, thresholds):
-    """(pointer, four floats) as the kernels take thresholds: a device tensor, or values (the pointer unused)."""
+    """(pointer, four floats, THR_PTR, THR_VEC) as the kernels take thresholds: a device tensor ([nseg] or one
+    per channel [nseg, in]), or values (the pointer then unused)."""
     if isinstance(thresholds, torch.Tensor):
-        return thresholds, (0.0,) * 4
-    return x, tuple(float(t) for t in thresholds) + (0.0,) * (4 - len(thresholds))
+        return thresholds, (0.0,) * 4, True, thresholds.dim() == 2
+    return x, tuple(float(t) for t in thresholds) + (0.0,) * (4 - len(thresholds)), False, False
 
 
 def _launch_local(x, w_t, thresholds, sizes, bias, cfg):
@@ -382,12 +382,11 @@ def _launch_local(x, w_t, thresholds, sizes, bias, cfg):
     cnt = _counters(dev, n_blocks) if partial else y
     sidx = _c.empty((nseg * nsplit, per), dev, torch.int32)
     sv = _c.empty((nseg * nsplit, bp, per), dev, torch.float32)
-    thr_ptr, tv = _thr_args(x, thresholds)
+    thr_ptr, tv, thr_dev, thr_vec = _thr_args(x, thresholds)
     _input_sparse_local_kernel[(n_blocks, nsplit)](
         x, x.stride(0), w_t, thr_ptr, *tv, bias if bias is not None else w_t, y, y.stride(0), ws, cnt, sidx, sv,
         B, K, N, *c,
-        NSEG=nseg, THR_PTR=isinstance(thresholds, torch.Tensor),
-        THR_VEC=isinstance(thresholds, torch.Tensor) and thresholds.dim() == 2, HAS_BIAS=bias is not None,
+        NSEG=nseg, THR_PTR=thr_dev, THR_VEC=thr_vec, HAS_BIAS=bias is not None,
         PARTIAL=partial, TICKET=True, S_PAD=triton.next_power_of_2(nsplit), B_R=bp, B_PAD=bp, PER=per,
         BLOCK_R=block_r, BLOCK_N=block_n, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
     )
@@ -403,8 +402,8 @@ def _config(B, K, N, device, override):
     path = (override or {}).get("path")
     if path is None:
         path = "local" if bp == 1 and device.type == "cuda" and N >= C.LOCAL_MIN_OUT else "mask"
-    if path not in PATHS:
-        raise ValueError(f"input-sparse path must be one of {PATHS}, got {path!r}")
+    if path not in C.INPUT_PATHS:
+        raise ValueError(f"input-sparse path must be one of {C.INPUT_PATHS}, got {path!r}")
     if path == "local":
         cfg = C.input_sparse_local(K, N)
     else:
@@ -470,8 +469,7 @@ def _launch(x, w_t, thresholds, sizes, bias, config):
     n_blocks = _n_blocks(sizes, block_n)
     nsplit, per = _splits(cfg, K, n_blocks, x.device)
     c = _segment_bounds(sizes, N)
-    thr_vec = isinstance(thresholds, torch.Tensor) and thresholds.dim() == 2
-    thr_ptr, tv = _thr_args(x, thresholds)
+    thr_ptr, tv, thr_dev, thr_vec = _thr_args(x, thresholds)
     y = _c.empty((B, N), x.device, x.dtype)
     partial = nsplit > 1
     ticket = partial and cfg.get("reduce", "kernel") == "ticket"
@@ -480,7 +478,7 @@ def _launch(x, w_t, thresholds, sizes, bias, config):
     _input_sparse_kernel[(n_blocks, nsplit)](
         x, x.stride(0), w_t, thr_ptr, *tv, bias if bias is not None else w_t, y, y.stride(0), ws, cnt,
         B, K, N, per, *c,
-        NSEG=nseg, THR_PTR=isinstance(thresholds, torch.Tensor), THR_VEC=thr_vec, HAS_BIAS=bias is not None,
+        NSEG=nseg, THR_PTR=thr_dev, THR_VEC=thr_vec, HAS_BIAS=bias is not None,
         PARTIAL=partial,
         TICKET=ticket, S_PAD=triton.next_power_of_2(nsplit), B_R=C.b_pad(B),
         B_PAD=bp, BLOCK_K=block_k, BLOCK_N=block_n, USE_DOT=use_dot,

@@ -146,16 +146,20 @@ def head_sparse_out(attn, w_o_t, q_idx, q_count=None, head_dim=None, bias=None):
     return backend(attn).head_sparse_out(attn, w_o_t, q_idx, q_count, head_dim, bias)
 
 
-INPUT_PATHS = ("auto", "mask", "local")
+INPUT_PATHS = ("auto",) + C.INPUT_PATHS
+
+
+def check_input_path(path: str) -> str:
+    """``path`` if it is one of INPUT_PATHS ("auto": the kernel's own choice by shape and batch; "mask": the
+    masked-load kernel; "local": the compaction inside each program), else ValueError naming them."""
+    if path not in INPUT_PATHS:
+        raise ValueError(f"input path must be one of {INPUT_PATHS}, got {path!r}")
+    return path
 
 
 def _input_path_config(x, path: str):
-    """The Triton kernel's launch override for ``path`` ("auto": the frozen configs.INPUT_SPARSE choice; "mask":
-    the masked-load kernel; "local": the compaction inside each program).
-    Other backends have one path: "auto" only."""
-    if path not in INPUT_PATHS:
-        raise ValueError(f"input path must be one of {INPUT_PATHS}, got {path!r}")
-    if path == "auto":
+    """The Triton kernel's launch override for ``path``; other backends have one path: "auto" only."""
+    if check_input_path(path) == "auto":
         return {}
     if backend_name(x) != "triton":
         raise ValueError(f"input path {path!r} is a Triton kernel choice; backend here: {backend_name(x)}")
