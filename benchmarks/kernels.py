@@ -83,6 +83,7 @@ def run_ffn(args, rows, copy_bw, accel, save=None):
     from kernels import configs as C
     from kernels import ffn_triton as T
     from kernels import npu as NP
+    from kernels import ops
 
     gen = torch.Generator().manual_seed(0)
     shapes = args.shapes
@@ -125,6 +126,12 @@ def run_ffn(args, rows, copy_bw, accel, save=None):
                             variants["triton_seq50"] = [(lambda i=i: T.sparse_ffn(
                                 xs[i], lay.w1[i], lay.w2[i], lay.wdt[i], sets[i], None, act, threshold=thr[i]))
                                 for i in range(n_layers)]
+                            cw = [lay.wdt[i].float().norm(dim=1) for i in range(n_layers)]  # c_i = ‖W_down[:, i]‖
+                            dthr = [damage_threshold(xs[i], lay.w1[i], lay.w2[i], sets[i], act, cw[i])
+                                    for i in range(n_layers)]
+                            variants["triton_damage50"] = [(lambda i=i: ops.damage_filter_ffn(
+                                xs[i], lay.w1[i], lay.w2[i], lay.wdt[i], sets[i], None, act, dthr[i], cw[i]))
+                                for i in range(n_layers)]
                     else:
                         variants["torch_index"] = [(lambda i=i: NP.sparse_mlp(
                             xs[i], lay.w1[i], lay.b1[i], lay.wdt[i], lay.b2[i], sets[i], None, act))
@@ -141,6 +148,8 @@ def run_ffn(args, rows, copy_bw, accel, save=None):
                             continue
                         if vname == "triton_seq50":
                             nb = (k + 2 * (k // 2)) * d * elt + 2 * batch * d * elt + k * 8
+                        elif vname == "triton_damage50":
+                            nb = (2 * k + k // 2) * d * elt + 2 * batch * d * elt + k * 8
                         else:
                             nb = ffn_bytes(d, k, gated, elt, batch)
                         vn = vname
@@ -163,6 +172,14 @@ def seq_threshold(x, w_gate, idx, act):
 
     a = R.gather_gemv(x, w_gate, idx, None, act=act, out_dtype=torch.float32).abs().max(dim=0).values
     return float(a.median())
+
+
+def damage_threshold(x, w_gate, w_up, idx, act, weight):
+    """Damage-filter threshold that keeps about half the predicted rows (median of max_b |act(gate)·up|·c_i)."""
+    from kernels import reference as R
+
+    h = R.gated_gather_gemv(x, w_gate, w_up, idx, None, act=act, out_dtype=torch.float32)
+    return float((h.abs() * weight.index_select(0, idx.long())).max(dim=0).values.median())
 
 
 def row(accel, sname, d, D, dname, batch, s, variant, timing, nbytes, copy_bw, t_dense, k) -> Row:
@@ -587,6 +604,7 @@ def summary(rows):
     dense = {key(r): r for r in rows if r.op == "dense"}
     index = {key(r, sp(r)): r for r in rows if r.op == "torch_index"}
     seq = {key(r, sp(r)): r for r in rows if r.op == "triton_seq50"}
+    dmg = {key(r, sp(r)): r for r in rows if r.op == "triton_damage50"}
     nan = float("nan")
 
     def us(r):
@@ -595,14 +613,15 @@ def summary(rows):
     def x(r):
         return r.extra["speedup_vs_dense"] if r else nan
 
-    log("\nshape      dtype B   s   | dense us | triton us  x dense  %copyBW | index us x dense | seq50 us x dense")
+    log("\nshape      dtype B   s   | dense us | triton us  x dense  %copyBW | index us x dense | seq50 us x dense"
+        " | damage50 us x dense")
     for r in rows:
         if r.batch == 1 and _is_sparse_main(r) and r.shape in ("llama2-7b", "llama3-8b", "tiny"):
             k = key(r, sp(r))
-            dn, ix, sq = dense.get(k[:3]), index.get(k), seq.get(k)
+            dn, ix, sq, dm = dense.get(k[:3]), index.get(k), seq.get(k), dmg.get(k)
             log(f"{r.shape:10s} {r.dtype} 1 {sp(r):4.2f} | {us(dn):8.1f} | "
                 f"{r.median:8.1f}  {x(r):6.2f}  {100 * r.frac_copy_bw:6.1f} | "
-                f"{us(ix):8.1f} {x(ix):6.2f} | {us(sq):8.1f} {x(sq):6.2f}")
+                f"{us(ix):8.1f} {x(ix):6.2f} | {us(sq):8.1f} {x(sq):6.2f} | {us(dm):8.1f} {x(dm):6.2f}")
     cross, seen = {}, set()
     for r in rows:
         if _is_sparse_main(r):
