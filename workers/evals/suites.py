@@ -11,6 +11,7 @@ proves it. Timings per task: ``BENCHMARKS.md`` and ``python -m benchmarks.suites
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
+from workers.evals.scoring import BUDGET_SCHEDULE, scoring_lm
 from workers.evals.tasks import (
     LM_EVAL_PREFIX,
     SUITES,
@@ -183,6 +185,33 @@ def _in_process_bootstrap():
             os.environ["DISABLE_MULTIPROC"] = old
 
 
+@functools.cache
+def _template(env, source: str):
+    return env.from_string(source)
+
+
+@contextmanager
+def _lean_lm_eval():
+    """Two of lm-eval's per-call costs that change no score, removed while a suite runs:
+    - it renders each doc's Jinja templates by compiling the template string anew every time (about 1 ms a compile,
+      several per item: most of a small model's evaluation time on a GPU): each string is compiled once per process;
+    - it reports the environment into every result (``collect_env``: subprocesses, a third of a second a call),
+      which we do not record."""
+    import lm_eval.evaluator as lm_evaluator
+    import lm_eval.utils as lm_utils
+
+    originals = lm_utils.apply_template, lm_evaluator.add_env_info
+
+    def apply_template(template: str, doc: dict) -> str:
+        return _template(lm_utils.env, template).render(**doc)
+
+    lm_utils.apply_template, lm_evaluator.add_env_info = apply_template, lambda results: None
+    try:
+        yield
+    finally:
+        lm_utils.apply_template, lm_evaluator.add_env_info = originals
+
+
 def _float_or_none(x) -> float | None:
     try:
         v = float(x)
@@ -254,48 +283,6 @@ def _mean_stderr(values: Sequence[float]) -> float | None:
     return math.sqrt(sum((v - mu) ** 2 for v in values) / (n - 1) / n)
 
 
-LOGIT_BYTES = 12        # per (position, vocabulary entry) of a scoring forward: the logits, lm-eval's fp32 copy and
-                        # its log-softmax
-BUDGET_SCHEDULE = 4     # the batch is re-sized this many times along the requests (sorted longest first)
-
-
-def budget_batch(length: int, vocab: int, budget_bytes: int, max_batch: int) -> int:
-    """Sequences per scoring forward so that the logits of ``length`` positions over ``vocab`` entries stay within
-    ``budget_bytes``: at least 1, at most ``max_batch``. A function of the request lengths only, so a run's
-    batches (and numbers) do not depend on what else shares the device."""
-    per_seq = max(1, length) * vocab * LOGIT_BYTES
-    return max(1, min(max_batch, budget_bytes // per_seq))
-
-
-def _budgeted_hflm(budget_bytes: int):
-    """lm-eval's HFLM whose batch size is ``budget_batch`` of the longest request of each stretch of the sorted
-    requests (lm-eval's ``auto:N`` schedule, with the size computed instead of probed by out-of-memory trials)."""
-    from lm_eval.models.huggingface import HFLM
-
-    class BudgetedHFLM(HFLM):
-        _generating = False
-
-        def generate_until(self, requests, disable_tqdm: bool = False):
-            self._generating = True
-            try:
-                return super().generate_until(requests, disable_tqdm)
-            finally:
-                self._generating = False
-
-        def _detect_batch_size(self, requests=None, pos: int = 0):
-            if requests:
-                _, context_enc, continuation_enc = requests[pos]
-                length = len((context_enc + continuation_enc)[-(self.max_length + 1):][:-1])
-            elif self._generating:         # generation keeps the logits of one position per sequence and step
-                return self.max_batch_size
-            else:                          # rolling log-likelihood: windows of up to max_length
-                length = self.max_length
-            vocab = self.model.get_output_embeddings().weight.shape[0]
-            return budget_batch(length, vocab, budget_bytes, self.max_batch_size)
-
-    return BudgetedHFLM
-
-
 def run_suite(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, batch_size: int = 8,
               seed: int = 0, keep_items: bool = False, logits_budget: int | None = None) -> list[SuiteResult]:
     """Score ``model`` (any HF causal LM module, dense or sparse) on tasks; one row per (task, metric).
@@ -314,22 +301,21 @@ def run_suite(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, b
     if not isinstance(batch_size, int) or batch_size < 1:
         raise SuiteError(f"batch_size must be a positive int, not {batch_size!r}")
     import lm_eval
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     t0 = time.time()
     entries = _entries(names)
     was_training = model.training
     model.eval()
-    try:
-        if logits_budget is None:
-            hflm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-        else:
-            if not isinstance(logits_budget, int) or logits_budget < 1:
-                raise SuiteError(f"logits_budget must be a positive int (bytes), not {logits_budget!r}")
-            hflm = _budgeted_hflm(logits_budget)(pretrained=model, tokenizer=tokenizer,
-                                                 batch_size=f"auto:{BUDGET_SCHEDULE}", max_batch_size=batch_size)
-        with _in_process_bootstrap():
+    with _in_process_bootstrap(), _lean_lm_eval():
+        try:
+            if logits_budget is None:
+                hflm = scoring_lm()(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+            else:
+                if not isinstance(logits_budget, int) or logits_budget < 1:
+                    raise SuiteError(f"logits_budget must be a positive int (bytes), not {logits_budget!r}")
+                hflm = scoring_lm()(pretrained=model, tokenizer=tokenizer, batch_size=f"auto:{BUDGET_SCHEDULE}",
+                                    max_batch_size=batch_size, budget_bytes=logits_budget)
             out = lm_eval.simple_evaluate(
                 model=hflm, tasks=[t for e in entries for t in e.leaves.values()], limit=limit,
                 task_manager=TaskManager(include_defaults=False),   # tasks are given as objects: index nothing
@@ -337,21 +323,20 @@ def run_suite(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, b
                 log_samples=True, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                 fewshot_random_seed=seed,
             )
-    finally:
-        model.train(was_training)
-    seconds = round(time.time() - t0, 2)
-    if out is None:
-        raise SuiteError("lm-eval returned no results (not rank 0?)")
-
-    rows: list[SuiteResult] = []
-    for e in entries:
-        if e.spec is None and len(e.leaves) > 1:        # an lm_eval:GROUP: each member's rows, then the group's
-            for leaf, task in e.leaves.items():
-                rows += _entry_rows(_Entry(f"{e.name}/{leaf}", leaf, {leaf: task}), out, limit, seconds, keep_items,
-                                    in_group=True)
-            rows += _group_rows(e, out, rows, seconds)
-        else:
-            rows += _entry_rows(e, out, limit, seconds, keep_items)
+        finally:
+            model.train(was_training)
+        seconds = round(time.time() - t0, 2)
+        if out is None:
+            raise SuiteError("lm-eval returned no results (not rank 0?)")
+        rows: list[SuiteResult] = []
+        for e in entries:
+            if e.spec is None and len(e.leaves) > 1:    # an lm_eval:GROUP: each member's rows, then the group's
+                for leaf, task in e.leaves.items():
+                    rows += _entry_rows(_Entry(f"{e.name}/{leaf}", leaf, {leaf: task}), out, limit, seconds,
+                                        keep_items, in_group=True)
+                rows += _group_rows(e, out, rows, seconds)
+            else:
+                rows += _entry_rows(e, out, limit, seconds, keep_items)
     return rows
 
 

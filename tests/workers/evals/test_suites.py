@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks import suites as suites_cli
-from workers.evals import suites
+from workers.evals import scoring, suites
 from workers.evals.suites import gold_index, run_suite
 from workers.evals.tasks import SUITES, SuiteError, build_task, data_dir
 
@@ -139,10 +139,10 @@ def test_same_call_gives_the_same_numbers(smollm2, copa4):
 def test_budget_batch_known_answers():
     gib = 2 ** 30
     # Gemma-3's vocabulary, 700-token requests: 2.05 GiB of logits bytes per sequence
-    assert suites.budget_batch(700, 262_144, 8 * gib, 32) == 3
-    assert suites.budget_batch(2_860, 262_144, 8 * gib, 32) == 1          # more than the budget: still one
-    assert suites.budget_batch(700, 49_152, 64 * gib, 32) == 32           # capped at the planned batch
-    assert suites.budget_batch(0, 49_152, 1, 8) == 1
+    assert scoring.budget_batch(700, 262_144, 8 * gib, 32) == 3
+    assert scoring.budget_batch(2_860, 262_144, 8 * gib, 32) == 1          # more than the budget: still one
+    assert scoring.budget_batch(700, 49_152, 64 * gib, 32) == 32           # capped at the planned batch
+    assert scoring.budget_batch(0, 49_152, 1, 8) == 1
 
 
 def test_logits_budget_batches_change_no_score(smollm2, copa4, monkeypatch):
@@ -150,9 +150,9 @@ def test_logits_budget_batches_change_no_score(smollm2, copa4, monkeypatch):
     of its stretch, never by an out-of-memory probe) scores the same items to the same log-likelihoods as the
     planned batch of 8."""
     seen = []
-    real = suites.budget_batch
-    monkeypatch.setattr(suites, "budget_batch", lambda *a: seen.append(real(*a)) or seen[-1])
-    one_seq = 40 * 49_152 * suites.LOGIT_BYTES                  # COPA's requests are shorter than 40 tokens
+    real = scoring.budget_batch
+    monkeypatch.setattr(scoring, "budget_batch", lambda *a: seen.append(real(*a)) or seen[-1])
+    one_seq = 40 * 49_152 * scoring.LOGIT_BYTES                  # COPA's requests are shorter than 40 tokens
     got = run_suite(smollm2.model, smollm2.tokenizer, ["copa"], limit=4, keep_items=True, batch_size=8,
                     logits_budget=one_seq)[0]
     assert seen and max(seen) < 8 and seen == sorted(seen)      # the budget binds; shorter requests, more each
