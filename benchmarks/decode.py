@@ -94,9 +94,14 @@ def main(argv=None):
     ap.add_argument("--input-path", default="auto", choices=ops.INPUT_PATHS,
                     help="the input-sparse kernel (DecodeRuntime's input_path)")
     ap.add_argument("--points", default=None, help="comma-separated point names to run (default: all)")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="sequences decoded together (the FFN runs the union of their active sets; the Hugging "
+                         "Face baselines run at batch 1 only)")
     a = ap.parse_args(argv)
+    if a.batch < 1:
+        ap.error(f"--batch must be >= 1, not {a.batch}")
     try:
-        hf_points = [] if a.no_hf else [_HF_ARG[v] for v in a.hf.split(",") if v]
+        hf_points = [] if a.no_hf or a.batch > 1 else [_HF_ARG[v] for v in a.hf.split(",") if v]
     except KeyError as e:
         ap.error(f"--hf: unknown baseline {e.args[0]!r} (known: {', '.join(_HF_ARG)})")
     if not torch.cuda.is_available():
@@ -109,7 +114,7 @@ def main(argv=None):
     out = a.json or f"decode_{a.shape}.json"
     dev = device_name("cuda")
     meta = dict(shape=a.shape, gen_len=a.gen, repeats=a.repeats, rank=a.rank, select_impl=a.select_impl,
-                input_path=a.input_path)
+                input_path=a.input_path, batch=a.batch)
     meta["copy_bw_gbps"] = bw = round(copy_bandwidth(), 1)
     rows: list[Row] = []
 
@@ -164,11 +169,14 @@ def main(argv=None):
                 else:
                     rule = "positive" if base.endswith(" pos") else "topk"
                     plan = random_plan(model, ms, hs, rank=a.rank, mlp_rule=rule) if (ms or hs) else None
-                r = bench_decode(rt, plan, device="cuda", batch=1, prompt_len=P, gen_len=a.gen,
+                r = bench_decode(rt, plan, device="cuda", batch=a.batch, prompt_len=P, gen_len=a.gen,
                                  repeats=a.repeats, overlap=ov, kv_mode=kv, detail=True)[0]
-                ctx = P + a.gen // 2
+                ctx = (P + a.gen // 2) * a.batch      # the KV cache read per step grows with the batch
+                # batch > 1 reads the rows of the union of the batch's sets: the realized (union) sparsity
+                union = r.get("realized_sparsity") if a.batch > 1 and ms and not hs else None
+                mlp_s = union if union is not None else ms or 0
                 dense_b = decode_bytes(rt, 0, 0, 0, ctx)
-                sp_b = decode_bytes(rt, ms or 0, hs or 0, a.rank, ctx, kv_mode=kv, input_sparsity=ins)
+                sp_b = decode_bytes(rt, mlp_s, hs or 0, a.rank, ctx, kv_mode=kv, input_sparsity=ins)
                 nbytes = sp_b["total"]
                 r.update(point=name, mlp_sparsity=ms, head_sparsity_target=hs, bytes=sp_b,
                          dense_bytes=dense_b["total"], ideal_speedup=dense_b["total"] / sp_b["total"],
