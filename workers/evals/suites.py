@@ -300,22 +300,21 @@ def run_suite(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, b
         raise SuiteError(f"limit must be a positive int or None (all items), not {limit!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise SuiteError(f"batch_size must be a positive int, not {batch_size!r}")
+    if logits_budget is not None and (isinstance(logits_budget, bool) or not isinstance(logits_budget, int)
+                                      or logits_budget < 1):
+        raise SuiteError(f"logits_budget must be a positive int (bytes), not {logits_budget!r}")
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     t0 = time.time()
     entries = _entries(names)
+    batching = (dict(batch_size=batch_size) if logits_budget is None else
+                dict(batch_size=f"auto:{BUDGET_SCHEDULE}", max_batch_size=batch_size))
     was_training = model.training
     model.eval()
     with _in_process_bootstrap(), _lean_lm_eval():
         try:
-            if logits_budget is None:
-                hflm = scoring_lm()(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-            else:
-                if not isinstance(logits_budget, int) or logits_budget < 1:
-                    raise SuiteError(f"logits_budget must be a positive int (bytes), not {logits_budget!r}")
-                hflm = scoring_lm()(pretrained=model, tokenizer=tokenizer, batch_size=f"auto:{BUDGET_SCHEDULE}",
-                                    max_batch_size=batch_size, budget_bytes=logits_budget)
+            hflm = scoring_lm()(pretrained=model, tokenizer=tokenizer, budget_bytes=logits_budget, **batching)
             out = lm_eval.simple_evaluate(
                 model=hflm, tasks=[t for e in entries for t in e.leaves.values()], limit=limit,
                 task_manager=TaskManager(include_defaults=False),   # tasks are given as objects: index nothing
