@@ -381,3 +381,28 @@ def test_mmlu_aggregates_every_subject(smollm2):
     assert row.value == pytest.approx(sum(it.metrics["acc"] for it in row.items) / 57)
     assert row.stderr == pytest.approx(suites._mean_stderr([it.metrics["acc"] for it in row.items]))
     assert {it.subtask for it in row.items} == {s[0] for s in row.subtasks}
+
+
+def test_process_docs_runs_once_per_split():
+    """A packaged task's ``process_docs`` (HellaSwag's preprocessing) runs once per split object, however often
+    lm-eval reads the docs, and gives what the upstream function gives."""
+    from workers.evals.tasks import _once_per_split
+
+    calls = []
+
+    def upstream(split):
+        calls.append(split)
+        return [d["ctx"].upper() for d in split]
+
+    split_a = [{"ctx": "a man"}, {"ctx": "a dog"}]
+    split_b = [{"ctx": "a cat"}]
+    once = _once_per_split(upstream)
+    first = once(split_a)
+    assert once(split_a) is first and first == ["A MAN", "A DOG"] and len(calls) == 1
+    assert once(split_b) == ["A CAT"] and len(calls) == 2              # another split is processed on its own
+    assert once(list(split_a)) == first and len(calls) == 3            # an equal but new object: processed again
+
+    task = build_task("hellaswag")
+    docs = task.eval_docs                                               # the memoized docs the task scores
+    assert task.eval_docs is docs and task.validation_docs() is docs
+    assert docs[0]["query"] and docs[0]["choices"]                      # upstream preprocessing applied
