@@ -32,7 +32,7 @@ from db import queries
 from db.engine import default_url, get_engine, session_scope
 from db.schemas import (AccuracyRecord, ArtifactRecord, DeviceType, LatencyRecord, LayerRecord, ModelInfo, SweepInfo,
                         UnitInfo)
-from orchestrator.pareto import Front, pareto
+from orchestrator.pareto import LATENCY_TIE, Front, pareto  # noqa: F401  (LATENCY_TIE: for the views)
 from orchestrator.settings import (BASELINE_RUNTIMES, Setting, accuracy_metrics, is_sparsity_metric,
                                   settings_for_model)
 from workers.names import DENSE

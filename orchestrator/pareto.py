@@ -9,6 +9,9 @@ The metric's direction is the one stored with its rows (``higher_is_better``). R
 
 * a setting beats another when it is at least as good on both axes and strictly better on one; two settings
   equal on both axes do not beat each other, so both stay on the front;
+* latencies within ``LATENCY_TIE`` (2 %) of each other are equal: that is the run-to-run spread of one p50 (dense
+  Llama-2-7B on an H200: 4.25–4.33 ms over six runs), so a setting 1 % "faster" than dense with a worse metric
+  is beaten by dense, not put on the front, and ``choose`` takes the better metric among the near-fastest;
 * a setting with no latency row for the device type (its latency unit failed or has not run) is listed with
   no latency and is never on the front; one with no value of the metric is not listed at all;
 * the oracle is a bound, not a product: it is drawn and may be on the front, but it is never chosen, and it
@@ -34,6 +37,17 @@ from workers.names import DEVICE_TYPES, RUNTIME_DENSE_PAIRED
 
 NOT_DEPLOYABLE = ("oracle",)   # upper bounds: they read the dense activations they are meant to skip
 LOSS_TOLERANCE = 1e-9          # a loss exactly at --max-loss qualifies, whatever the float rounding of a/b - 1
+LATENCY_TIE = 0.02             # p50 latencies closer than this (relative) are equal: measurement noise
+
+
+def _faster(t2: float, t: float) -> bool:
+    """``t2`` is faster than ``t`` by more than the noise."""
+    return t2 * (1.0 + LATENCY_TIE) < t
+
+
+def _not_slower(t2: float, t: float) -> bool:
+    """``t2`` is faster than ``t`` or equal to it within the noise."""
+    return t2 <= t * (1.0 + LATENCY_TIE)
 
 
 class ParetoError(LookupError):
@@ -97,8 +111,8 @@ def _nondominated(points: list[tuple[str, float, float]], higher_better: bool) -
             if k2 == k:
                 continue
             better_acc = a2 >= a if higher_better else a2 <= a
-            strictly = (a2 > a if higher_better else a2 < a) or t2 < t
-            if better_acc and t2 <= t and strictly:
+            strictly = (a2 > a if higher_better else a2 < a) or _faster(t2, t)
+            if better_acc and _not_slower(t2, t) and strictly:
                 dominated = True
                 break
         if not dominated:
@@ -232,14 +246,16 @@ def _candidates(front: Front, max_loss: float) -> list[tuple[FrontRow, float]]:
 def choose(front: Front, max_loss: float) -> FrontRow | None:
     """The fastest setting within ``max_loss`` of dense (dense itself qualifies); None when none is timed.
 
-    Among deployable (not the oracle), finished settings with a latency row on the front's device: the lowest
-    p50 ms per token; equal latency goes to the better metric value, then to the dense setting (nothing to
-    apply), then to the label in alphabetical order. No other deployable setting beats the pick on both axes;
-    the oracle may, which is why the choice does not read ``on_front``."""
+    Among deployable (not the oracle), finished settings with a latency row on the front's device: those within
+    ``LATENCY_TIE`` of the lowest p50 ms per token are the fastest; among them the better metric value, then the
+    dense setting (nothing to apply), then the label in alphabetical order. No other deployable setting beats
+    the pick on both axes; the oracle may, which is why the choice does not read ``on_front``."""
     ok = [(r, loss) for r, loss in _candidates(front, max_loss) if r.latency_ms is not None]
-    best = min(ok, key=lambda t: (t[0].latency_ms, t[1], not t[0].setting.is_dense, t[0].setting.label),
-               default=None)
-    return best[0] if best else None
+    if not ok:
+        return None
+    fastest = min(r.latency_ms for r, _ in ok)
+    near = [(r, loss) for r, loss in ok if _not_slower(r.latency_ms, fastest)]
+    return min(near, key=lambda t: (t[1], not t[0].setting.is_dense, t[0].setting.label, t[0].latency_ms))[0]
 
 
 def choose_sparsest(front: Front, max_loss: float) -> FrontRow | None:

@@ -34,7 +34,8 @@ df = pd.DataFrame(data.front_records(fr))
 y_title = f"{metric} ({fr.direction} is better)"      # the direction stored with the metric's rows
 if fr.accelerator:
     st.caption(f"p50 ms per token on {fr.device_type} · {fr.accelerator} · batch {fr.batch} · "
-               f"prompt {fr.prompt_len} tokens; the front: settings no other setting beats on both axes.")
+               f"prompt {fr.prompt_len} tokens; the front: settings no other setting beats on both axes "
+               f"(latencies within {data.LATENCY_TIE:.0%} count as equal).")
 if fr.message:
     st.warning(f"No Pareto front for {model.name} on {device}: {fr.message}.")
 
