@@ -406,3 +406,25 @@ def test_process_docs_runs_once_per_split():
     docs = task.eval_docs                                               # the memoized docs the task scores
     assert task.eval_docs is docs and task.validation_docs() is docs
     assert docs[0]["query"] and docs[0]["choices"]                      # upstream preprocessing applied
+
+
+def test_templates_compile_once_while_a_suite_runs():
+    """Inside run_suite lm-eval's template rendering goes through one compile per template string (same text out);
+    outside it lm-eval's own function is back."""
+    import lm_eval.evaluator as lm_evaluator
+    import lm_eval.utils as lm_utils
+
+
+    stock, stock_env = lm_utils.apply_template, lm_evaluator.add_env_info
+    doc = {"question": "Why?", "answers": ["a", "b"]}
+    template = "Q: {{question}} ({{answers | length}} choices)"
+    with suites._lean_lm_eval():
+        assert lm_utils.apply_template is not stock
+        before = suites._template.cache_info()
+        texts = [lm_utils.apply_template(template, doc) for _ in range(3)]
+        after = suites._template.cache_info()
+        results = {}
+        assert lm_evaluator.add_env_info(results) is None and results == {}     # no environment report
+    assert texts == [stock(template, doc)] * 3 == ["Q: Why? (2 choices)"] * 3
+    assert after.hits - before.hits >= 2 and after.misses - before.misses <= 1
+    assert lm_utils.apply_template is stock and lm_evaluator.add_env_info is stock_env
