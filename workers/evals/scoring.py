@@ -18,6 +18,8 @@ from __future__ import annotations
 import functools
 import inspect
 
+BATCHED_FOR = ("0.4.13",)   # lm-eval versions whose HFLM internals (Collator, batch schedule) the batched scorer
+                            # was checked against; any other runs lm-eval's own per-request loop
 LOGIT_BYTES = 12        # per (position, vocabulary entry) of a scoring forward: the logits, an fp32 copy and
                         # its log-softmax
 BUDGET_SCHEDULE = 4     # the batch is re-sized this many times along the requests (sorted longest first)
@@ -42,6 +44,7 @@ def _keeps_logits(model) -> bool:
 @functools.cache
 def scoring_lm():
     """The ``ScoringLM`` class (defined on first use: lm-eval is a heavy import)."""
+    import lm_eval
     import torch
     import torch.nn.functional as F
     from lm_eval.models.huggingface import HFLM
@@ -56,6 +59,7 @@ def scoring_lm():
             self.budget_bytes = budget_bytes
             self._generating = False
             self._keep = _keeps_logits(self.model)
+            self.batched = self.backend == "causal" and lm_eval.__version__ in BATCHED_FOR
 
         # ------------------------------------------------------------------------------ batch sizing
         def generate_until(self, requests, disable_tqdm: bool = False):
@@ -80,7 +84,7 @@ def scoring_lm():
 
         # ------------------------------------------------------------------------------ scoring
         def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
-            if self.backend != "causal":
+            if not self.batched:
                 return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
             collator = Collator(
                 requests, sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])),

@@ -200,6 +200,10 @@ def _lean_lm_eval():
     import lm_eval.evaluator as lm_evaluator
     import lm_eval.utils as lm_utils
 
+    if not all(hasattr(m, n) for m, n in ((lm_utils, "apply_template"), (lm_utils, "env"),
+                                          (lm_evaluator, "add_env_info"))):
+        yield                      # another lm-eval layout: its own (slower) path, same scores
+        return
     originals = lm_utils.apply_template, lm_evaluator.add_env_info
 
     def apply_template(template: str, doc: dict) -> str:

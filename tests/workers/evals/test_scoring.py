@@ -28,10 +28,13 @@ def _requests(tok) -> list:
     return out
 
 
-def _scores(cls, model, tok, requests, keep=True, **kw):
+def _scores(cls, model, tok, requests, keep=True, batched=True, **kw):
     lm = cls(pretrained=model, tokenizer=tok, max_length=MAX_LENGTH, **{"batch_size": 4, **kw})
     if not keep:
         lm._keep = False
+    if hasattr(lm, "batched"):
+        assert lm.batched                                  # the installed lm-eval is one the scorer was checked on
+        lm.batched = batched
     return lm._loglikelihood_tokens(requests, disable_tqdm=True), lm
 
 
@@ -44,10 +47,12 @@ def reference(smollm2):
     return reqs, _scores(HFLM, smollm2.model, smollm2.tokenizer, reqs)[0]
 
 
-@pytest.mark.parametrize("keep", [True, False], ids=["logits_to_keep", "full_logits"])
-def test_batched_scores_equal_lm_evals_loop(smollm2, reference, keep):
+@pytest.mark.parametrize("keep,batched", [(True, True), (False, True), (True, False)],
+                         ids=["logits_to_keep", "full_logits", "other_lm_eval_version"])
+def test_batched_scores_equal_lm_evals_loop(smollm2, reference, keep, batched):
+    """(An lm-eval version the batched scorer was not checked on runs lm-eval's own loop: same answers.)"""
     reqs, want = reference
-    got = _scores(scoring_lm(), smollm2.model, smollm2.tokenizer, reqs, keep=keep)[0]
+    got = _scores(scoring_lm(), smollm2.model, smollm2.tokenizer, reqs, keep=keep, batched=batched)[0]
     assert len(got) == len(want) == len(reqs)
     for (ll, greedy), (ll_ref, greedy_ref) in zip(got, want):
         assert ll == pytest.approx(ll_ref, abs=1e-4)
