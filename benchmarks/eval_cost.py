@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from benchmarks.harness import command_line, write_results
+from benchmarks.harness import command_line, task_limit, write_results
 from workers.evals.tasks import SuiteError, check_task_names
 from workers.names import DENSE
 from workers.sparsity.sparse_exec import EXEC_MODES as MODES
@@ -46,12 +46,6 @@ def _setting(spec: str) -> dict:
         except json.JSONDecodeError:
             options[key] = value
     return {"method": parts[0], "sparsity": float(parts[1]), "rank": rank, "options": options}
-
-
-def _task(spec: str) -> tuple[str, int | None]:
-    """``name[:limit]``; ``perplexity`` is the held-out perplexity run."""
-    name, _, limit = spec.partition(":")
-    return name, int(limit) if limit else None
 
 
 def _id(cfg: dict) -> str:
@@ -124,7 +118,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         settings = [_setting(s) for s in a.settings.split(",") if s]
-        tasks = [_task(t) for t in a.tasks.split(",") if t]
+        tasks = [task_limit(t) for t in a.tasks.split(",") if t]   # 'perplexity': the held-out run
         modes = [m for m in a.modes.split(",") if m]
         if not set(modes) <= set(MODES):
             raise ValueError(f"modes must be among {MODES}, got {modes}")

@@ -285,6 +285,12 @@ def command_line(module: str | None = None) -> str:
     return " ".join([head, *map(shlex.quote, sys.argv[1:])])
 
 
+def task_limit(spec: str) -> tuple[str, int | None]:
+    """A ``name[:limit]`` command-line item (an accuracy task and how many of its items) -> (name, limit or None)."""
+    name, _, limit = spec.partition(":")
+    return name, int(limit) if limit else None
+
+
 def result_path(name: str | os.PathLike) -> Path:
     """A bare file name goes under ``benchmarks/results/``; a path with a directory is used as given."""
     p = Path(name)

@@ -14,13 +14,8 @@ import statistics
 import sys
 import time
 
-from benchmarks.harness import command_line, write_results
+from benchmarks.harness import command_line, task_limit, write_results
 from workers.evals.tasks import SUITES, SuiteError, build_task, check_task_names
-
-
-def _task(spec: str) -> tuple[str, int | None]:
-    name, _, limit = spec.partition(":")
-    return name, int(limit) if limit else None
 
 
 def _sync(device: str) -> None:
@@ -73,7 +68,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="result file (a bare name goes under benchmarks/results/)")
     a = p.parse_args(argv)
     try:
-        tasks = [_task(t) for t in a.tasks.split(",") if t]
+        tasks = [task_limit(t) for t in a.tasks.split(",") if t]
         check_task_names([n for n, _ in tasks])
         bad = [n for n, _ in tasks if SUITES[n].output_type == "generate_until"]
         if bad:
