@@ -27,10 +27,10 @@ _TRITON = None
 def _triton_backend():
     global _TRITON
     if _TRITON is None:
-        from . import attn_triton, ffn_triton, input_sparse_triton
+        from . import attn_triton, decode_attn_triton, ffn_triton, input_sparse_triton
 
         ns = types.SimpleNamespace()
-        for mod in (ffn_triton, attn_triton, input_sparse_triton):
+        for mod in (ffn_triton, attn_triton, input_sparse_triton, decode_attn_triton):
             for name in dir(mod):
                 if not name.startswith("_"):
                     setattr(ns, name, getattr(mod, name))
@@ -144,6 +144,14 @@ def head_sparse_qkv(x, w_qkv, q_idx, q_count, kv_idx, kv_count, n_heads, n_kv_he
 
 def head_sparse_out(attn, w_o_t, q_idx, q_count=None, head_dim=None, bias=None):
     return backend(attn).head_sparse_out(attn, w_o_t, q_idx, q_count, head_dim, bias)
+
+
+def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_norm=None, k_norm=None, eps=1e-6,
+                     window=None, q_idx=None, q_count=None, n_heads=None, valid=None):
+    """One-token attention with RoPE, q/k norms and the cache write (kernels.reference.decode_attention): one
+    Triton kernel on CUDA, the torch reference elsewhere."""
+    return _op(q, "decode_attention")(q, k, v, k_cache, v_cache, pos, cos_t, sin_t, q_norm, k_norm, eps, window,
+                                      q_idx, q_count, n_heads, valid)
 
 
 INPUT_PATHS = ("auto",) + C.INPUT_PATHS

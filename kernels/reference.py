@@ -208,3 +208,66 @@ def topk_select(scores, k):
     s = torch.where(s == 0, torch.zeros((), device=s.device), s)          # -0.0 == +0.0
     order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k]
     return order.sort(dim=-1).values.to(torch.int32)
+
+
+# ------------------------------------------------------------------------------------------------
+# one-token decode attention (the reference of kernels.decode_attn_triton.decode_attention)
+# ------------------------------------------------------------------------------------------------
+def rms_norm_1p(x, w, eps: float):
+    """Gemma's RMS norm with the weight already 1 + w (fp32): (x / rms(x) * w).to(x.dtype)."""
+    y = x.float()
+    return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)
+
+
+def rot_half(t):
+    h = t.shape[-1] // 2
+    return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
+
+
+def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_norm=None, k_norm=None,
+                     eps: float = 1e-6, window: int | None = None, q_idx=None, q_count=None, n_heads=None,
+                     valid=None):
+    """One decode position. q [B, S, hd]: every query head (``q_idx`` None, S = H) or the compact active heads
+    ``q_idx`` [S] of ``n_heads`` (the first ``q_count`` valid); k/v [B, KV, hd]; caches [B, KV', L, hd]
+    (KV' >= KV); pos [1] int64 on the device. Query head i reads KV head i // (H / KV). Applies the q/k norms
+    (Gemma, ``rms_norm_1p``) and RoPE (rotate-half, tables [max_pos, hd] fp32), writes k/v at ``pos``, attends
+    over the positions <= pos (and inside the sliding ``window``). Scores are not scaled (the scale is folded
+    into the weights). ``valid`` [B, KV, L] bool: an extra per-(head, position) mask. Returns [B, S * hd];
+    compact rows j >= q_count hold 0."""
+    B, S, hd = q.shape
+    KV = k.shape[1]
+    if q_norm is not None:
+        q = rms_norm_1p(q, q_norm, eps)
+        k = rms_norm_1p(k, k_norm, eps)
+    if cos_t is not None:
+        cos = cos_t.index_select(0, pos).to(q.dtype)   # [1, hd]
+        sin = sin_t.index_select(0, pos).to(q.dtype)
+        q = q * cos + rot_half(q) * sin
+        k = k * cos + rot_half(k) * sin
+    kc, vc = k_cache[:, :KV], v_cache[:, :KV]
+    kc.index_copy_(2, pos, k.unsqueeze(2))
+    vc.index_copy_(2, pos, v.unsqueeze(2))
+    if q_idx is not None:   # the active heads in their places (the rest zero; slots past q_count to a spare row)
+        if n_heads is None:
+            raise ValueError("decode_attention: compact query heads (q_idx) need n_heads")
+        ok = (torch.arange(S, device=q.device) < q_count) if q_count is not None else None
+        tgt = q_idx.long() if ok is None else torch.where(ok, q_idx.long(), n_heads)
+        q = torch.zeros(B, n_heads + 1, hd, device=q.device, dtype=q.dtype).index_copy_(1, tgt, q)[:, :n_heads]
+    H = q.shape[1]
+    L = kc.shape[2]
+    j = torch.arange(L, device=q.device)
+    m = j <= pos
+    if window is not None:
+        m = m & (j > pos - window)
+    m = m.view(1, 1, 1, L)
+    if valid is not None:
+        m = m & valid[:, :, None, :]
+    s = torch.matmul(q.reshape(B, KV, H // KV, hd), kc.transpose(-1, -2)).float()   # [B, KV, G, L]
+    p = torch.softmax(s.masked_fill(~m, float("-inf")), dim=-1).to(q.dtype)
+    a = torch.matmul(p, vc).reshape(B, H, hd)
+    if q_idx is None:
+        return a.reshape(B, H * hd)
+    a = a.index_select(1, q_idx.long() if ok is None else torch.where(ok, q_idx.long(), 0))
+    if ok is not None:
+        a = torch.where(ok.view(1, S, 1), a, torch.zeros((), dtype=a.dtype, device=a.device))
+    return a.reshape(B, S * hd)

@@ -185,13 +185,6 @@ class Blocks:
         else:
             kv_idx, kv_count, _ = ops.kv_heads_for(q_idx, q_count, H, KV)
         q, k, v = ops.head_sparse_qkv(h.contiguous(), L.w_qkv, q_idx, q_count, kv_idx, kv_count, H, KV, hd, L.b_qkv)
-        if q_count is None:
-            tgt = src = q_idx.long()
-        else:
-            ok = torch.arange(Kq, device=dev) < q_count
-            tgt = torch.where(ok, q_idx.long(), H)
-            src = torch.where(ok, q_idx.long(), 0)
-        q_full = torch.zeros(B, H + 1, hd, device=dev, dtype=q.dtype).index_copy_(1, tgt, q)
         vmask = None
         if not exact:    # K/V rows of the active KV heads only; the rest go to the spare slot KV and stay masked
             ktgt = torch.where(torch.arange(kv_idx.shape[0], device=dev) < kv_count, kv_idx.long(), KV)
@@ -199,7 +192,6 @@ class Blocks:
             v = torch.zeros(B, KV + 1, hd, device=dev, dtype=v.dtype).index_copy_(1, ktgt, v)[:, :KV]
             on = torch.zeros(KV + 1, dtype=torch.bool, device=dev).index_fill_(0, ktgt, True)
             vmask = cache.mark_written(l, on)
-        a = attn(q_full[:, :H], k, v, cache.k[l], cache.v[l], *(L.rope or (None, None)), cache.pos, L.qn, L.kn,
-                 self.w.eps, L.window, vmask)
-        a_act = a.view(B, H, hd).index_select(1, src).reshape(B, Kq * hd).contiguous()
+        a_act = attn(q, k, v, cache.k[l], cache.v[l], cache.pos, *(L.rope or (None, None)), L.qn, L.kn, self.w.eps,
+                     L.window, q_idx=q_idx, q_count=q_count, n_heads=H, valid=vmask)
         return ops.head_sparse_out(a_act, L.w_o_t, q_idx, q_count, hd, L.b_o)

@@ -198,6 +198,55 @@ def test_triton_interpreter_path():
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
+_ATTN_SCRIPT = r"""
+import os
+import torch
+torch.set_num_threads(1)
+from tests.workers.tiny_model_support import tiny_model
+from workers.decode.latency import random_plan
+from workers.decode.runtime import DecodeRuntime
+os.environ["CTXSPARSE_KERNELS"] = "triton"   # every kernels.ops call in Triton (dense steps: only attention)
+for family, heads in (("llama", False), ("gemma3", False), ("opt", False), ("qwen2", False), ("llama", True)):
+    m = tiny_model(family)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
+    plan = random_plan(m, 0.0, 0.5, rank=8) if heads else None
+    out = {}
+    for attention in ("torch", "kernel"):
+        rt = DecodeRuntime.from_hf(m, attention=attention).set_plan(plan)
+        rt.setup(2, 24)
+        rt.prefill(ids)
+        out[attention] = torch.stack([rt.step(keep_logits=True) for _ in range(3 if heads else 6)])
+    torch.testing.assert_close(out["kernel"], out["torch"], atol=1e-4, rtol=1e-3), family
+print("OK")
+"""
+
+
+def test_attention_kernel_gives_the_torch_attention_logits():
+    """attention="kernel" (RoPE, q/k norms, cache write and attention in one Triton launch; here in Triton's
+    interpreter) gives the torch attention's logits, batch 2, prompt 12, 6 steps: llama, gemma3 (q/k norms; its
+    16-position sliding window starts to drop positions at 16), opt (no RoPE), qwen2 (GQA); and 3 steps of
+    llama's head-sparse step (compact active heads)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-c", _ATTN_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_attention_option_is_checked():
+    with pytest.raises(ValueError, match="attention must be one of"):
+        DecodeRuntime.from_hf(tiny_model("llama"), attention="flash")
+    rt = DecodeRuntime.from_hf(tiny_model("llama"))
+    with pytest.raises(ValueError, match="attention must be one of"):
+        rt.configure(attention="flash")
+    assert rt.configure(attention="kernel").attention == "kernel"
+
+
 def test_select_impl_torch_and_reference_backend():
     """select_impl "torch" (and "auto" on the reference backend) is torch.topk's set; "triton" is forced only
     by name (the interpreter path is tested above)."""

@@ -1,0 +1,168 @@
+"""One-token decode attention in one Triton kernel (CUDA; CPU through TRITON_INTERPRET=1).
+
+    decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_norm=None, k_norm=None,
+                     eps=1e-6, window=None, q_idx=None, q_count=None, n_heads=None, valid=None) -> [B, S * hd]
+
+Same signature and result as ``kernels.reference.decode_attention`` (the torch path the runtime compiles), which
+on CUDA is five to seven kernels per layer (RoPE, two cache writes, score GEMM, masked softmax, value GEMM, the
+head scatter/gather of the head-sparse path). Here it is one launch over a (batch, slot) grid:
+
+* programs ``j < S`` are query slots: every head (``q_idx`` None) or the compact active heads ``q_idx`` (slots
+  past ``q_count`` write zeros and read nothing). Each applies the q/k norms and RoPE to its query and to its KV
+  head's new key, attends with an online softmax over the cached positions before ``pos`` (and inside the
+  sliding ``window``), and takes position ``pos`` itself from the new key/value in registers;
+* programs ``S <= j < S + KV`` write the KV heads' normed, rotated keys and values at ``pos``.
+
+No program reads what another writes in the same launch, so there is no race and no ordering to rely on; the
+cache holds exactly the bits the query programs used for position ``pos``. Intermediate roundings follow the
+reference (norm, then each RoPE product and their sum rounded to the activation dtype; scores rounded to it
+before the softmax); the softmax itself is online (running max), so results agree with the reference to
+rounding, not bit for bit. Per-(head, position) masks (``valid``, the runtime's kv_mode "active") take the
+reference path.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import common as _c
+from . import reference as _ref
+
+
+@triton.jit
+def _prep(ptr, w_ptr, d, dr, dm, sign, cos, sin, hd, eps, ROPE: tl.constexpr, NORM: tl.constexpr):
+    """Row ``ptr[0:hd]`` normed (x / rms(x) * w, rounded) and rotated (x cos + rot_half(x) sin, each product
+    and the sum rounded): fp32 values of the activation dtype."""
+    x = tl.load(ptr + d, mask=dm, other=0.0)
+    dt = x.dtype
+    xf = x.to(tl.float32)
+    if NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hd + eps)
+        xf = (xf * rstd * tl.load(w_ptr + d, mask=dm, other=0.0)).to(dt).to(tl.float32)
+    if ROPE:
+        xr = tl.load(ptr + dr, mask=dm, other=0.0).to(tl.float32)
+        if NORM:
+            xr = (xr * rstd * tl.load(w_ptr + dr, mask=dm, other=0.0)).to(dt).to(tl.float32)
+        a = (xf * cos).to(dt).to(tl.float32)
+        b = (sign * xr * sin).to(dt).to(tl.float32)
+        xf = (a + b).to(dt).to(tl.float32)
+    return xf
+
+
+@triton.jit
+def _decode_attn_kernel(
+    q_ptr, sq_b, sq_h, k_ptr, sk_b, sk_h, v_ptr, sv_b, sv_h,
+    kc_ptr, vc_ptr, sc_b, sc_h, sc_l,
+    pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, qidx_ptr, qcount_ptr, out_ptr, so_b,
+    S, GROUP, hd, eps, window,
+    HAS_IDX: tl.constexpr, HAS_COUNT: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
+    WINDOW: tl.constexpr, HD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    pos = tl.load(pos_ptr).to(tl.int32)
+    d = tl.arange(0, HD_PAD)
+    dm = d < hd
+    half = hd // 2
+    dr = tl.where(d < half, d + half, d - half)        # rot_half's source column
+    sign = tl.where(d < half, -1.0, 1.0)
+    dt = q_ptr.dtype.element_ty
+    cos = tl.zeros([HD_PAD], dtype=tl.float32)
+    sin = tl.zeros([HD_PAD], dtype=tl.float32)
+    if ROPE:   # the tables' rows at pos, rounded to the activation dtype as the reference does
+        cos = tl.load(cos_ptr + pos * hd + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * hd + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+    cb = kc_ptr + b * sc_b
+    vb = vc_ptr + b * sc_b
+    if j >= S:                                          # a writer: KV head g's key and value at pos
+        g = j - S
+        kx = _prep(k_ptr + b * sk_b + g * sk_h, kn_ptr, d, dr, dm, sign, cos, sin, hd, eps, ROPE, NORM)
+        vx = tl.load(v_ptr + b * sv_b + g * sv_h + d, mask=dm, other=0.0)
+        tl.store(cb + g * sc_h + pos * sc_l + d, kx.to(dt), mask=dm)
+        tl.store(vb + g * sc_h + pos * sc_l + d, vx, mask=dm)
+    else:
+        active = True
+        if HAS_COUNT:
+            active = j < tl.load(qcount_ptr).to(tl.int32)
+        if active:
+            head = j
+            if HAS_IDX:
+                head = tl.load(qidx_ptr + j).to(tl.int32)
+            g = head // GROUP
+            qx = _prep(q_ptr + b * sq_b + j * sq_h, qn_ptr, d, dr, dm, sign, cos, sin, hd, eps, ROPE, NORM)
+            kx = _prep(k_ptr + b * sk_b + g * sk_h, kn_ptr, d, dr, dm, sign, cos, sin, hd, eps, ROPE, NORM)
+            # position pos from registers: the running max starts at its score, its weight at 1
+            m = tl.sum(qx * kx, axis=0).to(dt).to(tl.float32)
+            l_sum = m * 0.0 + 1.0
+            acc = tl.load(v_ptr + b * sv_b + g * sv_h + d, mask=dm, other=0.0).to(tl.float32)
+            lo = 0
+            if WINDOW:
+                lo = tl.maximum(pos - window + 1, 0)
+            kh = cb + g * sc_h
+            vh = vb + g * sc_h
+            for n0 in range(lo, pos, BLOCK_N):
+                n = n0 + tl.arange(0, BLOCK_N)
+                nm = n < pos
+                off = n[:, None] * sc_l + d[None, :]
+                tm = nm[:, None] & dm[None, :]
+                kt = tl.load(kh + off, mask=tm, other=0.0).to(tl.float32)
+                s = tl.sum(kt * qx[None, :], axis=1).to(dt).to(tl.float32)
+                s = tl.where(nm, s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=0))
+                alpha = tl.exp(m - m_new)
+                p = tl.exp(s - m_new)
+                vt = tl.load(vh + off, mask=tm, other=0.0).to(tl.float32)
+                l_sum = l_sum * alpha + tl.sum(p, axis=0)
+                acc = acc * alpha + tl.sum(p[:, None] * vt, axis=0)
+                m = m_new
+            o = acc / l_sum
+        else:
+            o = tl.zeros([HD_PAD], dtype=tl.float32)
+        tl.store(out_ptr + b * so_b + j * hd + d, o.to(dt), mask=dm)
+
+
+def _block_n(hd_pad: int) -> int:
+    """Cached positions per iteration: a [BLOCK_N, hd] fp32 tile of K and of V stays within 64 registers a
+    thread at 4 warps."""
+    return max(16, 8192 // hd_pad)
+
+
+def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_norm=None, k_norm=None,
+                     eps: float = 1e-6, window: int | None = None, q_idx=None, q_count=None, n_heads=None,
+                     valid=None, *, config=None):
+    if valid is not None:       # per-(head, position) masks: the torch path
+        return _ref.decode_attention(q, k, v, k_cache, v_cache, pos, cos_t, sin_t, q_norm, k_norm, eps, window,
+                                     q_idx, q_count, n_heads, valid)
+    B, S, hd = q.shape
+    KV = k.shape[1]
+    H = S if q_idx is None else n_heads
+    if H is None:
+        raise ValueError("decode_attention: compact query heads (q_idx) need n_heads")
+    assert H % KV == 0, f"{H} query heads do not split into {KV} KV heads"
+    assert k.shape == v.shape == (B, KV, hd), f"k/v must be [B, KV, hd], got {tuple(k.shape)}, {tuple(v.shape)}"
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "q/k/v rows must be contiguous"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    assert k_cache.shape[0] == B and k_cache.shape[1] >= KV and k_cache.shape[3] == hd
+    assert k_cache.dtype == q.dtype == k.dtype == v.dtype, "q, k, v and the caches share one dtype"
+    assert (q_norm is None) == (k_norm is None), "q and k norms come together"
+    if cos_t is not None:
+        assert hd % 2 == 0 and cos_t.shape[1] == hd and cos_t.is_contiguous() and sin_t.is_contiguous()
+    if q_idx is not None:
+        assert q_idx.shape == (S,), f"q_idx must be [S={S}]"
+    out = _c.empty((B, S * hd), q.device, q.dtype)
+    hd_pad = triton.next_power_of_2(hd)
+    cfg = {"BLOCK_N": _block_n(hd_pad), "num_warps": 4, **(config or {})}
+    dummy = q
+    _decode_attn_kernel[(B, S + KV)](
+        q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        pos, cos_t if cos_t is not None else dummy, sin_t if sin_t is not None else dummy,
+        q_norm if q_norm is not None else dummy, k_norm if k_norm is not None else dummy,
+        q_idx if q_idx is not None else pos, q_count if q_count is not None else pos, out, out.stride(0),
+        S, H // KV, hd, float(eps), int(window or 0),
+        HAS_IDX=q_idx is not None, HAS_COUNT=q_count is not None, ROPE=cos_t is not None,
+        NORM=q_norm is not None, WINDOW=window is not None, HD_PAD=hd_pad, BLOCK_N=cfg["BLOCK_N"],
+        num_warps=cfg["num_warps"],
+    )
+    return out
