@@ -2,7 +2,7 @@
 
     python -m benchmarks.decode [--shape llama2-7b] [--prompts 128,512,1024] [--gen 64] [--quick]
         [--select-impl auto|torch|triton] [--input-path auto|mask|local] [--points dense,mlp.5,...]
-        [--hf eager,static,static-compile] [--no-hf] [--json NAME]
+        [--attention torch,kernel] [--hf eager,static,static-compile] [--no-hf] [--json NAME]
     python -m benchmarks.decode --diag       # dense variants and the per-layer selection costs only
     python -m benchmarks.decode --select     # top-k candidates alone: µs per layer
 
@@ -15,6 +15,11 @@ Hugging Face baselines (``--hf``): ``eager`` (``generate`` with its default dyna
 (``cache_implementation="static"``, compiling disabled) and ``static-compile`` (the static cache with the decode
 forward compiled by HF's ``CompileConfig``, mode "reduce-overhead"; its first, warm-up repeat pays the compile).
 A baseline that fails is an error row with its traceback; the others still run.
+
+``--attention torch,kernel`` runs every point with each decode attention (the runtime's ``attention`` option: the
+compiled torch function or the one-launch Triton kernel), one after the other per point, on two runtimes that
+share the weights; points of the second are named ``NAME [attn kernel]``. Speedups in the table are over the
+fastest dense row at each prompt length.
 """
 from __future__ import annotations
 
@@ -26,9 +31,11 @@ import torch
 
 from benchmarks.harness import Row, command_line, copy_bandwidth, device_name, time_graph, write_results
 from kernels import ops
+from workers.decode.glue import ATTENTIONS
 from workers.decode.latency import (
     bench_decode, calibrated_input_plan, decode_bytes, random_plan, runtime_for, shape_model,
 )
+from workers.decode.runtime import DecodeRuntime
 
 _MAIN_FIELDS = ("p50_ms_per_token", "p90_ms_per_token", "accelerator_name", "batch", "point")
 # HF baselines: point name -> (cache, compile)
@@ -94,12 +101,17 @@ def main(argv=None):
     ap.add_argument("--input-path", default="auto", choices=ops.INPUT_PATHS,
                     help="the input-sparse kernel (DecodeRuntime's input_path)")
     ap.add_argument("--points", default=None, help="comma-separated point names to run (default: all)")
+    ap.add_argument("--attention", default="torch",
+                    help=f"comma-separated decode attentions to run every point with ({', '.join(ATTENTIONS)})")
     ap.add_argument("--batch", type=int, default=1,
                     help="sequences decoded together (the FFN runs the union of their active sets; the Hugging "
                          "Face baselines run at batch 1 only)")
     a = ap.parse_args(argv)
     if a.batch < 1:
         ap.error(f"--batch must be >= 1, not {a.batch}")
+    atts = [v for v in a.attention.split(",") if v]
+    if not atts or any(v not in ATTENTIONS for v in atts):
+        ap.error(f"--attention: {a.attention!r}; each must be one of {', '.join(ATTENTIONS)}")
     try:
         hf_points = [] if a.no_hf or a.batch > 1 else [_HF_ARG[v] for v in a.hf.split(",") if v]
     except KeyError as e:
@@ -123,13 +135,19 @@ def main(argv=None):
 
     t0 = time.time()
     model = shape_model(a.shape)
-    rt = runtime_for(model, "cuda").configure(select_impl=a.select_impl, input_path=a.input_path)
+    rt = runtime_for(model, "cuda").configure(select_impl=a.select_impl, input_path=a.input_path,
+                                              attention=atts[0])
+    runtimes = {att: rt if att == atts[0] else DecodeRuntime(rt.weights, select_impl=a.select_impl,
+                                                             input_path=a.input_path, attention=att)
+                for att in atts}
     meta["build_s"] = time.time() - t0
-    try:
-        meta["checks"] = checks(model, rt)
-    except Exception:
-        meta["checks"] = {"error": traceback.format_exc()[-2000:]}
-    print("checks", meta["checks"], flush=True)
+    for att, r_ in runtimes.items():
+        key = "checks" if att == atts[0] else f"checks_attention_{att}"
+        try:
+            meta[key] = checks(model, r_)
+        except Exception:
+            meta[key] = {"error": traceback.format_exc()[-2000:]}
+        print(key, meta[key], flush=True)
     dump()
     if a.diag:
         diag(model, rt, meta, rows, dump, a, dev)
@@ -158,7 +176,8 @@ def main(argv=None):
         want = a.points.split(",")
         points = [p for p in points if p[0] in want]
     for P in prompts:
-        for name, ms, hs, ov, kv in points:
+        for (name, ms, hs, ov, kv), att in ((p, att) for p in points for att in atts):
+            rt = runtimes[att]
             t1 = time.time()
             nbytes = None
             base, _, ipath = name.partition("@")
@@ -180,15 +199,16 @@ def main(argv=None):
                 dense_b = decode_bytes(rt, 0, 0, 0, ctx)
                 sp_b = decode_bytes(rt, mlp_s, hs or 0, a.rank, ctx, kv_mode=kv, input_sparsity=ins)
                 nbytes = sp_b["total"]
-                r.update(point=name, mlp_sparsity=ms, head_sparsity_target=hs, bytes=sp_b,
+                r.update(point=name if att == "torch" else f"{name} [attn {att}]", attention=att, mlp_sparsity=ms, head_sparsity_target=hs, bytes=sp_b,
                          dense_bytes=dense_b["total"], ideal_speedup=dense_b["total"] / sp_b["total"],
                          floor_ms=sp_b["total"] / (bw * 1e9) * 1e3, floor_ms_4300=sp_b["total"] / 4.3e12 * 1e3,
                          wall_s=time.time() - t1)   # floor: the bytes at the measured copy bandwidth
             except Exception:
-                r = dict(point=name, prompt_len=P, error=traceback.format_exc()[-3000:])
+                r = dict(point=name if att == "torch" else f"{name} [attn {att}]", prompt_len=P,
+                         error=traceback.format_exc()[-3000:])
             rows.append(decode_row(r, a.shape, dev, bw, nbytes))
             dump()
-            print(P, name, {k: r.get(k) for k in ("p50_ms_per_token", "p90_ms_per_token", "ideal_speedup",
+            print(P, r["point"], {k: r.get(k) for k in ("p50_ms_per_token", "p90_ms_per_token", "ideal_speedup",
                                                  "realized_sparsity", "error")}, flush=True)
         for name in hf_points:
             rows.append(decode_row(hf_point(model, name, P, a.gen), a.shape, dev))
@@ -217,7 +237,11 @@ def hf_point(model, name: str, prompt_len: int, gen: int, device: str = "cuda") 
 
 def table(rows: list[Row], bw: float, dev: str, checks_: dict) -> None:
     print(f"\ncopy bw {bw:.0f} GB/s  device {dev}  checks {checks_}")
-    dense = {r.extra["prompt_len"]: r.median for r in rows if r.op == "dense" and r.median}
+    dense: dict = {}              # the fastest dense row per prompt length
+    for r in rows:
+        if r.op.startswith("dense") and r.median:
+            P = r.extra["prompt_len"]
+            dense[P] = min(dense.get(P, r.median), r.median)
     hf = {r.extra["prompt_len"]: r.median for r in rows if r.op == "hf-generate" and r.median}
     hf_best: dict = {}            # the fastest HF baseline per prompt length
     for r in rows:
@@ -241,18 +265,20 @@ def table(rows: list[Row], bw: float, dev: str, checks_: dict) -> None:
 
 @torch.no_grad()
 def diag(model, rt, meta, rows, dump, a, dev):
-    """Where the dense step's time goes: dense FFN through cuBLAS vs the fused kernel, glue compiled or not;
-    and what one layer's predictor (GEMVs + top-k) costs alone."""
-    for name, ffn, comp in (("dense kernel-ffn compiled", "auto", True), ("dense cublas-ffn compiled", "torch", True),
-                            ("dense kernel-ffn eager-glue", "auto", False)):
-        rt.configure(ffn_dense=ffn, compile=comp)
+    """Where the dense step's time goes: dense FFN through cuBLAS vs the fused kernel, glue compiled or not,
+    attention compiled or one kernel; and what one layer's predictor (GEMVs + top-k) costs alone."""
+    for name, ffn, comp, att in (("dense kernel-ffn compiled", "auto", True, "torch"),
+                                 ("dense kernel-ffn compiled attn-kernel", "auto", True, "kernel"),
+                                 ("dense cublas-ffn compiled", "torch", True, "torch"),
+                                 ("dense kernel-ffn eager-glue", "auto", False, "torch")):
+        rt.configure(ffn_dense=ffn, compile=comp, attention=att)
         r = bench_decode(rt, None, device="cuda", batch=1, prompt_len=128, gen_len=a.gen, repeats=a.repeats,
                          detail=True)[0]
         r.update(point=name)
         rows.append(decode_row(r, a.shape, dev))
         dump()
         print(name, r["p50_ms_per_token"], flush=True)
-    rt.configure(ffn_dense="auto", compile=True)
+    rt.configure(ffn_dense="auto", compile=True, attention="torch")
     plan = random_plan(model, 0.5, 0.5, rank=a.rank)
     rt.set_plan(plan)
     x = torch.randn(1, rt.dims.d, device="cuda", dtype=rt.dtype)
