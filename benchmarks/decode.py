@@ -2,7 +2,7 @@
 
     python -m benchmarks.decode [--shape llama2-7b] [--prompts 128,512,1024] [--gen 64] [--quick]
         [--select-impl auto|torch|triton] [--input-path auto|mask|local] [--points dense,mlp.5,...]
-        [--attention torch,kernel] [--hf eager,static,static-compile] [--no-hf] [--json NAME]
+        [--glue torch,kernel] [--hf eager,static,static-compile] [--no-hf] [--json NAME]
     python -m benchmarks.decode --diag       # dense variants and the per-layer selection costs only
     python -m benchmarks.decode --select     # top-k candidates alone: µs per layer
 
@@ -16,9 +16,9 @@ Hugging Face baselines (``--hf``): ``eager`` (``generate`` with its default dyna
 forward compiled by HF's ``CompileConfig``, mode "reduce-overhead"; its first, warm-up repeat pays the compile).
 A baseline that fails is an error row with its traceback; the others still run.
 
-``--attention torch,kernel`` runs every point with each decode attention (the runtime's ``attention`` option: the
-compiled torch function or the one-launch Triton kernel), one after the other per point, on two runtimes that
-share the weights; points of the second are named ``NAME [attn kernel]``. Speedups in the table are over the
+``--glue torch,kernel`` runs every point with each glue (the runtime's ``glue`` option: the compiled torch norms
+and attention, or the decode attention as one Triton launch), one after the other per point, on runtimes that
+share the weights; points of the second are named ``NAME [glue kernel]``. Speedups in the table are over the
 fastest dense row at each prompt length.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 
 from benchmarks.harness import Row, command_line, copy_bandwidth, device_name, time_graph, write_results
 from kernels import ops
-from workers.decode.glue import ATTENTIONS
+from workers.decode.glue import GLUES
 from workers.decode.latency import (
     bench_decode, calibrated_input_plan, decode_bytes, random_plan, runtime_for, shape_model,
 )
@@ -101,17 +101,17 @@ def main(argv=None):
     ap.add_argument("--input-path", default="auto", choices=ops.INPUT_PATHS,
                     help="the input-sparse kernel (DecodeRuntime's input_path)")
     ap.add_argument("--points", default=None, help="comma-separated point names to run (default: all)")
-    ap.add_argument("--attention", default="torch",
-                    help=f"comma-separated decode attentions to run every point with ({', '.join(ATTENTIONS)})")
+    ap.add_argument("--glue", default="torch",
+                    help=f"comma-separated runtime glue settings to run every point with ({', '.join(GLUES)})")
     ap.add_argument("--batch", type=int, default=1,
                     help="sequences decoded together (the FFN runs the union of their active sets; the Hugging "
                          "Face baselines run at batch 1 only)")
     a = ap.parse_args(argv)
     if a.batch < 1:
         ap.error(f"--batch must be >= 1, not {a.batch}")
-    atts = [v for v in a.attention.split(",") if v]
-    if not atts or any(v not in ATTENTIONS for v in atts):
-        ap.error(f"--attention: {a.attention!r}; each must be one of {', '.join(ATTENTIONS)}")
+    glues = [v for v in a.glue.split(",") if v]
+    if not glues or any(v not in GLUES for v in glues):
+        ap.error(f"--glue: {a.glue!r}; each must be one of {', '.join(GLUES)}")
     try:
         hf_points = [] if a.no_hf or a.batch > 1 else [_HF_ARG[v] for v in a.hf.split(",") if v]
     except KeyError as e:
@@ -136,13 +136,13 @@ def main(argv=None):
     t0 = time.time()
     model = shape_model(a.shape)
     rt = runtime_for(model, "cuda").configure(select_impl=a.select_impl, input_path=a.input_path,
-                                              attention=atts[0])
-    runtimes = {att: rt if att == atts[0] else DecodeRuntime(rt.weights, select_impl=a.select_impl,
-                                                             input_path=a.input_path, attention=att)
-                for att in atts}
+                                              glue=glues[0])
+    runtimes = {g: rt if g == glues[0] else DecodeRuntime(rt.weights, select_impl=a.select_impl,
+                                                         input_path=a.input_path, glue=g)
+                for g in glues}
     meta["build_s"] = time.time() - t0
-    for att, r_ in runtimes.items():
-        key = "checks" if att == atts[0] else f"checks_attention_{att}"
+    for g, r_ in runtimes.items():
+        key = "checks" if g == glues[0] else f"checks_glue_{g}"
         try:
             meta[key] = checks(model, r_)
         except Exception:
@@ -176,8 +176,8 @@ def main(argv=None):
         want = a.points.split(",")
         points = [p for p in points if p[0] in want]
     for P in prompts:
-        for (name, ms, hs, ov, kv), att in ((p, att) for p in points for att in atts):
-            rt = runtimes[att]
+        for (name, ms, hs, ov, kv), glue in ((p, g) for p in points for g in glues):
+            rt = runtimes[glue]
             t1 = time.time()
             nbytes = None
             base, _, ipath = name.partition("@")
@@ -199,12 +199,12 @@ def main(argv=None):
                 dense_b = decode_bytes(rt, 0, 0, 0, ctx)
                 sp_b = decode_bytes(rt, mlp_s, hs or 0, a.rank, ctx, kv_mode=kv, input_sparsity=ins)
                 nbytes = sp_b["total"]
-                r.update(point=name if att == "torch" else f"{name} [attn {att}]", attention=att, mlp_sparsity=ms, head_sparsity_target=hs, bytes=sp_b,
+                r.update(point=name if glue == glues[0] else f"{name} [glue {glue}]", glue=glue, mlp_sparsity=ms, head_sparsity_target=hs, bytes=sp_b,
                          dense_bytes=dense_b["total"], ideal_speedup=dense_b["total"] / sp_b["total"],
                          floor_ms=sp_b["total"] / (bw * 1e9) * 1e3, floor_ms_4300=sp_b["total"] / 4.3e12 * 1e3,
                          wall_s=time.time() - t1)   # floor: the bytes at the measured copy bandwidth
             except Exception:
-                r = dict(point=name if att == "torch" else f"{name} [attn {att}]", prompt_len=P,
+                r = dict(point=name if glue == glues[0] else f"{name} [glue {glue}]", prompt_len=P,
                          error=traceback.format_exc()[-3000:])
             rows.append(decode_row(r, a.shape, dev, bw, nbytes))
             dump()
@@ -266,19 +266,19 @@ def table(rows: list[Row], bw: float, dev: str, checks_: dict) -> None:
 @torch.no_grad()
 def diag(model, rt, meta, rows, dump, a, dev):
     """Where the dense step's time goes: dense FFN through cuBLAS vs the fused kernel, glue compiled or not,
-    attention compiled or one kernel; and what one layer's predictor (GEMVs + top-k) costs alone."""
-    for name, ffn, comp, att in (("dense kernel-ffn compiled", "auto", True, "torch"),
-                                 ("dense kernel-ffn compiled attn-kernel", "auto", True, "kernel"),
+    attention compiled or one kernel (glue "kernel"); and what one layer's predictor (GEMVs + top-k) costs alone."""
+    for name, ffn, comp, glue in (("dense kernel-ffn compiled", "auto", True, "torch"),
+                                 ("dense kernel-ffn compiled glue-kernel", "auto", True, "kernel"),
                                  ("dense cublas-ffn compiled", "torch", True, "torch"),
                                  ("dense kernel-ffn eager-glue", "auto", False, "torch")):
-        rt.configure(ffn_dense=ffn, compile=comp, attention=att)
+        rt.configure(ffn_dense=ffn, compile=comp, glue=glue)
         r = bench_decode(rt, None, device="cuda", batch=1, prompt_len=128, gen_len=a.gen, repeats=a.repeats,
                          detail=True)[0]
         r.update(point=name)
         rows.append(decode_row(r, a.shape, dev))
         dump()
         print(name, r["p50_ms_per_token"], flush=True)
-    rt.configure(ffn_dense="auto", compile=True, attention="torch")
+    rt.configure(ffn_dense="auto", compile=True, glue="torch")
     plan = random_plan(model, 0.5, 0.5, rank=a.rank)
     rt.set_plan(plan)
     x = torch.randn(1, rt.dims.d, device="cuda", dtype=rt.dtype)

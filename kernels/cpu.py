@@ -102,6 +102,12 @@ def _build() -> ctypes.CDLL | None:
     lib.cs_pair_dot.argtypes = [P, P, I64, I64, P, P, I64, P, P, I]
     lib.cs_ffn.argtypes = [P, P, P, P, P, I64, I64, P, I64, P, I64, I, P, P, I]
     lib.cs_ffn_thr.argtypes = [P, I64, ctypes.c_float, I, P, P, P, P, P, I64, P, I64, P, P, P, P, P, I]
+    F = ctypes.c_float
+    lib.cs_add_rmsnorm.argtypes = [P, P, P, P, P, I64, I64, F, I]
+    lib.cs_add_rmsnorm.restype = None
+    lib.cs_decode_attn.argtypes = [P, I64, I64, P, I64, I64, P, I64, I64, P, P, I64, I64, I64, I64, I64, P, P, P,
+                                   P, F, P, I64, P, I64, I64, I64, I64, I64, I64, I64, I]
+    lib.cs_decode_attn.restype = I
     for f in (lib.cs_rows_dot, lib.cs_rows_axpy, lib.cs_input_sparse_seg, lib.cs_pair_dot, lib.cs_ffn):
         f.restype = I
     lib.cs_ffn_thr.restype = I64
@@ -351,6 +357,56 @@ def head_sparse_out(attn, w_o_t, q_idx, q_count=None, head_dim=None, bias=None, 
     B = attn.shape[0]
     return gather_down(attn.reshape(B, -1), w_o_t, q_idx, q_count, bias=bias, group=head_dim,
                        out_dtype=attn.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# decode-step glue: norms and attention (kernels.reference's functions, in C for fp32)
+def rms_norm(x, w, eps: float, one_plus: bool = False):
+    if x.dim() != 2 or not _use_native(x, w):
+        return _ref.rms_norm(x, w, eps, one_plus)
+    h = torch.empty_like(x)
+    _native().cs_add_rmsnorm(x.data_ptr(), None, None, w.data_ptr(), h.data_ptr(), x.shape[0], x.shape[1],
+                             eps, int(one_plus))
+    return h
+
+
+def add_rms_norm(x, y, w, eps: float, one_plus: bool = False):
+    if x.dim() != 2 or x.shape != y.shape or not _use_native(x, y, w):
+        return _ref.add_rms_norm(x, y, w, eps, one_plus)
+    xo, h = torch.empty_like(x), torch.empty_like(x)
+    _native().cs_add_rmsnorm(x.data_ptr(), y.data_ptr(), xo.data_ptr(), w.data_ptr(), h.data_ptr(), x.shape[0],
+                             x.shape[1], eps, int(one_plus))
+    return xo, h
+
+
+def _rows_f32(t) -> bool:
+    return t.dtype is _F32 and t.is_cpu and t.stride(-1) == 1
+
+
+def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_norm=None, k_norm=None,
+                     eps: float = 1e-6, window=None, q_idx=None, q_count=None, n_heads=None, valid=None, *,
+                     config=None):
+    """kernels.reference.decode_attention in one native call (fp32; other dtypes and per-position masks take
+    the reference)."""
+    args = (q, k, v, k_cache, v_cache, pos, cos_t, sin_t, q_norm, k_norm, eps, window, q_idx, q_count, n_heads)
+    if (valid is not None or _native() is None or not (_rows_f32(q) and _rows_f32(k) and _rows_f32(v))
+            or not (_ok(k_cache) and _ok(v_cache) and _ok(cos_t) and _ok(sin_t) and _ok(q_norm) and _ok(k_norm))):
+        return _ref.decode_attention(*args, valid=valid)
+    B, S, hd = q.shape
+    KV = k.shape[1]
+    H = S if q_idx is None else n_heads
+    if H is None:
+        raise ValueError("decode_attention: compact query heads (q_idx) need n_heads")
+    idx, n_active = (None, S) if q_idx is None else _idx64(q_idx, q_count)
+    out = torch.empty(B, S * hd, dtype=q.dtype)
+    rc = _native().cs_decode_attn(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+        v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.shape[2], int(pos), _p(cos_t), _p(sin_t), _p(q_norm), _p(k_norm), eps, _p(idx), n_active,
+        out.data_ptr(), out.stride(0), B, S, KV, H, hd, int(window or 0), _threads())
+    if rc != 0:
+        raise IndexError("decode_attention: position or query head outside the cache / head range")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------

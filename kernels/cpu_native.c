@@ -424,3 +424,119 @@ int64_t cs_ffn_thr(const float *z, int64_t D, float t, int act, const float *b_a
     if (stat) *stat += (double)k;
     return k;
 }
+
+/* ------------------------------------------------------------------------------------ decode-step glue */
+/* Residual add + RMS norm: xo = x + y (y NULL: no add, xo unused), h = norm(xo). one_plus 0 (Llama):
+ * h = w * (xo * r); 1 (Gemma, w already 1 + w): h = (xo * r) * w; r = 1 / sqrt(mean(xo^2) + eps). */
+void cs_add_rmsnorm(const float *x, const float *y, float *xo, const float *w, float *h, int64_t B, int64_t d,
+                    float eps, int one_plus) {
+    for (int64_t b = 0; b < B; ++b) {
+        const float *xb = x + b * d;
+        float *src = (float *)xb;
+        if (y) {
+            const float *yb = y + b * d;
+            src = xo + b * d;
+            for (int64_t i = 0; i < d; ++i) src[i] = xb[i] + yb[i];
+        }
+        const float r = 1.f / sqrtf(dot_f(src, src, d) / (float)d + eps);
+        float *hb = h + b * d;
+        if (one_plus)
+            for (int64_t i = 0; i < d; ++i) hb[i] = (src[i] * r) * w[i];
+        else
+            for (int64_t i = 0; i < d; ++i) hb[i] = w[i] * (src[i] * r);
+    }
+}
+
+/* One row of a query or key head: the Gemma q/k norm (w != NULL; w is 1 + w, times the attention scale for q),
+ * then rotate-half RoPE (cs != NULL: cos = cs[0:hd], sin = sn[0:hd]), into o[0:hd]. */
+static void prep_row(const float *x, const float *w, float eps, const float *cs, const float *sn, int64_t hd,
+                     float *o) {
+    float r = 1.f;
+    if (w) r = 1.f / sqrtf(dot_f(x, x, hd) / (float)hd + eps);
+    for (int64_t i = 0; i < hd; ++i) o[i] = w ? (x[i] * r) * w[i] : x[i];
+    if (!cs) return;
+    const int64_t half = hd / 2;
+    for (int64_t i = 0; i < half; ++i) {      /* rot_half(x) = (-x[half:], x[:half]) */
+        const float a = o[i], b = o[i + half];
+        o[i] = a * cs[i] - b * sn[i];
+        o[i + half] = b * cs[i + half] + a * sn[i + half];
+    }
+}
+
+/* Attention of one query slot over the positions [lo, pos] of its KV head (two-pass softmax, as the reference:
+ * scores, max, exp, sum, then the weighted sum of the value rows). sc: pos + 1 floats of scratch. */
+static void attn_slot(const float *qx, const float *kh, const float *vh, int64_t sc_l, int64_t lo, int64_t pos,
+                      int64_t hd, float *sc, float *o) {
+    float m = -INFINITY;
+    for (int64_t n = lo; n <= pos; ++n) {
+        const float s = dot_f(qx, kh + n * sc_l, hd);
+        sc[n] = s;
+        if (s > m) m = s;
+    }
+    float sum = 0.f;
+    for (int64_t n = lo; n <= pos; ++n) {
+        sc[n] = expf(sc[n] - m);
+        sum += sc[n];
+    }
+    for (int64_t i = 0; i < hd; ++i) o[i] = 0.f;
+    const float inv = 1.f / sum;
+    for (int64_t n = lo; n <= pos; ++n) axpy_f(o, vh + n * sc_l, sc[n] * inv, hd);
+}
+
+/* Query slots t in [t0, t1) of the flattened (batch, slot) grid. */
+static void decode_attn_body(const float *q, int64_t sq_b, int64_t sq_h, const float *kc, const float *vc,
+                             int64_t sc_b, int64_t sc_h, int64_t sc_l, int64_t pos, int64_t lo, const float *cs,
+                             const float *sn, const float *qn, float eps, const int64_t *qidx, int64_t n_active,
+                             float *out, int64_t so_b, int64_t S, int64_t group, int64_t hd, int64_t t0,
+                             int64_t t1) {
+    float *sc = malloc((size_t)(pos + 1 + hd) * sizeof(float));
+    float *qx = sc + pos + 1;
+    for (int64_t t = t0; t < t1; ++t) {
+        const int64_t b = t / S, j = t % S;
+        float *o = out + b * so_b + j * hd;
+        if (j >= n_active) {
+            for (int64_t i = 0; i < hd; ++i) o[i] = 0.f;
+            continue;
+        }
+        const int64_t g = (qidx ? qidx[j] : j) / group;
+        prep_row(q + b * sq_b + j * sq_h, qn, eps, cs, sn, hd, qx);
+        attn_slot(qx, kc + b * sc_b + g * sc_h, vc + b * sc_b + g * sc_h, sc_l, lo, pos, hd, sc, o);
+    }
+    free(sc);
+}
+
+/* One decode position (kernels.reference.decode_attention, fp32): the KV heads' normed, rotated keys and their
+ * values written at pos, then every query slot j < S: head qidx[j] (qidx NULL: j) of H, KV head
+ * head / (H / KV), attends over [max(0, pos - window + 1), pos] (window 0: from 0); slots j >= n_active are
+ * written 0. q [B, S, hd] (strides sq_b, sq_h), k/v [B, KV, hd], caches [B, *, L, hd] (strides sc_b, sc_h, sc_l),
+ * out [B, S * hd] (row stride so_b). Returns -1 (nothing written) when pos or a head id is out of range. */
+int cs_decode_attn(const float *q, int64_t sq_b, int64_t sq_h, const float *k, int64_t sk_b, int64_t sk_h,
+                   const float *v, int64_t sv_b, int64_t sv_h, float *kc, float *vc, int64_t sc_b, int64_t sc_h,
+                   int64_t sc_l, int64_t L, int64_t pos, const float *cos_t, const float *sin_t, const float *qn,
+                   const float *kn, float eps, const int64_t *qidx, int64_t n_active, float *out, int64_t so_b,
+                   int64_t B, int64_t S, int64_t KV, int64_t H, int64_t hd, int64_t window, int nt) {
+    if (pos < 0 || pos >= L || KV <= 0 || H % KV != 0) return -1;
+    if (qidx)
+        for (int64_t j = 0; j < n_active; ++j)
+            if (qidx[j] < 0 || qidx[j] >= H) return -1;
+    const float *cs = cos_t ? cos_t + pos * hd : NULL, *sn = sin_t ? sin_t + pos * hd : NULL;
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t g = 0; g < KV; ++g) {
+            prep_row(k + b * sk_b + g * sk_h, kn, eps, cs, sn, hd, kc + b * sc_b + g * sc_h + pos * sc_l);
+            memcpy(vc + b * sc_b + g * sc_h + pos * sc_l, v + b * sv_b + g * sv_h, (size_t)hd * sizeof(float));
+        }
+    const int64_t group = H / KV, lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+    const int64_t tasks = B * S;
+    if (nt <= 1 || tasks < 2) {
+        decode_attn_body(q, sq_b, sq_h, kc, vc, sc_b, sc_h, sc_l, pos, lo, cs, sn, qn, eps, qidx, n_active, out,
+                         so_b, S, group, hd, 0, tasks);
+        return 0;
+    }
+#pragma omp parallel num_threads(nt)
+    {
+        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+        decode_attn_body(q, sq_b, sq_h, kc, vc, sc_b, sc_h, sc_l, pos, lo, cs, sn, qn, eps, qidx, n_active, out,
+                         so_b, S, group, hd, tasks * t / T, tasks * (t + 1) / T);
+    }
+    return 0;
+}

@@ -149,9 +149,17 @@ def head_sparse_out(attn, w_o_t, q_idx, q_count=None, head_dim=None, bias=None):
 def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_norm=None, k_norm=None, eps=1e-6,
                      window=None, q_idx=None, q_count=None, n_heads=None, valid=None):
     """One-token attention with RoPE, q/k norms and the cache write (kernels.reference.decode_attention): one
-    Triton kernel on CUDA, the torch reference elsewhere."""
+    Triton kernel on CUDA, one native call on the CPU (fp32), the torch reference elsewhere."""
     return _op(q, "decode_attention")(q, k, v, k_cache, v_cache, pos, cos_t, sin_t, q_norm, k_norm, eps, window,
                                       q_idx, q_count, n_heads, valid)
+
+
+def rms_norm(x, w, eps, one_plus=False):
+    return _op(x, "rms_norm")(x, w, eps, one_plus)
+
+
+def add_rms_norm(x, y, w, eps, one_plus=False):
+    return _op(x, "add_rms_norm")(x, y, w, eps, one_plus)
 
 
 INPUT_PATHS = ("auto",) + C.INPUT_PATHS

@@ -213,10 +213,18 @@ def topk_select(scores, k):
 # ------------------------------------------------------------------------------------------------
 # one-token decode attention (the reference of kernels.decode_attn_triton.decode_attention)
 # ------------------------------------------------------------------------------------------------
-def rms_norm_1p(x, w, eps: float):
-    """Gemma's RMS norm with the weight already 1 + w (fp32): (x / rms(x) * w).to(x.dtype)."""
+def rms_norm(x, w, eps: float, one_plus: bool = False):
+    """RMS norm over the last dim in fp32: Llama's w * (x / rms(x)).to(x.dtype); ``one_plus`` (Gemma, ``w``
+    already 1 + w in fp32): (x / rms(x) * w).to(x.dtype)."""
     y = x.float()
-    return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * w).to(x.dtype) if one_plus else w * y.to(x.dtype)
+
+
+def add_rms_norm(x, y, w, eps: float, one_plus: bool = False):
+    """(x + y, rms_norm(x + y)): the residual add and the next norm."""
+    x = x + y
+    return x, rms_norm(x, w, eps, one_plus)
 
 
 def rot_half(t):
@@ -230,15 +238,15 @@ def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_n
     """One decode position. q [B, S, hd]: every query head (``q_idx`` None, S = H) or the compact active heads
     ``q_idx`` [S] of ``n_heads`` (the first ``q_count`` valid); k/v [B, KV, hd]; caches [B, KV', L, hd]
     (KV' >= KV); pos [1] int64 on the device. Query head i reads KV head i // (H / KV). Applies the q/k norms
-    (Gemma, ``rms_norm_1p``) and RoPE (rotate-half, tables [max_pos, hd] fp32), writes k/v at ``pos``, attends
+    (Gemma: ``rms_norm`` with ``one_plus``) and RoPE (rotate-half, tables [max_pos, hd] fp32), writes k/v at ``pos``, attends
     over the positions <= pos (and inside the sliding ``window``). Scores are not scaled (the scale is folded
     into the weights). ``valid`` [B, KV, L] bool: an extra per-(head, position) mask. Returns [B, S * hd];
     compact rows j >= q_count hold 0."""
     B, S, hd = q.shape
     KV = k.shape[1]
     if q_norm is not None:
-        q = rms_norm_1p(q, q_norm, eps)
-        k = rms_norm_1p(k, k_norm, eps)
+        q = rms_norm(q, q_norm, eps, one_plus=True)
+        k = rms_norm(k, k_norm, eps, one_plus=True)
     if cos_t is not None:
         cos = cos_t.index_select(0, pos).to(q.dtype)   # [1, hd]
         sin = sin_t.index_select(0, pos).to(q.dtype)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from kernels import ops
 from kernels.common import apply_act
-from kernels.reference import decode_attention, rms_norm_1p
+from kernels.reference import decode_attention, rms_norm
 
 
 def norm(x, w, b, kind: str, eps: float):
@@ -19,10 +19,7 @@ def norm(x, w, b, kind: str, eps: float):
     ``w`` then holds 1 + w in fp32)."""
     if kind == "ln":
         return F.layer_norm(x, (x.shape[-1],), w, b, eps)
-    if kind == "rms1p":
-        return rms_norm_1p(x, w, eps)
-    y = x.float()
-    return w * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return rms_norm(x, w, eps, one_plus=kind == "rms1p")
 
 
 def add_norm(x, y, w, b, kind: str, eps: float):
@@ -52,30 +49,54 @@ def attn_prefill(q, k, v, window: int | None):
 
 
 EAGER = dict(norm=norm, add_norm=add_norm, act_mul=act_mul, attn=decode_attention)
-ATTENTIONS = ("torch", "kernel")
+GLUES = ("auto", "torch", "kernel")
 
 
-def check_attention(attention: str) -> str:
-    """``attention`` if it is one of ATTENTIONS, else ValueError naming them."""
-    if attention not in ATTENTIONS:
-        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-    return attention
+def check_glue(glue: str) -> str:
+    """``glue`` if it is one of GLUES, else ValueError naming them."""
+    if glue not in GLUES:
+        raise ValueError(f"glue must be one of {GLUES}, got {glue!r}")
+    return glue
 
 
-def glue_fns(compile: bool, attention: str = "torch") -> dict:
-    """The step's glue functions: compiled (``torch.compile``, static shapes, full graph) when ``compile``,
-    else eager; eager too where compiling is unavailable. ``attention`` "kernel": the decode attention is
-    ``kernels.ops.decode_attention`` (one Triton kernel on CUDA) instead of the torch function."""
-    check_attention(attention)
+def resolve_glue(glue: str, device_type: str) -> str:
+    """"auto": the kernels on the CPU (one native call per norm and per attention instead of about ten torch
+    ops each: measured faster, BENCHMARKS.md), the compiled torch functions on accelerators."""
+    check_glue(glue)
+    if glue == "auto":
+        return "kernel" if device_type == "cpu" else "torch"
+    return glue
+
+
+def _kernel_norm(x, w, b, kind: str, eps: float):
+    return norm(x, w, b, kind, eps) if kind == "ln" else ops.rms_norm(x, w, eps, kind == "rms1p")
+
+
+def _kernel_add_norm(x, y, w, b, kind: str, eps: float):
+    return add_norm(x, y, w, b, kind, eps) if kind == "ln" else ops.add_rms_norm(x, y, w, eps, kind == "rms1p")
+
+
+def glue_fns(compile: bool, glue: str = "torch") -> dict:
+    """The step's glue functions. ``glue`` "torch": the torch functions above, compiled (``torch.compile``,
+    static shapes, full graph) when ``compile``, else eager (eager too where compiling is unavailable).
+    "kernel": attention through ``kernels.ops.decode_attention`` (one Triton launch on CUDA, one native call on
+    the CPU); the RMS norms through ``kernels.ops`` where they are not compiled (native on the CPU; compiled, the
+    torch add + norm is already one kernel)."""
+    if check_glue(glue) == "auto":
+        raise ValueError("glue_fns: resolve 'auto' for the device first (resolve_glue)")
     fns = dict(EAGER)
+    compiled = False
     if compile:
         try:
             import torch._dynamo
 
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             fns = {k: torch.compile(v, dynamic=False, fullgraph=True) for k, v in EAGER.items()}
+            compiled = True
         except Exception:  # pragma: no cover - compile unavailable: eager glue
             pass
-    if attention == "kernel":
+    if glue == "kernel":
         fns["attn"] = ops.decode_attention
+        if not compiled:
+            fns.update(norm=_kernel_norm, add_norm=_kernel_add_norm)
     return fns

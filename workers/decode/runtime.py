@@ -18,9 +18,10 @@ Every setting a benchmark varies is a keyword of the constructor (and of ``from_
 :meth:`configure` changes it later: ``ffn_dense`` ("auto" | "torch"), ``compile`` (torch.compile of the glue on
 CUDA), ``use_graph`` (one CUDA graph per step), ``select_impl`` ("auto" | "torch" | "triton"), ``cpu_rows``
 (CPU dense products through the row kernels; None: matmuls until :meth:`pick_cpu_dense` times both),
-``input_path`` ("auto" | "mask" | "local": the input-sparse kernel, kernels.ops.INPUT_PATHS), ``attention``
-("torch": the torch decode attention, compiled with the glue; "kernel": kernels.ops.decode_attention, RoPE, the
-cache write and attention of every (active) head in one Triton launch on CUDA).
+``input_path`` ("auto" | "mask" | "local": the input-sparse kernel, kernels.ops.INPUT_PATHS), ``glue``
+("torch": the torch norms and decode attention, compiled on CUDA; "kernel": RoPE, the cache write and the
+attention of every (active) head in one kernels.ops call (one Triton launch on CUDA, one native call on the
+CPU), and on the CPU the norms natively too; "auto": "kernel" on the CPU, "torch" elsewhere).
 ``set_plan`` takes ``overlap`` (side-stream look-ahead on CUDA) and ``kv_mode`` ("exact": K/V of every head,
 the semantics of workers.sparsity.sparse_exec; "active": only the KV heads the active query heads need, skipped
 entries masked out of later attention -- Deja Vu's saving without its "recompute later", an approximation).
@@ -40,7 +41,7 @@ import torch
 from workers.decode import weights as weights_mod
 from workers.decode.blocks import Blocks
 from kernels.reference import rot_half
-from workers.decode.glue import EAGER, attn_prefill, check_attention, glue_fns, norm
+from workers.decode.glue import EAGER, attn_prefill, check_glue, glue_fns, norm, resolve_glue
 from workers.decode.kv_cache import KVCache
 from workers.decode.plan import RuntimePlan
 from workers.decode.select import ActiveSetSelector, Lookahead
@@ -53,9 +54,9 @@ KV_MODES = ("exact", "active")
 class DecodeRuntime:
     def __init__(self, weights: ModelWeights, *, ffn_dense: str = "auto", compile: bool = True,
                  use_graph: bool = True, select_impl: str = "auto", cpu_rows: bool | None = None,
-                 count_inputs: bool = True, input_path: str = "auto", attention: str = "torch"):
+                 count_inputs: bool = True, input_path: str = "auto", glue: str = "auto"):
         self.weights = weights
-        self.attention = check_attention(attention)
+        self.glue = check_glue(glue)
         self.blocks = Blocks(weights, ffn_dense=ffn_dense, cpu_rows=cpu_rows, count_inputs=count_inputs,
                              input_path=input_path)
         self.selector = ActiveSetSelector(select_impl)
@@ -79,10 +80,10 @@ class DecodeRuntime:
     def configure(self, *, ffn_dense: str | None = None, compile: bool | None = None, use_graph: bool | None = None,
                   select_impl: str | None = None, cpu_rows: bool | None = None,
                   count_inputs: bool | None = None, input_path: str | None = None,
-                  attention: str | None = None) -> "DecodeRuntime":
+                  glue: str | None = None) -> "DecodeRuntime":
         """Change constructor settings (those given); drops the compiled glue and any captured graph."""
-        if attention is not None:
-            self.attention = check_attention(attention)
+        if glue is not None:
+            self.glue = check_glue(glue)
         if ffn_dense is not None:
             b = self.blocks
             self.blocks = Blocks(self.weights, ffn_dense=ffn_dense, cpu_rows=b.cpu_rows,
@@ -221,7 +222,7 @@ class DecodeRuntime:
     # ------------------------------------------------------------------ the one-token step
     def _glue(self) -> dict:
         if self._fns is None:
-            self._fns = glue_fns(self.compile and self.device.type == "cuda", self.attention)
+            self._fns = glue_fns(self.compile and self.device.type == "cuda", resolve_glue(self.glue, self.device.type))
         return self._fns
 
     def _step(self, keep_logits: bool = False):

@@ -211,19 +211,19 @@ for family, heads in (("llama", False), ("gemma3", False), ("opt", False), ("qwe
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
     plan = random_plan(m, 0.0, 0.5, rank=8) if heads else None
     out = {}
-    for attention in ("torch", "kernel"):
-        rt = DecodeRuntime.from_hf(m, attention=attention).set_plan(plan)
+    for glue in ("torch", "kernel"):
+        rt = DecodeRuntime.from_hf(m, glue=glue).set_plan(plan)
         rt.setup(2, 24)
         rt.prefill(ids)
-        out[attention] = torch.stack([rt.step(keep_logits=True) for _ in range(3 if heads else 6)])
+        out[glue] = torch.stack([rt.step(keep_logits=True) for _ in range(3 if heads else 6)])
     torch.testing.assert_close(out["kernel"], out["torch"], atol=1e-4, rtol=1e-3), family
 print("OK")
 """
 
 
-def test_attention_kernel_gives_the_torch_attention_logits():
-    """attention="kernel" (RoPE, q/k norms, cache write and attention in one Triton launch; here in Triton's
-    interpreter) gives the torch attention's logits, batch 2, prompt 12, 6 steps: llama, gemma3 (q/k norms; its
+def test_triton_attention_gives_the_torch_attention_logits():
+    """glue="kernel" with the Triton backend (RoPE, q/k norms, cache write and attention in one launch; here in
+    Triton's interpreter) gives the torch glue's logits, batch 2, prompt 12, 6 steps: llama, gemma3 (q/k norms; its
     16-position sliding window starts to drop positions at 16), opt (no RoPE), qwen2 (GQA); and 3 steps of
     llama's head-sparse step (compact active heads)."""
     import os
@@ -238,13 +238,32 @@ def test_attention_kernel_gives_the_torch_attention_logits():
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
-def test_attention_option_is_checked():
-    with pytest.raises(ValueError, match="attention must be one of"):
-        DecodeRuntime.from_hf(tiny_model("llama"), attention="flash")
+def test_glue_option_is_checked():
+    with pytest.raises(ValueError, match="glue must be one of"):
+        DecodeRuntime.from_hf(tiny_model("llama"), glue="flash")
     rt = DecodeRuntime.from_hf(tiny_model("llama"))
-    with pytest.raises(ValueError, match="attention must be one of"):
-        rt.configure(attention="flash")
-    assert rt.configure(attention="kernel").attention == "kernel"
+    assert rt.glue == "auto"
+    with pytest.raises(ValueError, match="glue must be one of"):
+        rt.configure(glue="flash")
+    assert rt.configure(glue="kernel").glue == "kernel"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_cpu_glue_gives_the_torch_glue_logits(family):
+    """On the CPU, glue "kernel" (native norms and attention: "auto" there) gives the torch glue's logits, batch 2,
+    dense and head-sparse (compact active heads), past gemma3's 16-position sliding window."""
+    from kernels import cpu
+
+    assert cpu.native_available(), "the native CPU kernels did not build (a C compiler with OpenMP is needed)"
+    m = tiny_model(family)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
+    for plan in (None, random_plan(m, 0.0, 0.5, rank=8, seed=4)):
+        out = {}
+        for glue in ("torch", "kernel"):
+            rt = DecodeRuntime.from_hf(m, glue=glue).set_plan(plan)
+            rt.setup(2, 24)
+            out[glue] = torch.stack([rt.prefill(ids)] + [rt.step(keep_logits=True) for _ in range(8)])
+        torch.testing.assert_close(out["kernel"], out["torch"], atol=2e-5, rtol=1e-4)
 
 
 def test_select_impl_torch_and_reference_backend():
