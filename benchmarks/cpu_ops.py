@@ -272,8 +272,9 @@ def decode_table(repeats: int, gen: int, prompt: int, sparsities: list[float], r
                  weights: str = "real", dense_rows: bool = False, methods: list[tuple[str, float]] | None = None,
                  calib_tokens: int = 2048, ppl_tokens: int = 0) -> list[Row]:
     """SmolLM2-135M (fp32) batch-1 greedy decode: every setting's steps timed one by one, the settings interleaved
-    round by round in this process; median ms/token and IQR over all steps of all rounds. Dense both ways (torch
-    matmuls; kernels.cpu's row kernels over every row); the sparse settings run their sparse FFN through
+    round by round in this process; median ms/token and IQR over all steps of all rounds. Dense three ways (torch
+    matmuls; kernels.cpu's row kernels over every row; the row kernels with the torch glue instead of the native
+    norms and attention); the sparse settings run their sparse FFN through
     kernels.cpu and the other projections the way ``dense_rows`` says. ``methods``: fitted plans instead (see the
     module doc), decoded from a held-out text prompt."""
     from workers.decode.latency import random_plan
@@ -294,20 +295,23 @@ def decode_table(repeats: int, gen: int, prompt: int, sparsities: list[float], r
         model = random_hf_model(tf.LlamaConfig(**SMOLLM2_SHAPE), torch.float32, "cpu")
     rt = DecodeRuntime.from_hf(model)
     D, nl = rt.dims.D, len(rt.layers)
-    settings = {"dense torch matmul": (None, False), "dense cpu kernels": (None, True)}
+    # (plan, cpu_rows, glue): the runtime's default glue on the CPU is the native norms and attention ("auto");
+    # "torch glue" rows are the same step with the torch functions, to show what the native glue saves
+    settings = {"dense torch matmul": (None, False, "auto"), "dense cpu kernels": (None, True, "auto"),
+                "dense cpu kernels torch glue": (None, True, "torch")}
     ppl = {}
     if methods:
         plans = fitted_plans(lm, methods, calib_tokens)
         for n, plan in plans.items():
-            settings[n] = (plan, dense_rows)
+            settings[n] = (plan, dense_rows, "auto")
         if ppl_tokens:
             ppl = plan_perplexity(lm, plans, ppl_tokens)
         sparsities = []
     for s in sparsities:      # the other projections as in the dense path chosen by dense_rows
         settings[f"mlp s={s} fixed set"] = (SparsityPlan(mlp={l: fixed_set_predictor(D, k_for(s, D), l)
-                                                                  for l in range(nl)}), dense_rows)
+                                                                  for l in range(nl)}), dense_rows, "auto")
         for r in ranks:
-            settings[f"mlp s={s} dejavu r={r}"] = (random_plan(model, s, None, rank=r, seed=1), dense_rows)
+            settings[f"mlp s={s} dejavu r={r}"] = (random_plan(model, s, None, rank=r, seed=1), dense_rows, "auto")
     if methods:               # input sparsity depends on the text: a held-out prompt, not random ids
         from workers.loading.data import token_windows
 
@@ -319,7 +323,9 @@ def decode_table(repeats: int, gen: int, prompt: int, sparsities: list[float], r
     names = list(settings)
     for r in range(repeats + 1):                         # round 0 warms up
         for n in (names if r % 2 == 0 else names[::-1]):
-            plan, rows_k = settings[n]
+            plan, rows_k, glue = settings[n]
+            if glue != rt.glue:
+                rt.configure(glue=glue)
             rt.configure(cpu_rows=rows_k)
             rt.set_plan(plan)
             rt.setup(1, prompt + gen)
@@ -331,7 +337,7 @@ def decode_table(repeats: int, gen: int, prompt: int, sparsities: list[float], r
                     times[n].append((time.perf_counter() - t0) * 1e3)
             sp = rt.realized_sparsity()
             sparsity[n] = sp.get("weights", sp.get("mlp"))
-    base = min(("dense cpu kernels", "dense torch matmul"), key=lambda n: statistics.median(times[n]))
+    base = min((n for n in names if n.startswith("dense")), key=lambda n: statistics.median(times[n]))
     rows = []
     print(f"decode: smollm2-135m ({weights} weights) fp32 batch 1, prompt {prompt}, {gen - 1} steps x {repeats} "
           f"rounds, {torch.get_num_threads()} threads; fastest dense: {base}")

@@ -103,3 +103,93 @@ def test_compact_heads_need_n_heads(device):
         with pytest.raises(ValueError, match="n_heads"):
             fn(q, kv, kv, cache, cache.clone(), torch.tensor([0], device=device),
                q_idx=torch.tensor([0, 1], dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("pos", [0, 37])
+@pytest.mark.parametrize("family", ["opt", "llama", "gemma"])
+@pytest.mark.parametrize("compact", [None, "fixed", "padded"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_cpu_native_matches_reference_in_fp64(heads, pos, family, compact, batch, gen):
+    """The CPU backend's one native call (fp32) against the reference evaluated in fp64 on the same inputs: the
+    output, the key and value written at pos, and nothing else of the cache touched."""
+    from kernels import cpu
+
+    assert cpu.native_available(), "the C compiler of this machine should build kernels/cpu_native.c"
+    H, KV = heads
+    (q, k, v, kc, vc, p), extra = _case(gen, F32, "cpu", batch, H, KV, pos, family, compact)
+    kc64, vc64 = kc.double(), vc.double()
+    want = R.decode_attention(q.double(), k.double(), v.double(), kc64, vc64, p, **extra)
+    got = cpu.decode_attention(q, k, v, kc, vc, p, **extra)
+    assert got.dtype == F32 and rel_err(got, want) < 1e-5, rel_err(got, want)
+    assert rel_err(kc, kc64) < 1e-6 and torch.equal(vc, vc64.float())
+    if "q_count" in extra:
+        assert torch.count_nonzero(got.view(batch, -1, HD)[:, int(extra["q_count"]):]) == 0
+
+
+def test_cpu_native_rejects_a_head_outside_the_range(gen):
+    from kernels import cpu
+
+    (q, k, v, kc, vc, p), extra = _case(gen, F32, "cpu", 1, 4, 2, 5, "llama", "fixed")
+    extra["q_idx"] = torch.tensor([1, 4], dtype=torch.int32)
+    kc0 = kc.clone()
+    with pytest.raises(IndexError, match="outside"):
+        cpu.decode_attention(q, k, v, kc, vc, p, **extra)
+    assert torch.equal(kc, kc0)       # checked before anything is written
+
+
+@pytest.mark.parametrize("one_plus", [False, True])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_cpu_native_rms_norms_match_reference(one_plus, batch, gen):
+    from kernels import cpu
+
+    x, y = rnd((batch, 72), gen, F32, "cpu"), rnd((batch, 72), gen, F32, "cpu")
+    w = 1 + 0.3 * rnd((72,), gen, F32, "cpu")
+    want_x, want_h = R.add_rms_norm(x.double(), y.double(), w.double(), 1e-6, one_plus)
+    x0 = x.clone()
+    got_x, got_h = cpu.add_rms_norm(x, y, w, 1e-6, one_plus)
+    assert rel_err(got_x, want_x) < 1e-7 and rel_err(got_h, want_h) < 1e-6
+    assert rel_err(cpu.rms_norm(x, w, 1e-6, one_plus), R.rms_norm(x.double(), w.double(), 1e-6, one_plus)) < 1e-6
+    assert torch.equal(x, x0)                 # the residual entering the layer is kept (the step reuses it)
+
+
+_COMPILE_SCRIPT = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.decode_attn_triton import _decode_attn_kernel as K
+
+ptr = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
+for dt, flags in (("fp16", (0, 0, 1, 0, 0)), ("bf16", (1, 1, 1, 1, 1)), ("fp32", (0, 0, 0, 0, 0))):
+    consts = dict(zip(("HAS_IDX", "HAS_COUNT", "ROPE", "NORM", "WINDOW"), map(bool, flags)), HD_PAD=128,
+                  BLOCK_N=64)
+    sig = {}
+    for name in K.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = {"pos_ptr": "*i64", "qidx_ptr": "*i32", "qcount_ptr": "*i32", "cos_ptr": "*fp32",
+                         "sin_ptr": "*fp32", "qn_ptr": "*fp32", "kn_ptr": "*fp32"}.get(name, ptr[dt])
+        else:
+            sig[name] = "fp32" if name == "eps" else "i32"
+    k = triton.compile(ASTSource(fn=K, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4})
+    assert k.asm["cubin"], dt
+print("OK")
+"""
+
+
+def test_triton_kernel_compiles_for_hopper():
+    """The interpreter runs the kernel's Python, not its compilation: compile it for sm_90 (Triton's own LLVM and
+    ptxas, no GPU needed) in fp16, bf16 and fp32, every optional part off and on."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
