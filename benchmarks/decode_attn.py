@@ -1,0 +1,97 @@
+"""One decode position's attention on a GPU: the one-launch Triton kernel (``kernels.ops.decode_attention``,
+the runtime's ``glue="kernel"``) against the torch function the runtime compiles (``glue="torch"``).
+
+    python -m benchmarks.decode_attn [--shapes llama2-7b,llama3-8b] [--prompts 128,1024] [--layers 32]
+        [--rounds 3] [--json NAME]
+
+Per shape, prompt length and head set (every head; half the heads, compact, as the head-sparse step passes
+them): ``--layers`` calls on as many separate caches (one per layer, like a decode step) captured in one CUDA
+graph, replayed; µs per layer, the median over ``--rounds`` rounds that alternate the order of the two paths.
+Both write the cache at the position and read the positions before it (RoPE from fp32 tables, fp16, batch 1).
+Also reports each case's relative error of the kernel against the torch function, and the KV bytes read per
+layer at the measured time (GB/s). Writes ``benchmarks/results/<--json>`` (default ``decode_attn.json``).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from benchmarks.harness import Row, command_line, device_name, time_graph, write_results
+from kernels import decode_attn_triton, reference
+from workers.decode.shapes import attn_shape
+
+
+def _case(shape: str, prompt: int, layers: int, heads: str, max_len: int):
+    _, H, KV, hd = attn_shape(shape)
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def r(*s):
+        return torch.randn(*s, device="cuda", generator=g, dtype=torch.float16)
+
+    caches = [(r(1, KV, max_len, hd), r(1, KV, max_len, hd)) for _ in range(layers)]
+    inv = 10000.0 ** (-torch.arange(0, hd, 2, device="cuda", dtype=torch.float32) / hd)
+    ang = torch.arange(max_len, device="cuda", dtype=torch.float32)[:, None] * inv[None, :]
+    ang = torch.cat([ang, ang], 1)
+    cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
+    S = H if heads == "all" else H // 2
+    qkv = r(1, (S + 2 * KV) * hd)
+    q = qkv[:, : S * hd].view(1, S, hd)
+    k = qkv[:, S * hd: (S + KV) * hd].view(1, KV, hd)
+    v = qkv[:, (S + KV) * hd:].view(1, KV, hd)
+    kw = dict(cos_t=cos, sin_t=sin)
+    if heads != "all":
+        kw.update(q_idx=torch.arange(0, H, 2, device="cuda", dtype=torch.int32),
+                  q_count=torch.tensor([S], device="cuda", dtype=torch.int32), n_heads=H)
+    pos = torch.tensor([prompt], device="cuda")
+    return q, k, v, caches, pos, kw, (H, KV, hd)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.decode_attn", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="llama2-7b,llama3-8b")
+    ap.add_argument("--prompts", default="128,1024")
+    ap.add_argument("--heads", default="all,half", help="all: every head; half: half of them, compact")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default="decode_attn.json")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks.decode_attn needs a CUDA GPU")
+        return 2
+    prompts = [int(p) for p in a.prompts.split(",")]
+    max_len = max(prompts) + 64
+    compiled = torch.compile(reference.decode_attention, dynamic=False, fullgraph=True)
+    impls = {"torch compiled": compiled, "kernel": decode_attn_triton.decode_attention}
+    dev, command, rows = device_name("cuda"), command_line("benchmarks.decode_attn"), []
+    for shape in a.shapes.split(","):
+        for heads in a.heads.split(","):
+            for P in prompts:
+                q, k, v, caches, pos, kw, (H, KV, hd) = _case(shape, P, a.layers, heads, max_len)
+                want = reference.decode_attention(q, k, v, *[c.clone() for c in caches[0]], pos, **kw)
+                got = decode_attn_triton.decode_attention(q, k, v, *[c.clone() for c in caches[0]], pos, **kw)
+                err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                times: dict[str, list[float]] = {n: [] for n in impls}
+                for rnd in range(a.rounds):
+                    for name in (list(impls) if rnd % 2 == 0 else list(impls)[::-1]):
+                        fn = impls[name]
+                        t = time_graph(lambda fn=fn: [fn(q, k, v, kc, vc, pos, **kw) for kc, vc in caches],
+                                       reps=20, per_replay=a.layers)
+                        times[name].append(t.median)
+                kv_bytes = 2 * KV * (P + 1) * hd * 2
+                for name, ts in times.items():
+                    us = statistics.median(ts)
+                    rows.append(Row.measured("decode_attn", name, unit="us", median=us, nbytes=kv_bytes, shape=shape,
+                                             dtype="fp16", batch=1, device=dev,
+                                             extra=dict(prompt_len=P, heads=heads, layers=a.layers, rounds=ts,
+                                                        rel_err_kernel_vs_torch=err)))
+                    print(f"{shape:<10} {heads:<5} P={P:<5} {name:<15} {us:7.2f} us/layer "
+                          f"({kv_bytes / us / 1e3:6.1f} GB/s of KV)  kernel err {err:.1e}", flush=True)
+                write_results(a.json, rows, command=command, meta=dict(max_len=max_len))
+    print(f"wrote {len(rows)} rows to {write_results(a.json, rows, command=command, meta=dict(max_len=max_len))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
