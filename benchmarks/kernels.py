@@ -468,7 +468,8 @@ def tune(args, copy_bw):
 
 # ---------------------------------------------------------------------------------------------
 def profile(args, copy_bw):
-    """Batch 1, llama2/llama3: whole fused op vs its reduce kernel alone (on a filled workspace)."""
+    """Batch 1, llama2/llama3: whole fused op vs its reduce kernel alone (on a filled workspace); the op with
+    the reduce launched by programmatic dependent launch (``pdl``; sm_90+, elsewhere the same launch)."""
     from kernels import configs as C
     from kernels import ffn_triton as T
 
@@ -482,8 +483,15 @@ def profile(args, copy_bw):
         for s in (0.5, 0.7, 0.9):
             k = int(round(D * (1 - s)))
             sets = make_sets(D, k, nl, gen)
-            t_all = time_layers([lambda i=i: T.sparse_ffn(xs[i], lay.w1[i], lay.w2[i], lay.wdt[i], sets[i], None,
-                                                          act) for i in range(nl)], args.reps).median
+            # the whole op, without and with programmatic dependent launch of the reduce, alternating 3 rounds
+            pdl_us = {False: [], True: []}
+            for rnd in range(3):
+                for pdl in ((False, True) if rnd % 2 == 0 else (True, False)):
+                    ov = {"fused": {"pdl": pdl}}
+                    pdl_us[pdl].append(time_layers(
+                        [lambda i=i, ov=ov: T.sparse_ffn(xs[i], lay.w1[i], lay.w2[i], lay.wdt[i], sets[i], None,
+                                                         act, config=ov) for i in range(nl)], args.reps).median)
+            t_all, t_pdl = statistics.median(pdl_us[False]), statistics.median(pdl_us[True])
             cfg = C.FUSED.get(1)
             if cfg is None:  # --apply-tuned chose the split path at batch 1: no fused op to split up
                 log("profile: batch 1 does not use the fused kernel with these configs; skipped")
@@ -496,9 +504,9 @@ def profile(args, copy_bw):
                                  for i in range(nl)], args.reps).median
             nb = ffn_bytes(d, k, True, 2, 1)
             log(f"profile {sname} s={s}: op {t_all:.1f} us = reduce alone {t_red:.1f} us + rest {t_all - t_red:.1f} us;"
-                f" bytes at copy BW {nb / copy_bw / 1e3:.1f} us; nsplit {nsplit}")
-            out.append(dict(shape=sname, s=s, us_op=t_all, us_reduce=t_red, nsplit=nsplit,
-                            us_bytes_at_copy_bw=nb / copy_bw / 1e3))
+                f" with PDL {t_pdl:.1f} us; bytes at copy BW {nb / copy_bw / 1e3:.1f} us; nsplit {nsplit}")
+            out.append(dict(shape=sname, s=s, us_op=t_all, us_op_pdl=t_pdl, us_reduce=t_red, nsplit=nsplit,
+                            us_bytes_at_copy_bw=nb / copy_bw / 1e3, rounds=pdl_us))
         lay.free()
     return out
 
@@ -524,7 +532,8 @@ def main(argv=None):
     ap.add_argument("--tune-sparsities", default="0.5,0.7,0.9")
     ap.add_argument("--apply-tuned", action="store_true", help="use the tuned configs for the rest of this run")
     ap.add_argument("--tune-ops", action="store_true", help="batch-1 whole-op tune: MLP and FFN, fused vs split")
-    ap.add_argument("--profile", action="store_true", help="batch-1 time split: fused kernel vs reduce kernel")
+    ap.add_argument("--profile", action="store_true",
+                    help="batch-1 time split: fused kernel vs reduce kernel; the op with PDL off/on")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU + Triton interpreter, tiny shapes: checks the script runs")
     args = ap.parse_args(argv)

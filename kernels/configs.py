@@ -37,8 +37,10 @@ FUSED_MAX_ELEMS = 8192  # B_PAD * D_PAD held as an fp32 accumulator per program
 # the fused kernel (BLOCK_R=2/8 warps/2 per SM and BLOCK_R=1/4 warps/3 per SM tie within noise; run 5 picked
 # the first); at batch 2 the split path with tensor-core tl.dot beat the fused kernel (217.6 vs 236.5 µs
 # summed over the tuned points), so FUSED has no entry for 2 and ffn_path() picks "split" there.
+# pdl: the reduce launched by programmatic dependent launch (sm_90+), so its launch overlaps the fused kernel's
+# tail; off until timed (python -m benchmarks.kernels --profile runs the op both ways).
 FUSED = {
-    1: dict(BLOCK_R=2, num_warps=8, progs_per_sm=2, early_down=True),
+    1: dict(BLOCK_R=2, num_warps=8, progs_per_sm=2, early_down=True, pdl=False),
 }
 GATHER = {  # gather-GEMV (gate/up, fc1, qkv): rows per program, d chunk (None: whole d), tl.dot for batch >= 2
     1: dict(BLOCK_R=2, BLOCK_K=None, num_warps=4),

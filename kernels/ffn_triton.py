@@ -86,11 +86,15 @@ def _fused_ffn_kernel(
     K, d, B,
     MODE: tl.constexpr, ACT: tl.constexpr, HAS_COUNT: tl.constexpr, HAS_BIAS: tl.constexpr,
     B_PAD: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr, EARLY_DOWN: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per split of the active rows: gate/up (or fc1) over whole rows, then the down
     rows accumulated into an fp32 [B_PAD, D_PAD] register accumulator -> ws[pid, b, :].
     EARLY_DOWN issues the W_down^T row loads together with the gate/up loads (they depend only on
-    idx), and the next block's indices are loaded one iteration ahead."""
+    idx), and the next block's indices are loaded one iteration ahead. PDL: let the reduce launch
+    (programmatic dependent launch, sm_90+) while this grid runs; the reduce waits for its end."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if HAS_COUNT:
@@ -186,8 +190,12 @@ def _gather_down_kernel(
 
 @triton.jit
 def _reduce_kernel(ws_ptr, bias_ptr, y_ptr, stride_yb, NSPLIT, B, d,
-                   HAS_BIAS: tl.constexpr, S_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """y[b, c] = sum_s ws[s, b, c] (+ bias[c]): one [S_PAD, BLOCK] tile, fixed reduction tree."""
+                   HAS_BIAS: tl.constexpr, S_PAD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """y[b, c] = sum_s ws[s, b, c] (+ bias[c]): one [S_PAD, BLOCK] tile, fixed reduction tree. PDL: launched
+    early (programmatic dependent launch); waits here until the partials' grid has finished and its writes
+    are visible."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)  # flat over B * d
     om = offs < B * d
@@ -310,13 +318,19 @@ def _launch_gather(x, w1, w2, b1, scale, idx, count, out, keep, thr, mode, act, 
     return out
 
 
-def _launch_reduce(ws, nsplit, bias, y, block=None):
+def _pdl(cfg, t) -> bool:
+    """Programmatic dependent launch for the reduce: asked for by the config (``pdl``), on CUDA sm_90+ only."""
+    return bool(cfg.get("pdl")) and t.device.type == "cuda" and torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
+def _launch_reduce(ws, nsplit, bias, y, block=None, pdl=False):
     B, d = y.shape
     s_pad = _np2(nsplit)
     block = block or max(16, min(1024, 8192 // s_pad))
     grid = (triton.cdiv(B * d, block),)
+    extra = dict(launch_pdl=True) if pdl else {}
     _reduce_kernel[grid](ws, bias if bias is not None else ws, y, y.stride(0), nsplit, B, d,
-                         HAS_BIAS=bias is not None, S_PAD=s_pad, BLOCK=block, num_warps=4)
+                         HAS_BIAS=bias is not None, S_PAD=s_pad, BLOCK=block, PDL=pdl, num_warps=4, **extra)
     return y
 
 
@@ -352,16 +366,17 @@ def _launch_fused(x, w1, w2, b1, scale, w_t, idx, count, bias2, mode, act, confi
     nsplit = cfg.get("nsplit") or cfg["progs_per_sm"] * C.sm_count(x)
     nsplit = max(1, min(nsplit, triton.cdiv(K, block_r)))
     ws = _c.empty((nsplit, B, d), x.device, torch.float32)
+    pdl = _pdl(cfg, x)
     _fused_ffn_kernel[(nsplit,)](
         x, x.stride(0), w1, w2 if w2 is not None else w1, b1 if b1 is not None else w1,
         scale if scale is not None else x, scale.stride(0) if scale is not None else 0,
         w_t, idx, count if count is not None else idx, ws, K, d, B,
         MODE=mode, ACT=act_code(act), HAS_COUNT=count is not None, HAS_BIAS=b1 is not None,
-        B_PAD=bp, BLOCK_R=block_r, D_PAD=_np2(d), EARLY_DOWN=cfg.get("early_down", True),
+        B_PAD=bp, BLOCK_R=block_r, D_PAD=_np2(d), EARLY_DOWN=cfg.get("early_down", True), PDL=pdl,
         num_warps=cfg["num_warps"],
     )
     y = _c.empty((B, d), x.device, x.dtype)
-    return _launch_reduce(ws, nsplit, bias2, y, cfg.get("reduce_block"))
+    return _launch_reduce(ws, nsplit, bias2, y, cfg.get("reduce_block"), pdl)
 
 
 def _check_count_dev(count, device):
