@@ -199,7 +199,8 @@ def main(argv=None):
                 dense_b = decode_bytes(rt, 0, 0, 0, ctx)
                 sp_b = decode_bytes(rt, mlp_s, hs or 0, a.rank, ctx, kv_mode=kv, input_sparsity=ins)
                 nbytes = sp_b["total"]
-                r.update(point=name if glue == glues[0] else f"{name} [glue {glue}]", glue=glue, mlp_sparsity=ms, head_sparsity_target=hs, bytes=sp_b,
+                r.update(point=name if glue == glues[0] else f"{name} [glue {glue}]", glue=glue, mlp_sparsity=ms,
+                         head_sparsity_target=hs, bytes=sp_b,
                          dense_bytes=dense_b["total"], ideal_speedup=dense_b["total"] / sp_b["total"],
                          floor_ms=sp_b["total"] / (bw * 1e9) * 1e3, floor_ms_4300=sp_b["total"] / 4.3e12 * 1e3,
                          wall_s=time.time() - t1)   # floor: the bytes at the measured copy bandwidth

@@ -22,7 +22,6 @@ reference path.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

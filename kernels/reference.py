@@ -211,7 +211,8 @@ def topk_select(scores, k):
 
 
 # ------------------------------------------------------------------------------------------------
-# one-token decode attention (the reference of kernels.decode_attn_triton.decode_attention)
+# decode-step glue: RMS norms and one-token attention (the reference of kernels.decode_attn_triton and of the
+# CPU backend's native glue)
 # ------------------------------------------------------------------------------------------------
 def rms_norm(x, w, eps: float, one_plus: bool = False):
     """RMS norm over the last dim in fp32: Llama's w * (x / rms(x)).to(x.dtype); ``one_plus`` (Gemma, ``w``
@@ -238,12 +239,14 @@ def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_n
     """One decode position. q [B, S, hd]: every query head (``q_idx`` None, S = H) or the compact active heads
     ``q_idx`` [S] of ``n_heads`` (the first ``q_count`` valid); k/v [B, KV, hd]; caches [B, KV', L, hd]
     (KV' >= KV); pos [1] int64 on the device. Query head i reads KV head i // (H / KV). Applies the q/k norms
-    (Gemma: ``rms_norm`` with ``one_plus``) and RoPE (rotate-half, tables [max_pos, hd] fp32), writes k/v at ``pos``, attends
-    over the positions <= pos (and inside the sliding ``window``). Scores are not scaled (the scale is folded
-    into the weights). ``valid`` [B, KV, L] bool: an extra per-(head, position) mask. Returns [B, S * hd];
-    compact rows j >= q_count hold 0."""
+    (Gemma: ``rms_norm`` with ``one_plus``) and RoPE (rotate-half, tables [max_pos, hd] fp32), writes k/v at
+    ``pos``, attends over the positions <= pos (and inside the sliding ``window``). Scores are not scaled (the
+    scale is folded into the weights). ``valid`` [B, KV, L] bool: an extra per-(head, position) mask. Returns
+    [B, S * hd]; compact rows j >= q_count hold 0."""
     B, S, hd = q.shape
     KV = k.shape[1]
+    if q_idx is not None and n_heads is None:
+        raise ValueError("decode_attention: compact query heads (q_idx) need n_heads")
     if q_norm is not None:
         q = rms_norm(q, q_norm, eps, one_plus=True)
         k = rms_norm(k, k_norm, eps, one_plus=True)
@@ -256,8 +259,6 @@ def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_n
     kc.index_copy_(2, pos, k.unsqueeze(2))
     vc.index_copy_(2, pos, v.unsqueeze(2))
     if q_idx is not None:   # the active heads in their places (the rest zero; slots past q_count to a spare row)
-        if n_heads is None:
-            raise ValueError("decode_attention: compact query heads (q_idx) need n_heads")
         ok = (torch.arange(S, device=q.device) < q_count) if q_count is not None else None
         tgt = q_idx.long() if ok is None else torch.where(ok, q_idx.long(), n_heads)
         q = torch.zeros(B, n_heads + 1, hd, device=q.device, dtype=q.dtype).index_copy_(1, tgt, q)[:, :n_heads]

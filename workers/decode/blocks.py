@@ -178,7 +178,7 @@ class Blocks:
         skipped (head, position) entries masked out of later attention (kv_mode "active")."""
         dims = self.w.dims
         H, KV, hd = dims.n_heads, dims.n_kv_heads, dims.head_dim
-        B, Kq, dev = h.shape[0], q_idx.shape[0], h.device
+        B, dev = h.shape[0], h.device
         exact = cache.valid is None
         if exact:
             kv_idx, kv_count = self.kv_all, None

@@ -38,9 +38,9 @@ import time
 
 import torch
 
+from kernels.reference import rot_half
 from workers.decode import weights as weights_mod
 from workers.decode.blocks import Blocks
-from kernels.reference import rot_half
 from workers.decode.glue import EAGER, attn_prefill, check_glue, glue_fns, norm, resolve_glue
 from workers.decode.kv_cache import KVCache
 from workers.decode.plan import RuntimePlan
