@@ -5,8 +5,10 @@ the runtime's ``glue="kernel"``) against the torch function the runtime compiles
         [--rounds 3] [--json NAME]
 
 Per shape, prompt length and head set (every head; half the heads, compact, as the head-sparse step passes
-them): ``--layers`` calls on as many separate caches (one per layer, like a decode step) captured in one CUDA
-graph, replayed; µs per layer, the median over ``--rounds`` rounds that alternate the order of the two paths.
+them): ``--layers`` calls on as many separate caches (one per layer, like a decode step; each cache holds the
+prompt plus 64 positions, as the runtime sizes it) captured in one CUDA graph, replayed; µs per layer, the
+median over ``--rounds`` rounds that alternate the order of the paths. The kernel runs with its own choice of
+cache splits (flash-decoding above MIN_CHUNK positions per split) and with one split.
 Both write the cache at the position and read the positions before it (RoPE from fp32 tables, fp16, batch 1).
 Also reports each case's relative error of the kernel against the torch function, and the KV bytes read per
 layer at the measured time (GB/s). Writes ``benchmarks/results/<--json>`` (default ``decode_attn.json``).
@@ -61,14 +63,19 @@ def main(argv=None) -> int:
         print("benchmarks.decode_attn needs a CUDA GPU")
         return 2
     prompts = [int(p) for p in a.prompts.split(",")]
-    max_len = max(prompts) + 64
     compiled = torch.compile(reference.decode_attention, dynamic=False, fullgraph=True)
-    impls = {"torch compiled": compiled, "kernel": decode_attn_triton.decode_attention}
+
+    def one_split(*args, **kw):
+        return decode_attn_triton.decode_attention(*args, **kw, config={"nsplit": 1})
+
+    impls = {"torch compiled": compiled, "kernel": decode_attn_triton.decode_attention, "kernel 1 split": one_split}
     dev, command, rows = device_name("cuda"), command_line("benchmarks.decode_attn"), []
     for shape in a.shapes.split(","):
         for heads in a.heads.split(","):
             for P in prompts:
+                max_len = P + 64
                 q, k, v, caches, pos, kw, (H, KV, hd) = _case(shape, P, a.layers, heads, max_len)
+                nsplit = decode_attn_triton.splits_for(1, q.shape[1], max_len, q.device)
                 want = reference.decode_attention(q, k, v, *[c.clone() for c in caches[0]], pos, **kw)
                 got = decode_attn_triton.decode_attention(q, k, v, *[c.clone() for c in caches[0]], pos, **kw)
                 err = ((got.float() - want.float()).norm() / want.float().norm()).item()
@@ -85,11 +92,13 @@ def main(argv=None) -> int:
                     rows.append(Row.measured("decode_attn", name, unit="us", median=us, nbytes=kv_bytes, shape=shape,
                                              dtype="fp16", batch=1, device=dev,
                                              extra=dict(prompt_len=P, heads=heads, layers=a.layers, rounds=ts,
+                                                        max_len=max_len, kernel_nsplit=nsplit,
                                                         rel_err_kernel_vs_torch=err)))
                     print(f"{shape:<10} {heads:<5} P={P:<5} {name:<15} {us:7.2f} us/layer "
-                          f"({kv_bytes / us / 1e3:6.1f} GB/s of KV)  kernel err {err:.1e}", flush=True)
-                write_results(a.json, rows, command=command, meta=dict(max_len=max_len))
-    print(f"wrote {len(rows)} rows to {write_results(a.json, rows, command=command, meta=dict(max_len=max_len))}")
+                          f"({kv_bytes / us / 1e3:6.1f} GB/s of KV)  kernel err {err:.1e}, {nsplit} split(s)",
+                          flush=True)
+                write_results(a.json, rows, command=command)
+    print(f"wrote {len(rows)} rows to {write_results(a.json, rows, command=command)}")
     return 0
 
 

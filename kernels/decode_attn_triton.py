@@ -13,6 +13,11 @@ head scatter/gather of the head-sparse path). Here it is one launch over a (batc
   sliding ``window``), and takes position ``pos`` itself from the new key/value in registers;
 * programs ``S <= j < S + KV`` write the KV heads' normed, rotated keys and values at ``pos``.
 
+Long caches with few query programs split the cached positions over a third grid axis (flash-decoding): each
+split writes its running max, weight sum and unnormalized output to an fp32 workspace and a second launch
+combines the splits in a fixed order (``splits_for``: two programs per SM, chunks of at least MIN_CHUNK positions;
+``config={"nsplit": n}`` forces n). The result does not depend on timing: the same inputs give the same bits.
+
 No program reads what another writes in the same launch, so there is no race and no ordering to rely on; the
 cache holds exactly the bits the query programs used for position ``pos``. Intermediate roundings follow the
 reference (norm, then each RoPE product and their sum rounded to the activation dtype; scores rounded to it
@@ -22,10 +27,12 @@ reference path.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from . import common as _c
+from . import configs as C
 from . import reference as _ref
 
 
@@ -53,13 +60,19 @@ def _prep(ptr, w_ptr, d, dr, dm, sign, cos, sin, hd, eps, ROPE: tl.constexpr, NO
 def _decode_attn_kernel(
     q_ptr, sq_b, sq_h, k_ptr, sk_b, sk_h, v_ptr, sv_b, sv_h,
     kc_ptr, vc_ptr, sc_b, sc_h, sc_l,
-    pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, qidx_ptr, qcount_ptr, out_ptr, so_b,
-    S, GROUP, hd, eps, window,
+    pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, qidx_ptr, qcount_ptr, out_ptr, so_b, ws_ptr,
+    S, GROUP, hd, eps, window, CHUNK,
     HAS_IDX: tl.constexpr, HAS_COUNT: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
-    WINDOW: tl.constexpr, HD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr, SPLIT: tl.constexpr, HD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """Grid (B, S + KV, NSPLIT). SPLIT: query program (b, j, sp) covers the cached positions
+    [lo + sp * CHUNK, lo + (sp + 1) * CHUNK) and writes its running max, weight sum and unnormalized output to
+    ws[b, j, sp] = (acc[0:hd], m, l) for _combine_kernel; split 0 also takes position pos. Else one program per
+    slot writes the output itself."""
     b = tl.program_id(0)
     j = tl.program_id(1)
+    sp = tl.program_id(2)
+    nsp = tl.num_programs(2)
     pos = tl.load(pos_ptr).to(tl.int32)
     d = tl.arange(0, HD_PAD)
     dm = d < hd
@@ -75,56 +88,101 @@ def _decode_attn_kernel(
     cb = kc_ptr + b * sc_b
     vb = vc_ptr + b * sc_b
     if j >= S:                                          # a writer: KV head g's key and value at pos
-        g = j - S
-        kx = _prep(k_ptr + b * sk_b + g * sk_h, kn_ptr, d, dr, dm, sign, cos, sin, hd, eps, ROPE, NORM)
-        vx = tl.load(v_ptr + b * sv_b + g * sv_h + d, mask=dm, other=0.0)
-        tl.store(cb + g * sc_h + pos * sc_l + d, kx.to(dt), mask=dm)
-        tl.store(vb + g * sc_h + pos * sc_l + d, vx, mask=dm)
+        if sp == 0:
+            g = j - S
+            kx = _prep(k_ptr + b * sk_b + g * sk_h, kn_ptr, d, dr, dm, sign, cos, sin, hd, eps, ROPE, NORM)
+            vx = tl.load(v_ptr + b * sv_b + g * sv_h + d, mask=dm, other=0.0)
+            tl.store(cb + g * sc_h + pos * sc_l + d, kx.to(dt), mask=dm)
+            tl.store(vb + g * sc_h + pos * sc_l + d, vx, mask=dm)
     else:
         active = True
         if HAS_COUNT:
             active = j < tl.load(qcount_ptr).to(tl.int32)
+        m = float("-inf")
+        l_sum = 0.0
+        acc = tl.zeros([HD_PAD], dtype=tl.float32)
         if active:
             head = j
             if HAS_IDX:
                 head = tl.load(qidx_ptr + j).to(tl.int32)
             g = head // GROUP
             qx = _prep(q_ptr + b * sq_b + j * sq_h, qn_ptr, d, dr, dm, sign, cos, sin, hd, eps, ROPE, NORM)
-            kx = _prep(k_ptr + b * sk_b + g * sk_h, kn_ptr, d, dr, dm, sign, cos, sin, hd, eps, ROPE, NORM)
-            # position pos from registers: the running max starts at its score, its weight at 1
-            m = tl.sum(qx * kx, axis=0).to(dt).to(tl.float32)
-            l_sum = m * 0.0 + 1.0
-            acc = tl.load(v_ptr + b * sv_b + g * sv_h + d, mask=dm, other=0.0).to(tl.float32)
             lo = 0
             if WINDOW:
                 lo = tl.maximum(pos - window + 1, 0)
+            end = pos
+            if SPLIT:
+                lo = lo + sp * CHUNK
+                end = tl.minimum(lo + CHUNK, pos)
+            if sp == 0:   # position pos from registers: the running max starts at its score, its weight at 1
+                kx = _prep(k_ptr + b * sk_b + g * sk_h, kn_ptr, d, dr, dm, sign, cos, sin, hd, eps, ROPE, NORM)
+                m = tl.sum(qx * kx, axis=0).to(dt).to(tl.float32)
+                l_sum = m * 0.0 + 1.0
+                acc = tl.load(v_ptr + b * sv_b + g * sv_h + d, mask=dm, other=0.0).to(tl.float32)
             kh = cb + g * sc_h
             vh = vb + g * sc_h
-            for n0 in range(lo, pos, BLOCK_N):
+            for n0 in range(lo, end, BLOCK_N):
                 n = n0 + tl.arange(0, BLOCK_N)
-                nm = n < pos
+                nm = n < end
                 off = n[:, None] * sc_l + d[None, :]
                 tm = nm[:, None] & dm[None, :]
                 kt = tl.load(kh + off, mask=tm, other=0.0).to(tl.float32)
                 s = tl.sum(kt * qx[None, :], axis=1).to(dt).to(tl.float32)
                 s = tl.where(nm, s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, axis=0))
+                m_new = tl.maximum(m, tl.max(s, axis=0))    # finite: n0 < end, so one score is valid
                 alpha = tl.exp(m - m_new)
                 p = tl.exp(s - m_new)
                 vt = tl.load(vh + off, mask=tm, other=0.0).to(tl.float32)
                 l_sum = l_sum * alpha + tl.sum(p, axis=0)
                 acc = acc * alpha + tl.sum(p[:, None] * vt, axis=0)
                 m = m_new
-            o = acc / l_sum
+        if SPLIT:
+            w = ws_ptr + ((b * S + j) * nsp + sp) * (hd + 2)
+            tl.store(w + d, acc, mask=dm)
+            tl.store(w + hd, m)
+            tl.store(w + hd + 1, l_sum)
         else:
-            o = tl.zeros([HD_PAD], dtype=tl.float32)
-        tl.store(out_ptr + b * so_b + j * hd + d, o.to(dt), mask=dm)
+            o = tl.where(l_sum > 0, acc / tl.maximum(l_sum, 1e-30), 0.0)   # inactive slots: 0
+            tl.store(out_ptr + b * so_b + j * hd + d, o.to(dt), mask=dm)
+
+
+@triton.jit
+def _combine_kernel(ws_ptr, out_ptr, so_b, S, hd, NSPLIT, HD_PAD: tl.constexpr, SP_PAD: tl.constexpr):
+    """out[b, j] = sum_sp e^(m_sp - M) acc_sp / sum_sp e^(m_sp - M) l_sp over the splits, in split order
+    (M the largest m; a slot with nothing attended, l = 0 everywhere, gets 0)."""
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    d = tl.arange(0, HD_PAD)
+    dm = d < hd
+    sp = tl.arange(0, SP_PAD)
+    spm = sp < NSPLIT
+    w = ws_ptr + ((b * S + j) * NSPLIT + sp) * (hd + 2)
+    m = tl.load(w + hd, mask=spm, other=float("-inf"))
+    lw = tl.load(w + hd + 1, mask=spm, other=0.0)
+    acc = tl.load(w[:, None] + d[None, :], mask=spm[:, None] & dm[None, :], other=0.0)
+    big = tl.max(m, axis=0)
+    big = tl.where(big == float("-inf"), 0.0, big)
+    e = tl.where(spm & (lw > 0), tl.exp(m - big), 0.0)
+    den = tl.sum(e * lw, axis=0)
+    o = tl.sum(e[:, None] * acc, axis=0)
+    o = tl.where(den > 0, o / tl.maximum(den, 1e-30), 0.0)
+    tl.store(out_ptr + b * so_b + j * hd + d, o.to(out_ptr.dtype.element_ty), mask=dm)
 
 
 def _block_n(hd_pad: int) -> int:
     """Cached positions per iteration: a [BLOCK_N, hd] fp32 tile of K and of V stays within 64 registers a
     thread at 4 warps."""
     return max(16, 8192 // hd_pad)
+
+
+MIN_CHUNK = 256      # cached positions per split at least: below that a split costs more than it spreads
+
+
+def splits_for(B: int, S: int, L: int, device) -> int:
+    """Splits of the cached positions (flash-decoding): enough programs for two per SM, never chunks shorter
+    than MIN_CHUNK of the cache's length. 1 (one launch, no workspace) for short caches and wide batches."""
+    want = max(1, (2 * C.sm_count(torch.empty(0, device=device))) // max(1, B * S))
+    return max(1, min(want, triton.cdiv(L, MIN_CHUNK)))
 
 
 def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_norm=None, k_norm=None,
@@ -152,16 +210,24 @@ def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_n
     out = _c.empty((B, S * hd), q.device, q.dtype)
     hd_pad = triton.next_power_of_2(hd)
     cfg = {"BLOCK_N": _block_n(hd_pad), "num_warps": 4, **(config or {})}
+    L = k_cache.shape[2]
+    nsplit = max(1, int(cfg.get("nsplit") or splits_for(B, S, L, q.device)))
+    block_n = cfg["BLOCK_N"]
+    chunk = triton.cdiv(triton.cdiv(L, nsplit), block_n) * block_n
+    ws = _c.empty((B, S, nsplit, hd + 2), q.device, torch.float32) if nsplit > 1 else out
     dummy = q
-    _decode_attn_kernel[(B, S + KV)](
+    _decode_attn_kernel[(B, S + KV, nsplit)](
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         pos, cos_t if cos_t is not None else dummy, sin_t if sin_t is not None else dummy,
         q_norm if q_norm is not None else dummy, k_norm if k_norm is not None else dummy,
-        q_idx if q_idx is not None else pos, q_count if q_count is not None else pos, out, out.stride(0),
-        S, H // KV, hd, float(eps), int(window or 0),
+        q_idx if q_idx is not None else pos, q_count if q_count is not None else pos, out, out.stride(0), ws,
+        S, H // KV, hd, float(eps), int(window or 0), chunk,
         HAS_IDX=q_idx is not None, HAS_COUNT=q_count is not None, ROPE=cos_t is not None,
-        NORM=q_norm is not None, WINDOW=window is not None, HD_PAD=hd_pad, BLOCK_N=cfg["BLOCK_N"],
+        NORM=q_norm is not None, WINDOW=window is not None, SPLIT=nsplit > 1, HD_PAD=hd_pad, BLOCK_N=block_n,
         num_warps=cfg["num_warps"],
     )
+    if nsplit > 1:
+        _combine_kernel[(B, S)](ws, out, out.stride(0), S, hd, nsplit, HD_PAD=hd_pad,
+                                SP_PAD=triton.next_power_of_2(nsplit), num_warps=4)
     return out

@@ -10,11 +10,11 @@ _SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels.decode_attn_triton import _decode_attn_kernel
+from kernels.decode_attn_triton import _combine_kernel, _decode_attn_kernel
 from kernels.ffn_triton import _fused_ffn_kernel, _reduce_kernel
 
 INT_PTRS = {"pos_ptr": "*i64", "qidx_ptr": "*i32", "qcount_ptr": "*i32", "idx_ptr": "*i32", "count_ptr": "*i32"}
-F32_PTRS = {"cos_ptr", "sin_ptr", "qn_ptr", "kn_ptr", "ws_ptr", "b1_ptr", "s_ptr", "bias_ptr"}
+F32_PTRS = {"cos_ptr", "sin_ptr", "qn_ptr", "kn_ptr", "ws_ptr", "b1_ptr", "s_ptr", "bias_ptr"}  # the rest: dt
 FLOATS = {"eps"}
 
 
@@ -32,11 +32,13 @@ def compile_sm90(kernel, dt, consts, **options):
     assert k.asm["cubin"], (kernel.__name__, dt, consts)
 
 
-# decode attention: fp16 / bf16 / fp32, every optional part off and on
-for dt, flags in (("fp16", (0, 0, 1, 0, 0)), ("bf16", (1, 1, 1, 1, 1)), ("fp32", (0, 0, 0, 0, 0))):
-    consts = dict(zip(("HAS_IDX", "HAS_COUNT", "ROPE", "NORM", "WINDOW"), map(bool, flags)), HD_PAD=128,
+# decode attention: fp16 / bf16 / fp32, every optional part off and on, one program or split + combine
+for dt, flags in (("fp16", (0, 0, 1, 0, 0, 0)), ("bf16", (1, 1, 1, 1, 1, 1)), ("fp32", (0, 0, 0, 0, 0, 1)),
+                  ("fp16", (1, 1, 1, 0, 0, 1))):
+    consts = dict(zip(("HAS_IDX", "HAS_COUNT", "ROPE", "NORM", "WINDOW", "SPLIT"), map(bool, flags)), HD_PAD=128,
                   BLOCK_N=64)
     compile_sm90(_decode_attn_kernel, dt, consts)
+    compile_sm90(_combine_kernel, dt, dict(HD_PAD=128, SP_PAD=8))
 # the fused FFN kernel and its reduce with programmatic dependent launch
 for pdl in (False, True):
     compile_sm90(_fused_ffn_kernel, "fp16", dict(MODE=1, ACT=2, HAS_COUNT=True, HAS_BIAS=False, B_PAD=1,

@@ -74,6 +74,23 @@ def test_matches_reference(dtype, heads, pos, family, compact, batch, device, ge
         assert torch.count_nonzero(got.view(batch, -1, HD)[:, n:]) == 0
 
 
+@pytest.mark.parametrize("nsplit", [2, 3, 5])
+@pytest.mark.parametrize("pos,family,compact", [(37, "llama", None), (37, "gemma", "padded"), (0, "opt", "fixed"),
+                                                (20, "gemma", None)])
+def test_split_cache_matches_reference(nsplit, pos, family, compact, device, gen, poison):
+    """Flash-decoding: the cached positions split over programs and combined in a second launch give the
+    reference's result (splits past pos attend to nothing; with the window, splits start at its first
+    position); not the bits of one split (another summation order), but the same bits on every call."""
+    (q, k, v, kc, vc, p), extra = _case(gen, F16, device, 2, 4, 2, pos, family, compact)
+    want = R.decode_attention(q, k, v, kc.clone(), vc.clone(), p, **extra)
+    outs = [T.decode_attention(q, k, v, kc.clone(), vc.clone(), p, **extra, config={"BLOCK_N": 16, "nsplit": nsplit})
+            for _ in range(2)]
+    assert rel_err(outs[0], want) < ATTN_TOL[F16], rel_err(outs[0], want)
+    assert torch.equal(outs[0], outs[1])
+    if "q_count" in extra:
+        assert torch.count_nonzero(outs[0].view(2, -1, HD)[:, int(extra["q_count"]):]) == 0
+
+
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 @pytest.mark.parametrize("window", [None, 4])
 def test_equal_scores_average_the_values(impl, window, device):
