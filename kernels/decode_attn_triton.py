@@ -178,10 +178,11 @@ def _block_n(hd_pad: int) -> int:
 MIN_CHUNK = 256      # cached positions per split at least: below that a split costs more than it spreads
 
 
-def splits_for(B: int, S: int, L: int, device) -> int:
-    """Splits of the cached positions (flash-decoding): enough programs for two per SM, never chunks shorter
-    than MIN_CHUNK of the cache's length. 1 (one launch, no workspace) for short caches and wide batches."""
-    want = max(1, (2 * C.sm_count(torch.empty(0, device=device))) // max(1, B * S))
+def splits_for(B: int, S: int, L: int, t: torch.Tensor) -> int:
+    """Splits of the cached positions (flash-decoding) for query programs on ``t``'s device: enough programs for
+    two per SM, never chunks shorter than MIN_CHUNK of the cache's length L. 1 (one launch, no workspace) for
+    short caches and wide batches."""
+    want = max(1, (2 * C.sm_count(t)) // max(1, B * S))
     return max(1, min(want, triton.cdiv(L, MIN_CHUNK)))
 
 
@@ -211,7 +212,7 @@ def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_n
     hd_pad = triton.next_power_of_2(hd)
     cfg = {"BLOCK_N": _block_n(hd_pad), "num_warps": 4, **(config or {})}
     L = k_cache.shape[2]
-    nsplit = max(1, int(cfg.get("nsplit") or splits_for(B, S, L, q.device)))
+    nsplit = max(1, int(cfg.get("nsplit") or splits_for(B, S, L, q)))
     block_n = cfg["BLOCK_N"]
     chunk = triton.cdiv(triton.cdiv(L, nsplit), block_n) * block_n
     ws = _c.empty((B, S, nsplit, hd + 2), q.device, torch.float32) if nsplit > 1 else out
