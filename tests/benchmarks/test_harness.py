@@ -144,7 +144,8 @@ def test_script_main_parses_help(module, capsys):
     assert out.startswith("usage:") and "--help" in out
 
 
-@pytest.mark.parametrize("module", ["benchmarks.kernels", "benchmarks.decode"])
+@pytest.mark.parametrize("module", ["benchmarks.kernels", "benchmarks.decode", "benchmarks.decode_attn",
+                                    "benchmarks.layer_costs"])
 def test_gpu_scripts_without_a_gpu_exit_2(module, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert importlib.import_module(module).main(["--json", "never.json"]) == 2
@@ -158,3 +159,18 @@ def test_harness_and_gpu_scripts_import_no_service_packages():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_layer_costs_smoke_names_every_part_and_the_step(tmp_path):
+    """benchmarks.layer_costs on the CPU (a tiny random Llama): a row per part with a positive time, the LM head,
+    and the dense step with each glue beside its parts' sum."""
+    from benchmarks import layer_costs
+
+    out = tmp_path / "lc.json"
+    assert layer_costs.main(["--smoke", "--json", str(out)]) == 0
+    meta, rows = H.read_results(out)
+    names = {r.op for r in rows}
+    assert {"add + norm", "qkv", "attention, torch compiled", "attention, kernel", "o", "ffn dense", "ffn s=0.5",
+            "ffn s=0.9", "mlp predictor + top-k", "lm head + argmax (per step)"} <= names
+    assert all(r.median > 0 for r in rows)
+    assert meta["step_us_glue_torch"] > 0 and meta["step_us_glue_kernel"] > 0

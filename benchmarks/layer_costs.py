@@ -1,0 +1,155 @@
+"""Where a decode step's time goes: each part of a decoder layer timed alone, per layer, against the time its
+bytes take at the measured copy bandwidth; and the whole step beside their sum.
+
+    python -m benchmarks.layer_costs [--shape llama2-7b] [--prompt 128] [--reps 30] [--json NAME]
+    python -m benchmarks.layer_costs --smoke      # CPU, a tiny random Llama: checks the script runs
+
+Every part runs on the runtime's own weights of every layer in turn (so no part is served from L2), the calls
+of all layers in one CUDA graph, replayed ``--reps`` times; µs per layer is the replay time over the layer
+count (``benchmarks.harness.time_graph``). Parts (batch 1): the residual add + norm (the compiled glue), the
+QKV and O projections, the attention over a cache of ``--prompt`` positions (the compiled torch function and
+the one-launch kernel, ``glue`` "torch" / "kernel"), the FFN dense (the runtime's dense path) and on random
+active sets of 50 % and 10 % of the neurons (the fused kernel + reduce, without and with programmatic dependent
+launch), the Deja Vu predictor GEMVs + top-k of one layer's set, and the LM head + argmax once per step. The
+step itself is ``bench_decode``'s p50 for the dense runtime with each glue. "unexplained" is the step per
+layer minus the dense parts' sum: launch gaps and what the graph cannot overlap. Writes
+``benchmarks/results/<--json>`` (default ``layer_costs_<shape>.json``).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.harness import Row, command_line, copy_bandwidth, device_name, time_graph, write_results
+from kernels import ops
+from workers.decode.glue import glue_fns
+from workers.decode.latency import bench_decode, random_plan, shape_model
+from workers.decode.runtime import DecodeRuntime
+
+
+def _random_sets(D: int, k: int, n: int, device) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randperm(D, generator=g)[:k].sort().values.to(torch.int32).to(device) for _ in range(n)]
+
+
+@torch.no_grad()
+def layer_parts(rt: DecodeRuntime, model, prompt: int) -> dict[str, tuple[list, float]]:
+    """{part: (one call per layer, bytes each call must read)} on ``rt``'s weights (``model``: the HF model they
+    came from, for the random predictors); the cache filled to ``prompt`` positions."""
+    w, b, dims = rt.weights, rt.blocks, rt.dims
+    dev, dt, es = w.device, w.dtype, w.lm_head.element_size()
+    d, D, H, KV, hd = dims.d, dims.D, dims.n_heads, dims.n_kv_heads, dims.head_dim
+    nk, eps, layers = w.norm_kind, w.eps, w.layers
+    rt.set_plan(None)
+    rt.setup(1, prompt + 8)
+    rt.prefill(torch.zeros(1, prompt, dtype=torch.long, device=dev))
+    cache = rt.cache
+    compiled = glue_fns(dev.type == "cuda", "torch")
+    x = torch.randn(1, d, device=dev, dtype=dt)
+    y = torch.randn(1, d, device=dev, dtype=dt)
+    h = torch.randn(1, d, device=dev, dtype=dt)
+    a = torch.randn(1, H * hd, device=dev, dtype=dt)
+    qkv = torch.randn(1, (H + 2 * KV) * hd, device=dev, dtype=dt)
+    q, k, v = (qkv[:, : H * hd].view(1, H, hd), qkv[:, H * hd: (H + KV) * hd].view(1, KV, hd),
+               qkv[:, (H + KV) * hd:].view(1, KV, hd))
+    kv_bytes = 2 * KV * (prompt + 1) * hd * es
+
+    def attn(fn):
+        return [lambda l=l, L=L: fn(q, k, v, cache.k[l], cache.v[l], cache.pos, *(L.rope or (None, None)), L.qn,
+                                    L.kn, eps, L.window) for l, L in enumerate(layers)]
+
+    parts = {
+        "add + norm": ([lambda L=L: compiled["add_norm"](x, y, L.n2, L.n2b, nk, eps) for L in layers], 0.0),
+        "qkv": ([lambda L=L: b.linear(h, L.w_qkv, L.b_qkv) for L in layers], layers[0].w_qkv.numel() * es),
+        "attention, torch compiled": (attn(compiled["attn"]), kv_bytes),
+        "attention, kernel": (attn(ops.decode_attention), kv_bytes),
+        "o": ([lambda L=L: b.linear_t(a, L.w_o_t, L.b_o) for L in layers], layers[0].w_o_t.numel() * es),
+        "ffn dense": ([lambda L=L: b.ffn_dense_(L, h, compiled["act_mul"]) for L in layers],
+                      (3 if w.gated else 2) * d * D * es),
+    }
+    if w.gated:
+        ffn = ops.backend(h).sparse_ffn
+        for s in (0.5, 0.9):
+            kk = max(1, int(round(D * (1 - s))))
+            sets = _random_sets(D, kk, len(layers), dev)
+            for pdl in ((False, True) if dev.type == "cuda" else (False,)):
+                cfg = {"fused": {"pdl": pdl}}
+                parts[f"ffn s={s}" + (" pdl" if pdl else "")] = (
+                    [lambda L=L, i=i, cfg=cfg: ffn(h, L.w_gate, L.w_up, L.w_down_t, sets[i], None, w.act, config=cfg)
+                     for i, L in enumerate(layers)], 3 * d * kk * es)
+    rt.set_plan(random_plan(model, 0.5, None, rank=256))
+    preds = [rt.sparse_plan.mlp[l] for l in range(len(layers))]
+    parts["mlp predictor + top-k"] = ([lambda p=p: rt.selector.select(p, x, D) for p in preds], 256 * (d + D) * es)
+    rt.set_plan(None)
+    return parts
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.layer_costs", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="llama2-7b")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--gen", type=int, default=32, help="tokens of the whole-step timing")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true", help="CPU, a tiny random Llama: checks the script runs")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        import transformers as tf
+
+        from workers.decode.weights import random_hf_model
+
+        dev = "cpu"
+        model = random_hf_model(tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+                                torch.float32, dev)
+        a.reps, a.gen, a.prompt = 2, 4, min(a.prompt, 16)
+        bw = None
+    elif not torch.cuda.is_available():
+        print("benchmarks.layer_costs needs a CUDA GPU (or --smoke)")
+        return 2
+    else:
+        dev = "cuda"
+        model = shape_model(a.shape)
+        bw = copy_bandwidth()
+    rt = DecodeRuntime.from_hf(model)
+    nl = len(rt.layers)
+    rows, accel = [], device_name(dev) if dev == "cuda" else "cpu"
+    meta = dict(shape=a.shape if not a.smoke else "tiny", prompt=a.prompt, layers=nl,
+                copy_bw_gbps=None if bw is None else round(bw, 1))
+    out = a.json or f"layer_costs_{meta['shape']}.json"
+    us: dict[str, float] = {}
+    for name, (calls, nbytes) in layer_parts(rt, model, a.prompt).items():
+        t = time_graph(lambda calls=calls: [c() for c in calls], reps=a.reps, per_replay=len(calls), device=dev)
+        us[name] = t.median
+        rows.append(Row.measured("layer_costs", name, t, nbytes=nbytes or None, copy_bw_gbps=bw,
+                                 shape=meta["shape"], device=accel,
+                                 extra=dict(us_at_copy_bw=nbytes / bw / 1e3 if bw else None)))
+        floor = f"{nbytes / bw / 1e3:7.2f}" if bw else "      -"
+        print(f"{name:<28} {t.median:8.2f} us/layer   bytes at copy bw {floor} us", flush=True)
+    h = torch.randn(1, rt.dims.d, device=dev, dtype=rt.dtype)
+    head = time_graph(lambda: rt.blocks.logits(h).argmax(-1), reps=a.reps, device=dev)
+    rows.append(Row.measured("layer_costs", "lm head + argmax (per step)", head,
+                             nbytes=rt.lm_head.numel() * rt.lm_head.element_size(), copy_bw_gbps=bw,
+                             shape=meta["shape"], device=accel))
+    print(f"{'lm head + argmax (per step)':<28} {head.median:8.2f} us", flush=True)
+    for glue in ("torch", "kernel"):
+        rt.configure(glue=glue)
+        r = bench_decode(rt, None, device=dev, batch=1, prompt_len=a.prompt, gen_len=a.gen,
+                         repeats=2 if a.smoke else 3)[0]
+        step_us = r["p50_ms_per_token"] * 1e3
+        attn = "attention, torch compiled" if glue == "torch" else "attention, kernel"
+        parts = ["add + norm", "add + norm", "qkv", attn, "o", "ffn dense"]
+        summed = sum(us[p] for p in parts)
+        per_layer = (step_us - head.median) / nl
+        meta[f"step_us_glue_{glue}"] = step_us
+        meta[f"unexplained_us_per_layer_glue_{glue}"] = per_layer - summed
+        print(f"dense step, glue {glue}: {step_us:8.1f} us = {nl} x {per_layer:.2f} us/layer + head; "
+              f"parts sum {summed:.2f} us/layer; unexplained {per_layer - summed:+.2f} us/layer", flush=True)
+    path = write_results(out, rows, command=command_line("benchmarks.layer_costs"), device=dev, meta=meta)
+    print(f"wrote {len(rows)} rows to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
