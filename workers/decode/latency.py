@@ -183,6 +183,9 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
     process (the order flips every repeat), and a second row ``ctxsparse-dense-paired`` carries the dense times.
     The ratio of the two rows is what to trust on a shared machine, where the absolute times of two latency units
     run minutes apart can drift by more than the difference between settings.
+
+    At batch > 1 (unpaired) the warm-up's realized unions decide, per layer, whether the FFN runs dense from then
+    on (:meth:`DecodeRuntime.densify_slow_ffn`; ``dense_ffn_layers`` in the detail lists them).
     """
     device = torch.device(device)
     if gen_len < 2:
@@ -203,6 +206,7 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
     V = vocab or rt.vocab
     plans = [plan, None] if paired else [plan]
     runs = {id(p): _Run() for p in plans}
+    densified: list[int] = []
     # accelerators: the warm-up repeats count active inputs (realized sparsity), the timed ones do not
     counted = device.type != "cuda" or plan is None or not plan.inputs
     for r in range(warmup + repeats):
@@ -216,6 +220,8 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
                 rt.set_plan(p, overlap=overlap, kv_mode=kv_mode)
                 rt.setup(batch, prompt_len + gen_len)
             runs[id(p)].decode(rt, ids, gen_len, device, keep=r >= warmup, measure=count)
+            if p is not None and not paired and batch > 1 and r == warmup - 1:
+                densified = rt.densify_slow_ffn()   # layers whose union the warm-up showed faster dense
     rows = []
     for p in plans:
         run = runs[id(p)]
@@ -229,7 +235,8 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
             heads = [s["heads"] for s in run.sparsities if "heads" in s]
             extra = dict(prefill_ms=_pct(run.prefill_ms, 0.5), mean_ms_per_token=sum(run.times) / len(run.times),
                          head_sparsity=(sum(heads) / len(heads)) if heads else None, overlap=overlap,
-                         kv_mode=kv_mode, repeats=repeats, weight_bytes=rt.weight_bytes())
+                         kv_mode=kv_mode, repeats=repeats, weight_bytes=rt.weight_bytes(),
+                         dense_ffn_layers=densified if p is not None else None)
         name = RUNTIME_SPARSE if p is not None else RUNTIME_DENSE_PAIRED if paired else RUNTIME_DENSE
         rows.append(_row(device, batch, prompt_len, gen_len, run.times, name, sp, extra))
     return rows

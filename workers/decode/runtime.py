@@ -38,6 +38,7 @@ import time
 
 import torch
 
+from kernels.configs import use_dense
 from kernels.reference import rot_half
 from workers.decode import weights as weights_mod
 from workers.decode.blocks import Blocks
@@ -149,6 +150,33 @@ class DecodeRuntime:
     def realized_sparsity(self) -> dict:
         """Mean sparsity over the decode steps so far (workers.decode.stats)."""
         return realized_sparsity(self.sparse_plan, self.weights, self.counters, self.batch)
+
+    def densify_slow_ffn(self, faster_dense=None) -> list[int]:
+        """At batch > 1 the FFN reads the union of the batch's active sets, which can be nearly every neuron.
+        For every layer whose mean union over the decode steps so far is one at which the dense FFN is faster
+        (``faster_dense(batch, kept, D)``; default on CUDA: ``kernels.configs.use_dense``, the crossover measured
+        per batch and sparsity; elsewhere nothing is switched), drop the layer's FFN predictor: from the next step
+        that layer runs the dense FFN and skips its predictor. Reads the counters (one host sync). Returns the
+        layers switched; ``set_plan`` restores the plan."""
+        if faster_dense is None:
+            if self.device.type != "cuda":
+                return []
+            gated = self.gated
+
+            def faster_dense(batch, kept, n):
+                return use_dense(batch, kept, n, gated=gated)
+        rp, steps = self.sparse_plan, self.counters.steps
+        if self.batch <= 1 or steps == 0 or not rp.mlp:
+            return []
+        kept = (self.counters.mlp.cpu() / steps).tolist()
+        D = self.dims.D
+        out = sorted(l for l in rp.mlp if faster_dense(self.batch, max(1, round(kept[l])), D))
+        for l in out:
+            for part in (rp.mlp, rp.thr_ffn, rp.seq_thr, rp.seq_w):
+                part.pop(l, None)
+        if out:
+            self._graph = None
+        return out
 
     # ------------------------------------------------------------------ plan and cache
     def set_plan(self, plan=None, *, overlap: bool = True, kv_mode: str = "exact") -> "DecodeRuntime":

@@ -238,6 +238,43 @@ def test_triton_attention_gives_the_torch_attention_logits():
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
+def test_densify_slow_ffn_switches_the_layers_whose_union_is_too_wide():
+    """Batch 3: after some steps, the layers whose mean union keeps more than 40 % of the neurons (the rule given)
+    run the dense FFN: the next steps' logits equal a runtime whose plan has no FFN predictor there. The default
+    rule switches nothing off CUDA (the crossover table was measured on GPUs)."""
+    import copy
+
+    m = tiny_model("llama")
+    ids = torch.randint(0, 128, (3, 8), generator=torch.Generator().manual_seed(5))
+    plan = random_plan(m, 0.7, None, rank=8, seed=2)
+    rt = DecodeRuntime.from_hf(m).set_plan(plan)
+    rt.setup(3, 20)
+    rt.prefill(ids)
+    for _ in range(4):
+        rt.step()
+    assert rt.densify_slow_ffn() == []
+    kept = (rt.counters.mlp / rt.counters.steps).tolist()
+    D = rt.dims.D
+    want = sorted(l for l in range(len(rt.layers)) if kept[l] > 0.4 * D)
+    assert 0 < len(want), kept                  # 3 tokens' unions of 30 % sets: about 66 % of the neurons
+    assert rt.densify_slow_ffn(lambda b, k, n: k > 0.4 * n) == want
+    assert all(l not in rt.sparse_plan.mlp for l in want)
+    ref_plan = copy.deepcopy(plan)
+    for l in want:
+        del ref_plan.mlp[l]
+    ref = DecodeRuntime.from_hf(m).set_plan(ref_plan)
+    ref.setup(3, 20)
+    nxt = torch.randint(0, 128, (3, 1), generator=torch.Generator().manual_seed(6))
+    for r in (rt, ref):
+        r.prefill(ids)
+    for t in range(3):
+        for r in (rt, ref):
+            r.tok.copy_(nxt[:, 0] + t)
+        torch.testing.assert_close(rt.step(keep_logits=True), ref.step(keep_logits=True), atol=1e-6, rtol=1e-5)
+    rt.set_plan(plan)
+    assert sorted(rt.sparse_plan.mlp) == sorted(plan.mlp)
+
+
 def test_glue_option_is_checked():
     with pytest.raises(ValueError, match="glue must be one of"):
         DecodeRuntime.from_hf(tiny_model("llama"), glue="flash")
