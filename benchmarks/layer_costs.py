@@ -2,13 +2,15 @@
 bytes take at the measured copy bandwidth; and the whole step beside their sum.
 
     python -m benchmarks.layer_costs [--shape llama2-7b] [--prompt 128] [--reps 30] [--json NAME]
+    python -m benchmarks.layer_costs --device cpu --model smollm2-135m [--threads 1]   # real weights, the CPU
     python -m benchmarks.layer_costs --smoke      # CPU, a tiny random Llama: checks the script runs
 
 Every part runs on the runtime's own weights of every layer in turn (so no part is served from L2), the calls
 of all layers in one CUDA graph, replayed ``--reps`` times; µs per layer is the replay time over the layer
-count (``benchmarks.harness.time_graph``). Parts (batch 1): the residual add + norm (the compiled glue), the
-QKV and O projections, the attention over a cache of ``--prompt`` positions (the compiled torch function and
-the one-launch kernel, ``glue`` "torch" / "kernel"), the FFN dense (the runtime's dense path) and on random
+count (``benchmarks.harness.time_graph``; on the CPU each replay of the calls is timed with the host clock).
+Parts (batch 1): the residual add + norm and the attention over a cache of ``--prompt`` positions with each glue
+(``glue`` "torch": the torch functions, compiled on CUDA; "kernel": the one-launch Triton attention on CUDA, the
+native norm and attention on the CPU), the QKV and O projections, the FFN dense (the runtime's dense path) and on random
 active sets of 50 % and 10 % of the neurons (the fused kernel + reduce, without and with programmatic dependent
 launch), the Deja Vu predictor GEMVs + top-k of one layer's set, and the LM head + argmax once per step. The
 step itself is ``bench_decode``'s p50 for the dense runtime with each glue. "unexplained" is the step per
@@ -45,7 +47,8 @@ def layer_parts(rt: DecodeRuntime, model, prompt: int) -> dict[str, tuple[list, 
     rt.setup(1, prompt + 8)
     rt.prefill(torch.zeros(1, prompt, dtype=torch.long, device=dev))
     cache = rt.cache
-    compiled = glue_fns(dev.type == "cuda", "torch")
+    glue = {g: glue_fns(dev.type == "cuda", g) for g in ("torch", "kernel")}
+    compiled = glue["torch"]
     x = torch.randn(1, d, device=dev, dtype=dt)
     y = torch.randn(1, d, device=dev, dtype=dt)
     h = torch.randn(1, d, device=dev, dtype=dt)
@@ -59,15 +62,17 @@ def layer_parts(rt: DecodeRuntime, model, prompt: int) -> dict[str, tuple[list, 
         return [lambda l=l, L=L: fn(q, k, v, cache.k[l], cache.v[l], cache.pos, *(L.rope or (None, None)), L.qn,
                                     L.kn, eps, L.window) for l, L in enumerate(layers)]
 
-    parts = {
-        "add + norm": ([lambda L=L: compiled["add_norm"](x, y, L.n2, L.n2b, nk, eps) for L in layers], 0.0),
+    parts = {}
+    for g, fns in glue.items():
+        parts[f"add + norm, glue {g}"] = ([lambda L=L, f=fns["add_norm"]: f(x, y, L.n2, L.n2b, nk, eps)
+                                           for L in layers], 0.0)
+        parts[f"attention, glue {g}"] = (attn(fns["attn"]), kv_bytes)
+    parts.update({
         "qkv": ([lambda L=L: b.linear(h, L.w_qkv, L.b_qkv) for L in layers], layers[0].w_qkv.numel() * es),
-        "attention, torch compiled": (attn(compiled["attn"]), kv_bytes),
-        "attention, kernel": (attn(ops.decode_attention), kv_bytes),
         "o": ([lambda L=L: b.linear_t(a, L.w_o_t, L.b_o) for L in layers], layers[0].w_o_t.numel() * es),
         "ffn dense": ([lambda L=L: b.ffn_dense_(L, h, compiled["act_mul"]) for L in layers],
                       (3 if w.gated else 2) * d * D * es),
-    }
+    })
     if w.gated:
         ffn = ops.backend(h).sparse_ffn
         for s in (0.5, 0.9):
@@ -87,7 +92,10 @@ def layer_parts(rt: DecodeRuntime, model, prompt: int) -> dict[str, tuple[list, 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.layer_costs", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="llama2-7b")
+    ap.add_argument("--shape", default="llama2-7b", help="random weights of this shape (CUDA)")
+    ap.add_argument("--model", default=None, help="a model ref (load_model) instead of --shape: real weights")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--gen", type=int, default=32, help="tokens of the whole-step timing")
@@ -105,18 +113,28 @@ def main(argv=None) -> int:
                                 torch.float32, dev)
         a.reps, a.gen, a.prompt = 2, 4, min(a.prompt, 16)
         bw = None
-    elif not torch.cuda.is_available():
-        print("benchmarks.layer_costs needs a CUDA GPU (or --smoke)")
+    elif a.device == "cuda" and not torch.cuda.is_available():
+        print("benchmarks.layer_costs needs a CUDA GPU (or --device cpu, or --smoke)")
         return 2
     else:
-        dev = "cuda"
-        model = shape_model(a.shape)
-        bw = copy_bandwidth()
+        dev = a.device
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        if a.model:
+            from workers.loading.models import load_model
+
+            model = load_model(a.model, dtype="float16" if dev == "cuda" else "float32", device=dev).model
+        else:
+            model = shape_model(a.shape, device=dev)
+        bw = copy_bandwidth(device=dev) if dev == "cuda" else None
     rt = DecodeRuntime.from_hf(model)
+    if dev == "cpu" and rt.cpu_rows is None:
+        rt.pick_cpu_dense()
     nl = len(rt.layers)
     rows, accel = [], device_name(dev) if dev == "cuda" else "cpu"
-    meta = dict(shape=a.shape if not a.smoke else "tiny", prompt=a.prompt, layers=nl,
-                copy_bw_gbps=None if bw is None else round(bw, 1))
+    meta = dict(shape="tiny" if a.smoke else a.model or a.shape, prompt=a.prompt, layers=nl,
+                copy_bw_gbps=None if bw is None else round(bw, 1), threads=torch.get_num_threads(),
+                cpu_rows=rt.cpu_rows)
     out = a.json or f"layer_costs_{meta['shape']}.json"
     us: dict[str, float] = {}
     for name, (calls, nbytes) in layer_parts(rt, model, a.prompt).items():
@@ -138,8 +156,8 @@ def main(argv=None) -> int:
         r = bench_decode(rt, None, device=dev, batch=1, prompt_len=a.prompt, gen_len=a.gen,
                          repeats=2 if a.smoke else 3)[0]
         step_us = r["p50_ms_per_token"] * 1e3
-        attn = "attention, torch compiled" if glue == "torch" else "attention, kernel"
-        parts = ["add + norm", "add + norm", "qkv", attn, "o", "ffn dense"]
+        parts = [f"add + norm, glue {glue}", f"add + norm, glue {glue}", "qkv", f"attention, glue {glue}", "o",
+                 "ffn dense"]
         summed = sum(us[p] for p in parts)
         per_layer = (step_us - head.median) / nl
         meta[f"step_us_glue_{glue}"] = step_us

@@ -170,7 +170,8 @@ def test_layer_costs_smoke_names_every_part_and_the_step(tmp_path):
     assert layer_costs.main(["--smoke", "--json", str(out)]) == 0
     meta, rows = H.read_results(out)
     names = {r.op for r in rows}
-    assert {"add + norm", "qkv", "attention, torch compiled", "attention, kernel", "o", "ffn dense", "ffn s=0.5",
-            "ffn s=0.9", "mlp predictor + top-k", "lm head + argmax (per step)"} <= names
+    assert {"add + norm, glue torch", "add + norm, glue kernel", "qkv", "attention, glue torch",
+            "attention, glue kernel", "o", "ffn dense", "ffn s=0.5", "ffn s=0.9", "mlp predictor + top-k",
+            "lm head + argmax (per step)"} <= names
     assert all(r.median > 0 for r in rows)
     assert meta["step_us_glue_torch"] > 0 and meta["step_us_glue_kernel"] > 0
