@@ -81,7 +81,8 @@ def layer_parts(rt: DecodeRuntime, model, prompt: int) -> dict[str, tuple[list, 
             for pdl in ((False, True) if dev.type == "cuda" else (False,)):
                 cfg = {"fused": {"pdl": pdl}}
                 parts[f"ffn s={s}" + (" pdl" if pdl else "")] = (
-                    [lambda L=L, i=i, cfg=cfg: ffn(h, L.w_gate, L.w_up, L.w_down_t, sets[i], None, w.act, config=cfg)
+                    [lambda L=L, idx=sets[i], cfg=cfg: ffn(h, L.w_gate, L.w_up, L.w_down_t, idx, None, w.act,
+                                                           config=cfg)
                      for i, L in enumerate(layers)], 3 * d * kk * es)
     rt.set_plan(random_plan(model, 0.5, None, rank=256))
     preds = [rt.sparse_plan.mlp[l] for l in range(len(layers))]
