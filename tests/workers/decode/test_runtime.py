@@ -275,6 +275,27 @@ def test_densify_slow_ffn_switches_the_layers_whose_union_is_too_wide():
     assert sorted(rt.sparse_plan.mlp) == sorted(plan.mlp)
 
 
+@pytest.mark.slow       # inductor compiles four graphs (about 30 s on 2 cores with an empty cache)
+def test_compiled_torch_attention_takes_every_variant_whole():
+    """The glue CUDA compiles (torch.compile, full graph) accepts every variant the step passes: all heads, compact
+    heads with and without a count, a sliding window with q/k norms, the "active" kv mode's mask; and gives the
+    eager function's result (compiled here for the CPU: a graph break fails the same way on any device)."""
+    from kernels import reference as R
+    from tests.kernels.test_decode_attn import _case
+    from workers.decode.glue import glue_fns
+
+    attn = glue_fns(True, "torch")["attn"]
+    for family, compact, masked in (("llama", None, False), ("gemma", "padded", False), ("llama", "fixed", False),
+                                    ("llama", "padded", True)):
+        (q, k, v, kc, vc, p), extra = _case(torch.Generator().manual_seed(1), torch.float32, "cpu", 1, 4, 2, 20,
+                                            family, compact)
+        if masked:
+            extra["valid"] = torch.rand(1, 2, kc.shape[2], generator=torch.Generator().manual_seed(2)) > 0.3
+            extra["valid"][..., 20] = True
+        want = R.decode_attention(q, k, v, kc.clone(), vc.clone(), p, **extra)
+        torch.testing.assert_close(attn(q, k, v, kc.clone(), vc.clone(), p, **extra), want, atol=1e-6, rtol=1e-5)
+
+
 def test_glue_option_is_checked():
     with pytest.raises(ValueError, match="glue must be one of"):
         DecodeRuntime.from_hf(tiny_model("llama"), glue="flash")
