@@ -57,6 +57,9 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default="all,half", help="all: every head; half: half of them, compact")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tune", default="",
+                    help="extra kernel configs to time, e.g. '32x4,64x8' (BLOCK_N x num_warps; ptxas reports about "
+                         "160-250 registers a thread at the defaults)")
     ap.add_argument("--json", default="decode_attn.json")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -69,6 +72,13 @@ def main(argv=None) -> int:
         return decode_attn_triton.decode_attention(*args, **kw, config={"nsplit": 1})
 
     impls = {"torch compiled": compiled, "kernel": decode_attn_triton.decode_attention, "kernel 1 split": one_split}
+    for spec in filter(None, a.tune.split(",")):
+        bn, nw = (int(v) for v in spec.split("x"))
+
+        def tuned(*args, _cfg=dict(BLOCK_N=bn, num_warps=nw), **kw):
+            return decode_attn_triton.decode_attention(*args, **kw, config=_cfg)
+
+        impls[f"kernel {bn}x{nw}"] = tuned
     dev, command, rows = device_name("cuda"), command_line("benchmarks.decode_attn"), []
     for shape in a.shapes.split(","):
         for heads in a.heads.split(","):
