@@ -73,7 +73,10 @@ def main(argv=None) -> int:
 
     impls = {"torch compiled": compiled, "kernel": decode_attn_triton.decode_attention, "kernel 1 split": one_split}
     for spec in filter(None, a.tune.split(",")):
-        bn, nw = (int(v) for v in spec.split("x"))
+        try:
+            bn, nw = (int(v) for v in spec.split("x"))
+        except ValueError:
+            ap.error(f"--tune: {spec!r} is not BLOCK_NxWARPS (e.g. 32x4)")
 
         def tuned(*args, _cfg=dict(BLOCK_N=bn, num_warps=nw), **kw):
             return decode_attn_triton.decode_attention(*args, **kw, config=_cfg)
