@@ -130,10 +130,11 @@ def scoring_lm():
                 toks += cont
             with torch.no_grad():
                 ids = ids.to(self.device)
+                # no KV cache: a scoring forward is never continued (HF builds one by default, per layer)
                 if self._keep:
-                    logits = self.model(ids, logits_to_keep=width - first).logits
+                    logits = self.model(ids, logits_to_keep=width - first, use_cache=False).logits
                 else:
-                    logits = self.model(ids).logits[:, first:]
+                    logits = self.model(ids, use_cache=False).logits[:, first:]
                 index = torch.tensor([rows, cols, toks], dtype=torch.long).to(self.device)
                 picked = F.log_softmax(logits[index[0], index[1]], dim=-1, dtype=self.softmax_dtype)
                 token_lp = picked.gather(1, index[2][:, None])[:, 0].float()
