@@ -52,6 +52,16 @@ def apply_act(v: torch.Tensor, act: str) -> torch.Tensor:
     return v
 
 
+def query_heads(S: int, q_idx, n_heads: int | None) -> int:
+    """The model's query-head count for a decode attention call with ``S`` query slots: ``S`` itself when every
+    head is given (``q_idx`` None), else ``n_heads`` (compact active heads), which must then be given."""
+    if q_idx is None:
+        return S
+    if n_heads is None:
+        raise ValueError("decode_attention: compact query heads (q_idx) need n_heads")
+    return n_heads
+
+
 def check_x(x: torch.Tensor, d: int, max_batch: int | None = MAX_BATCH) -> None:
     assert x.dim() == 2, f"x must be [B, d], got {tuple(x.shape)}"
     assert x.shape[1] == d, f"x has d={x.shape[1]}, weights have d={d}"

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from . import reference as _ref
-from .common import ACTS, MAX_BATCH, act_code, apply_act, group_rows, valid_mask
+from .common import ACTS, MAX_BATCH, act_code, apply_act, group_rows, query_heads, valid_mask
 
 _SRC = Path(__file__).with_name("cpu_native.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -394,9 +394,7 @@ def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_n
         return _ref.decode_attention(*args, valid=valid)
     B, S, hd = q.shape
     KV = k.shape[1]
-    H = S if q_idx is None else n_heads
-    if H is None:
-        raise ValueError("decode_attention: compact query heads (q_idx) need n_heads")
+    H = query_heads(S, q_idx, n_heads)
     idx, n_active = (None, S) if q_idx is None else _idx64(q_idx, q_count)
     out = torch.empty(B, S * hd, dtype=q.dtype)
     rc = _native().cs_decode_attn(

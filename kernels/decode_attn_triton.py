@@ -194,9 +194,7 @@ def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_n
                                      q_idx, q_count, n_heads, valid)
     B, S, hd = q.shape
     KV = k.shape[1]
-    H = S if q_idx is None else n_heads
-    if H is None:
-        raise ValueError("decode_attention: compact query heads (q_idx) need n_heads")
+    H = _c.query_heads(S, q_idx, n_heads)
     assert H % KV == 0, f"{H} query heads do not split into {KV} KV heads"
     assert k.shape == v.shape == (B, KV, hd), f"k/v must be [B, KV, hd], got {tuple(k.shape)}, {tuple(v.shape)}"
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "q/k/v rows must be contiguous"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import apply_act, group_rows, valid_mask
+from .common import apply_act, group_rows, query_heads, valid_mask
 
 
 def _cdt(*ts):
@@ -245,8 +245,7 @@ def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_n
     [B, S * hd]; compact rows j >= q_count hold 0."""
     B, S, hd = q.shape
     KV = k.shape[1]
-    if q_idx is not None and n_heads is None:
-        raise ValueError("decode_attention: compact query heads (q_idx) need n_heads")
+    query_heads(S, q_idx, n_heads)
     if q_norm is not None:
         q = rms_norm(q, q_norm, eps, one_plus=True)
         k = rms_norm(k, k_norm, eps, one_plus=True)

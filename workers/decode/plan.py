@@ -53,6 +53,11 @@ class RuntimePlan:
     def dense_gate(self) -> bool:
         return self.plan is not None and bool(self.plan.dense_gate)
 
+    def drop_ffn(self, l: int) -> None:
+        """Layer ``l``'s FFN runs dense from now on: its predictor, gate threshold and sequential filter go."""
+        for part in (self.mlp, self.thr_ffn, self.seq_thr, self.seq_w):
+            part.pop(l, None)
+
     @classmethod
     def build(cls, plan, w: ModelWeights) -> "RuntimePlan":
         rp = cls(plan=plan)

@@ -172,8 +172,7 @@ class DecodeRuntime:
         D = self.dims.D
         out = sorted(l for l in rp.mlp if faster_dense(self.batch, max(1, round(kept[l])), D))
         for l in out:
-            for part in (rp.mlp, rp.thr_ffn, rp.seq_thr, rp.seq_w):
-                part.pop(l, None)
+            rp.drop_ffn(l)
         if out:
             self._graph = None
         return out
