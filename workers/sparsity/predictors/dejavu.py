@@ -79,7 +79,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.sparsity.predictors.base import (
-    INPUT_KINDS, FitContext, HeadPredictor, MLPPredictor, SparsityPlan, k_for, output_damage, register,
+    INPUT_KINDS, FitContext, HeadPredictor, MLPPredictor, SparsityPlan, k_for, linear, output_damage, register,
 )
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class _LowRank:
         self.fc2 = nn.Linear(rank, n_out, bias=False)
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.fc1(x.to(self.fc1.weight.dtype)))
+        return linear(linear(x.to(self.fc1.weight.dtype), self.fc1.weight), self.fc2.weight)
 
     @torch.no_grad()
     def reset_random(self, generator: torch.Generator) -> None:

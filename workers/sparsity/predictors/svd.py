@@ -80,7 +80,8 @@ import torch
 
 from workers.loading.adapters import activation_fn
 from workers.sparsity.predictors.base import (
-    INPUT_KINDS, SEQ_FILTERS, FitContext, MLPPredictor, SparsityPlan, neuron_out_norm, output_damage, register,
+    INPUT_KINDS, SEQ_FILTERS, FitContext, MLPPredictor, SparsityPlan, linear, neuron_out_norm, output_damage,
+    register,
 )
 
 Q_STEPS = 256
@@ -325,10 +326,10 @@ class SVDPredictor(MLPPredictor):
     def proxy(self, x: torch.Tensor) -> torch.Tensor:
         """[T, d] -> [T, D]: the score before the bias (what the calibration sorts tokens by)."""
         x = x.to(self.A.dtype)
-        g = (x @ self.A.T) @ self.B.T
+        g = linear(linear(x, self.A), self.B)
         if self.target == "gate":
             return g
-        u = (x @ self.A_up.T) @ self.B_up.T
+        u = linear(linear(x, self.A_up), self.B_up)
         return (self._act_fn(g) * u).abs_()
 
     @torch.no_grad()
