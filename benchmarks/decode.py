@@ -314,7 +314,7 @@ def select_bench(out: str, command: str, n: int = 11008, n_heads: int = 32) -> l
                  "torch.topk fp32": lambda: torch.topk(sc.float(), k, dim=-1, sorted=False).indices,
                  "torch.sort": lambda: torch.sort(sc, dim=-1, descending=True).indices[:, :k],
                  "torch.kthvalue+compact": lambda: ops.compact(sc[0] >= torch.kthvalue(sc[0], N - k + 1).values)}
-        for bits in (1, 2):
+        for bits in (1, 2, 8):          # 8: histogram steps
             for w in (4, 8, 16, 32):
                 cands[f"triton bits={bits} warps={w}"] = (lambda bits=bits, w=w: topk_select(sc, k, bits=bits,
                                                                                             num_warps=w))

@@ -58,8 +58,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tune", default="",
-                    help="extra kernel configs to time, e.g. '32x4,64x8' (BLOCK_N x num_warps; ptxas reports about "
-                         "160-250 registers a thread at the defaults)")
+                    help="extra kernel configs to time, e.g. '64x4,128x8s8' (BLOCK_N x num_warps, optionally s and the "
+                         "number of splits of the cached positions)")
     ap.add_argument("--json", default="decode_attn.json")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -74,11 +74,13 @@ def main(argv=None) -> int:
     impls = {"torch compiled": compiled, "kernel": decode_attn_triton.decode_attention, "kernel 1 split": one_split}
     for spec in filter(None, a.tune.split(",")):
         try:
-            bn, nw = (int(v) for v in spec.split("x"))
+            tile, _, ns = spec.partition("s")
+            bn, nw = (int(v) for v in tile.split("x"))
+            cfg = dict(BLOCK_N=bn, num_warps=nw, **({"nsplit": int(ns)} if ns else {}))
         except ValueError:
-            ap.error(f"--tune: {spec!r} is not BLOCK_NxWARPS (e.g. 32x4)")
+            ap.error(f"--tune: {spec!r} is not BLOCK_NxWARPS[sNSPLIT] (e.g. 32x4 or 128x8s8)")
 
-        def tuned(*args, _cfg=dict(BLOCK_N=bn, num_warps=nw), **kw):
+        def tuned(*args, _cfg=cfg, **kw):
             return decode_attn_triton.decode_attention(*args, **kw, config=_cfg)
 
         impls[f"kernel {bn}x{nw}"] = tuned

@@ -169,10 +169,13 @@ def _combine_kernel(ws_ptr, out_ptr, so_b, S, hd, NSPLIT, HD_PAD: tl.constexpr, 
     tl.store(out_ptr + b * so_b + j * hd + d, o.to(out_ptr.dtype.element_ty), mask=dm)
 
 
+NUM_WARPS = 8
+
+
 def _block_n(hd_pad: int) -> int:
     """Cached positions per iteration: a [BLOCK_N, hd] fp32 tile of K and of V stays within 64 registers a
-    thread at 4 warps."""
-    return max(16, 8192 // hd_pad)
+    thread at NUM_WARPS = 8 (measured on an H200, hd 128: 128 x 8 warps 1.2-1.4x faster than 64 x 4 or 32 x 4/8)."""
+    return max(16, 64 * 32 * NUM_WARPS // hd_pad)
 
 
 MIN_CHUNK = 256      # cached positions per split at least: below that a split costs more than it spreads
@@ -208,7 +211,7 @@ def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_n
         assert q_idx.shape == (S,), f"q_idx must be [S={S}]"
     out = _c.empty((B, S * hd), q.device, q.dtype)
     hd_pad = triton.next_power_of_2(hd)
-    cfg = {"BLOCK_N": _block_n(hd_pad), "num_warps": 4, **(config or {})}
+    cfg = {"BLOCK_N": _block_n(hd_pad), "num_warps": NUM_WARPS, **(config or {})}
     L = k_cache.shape[2]
     nsplit = max(1, int(cfg.get("nsplit") or splits_for(B, S, L, q)))
     block_n = cfg["BLOCK_N"]

@@ -10,7 +10,8 @@ _SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels.decode_attn_triton import _combine_kernel, _decode_attn_kernel
+from kernels.select_triton import _topk_select_kernel
+from kernels.decode_attn_triton import NUM_WARPS, _block_n, _combine_kernel, _decode_attn_kernel
 from kernels.ffn_triton import _fused_ffn_kernel, _reduce_kernel
 
 INT_PTRS = {"pos_ptr": "*i64", "qidx_ptr": "*i32", "qcount_ptr": "*i32", "idx_ptr": "*i32", "count_ptr": "*i32"}
@@ -18,10 +19,12 @@ F32_PTRS = {"cos_ptr", "sin_ptr", "qn_ptr", "kn_ptr", "ws_ptr", "b1_ptr", "s_ptr
 FLOATS = {"eps"}
 
 
-def compile_sm90(kernel, dt, consts, **options):
+def compile_sm90(kernel, dt, consts, ptrs=None, **options):
     sig = {}
     for name in kernel.arg_names:
-        if name in consts:
+        if ptrs and name in ptrs:
+            sig[name] = ptrs[name]
+        elif name in consts:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             sig[name] = INT_PTRS.get(name) or ("*fp32" if name in F32_PTRS else "*" + dt)
@@ -36,14 +39,19 @@ def compile_sm90(kernel, dt, consts, **options):
 for dt, flags in (("fp16", (0, 0, 1, 0, 0, 0)), ("bf16", (1, 1, 1, 1, 1, 1)), ("fp32", (0, 0, 0, 0, 0, 1)),
                   ("fp16", (1, 1, 1, 0, 0, 1))):
     consts = dict(zip(("HAS_IDX", "HAS_COUNT", "ROPE", "NORM", "WINDOW", "SPLIT"), map(bool, flags)), HD_PAD=128,
-                  BLOCK_N=64)
-    compile_sm90(_decode_attn_kernel, dt, consts)
+                  BLOCK_N=_block_n(128))
+    compile_sm90(_decode_attn_kernel, dt, consts, num_warps=NUM_WARPS)
     compile_sm90(_combine_kernel, dt, dict(HD_PAD=128, SP_PAD=8))
 # the fused FFN kernel and its reduce with programmatic dependent launch
 for pdl in (False, True):
     compile_sm90(_fused_ffn_kernel, "fp16", dict(MODE=1, ACT=2, HAS_COUNT=True, HAS_BIAS=False, B_PAD=1,
                                                  BLOCK_R=2, D_PAD=4096, EARLY_DOWN=True, PDL=pdl), num_warps=8)
     compile_sm90(_reduce_kernel, "fp16", dict(HAS_BIAS=False, S_PAD=512, BLOCK=16, PDL=pdl), launch_pdl=pdl)
+# the top-k select: packed counts (2 bits a step) and histograms (8 bits), 16- and 32-bit keys
+for bits in (2, 8):
+    for dt, key_bits in (("fp16", 16), ("fp32", 32)):
+        compile_sm90(_topk_select_kernel, dt, dict(KEY_BITS=key_bits, BITS=bits, BLOCK=16384),
+                     ptrs={"s_ptr": "*" + dt, "out_ptr": "*i32"}, num_warps=16)
 print("OK")
 """
 
