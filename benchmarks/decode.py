@@ -80,6 +80,26 @@ def checks(model, rt) -> dict:
                 s0_runs_dense_step=s0_dense_path)
 
 
+POINTS = [("dense", None, None, True, "exact"),
+          ("mlp.5", 0.5, None, True, "exact"), ("mlp.7", 0.7, None, True, "exact"),
+          ("mlp.9", 0.9, None, True, "exact"), ("mlp.5+h.5", 0.5, 0.5, True, "exact"),
+          # batch 4 with uncorrelated tokens keeps about s^4 skipped: 0.75 -> union 0.32, 0.8 -> 0.41, 0.85 -> 0.52
+          ("mlp.75", 0.75, None, True, "exact"), ("mlp.8", 0.8, None, True, "exact"),
+          ("mlp.85", 0.85, None, True, "exact"),
+          ("mlp.5+h.5 kv-active", 0.5, 0.5, True, "active"),
+          ("mlp.5 inline", 0.5, None, False, "exact"), ("mlp.9 inline", 0.9, None, False, "exact"),
+          ("mlp.5+h.5 inline", 0.5, 0.5, False, "exact"),
+          # input sparsity on all seven projections, thresholds calibrated on a prefill: TEAL's |x| ("in")
+          # and WINA's |x_i|·‖W[:, i]‖ (one threshold per input channel in the kernels)
+          ("in.5", None, None, True, "exact"), ("in.7", None, None, True, "exact"),
+          ("wina.5", None, None, True, "exact"),
+          # the FFN predictors' positive-score rule (a compaction, no top-k): about half the neurons
+          ("mlp.5 pos", 0.5, None, True, "exact")]
+# "NAME@PATH" (e.g. in.5@local): the point with the runtime's input_path set to PATH
+POINTS += [(f"{p[0]}@{path}",) + p[1:] for p in POINTS if p[0].startswith(("in.", "wina."))
+           for path in ops.INPUT_PATHS if path != "auto"]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None,
@@ -109,6 +129,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.batch < 1:
         ap.error(f"--batch must be >= 1, not {a.batch}")
+    unknown = sorted(set(a.points.split(",")) - {p[0] for p in POINTS}) if a.points else []
+    if unknown:
+        ap.error(f"--points: unknown {unknown}; known: {', '.join(p[0] for p in POINTS)}")
     glues = [v for v in a.glue.split(",") if v]
     if not glues or any(v not in GLUES for v in glues):
         ap.error(f"--glue: {a.glue!r}; each must be one of {', '.join(GLUES)}")
@@ -152,29 +175,12 @@ def main(argv=None):
     if a.diag:
         diag(model, rt, meta, rows, dump, a, dev)
         return 0
-    points = [("dense", None, None, True, "exact"),
-              ("mlp.5", 0.5, None, True, "exact"), ("mlp.7", 0.7, None, True, "exact"),
-              ("mlp.9", 0.9, None, True, "exact"), ("mlp.5+h.5", 0.5, 0.5, True, "exact"),
-              # batch 4 with uncorrelated tokens keeps about s^4 skipped: 0.8 -> union 0.41, 0.85 -> 0.52
-              ("mlp.8", 0.8, None, True, "exact"), ("mlp.85", 0.85, None, True, "exact"),
-              ("mlp.5+h.5 kv-active", 0.5, 0.5, True, "active"),
-              ("mlp.5 inline", 0.5, None, False, "exact"), ("mlp.9 inline", 0.9, None, False, "exact"),
-              ("mlp.5+h.5 inline", 0.5, 0.5, False, "exact"),
-              # input sparsity on all seven projections, thresholds calibrated on a prefill: TEAL's |x| ("in")
-              # and WINA's |x_i|·‖W[:, i]‖ (one threshold per input channel in the kernels)
-              ("in.5", None, None, True, "exact"), ("in.7", None, None, True, "exact"),
-              ("wina.5", None, None, True, "exact"),
-              # the FFN predictors' positive-score rule (a compaction, no top-k): about half the neurons
-              ("mlp.5 pos", 0.5, None, True, "exact")]
-    # "NAME@PATH" (e.g. in.5@local): the point with the runtime's input_path set to PATH
-    points += [(f"{p[0]}@{path}",) + p[1:] for p in points if p[0].startswith(("in.", "wina."))
-               for path in ops.INPUT_PATHS if path != "auto"]
+    points = list(POINTS)
     prompts = [int(p) for p in a.prompts.split(",")]
     if a.quick:
         points, prompts = points[:2], prompts[:1]
     if a.points:
-        want = a.points.split(",")
-        points = [p for p in points if p[0] in want]
+        points = [p for p in points if p[0] in a.points.split(",")]
     for P in prompts:
         for (name, ms, hs, ov, kv), glue in ((p, g) for p in points for g in glues):
             rt = runtimes[glue]
@@ -314,7 +320,7 @@ def select_bench(out: str, command: str, n: int = 11008, n_heads: int = 32) -> l
                  "torch.topk fp32": lambda: torch.topk(sc.float(), k, dim=-1, sorted=False).indices,
                  "torch.sort": lambda: torch.sort(sc, dim=-1, descending=True).indices[:, :k],
                  "torch.kthvalue+compact": lambda: ops.compact(sc[0] >= torch.kthvalue(sc[0], N - k + 1).values)}
-        for bits in (1, 2, 8):          # 8: histogram steps
+        for bits in (1, 2):
             for w in (4, 8, 16, 32):
                 cands[f"triton bits={bits} warps={w}"] = (lambda bits=bits, w=w: topk_select(sc, k, bits=bits,
                                                                                             num_warps=w))

@@ -53,23 +53,7 @@ def _topk_select_kernel(s_ptr, stride_s, out_ptr, stride_o, n, k,
     # k-th largest key: the largest T with #(key >= T) >= k, BITS bits at a time from the top
     T = tl.zeros([], dtype=key.dtype)
     NC: tl.constexpr = (1 << BITS) - 1
-    if BITS == 8:
-        # a 256-bin histogram of the next 8 bits among the keys that share T's higher bits; the k-th largest
-        # lies in the highest bin whose count from the top reaches what is still needed
-        bins = tl.arange(0, NC + 1)
-        need = k
-        for step in tl.static_range(KEY_BITS // 8):
-            sh = KEY_BITS - 8 * (step + 1)
-            digit = ((key >> sh) & NC).to(tl.int32)
-            if step == 0:
-                h = tl.histogram(digit, NC + 1, mask=m)
-            else:
-                h = tl.histogram(digit, NC + 1, mask=m & ((key >> (sh + 8)) == (T >> (sh + 8))))
-            suf = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h          # count in bins >= b
-            best = tl.max(tl.where(suf >= need, bins, 0), axis=0)
-            need -= tl.sum(tl.where(bins == best, suf - h, 0), axis=0)
-            T = T | (best.to(key.dtype) << sh)
-    for step in tl.static_range(0 if BITS == 8 else KEY_BITS // BITS):
+    for step in tl.static_range(KEY_BITS // BITS):
         sh = KEY_BITS - BITS * (step + 1)
         packed = tl.zeros([BLOCK], dtype=tl.int64)
         for c in tl.static_range(1, NC + 1):
@@ -116,7 +100,7 @@ def topk_select(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None
     B, n = s.shape
     assert 1 <= n <= MAX_N, f"n={n} must be in [1, {MAX_N}]"
     assert 1 <= k <= n, f"k={k} must be in [1, n={n}]"
-    assert bits in (1, 2, 8), "bits per step must be 1 or 2 (packed counts) or 8 (histograms)"
+    assert bits in (1, 2), "bits per step must be 1 or 2"
     if s.stride(1) != 1:
         s = s.contiguous()
     if out is None:

@@ -47,8 +47,8 @@ for pdl in (False, True):
     compile_sm90(_fused_ffn_kernel, "fp16", dict(MODE=1, ACT=2, HAS_COUNT=True, HAS_BIAS=False, B_PAD=1,
                                                  BLOCK_R=2, D_PAD=4096, EARLY_DOWN=True, PDL=pdl), num_warps=8)
     compile_sm90(_reduce_kernel, "fp16", dict(HAS_BIAS=False, S_PAD=512, BLOCK=16, PDL=pdl), launch_pdl=pdl)
-# the top-k select: packed counts (2 bits a step) and histograms (8 bits), 16- and 32-bit keys
-for bits in (2, 8):
+# the top-k select: packed counts (1 and 2 bits a step), 16- and 32-bit keys
+for bits in (1, 2):
     for dt, key_bits in (("fp16", 16), ("fp32", 32)):
         compile_sm90(_topk_select_kernel, dt, dict(KEY_BITS=key_bits, BITS=bits, BLOCK=16384),
                      ptrs={"s_ptr": "*" + dt, "out_ptr": "*i32"}, num_warps=16)

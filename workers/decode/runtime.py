@@ -21,7 +21,7 @@ CUDA), ``use_graph`` (one CUDA graph per step), ``select_impl`` ("auto" | "torch
 ``input_path`` ("auto" | "mask" | "local": the input-sparse kernel, kernels.ops.INPUT_PATHS), ``glue``
 ("torch": the torch norms and decode attention, compiled on CUDA; "kernel": RoPE, the cache write and the
 attention of every (active) head in one kernels.ops call (one Triton launch on CUDA, one native call on the
-CPU), and on the CPU the norms natively too; "auto": "kernel" on the CPU, "torch" elsewhere).
+CPU), and on the CPU the norms natively too; "auto": "kernel" on the CPU and CUDA, "torch" elsewhere).
 ``set_plan`` takes ``overlap`` (side-stream look-ahead on CUDA) and ``kv_mode`` ("exact": K/V of every head,
 the semantics of workers.sparsity.sparse_exec; "active": only the KV heads the active query heads need, skipped
 entries masked out of later attention -- Deja Vu's saving without its "recompute later", an approximation).

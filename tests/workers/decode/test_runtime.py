@@ -304,6 +304,11 @@ def test_glue_option_is_checked():
     with pytest.raises(ValueError, match="glue must be one of"):
         rt.configure(glue="flash")
     assert rt.configure(glue="kernel").glue == "kernel"
+    from workers.decode.glue import resolve_glue
+
+    # "auto": the kernels where they were measured faster (CPU, CUDA), the compiled torch functions elsewhere
+    assert [resolve_glue("auto", d) for d in ("cpu", "cuda", "npu")] == ["kernel", "kernel", "torch"]
+    assert resolve_glue("torch", "cuda") == "torch"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
