@@ -16,7 +16,7 @@ Hugging Face baselines (``--hf``): ``eager`` (``generate`` with its default dyna
 forward compiled by HF's ``CompileConfig``, mode "reduce-overhead"; its first, warm-up repeat pays the compile).
 A baseline that fails is an error row with its traceback; the others still run.
 
-``--glue torch,kernel`` runs every point with each glue (the runtime's ``glue`` option: the compiled torch norms
+``--glue torch,kernel`` (default ``auto``, the runtime's own: the kernel on CUDA) runs every point with each glue (the runtime's ``glue`` option: the compiled torch norms
 and attention, or the decode attention as one Triton launch), one after the other per point, on runtimes that
 share the weights; points of the second are named ``NAME [glue kernel]``. Speedups in the table are over the
 fastest dense row at each prompt length.
@@ -31,7 +31,7 @@ import torch
 
 from benchmarks.harness import Row, command_line, copy_bandwidth, device_name, time_graph, write_results
 from kernels import ops
-from workers.decode.glue import GLUES
+from workers.decode.glue import GLUES, resolve_glue
 from workers.decode.latency import (
     bench_decode, calibrated_input_plan, decode_bytes, random_plan, runtime_for, shape_model,
 )
@@ -121,7 +121,7 @@ def main(argv=None):
     ap.add_argument("--input-path", default="auto", choices=ops.INPUT_PATHS,
                     help="the input-sparse kernel (DecodeRuntime's input_path)")
     ap.add_argument("--points", default=None, help="comma-separated point names to run (default: all)")
-    ap.add_argument("--glue", default="torch",
+    ap.add_argument("--glue", default="auto",
                     help=f"comma-separated runtime glue settings to run every point with ({', '.join(GLUES)})")
     ap.add_argument("--batch", type=int, default=1,
                     help="sequences decoded together (the FFN runs the union of their active sets; the Hugging "
@@ -205,8 +205,8 @@ def main(argv=None):
                 dense_b = decode_bytes(rt, 0, 0, 0, ctx)
                 sp_b = decode_bytes(rt, mlp_s, hs or 0, a.rank, ctx, kv_mode=kv, input_sparsity=ins)
                 nbytes = sp_b["total"]
-                r.update(point=name if glue == glues[0] else f"{name} [glue {glue}]", glue=glue, mlp_sparsity=ms,
-                         head_sparsity_target=hs, bytes=sp_b,
+                r.update(point=name if glue == glues[0] else f"{name} [glue {glue}]",
+                         glue=resolve_glue(glue, rt.device.type), mlp_sparsity=ms, head_sparsity_target=hs, bytes=sp_b,
                          dense_bytes=dense_b["total"], ideal_speedup=dense_b["total"] / sp_b["total"],
                          floor_ms=sp_b["total"] / (bw * 1e9) * 1e3, floor_ms_4300=sp_b["total"] / 4.3e12 * 1e3,
                          wall_s=time.time() - t1)   # floor: the bytes at the measured copy bandwidth
