@@ -16,9 +16,10 @@ Hugging Face baselines (``--hf``): ``eager`` (``generate`` with its default dyna
 forward compiled by HF's ``CompileConfig``, mode "reduce-overhead"; its first, warm-up repeat pays the compile).
 A baseline that fails is an error row with its traceback; the others still run.
 
-``--glue torch,kernel`` (default ``auto``, the runtime's own: the kernel on CUDA) runs every point with each glue (the runtime's ``glue`` option: the compiled torch norms
-and attention, or the decode attention as one Triton launch), one after the other per point, on runtimes that
-share the weights; points of the second are named ``NAME [glue kernel]``. Speedups in the table are over the
+``--glue torch,kernel`` runs every point with each glue (the runtime's ``glue`` option: the compiled torch norms
+and attention, or the decode attention as one Triton launch; default ``auto``, the runtime's own: the kernel on
+CUDA), one after the other per point, on runtimes that share the weights; points of the second are named
+``NAME [glue kernel]``. Speedups in the table are over the
 fastest dense row at each prompt length.
 """
 from __future__ import annotations

@@ -139,7 +139,9 @@ def main(argv=None) -> int:
     out = a.json or f"layer_costs_{meta['shape']}.json"
     us: dict[str, float] = {}
     for name, (calls, nbytes) in layer_parts(rt, model, a.prompt).items():
-        t = time_graph(lambda calls=calls: [c() for c in calls], reps=a.reps, per_replay=len(calls), device=dev)
+        with torch.no_grad():     # as in the decode step
+            t = time_graph(lambda calls=calls: [c() for c in calls], reps=a.reps, per_replay=len(calls),
+                           device=dev)
         us[name] = t.median
         rows.append(Row.measured("layer_costs", name, t, nbytes=nbytes or None, copy_bw_gbps=bw,
                                  shape=meta["shape"], device=accel,

@@ -199,8 +199,9 @@ def _drop_unused_layouts(rp: RuntimePlan, w: ModelWeights) -> None:
 
 
 def _on(pred: nn.Module, device, dtype) -> nn.Module:
-    """A copy of ``pred`` on ``device`` (and in ``dtype`` on CUDA), in eval mode."""
-    p = copy.deepcopy(pred).to(device=device)
+    """A copy of ``pred`` on ``device`` (and in ``dtype`` on CUDA), in eval mode, its parameters frozen (so its
+    GEMVs take the inference path under autograd too: ``predictors.base.linear``)."""
+    p = copy.deepcopy(pred).to(device=device).requires_grad_(False)
     if torch.device(device).type == "cuda":
         p = p.to(dtype=dtype)
     for k, v in list(vars(p).items()):          # plain tensor attributes (GateThreshold keeps its weight so)

@@ -393,3 +393,24 @@ def test_options_are_keywords_and_keep_all_layers_run_dense():
     assert sorted(rt.mlp_pred) == sorted(rt.head_pred) == [0] and not rt.sparse_plan.dense
     rt.generate(torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(17)), 6)
     assert rt.realized_sparsity() == pytest.approx({"mlp": 0.25, "heads": 0.25})
+
+
+def test_runtime_predictors_are_frozen_and_use_the_row_kernel(monkeypatch):
+    """The runtime's predictor copies hold no autograd state, so their GEMVs take the CPU row kernel even where
+    the caller has autograd on; the bundle's own predictors stay trainable."""
+    from kernels import cpu as cpu_kernels
+
+    m = tiny_model("llama")
+    plan = random_plan(m, 0.5, None, rank=8, input_kind="residual", seed=4)
+    rt = DecodeRuntime.from_hf(m)
+    rt.set_plan(plan)
+    preds = list(rt.sparse_plan.mlp.values())
+    assert preds and all(not p.requires_grad for q in preds for p in q.parameters())
+    assert all(p.requires_grad for q in plan.mlp.values() for p in q.parameters())
+    calls = []
+    real = cpu_kernels.rows_dot
+    monkeypatch.setattr(cpu_kernels, "rows_dot", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    x = torch.randn(1, preds[0].fc1.weight.shape[1])
+    assert torch.is_grad_enabled()
+    preds[0].scores(x)
+    assert len(calls) == 2
