@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         def tuned(*args, _cfg=cfg, **kw):
             return decode_attn_triton.decode_attention(*args, **kw, config=_cfg)
 
-        impls[f"kernel {bn}x{nw}"] = tuned
+        impls[f"kernel {spec}"] = tuned
     dev, command, rows = device_name("cuda"), command_line("benchmarks.decode_attn"), []
     for shape in a.shapes.split(","):
         for heads in a.heads.split(","):
