@@ -90,7 +90,8 @@ def main(argv=None) -> int:
             for P in prompts:
                 max_len = P + 64
                 q, k, v, caches, pos, kw, (H, KV, hd) = _case(shape, P, a.layers, heads, max_len)
-                nsplit = decode_attn_triton.splits_for(1, q.shape[1], max_len, q)
+                nsplit = decode_attn_triton.splits_for(1, q.shape[1], max_len, q,
+                                                       decode_attn_triton.block_n_for(q.shape[2]))
                 want = reference.decode_attention(q, k, v, *[c.clone() for c in caches[0]], pos, **kw)
                 got = decode_attn_triton.decode_attention(q, k, v, *[c.clone() for c in caches[0]], pos, **kw)
                 err = ((got.float() - want.float()).norm() / want.float().norm()).item()

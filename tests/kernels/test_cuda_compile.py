@@ -11,7 +11,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.select_triton import _topk_select_kernel
-from kernels.decode_attn_triton import NUM_WARPS, _block_n, _combine_kernel, _decode_attn_kernel
+from kernels.decode_attn_triton import NUM_WARPS, _combine_kernel, block_n_for, _decode_attn_kernel
 from kernels.ffn_triton import _fused_ffn_kernel, _reduce_kernel
 
 INT_PTRS = {"pos_ptr": "*i64", "qidx_ptr": "*i32", "qcount_ptr": "*i32", "idx_ptr": "*i32", "count_ptr": "*i32"}
@@ -39,7 +39,7 @@ def compile_sm90(kernel, dt, consts, ptrs=None, **options):
 for dt, flags in (("fp16", (0, 0, 1, 0, 0, 0)), ("bf16", (1, 1, 1, 1, 1, 1)), ("fp32", (0, 0, 0, 0, 0, 1)),
                   ("fp16", (1, 1, 1, 0, 0, 1))):
     consts = dict(zip(("HAS_IDX", "HAS_COUNT", "ROPE", "NORM", "WINDOW", "SPLIT"), map(bool, flags)), HD_PAD=128,
-                  BLOCK_N=_block_n(128))
+                  BLOCK_N=block_n_for(128))
     compile_sm90(_decode_attn_kernel, dt, consts, num_warps=NUM_WARPS)
     compile_sm90(_combine_kernel, dt, dict(HD_PAD=128, SP_PAD=8))
 # the fused FFN kernel and its reduce with programmatic dependent launch

@@ -169,3 +169,18 @@ def test_cpu_native_rms_norms_match_reference(one_plus, batch, gen):
     assert rel_err(cpu.rms_norm(x, w, 1e-6, one_plus), R.rms_norm(x.double(), w.double(), 1e-6, one_plus)) < 1e-6
     assert torch.equal(x, x0)                 # the residual entering the layer is kept (the step reuses it)
 
+
+
+def test_splits_for_known_answers(monkeypatch):
+    """132 SMs (an H200), hd 128 (tiles of 128 positions): four programs per SM, whole tiles, no empty split."""
+    monkeypatch.setattr(T.C, "sm_count", lambda t: 132)
+    t = torch.zeros(1)
+    assert T.splits_for(1, 32, 192, t, 128) == 1          # a short cache: one launch
+    assert T.splits_for(1, 32, 1088, t, 128) == 9         # 16 wanted, 128 positions each at least
+    assert T.splits_for(1, 32, 4160, t, 128) == 11        # 16 wanted: 260 -> 384 positions (3 tiles) each
+    assert T.splits_for(8, 32, 1088, t, 128) == 2         # wide batch: 2 wanted
+    assert T.splits_for(64, 32, 4160, t, 128) == 1
+    for B, S, L in ((1, 32, 1088), (1, 16, 4160), (1, 8, 777), (2, 40, 3000)):
+        n = T.splits_for(B, S, L, t, 128)
+        chunk = -(-(-(-L // n)) // 128) * 128              # decode_attention's chunk for n splits
+        assert (n - 1) * chunk < L, (B, S, L, n)           # the last split holds positions
