@@ -50,6 +50,17 @@ from workers.decode.stats import Counters, realized_sparsity
 from workers.decode.weights import ModelWeights
 
 KV_MODES = ("exact", "active")
+# At batch > 1 a layer with an FFN predictor pays, besides the FFN on the union, its predictor and one top-k per
+# token; the kernel crossover (kernels.configs.use_dense) counts only the FFN kernels. End to end on an H200
+# (Llama-2-7B, batch 4, random Deja Vu r = 256), sparse against dense: 0.95-0.98x at union sparsity 0.32,
+# 0.99-1.04x at 0.41, 1.10x at 0.52. Below this union sparsity such a layer runs dense.
+SPARSE_FROM_UNION = 0.45
+
+
+def faster_dense_with_predictor(batch: int, kept: int, n: int, gated: bool = True) -> bool:
+    """Whether a predicted FFN layer whose batch union keeps ``kept`` of ``n`` neurons is faster run dense (its
+    predictor dropped): the kernel crossover, and from batch 2 also a union sparsity below SPARSE_FROM_UNION."""
+    return use_dense(batch, kept, n, gated=gated) or (batch > 1 and 1.0 - kept / n < SPARSE_FROM_UNION)
 
 
 class DecodeRuntime:
@@ -154,17 +165,17 @@ class DecodeRuntime:
     def densify_slow_ffn(self, faster_dense=None) -> list[int]:
         """At batch > 1 the FFN reads the union of the batch's active sets, which can be nearly every neuron.
         For every layer whose mean union over the decode steps so far is one at which the dense FFN is faster
-        (``faster_dense(batch, kept, D)``; default on CUDA: ``kernels.configs.use_dense``, the crossover measured
-        per batch and sparsity; elsewhere nothing is switched), drop the layer's FFN predictor: from the next step
-        that layer runs the dense FFN and skips its predictor. Reads the counters (one host sync). Returns the
-        layers switched; ``set_plan`` restores the plan."""
+        (``faster_dense(batch, kept, D)``; default on CUDA: :func:`faster_dense_with_predictor`, the kernels'
+        crossover and the end-to-end one measured with the predictor; elsewhere nothing is switched), drop the
+        layer's FFN predictor: from the next step that layer runs the dense FFN and skips its predictor. Reads the
+        counters (one host sync). Returns the layers switched; ``set_plan`` restores the plan."""
         if faster_dense is None:
             if self.device.type != "cuda":
                 return []
             gated = self.gated
 
             def faster_dense(batch, kept, n):
-                return use_dense(batch, kept, n, gated=gated)
+                return faster_dense_with_predictor(batch, kept, n, gated=gated)
         rp, steps = self.sparse_plan, self.counters.steps
         if self.batch <= 1 or steps == 0 or not rp.mlp:
             return []

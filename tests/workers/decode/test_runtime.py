@@ -414,3 +414,16 @@ def test_runtime_predictors_are_frozen_and_use_the_row_kernel(monkeypatch):
     assert torch.is_grad_enabled()
     preds[0].scores(x)
     assert len(calls) == 2
+
+
+def test_default_crossover_counts_the_predictor_at_batch_above_one():
+    """The CUDA default of densify_slow_ffn: the kernels' crossover (dense from batch 2 at union sparsity 0,
+    sparse from 0.3 up) and, from batch 2, dense below union sparsity SPARSE_FROM_UNION (0.45)."""
+    from workers.decode.runtime import faster_dense_with_predictor as f
+
+    n = 1000
+    assert not f(1, 700, n) and not f(1, 1000, n)          # batch 1: the fused kernel wins even at s = 0
+    assert f(4, 1000, n) and f(2, 1000, n)                 # kernel crossover: s = 0 from batch 2
+    assert f(4, 680, n) and f(4, 560, n)                   # union 0.32, 0.44: dense once the predictor counts
+    assert not f(4, 540, n) and not f(8, 340, n)           # union 0.46, 0.66: sparse
+    assert f(4, 1000, n, gated=False) and f(1, 1000, n, gated=False)
