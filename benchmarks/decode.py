@@ -45,12 +45,16 @@ HF_BASELINES = {"hf-generate": ("dynamic", False), "hf-static": ("static", False
 _HF_ARG = {"eager": "hf-generate", "static": "hf-static", "static-compile": "hf-static-compile"}
 
 
-def decode_row(r: dict, shape: str, device: str, copy_bw: float | None = None, nbytes: float | None = None) -> Row:
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def decode_row(r: dict, shape: str, device: str, copy_bw: float | None = None, nbytes: float | None = None,
+               dtype: str = "fp16") -> Row:
     """A bench_decode row (plus ``point``) as a harness Row in ms per token; an error row keeps no timing."""
     extra = {k: v for k, v in r.items() if k not in _MAIN_FIELDS}
     return Row.measured("decode", r["point"], unit="ms", median=r.get("p50_ms_per_token"),
                         p90=r.get("p90_ms_per_token"), nbytes=nbytes, copy_bw_gbps=copy_bw, shape=shape,
-                        dtype="fp16", batch=r.get("batch", 1), device=device, extra=extra)
+                        dtype=dtype, batch=r.get("batch", 1), device=device, extra=extra)
 
 
 def time_per_call(fn, calls: int = 10, reps: int = 20):
@@ -104,8 +108,10 @@ POINTS += [(f"{p[0]}@{path}",) + p[1:] for p in POINTS if p[0].startswith(("in."
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None,
-                    help="result file (a bare name goes under benchmarks/results/); default decode_<shape>.json")
+                    help="result file (a bare name goes under benchmarks/results/); default decode_<shape>.json "
+                         "(decode_<shape>_bf16.json in bf16)")
     ap.add_argument("--shape", default="llama2-7b")
+    ap.add_argument("--dtype", default="fp16", choices=sorted(DTYPES), help="weights, activations and KV cache")
     ap.add_argument("--prompts", default="128,512,1024")
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -147,7 +153,7 @@ def main(argv=None):
     if a.select:
         select_bench(a.json or "decode_select.json", command)
         return 0
-    out = a.json or f"decode_{a.shape}.json"
+    out = a.json or f"decode_{a.shape}{'' if a.dtype == 'fp16' else '_' + a.dtype}.json"
     dev = device_name("cuda")
     meta = dict(shape=a.shape, gen_len=a.gen, repeats=a.repeats, rank=a.rank, select_impl=a.select_impl,
                 input_path=a.input_path, batch=a.batch)
@@ -158,7 +164,7 @@ def main(argv=None):
         return write_results(out, rows, command=command, meta=meta)
 
     t0 = time.time()
-    model = shape_model(a.shape)
+    model = shape_model(a.shape, dtype=DTYPES[a.dtype])
     rt = runtime_for(model, "cuda").configure(select_impl=a.select_impl, input_path=a.input_path,
                                               glue=glues[0])
     runtimes = {g: rt if g == glues[0] else DecodeRuntime(rt.weights, select_impl=a.select_impl,
@@ -214,12 +220,12 @@ def main(argv=None):
             except Exception:
                 r = dict(point=name if glue == glues[0] else f"{name} [glue {glue}]", prompt_len=P,
                          error=traceback.format_exc()[-3000:])
-            rows.append(decode_row(r, a.shape, dev, bw, nbytes))
+            rows.append(decode_row(r, a.shape, dev, bw, nbytes, a.dtype))
             dump()
             print(P, r["point"], {k: r.get(k) for k in ("p50_ms_per_token", "p90_ms_per_token", "ideal_speedup",
                                                  "realized_sparsity", "error")}, flush=True)
         for name in hf_points:
-            rows.append(decode_row(hf_point(model, name, P, a.gen), a.shape, dev))
+            rows.append(decode_row(hf_point(model, name, P, a.gen), a.shape, dev, dtype=a.dtype))
             dump()
             print(P, name, rows[-1].median, rows[-1].extra.get("error"), flush=True)
     print(f"wrote {len(rows)} rows to {dump()}")
@@ -283,10 +289,10 @@ def diag(model, rt, meta, rows, dump, a, dev):
         r = bench_decode(rt, None, device="cuda", batch=1, prompt_len=128, gen_len=a.gen, repeats=a.repeats,
                          detail=True)[0]
         r.update(point=name)
-        rows.append(decode_row(r, a.shape, dev))
+        rows.append(decode_row(r, a.shape, dev, dtype=a.dtype))
         dump()
         print(name, r["p50_ms_per_token"], flush=True)
-    rt.configure(ffn_dense="auto", compile=True, glue="torch")
+    rt.configure(ffn_dense="auto", compile=True, glue="auto")
     plan = random_plan(model, 0.5, 0.5, rank=a.rank)
     rt.set_plan(plan)
     x = torch.randn(1, rt.dims.d, device="cuda", dtype=rt.dtype)
