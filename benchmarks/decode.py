@@ -19,8 +19,7 @@ A baseline that fails is an error row with its traceback; the others still run.
 ``--glue torch,kernel`` runs every point with each glue (the runtime's ``glue`` option: the compiled torch norms
 and attention, or the decode attention as one Triton launch; default ``auto``, the runtime's own: the kernel on
 CUDA), one after the other per point, on runtimes that share the weights; points of the second are named
-``NAME [glue kernel]``. Speedups in the table are over the
-fastest dense row at each prompt length.
+``NAME [glue kernel]``. Speedups in the table are over the fastest dense row at each prompt length.
 """
 from __future__ import annotations
 
@@ -191,6 +190,7 @@ def main(argv=None):
     for P in prompts:
         for (name, ms, hs, ov, kv), glue in ((p, g) for p in points for g in glues):
             rt = runtimes[glue]
+            pname = name if glue == glues[0] else f"{name} [glue {glue}]"
             t1 = time.time()
             nbytes = None
             base, _, ipath = name.partition("@")
@@ -212,14 +212,13 @@ def main(argv=None):
                 dense_b = decode_bytes(rt, 0, 0, 0, ctx)
                 sp_b = decode_bytes(rt, mlp_s, hs or 0, a.rank, ctx, kv_mode=kv, input_sparsity=ins)
                 nbytes = sp_b["total"]
-                r.update(point=name if glue == glues[0] else f"{name} [glue {glue}]",
-                         glue=resolve_glue(glue, rt.device.type), mlp_sparsity=ms, head_sparsity_target=hs, bytes=sp_b,
+                r.update(point=pname, glue=resolve_glue(glue, rt.device.type), mlp_sparsity=ms,
+                         head_sparsity_target=hs, bytes=sp_b,
                          dense_bytes=dense_b["total"], ideal_speedup=dense_b["total"] / sp_b["total"],
                          floor_ms=sp_b["total"] / (bw * 1e9) * 1e3, floor_ms_4300=sp_b["total"] / 4.3e12 * 1e3,
                          wall_s=time.time() - t1)   # floor: the bytes at the measured copy bandwidth
             except Exception:
-                r = dict(point=name if glue == glues[0] else f"{name} [glue {glue}]", prompt_len=P,
-                         error=traceback.format_exc()[-3000:])
+                r = dict(point=pname, prompt_len=P, error=traceback.format_exc()[-3000:])
             rows.append(decode_row(r, a.shape, dev, bw, nbytes, a.dtype))
             dump()
             print(P, r["point"], {k: r.get(k) for k in ("p50_ms_per_token", "p90_ms_per_token", "ideal_speedup",

@@ -22,6 +22,7 @@ import torch
 
 from benchmarks.harness import Row, command_line, device_name, time_graph, write_results
 from kernels import decode_attn_triton, reference
+from workers.decode.glue import glue_fns
 from workers.decode.shapes import attn_shape
 
 
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
         print("benchmarks.decode_attn needs a CUDA GPU")
         return 2
     prompts = [int(p) for p in a.prompts.split(",")]
-    compiled = torch.compile(reference.decode_attention, dynamic=False, fullgraph=True)
+    compiled = glue_fns(True, "torch")["attn"]     # the runtime's compiled torch attention, compiled as it does
 
     def one_split(*args, **kw):
         return decode_attn_triton.decode_attention(*args, **kw, config={"nsplit": 1})

@@ -260,7 +260,8 @@ class DecodeRuntime:
     # ------------------------------------------------------------------ the one-token step
     def _glue(self) -> dict:
         if self._fns is None:
-            self._fns = glue_fns(self.compile and self.device.type == "cuda", resolve_glue(self.glue, self.device.type))
+            on_cuda = self.device.type == "cuda"
+            self._fns = glue_fns(self.compile and on_cuda, resolve_glue(self.glue, self.device.type))
         return self._fns
 
     def _step(self, keep_logits: bool = False):
