@@ -2,7 +2,7 @@
 
     python -m benchmarks.decode [--shape llama2-7b] [--prompts 128,512,1024] [--gen 64] [--quick]
         [--select-impl auto|torch|triton] [--input-path auto|mask|local] [--points dense,mlp.5,...]
-        [--glue torch,kernel] [--hf eager,static,static-compile] [--no-hf] [--json NAME]
+        [--glue torch,kernel] [--o-proj torch,kernel] [--hf eager,static,static-compile] [--no-hf] [--json NAME]
     python -m benchmarks.decode --diag       # dense variants and the per-layer selection costs only
     python -m benchmarks.decode --select     # top-k candidates alone: µs per layer
 
@@ -19,7 +19,9 @@ A baseline that fails is an error row with its traceback; the others still run.
 ``--glue torch,kernel`` runs every point with each glue (the runtime's ``glue`` option: the compiled torch norms
 and attention, or the decode attention as one Triton launch; default ``auto``, the runtime's own: the kernel on
 CUDA), one after the other per point, on runtimes that share the weights; points of the second are named
-``NAME [glue kernel]``. Speedups in the table are over the fastest dense row at each prompt length.
+``NAME [glue kernel]``. ``--o-proj torch,kernel`` likewise for the dense O projection (cuBLAS, or the down kernel
+over every head: the runtime's ``o_proj``); with both, every combination runs. Speedups in the table are over
+the fastest dense row at each prompt length.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import torch
 
 from benchmarks.harness import Row, command_line, copy_bandwidth, device_name, time_graph, write_results
 from kernels import ops
+from workers.decode.blocks import O_PROJ
 from workers.decode.glue import GLUES, resolve_glue
 from workers.decode.latency import (
     bench_decode, calibrated_input_plan, decode_bytes, random_plan, runtime_for, shape_model,
@@ -129,6 +132,8 @@ def main(argv=None):
     ap.add_argument("--points", default=None, help="comma-separated point names to run (default: all)")
     ap.add_argument("--glue", default="auto",
                     help=f"comma-separated runtime glue settings to run every point with ({', '.join(GLUES)})")
+    ap.add_argument("--o-proj", default="auto",
+                    help=f"comma-separated dense O projection paths to run every point with ({', '.join(O_PROJ)})")
     ap.add_argument("--batch", type=int, default=1,
                     help="sequences decoded together (the FFN runs the union of their active sets; the Hugging "
                          "Face baselines run at batch 1 only)")
@@ -141,6 +146,10 @@ def main(argv=None):
     glues = [v for v in a.glue.split(",") if v]
     if not glues or any(v not in GLUES for v in glues):
         ap.error(f"--glue: {a.glue!r}; each must be one of {', '.join(GLUES)}")
+    oprojs = [v for v in a.o_proj.split(",") if v]
+    if not oprojs or any(v not in O_PROJ for v in oprojs):
+        ap.error(f"--o-proj: {a.o_proj!r}; each must be one of {', '.join(O_PROJ)}")
+    variants = [(g, o) for g in glues for o in oprojs]
     try:
         hf_points = [] if a.no_hf or a.batch > 1 else [_HF_ARG[v] for v in a.hf.split(",") if v]
     except KeyError as e:
@@ -165,13 +174,18 @@ def main(argv=None):
     t0 = time.time()
     model = shape_model(a.shape, dtype=DTYPES[a.dtype])
     rt = runtime_for(model, "cuda").configure(select_impl=a.select_impl, input_path=a.input_path,
-                                              glue=glues[0])
-    runtimes = {g: rt if g == glues[0] else DecodeRuntime(rt.weights, select_impl=a.select_impl,
-                                                         input_path=a.input_path, glue=g)
-                for g in glues}
+                                              glue=glues[0], o_proj=oprojs[0])
+    runtimes = {v: rt if v == variants[0] else DecodeRuntime(rt.weights, select_impl=a.select_impl,
+                                                             input_path=a.input_path, glue=v[0], o_proj=v[1])
+                for v in variants}
+
+    def suffix(v) -> str:       # " [glue kernel, o torch]": what differs from the first variant
+        d = [f"{k} {x}" for k, x, x0 in (("glue", v[0], glues[0]), ("o", v[1], oprojs[0])) if x != x0]
+        return f" [{', '.join(d)}]" if d else ""
+
     meta["build_s"] = time.time() - t0
-    for g, r_ in runtimes.items():
-        key = "checks" if g == glues[0] else f"checks_glue_{g}"
+    for v, r_ in runtimes.items():
+        key = "checks" + suffix(v)
         try:
             meta[key] = checks(model, r_)
         except Exception:
@@ -188,9 +202,9 @@ def main(argv=None):
     if a.points:
         points = [p for p in points if p[0] in a.points.split(",")]
     for P in prompts:
-        for (name, ms, hs, ov, kv), glue in ((p, g) for p in points for g in glues):
-            rt = runtimes[glue]
-            pname = name if glue == glues[0] else f"{name} [glue {glue}]"
+        for (name, ms, hs, ov, kv), v in ((p, v) for p in points for v in variants):
+            rt = runtimes[v]
+            pname = name + suffix(v)
             t1 = time.time()
             nbytes = None
             base, _, ipath = name.partition("@")
@@ -212,7 +226,8 @@ def main(argv=None):
                 dense_b = decode_bytes(rt, 0, 0, 0, ctx)
                 sp_b = decode_bytes(rt, mlp_s, hs or 0, a.rank, ctx, kv_mode=kv, input_sparsity=ins)
                 nbytes = sp_b["total"]
-                r.update(point=pname, glue=resolve_glue(glue, rt.device.type), mlp_sparsity=ms,
+                r.update(point=pname, glue=resolve_glue(v[0], rt.device.type),
+                         o_proj="kernel" if rt.blocks.o_kernel(a.batch) else "torch", mlp_sparsity=ms,
                          head_sparsity_target=hs, bytes=sp_b,
                          dense_bytes=dense_b["total"], ideal_speedup=dense_b["total"] / sp_b["total"],
                          floor_ms=sp_b["total"] / (bw * 1e9) * 1e3, floor_ms_4300=sp_b["total"] / 4.3e12 * 1e3,

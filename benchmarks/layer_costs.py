@@ -12,7 +12,9 @@ Parts (batch 1): the residual add + norm and the attention over a cache of ``--p
 (``glue`` "torch": the torch functions, compiled on CUDA; "kernel": the one-launch Triton attention on CUDA, the
 native norm and attention on the CPU), the QKV and O projections, the FFN dense (the runtime's dense path) and on random
 active sets of 50 % and 10 % of the neurons (the fused kernel + reduce, without and with programmatic dependent
-launch), the Deja Vu predictor GEMVs + top-k of one layer's set, and the LM head + argmax once per step. The
+launch), the Deja Vu predictor GEMVs + top-k of one layer's set, the O projection's candidates (the down kernel over every
+head, on CUDA in several launch configs, and cuBLAS over a W_o [out, in] copy), and the LM head + argmax once per
+step. The
 step itself is ``bench_decode``'s p50 for the dense runtime with each glue. "unexplained" is the step per
 layer minus the dense parts' sum: launch gaps and what the graph cannot overlap. Writes
 ``benchmarks/results/<--json>`` (default ``layer_costs_<shape>.json``).
@@ -73,6 +75,21 @@ def layer_parts(rt: DecodeRuntime, model, prompt: int) -> dict[str, tuple[list, 
         "ffn dense": ([lambda L=L: b.ffn_dense_(L, h, compiled["act_mul"]) for L in layers],
                       (3 if w.gated else 2) * d * D * es),
     })
+    # the O projection's candidates: the down kernel over every head (the runtime's o_proj "kernel"; on CUDA also
+    # other launch configs: BLOCK_D x BLOCK_R x K splits x warps), and cuBLAS over a W_o [out, in] copy
+    o_bytes = layers[0].w_o_t.numel() * es
+    head_out = ops.backend(a).head_sparse_out
+    o_cfgs = [None] + ([(64, 64, 8, 4), (128, 64, 16, 4), (64, 32, 16, 4), (128, 32, 8, 4), (256, 32, 8, 8),
+                        (128, 128, 4, 8), (64, 128, 8, 4)] if dev.type == "cuda" else [])
+    for c in o_cfgs:
+        cfg = None if c is None else dict(BLOCK_D=c[0], BLOCK_R=c[1], splits=c[2], num_warps=c[3])
+        parts["o, down kernel" + ("" if c is None else " {}x{}s{}w{}".format(*c))] = (
+            [lambda L=L, cfg=cfg: head_out(a, L.w_o_t, b.q_all, None, hd, L.b_o, config=cfg) for L in layers],
+            o_bytes)
+    if dev.type == "cuda":
+        w_o = [L.w_o_t.t().contiguous() for L in layers]
+        parts["o, cuBLAS over W_o [out, in]"] = ([lambda i=i: torch.nn.functional.linear(a, w_o[i])
+                                                  for i in range(len(layers))], o_bytes)
     if w.gated:
         ffn = ops.backend(h).sparse_ffn
         for s in (0.5, 0.9):
@@ -154,18 +171,19 @@ def main(argv=None) -> int:
                              nbytes=rt.lm_head.numel() * rt.lm_head.element_size(), copy_bw_gbps=bw,
                              shape=meta["shape"], device=accel))
     print(f"{'lm head + argmax (per step)':<28} {head.median:8.2f} us", flush=True)
-    for glue in ("torch", "kernel"):
-        rt.configure(glue=glue)
+    for glue, o in (("torch", "torch"), ("kernel", "torch"), ("kernel", "kernel")):
+        rt.configure(glue=glue, o_proj=o)
         r = bench_decode(rt, None, device=dev, batch=1, prompt_len=a.prompt, gen_len=a.gen,
                          repeats=2 if a.smoke else 3)[0]
         step_us = r["p50_ms_per_token"] * 1e3
-        parts = [f"add + norm, glue {glue}", f"add + norm, glue {glue}", "qkv", f"attention, glue {glue}", "o",
-                 "ffn dense"]
+        parts = [f"add + norm, glue {glue}", f"add + norm, glue {glue}", "qkv", f"attention, glue {glue}",
+                 "o" if o == "torch" else "o, down kernel", "ffn dense"]
         summed = sum(us[p] for p in parts)
         per_layer = (step_us - head.median) / nl
-        meta[f"step_us_glue_{glue}"] = step_us
-        meta[f"unexplained_us_per_layer_glue_{glue}"] = per_layer - summed
-        print(f"dense step, glue {glue}: {step_us:8.1f} us = {nl} x {per_layer:.2f} us/layer + head; "
+        key = f"glue_{glue}_o_{o}"
+        meta[f"step_us_{key}"] = step_us
+        meta[f"unexplained_us_per_layer_{key}"] = per_layer - summed
+        print(f"dense step, glue {glue}, o {o}: {step_us:8.1f} us = {nl} x {per_layer:.2f} us/layer + head; "
               f"parts sum {summed:.2f} us/layer; unexplained {per_layer - summed:+.2f} us/layer", flush=True)
     path = write_results(out, rows, command=command_line("benchmarks.layer_costs"), device=dev, meta=meta)
     print(f"wrote {len(rows)} rows to {path}")

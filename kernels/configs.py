@@ -135,6 +135,10 @@ DENSE_FROM_BATCH = {
 
 DENSE_FROM_BATCH_MLP = {**DENSE_FROM_BATCH, 0.0: 1}
 
+# The dense attention output projection (W_o^T [H*hd, d]) through the down kernel over every head, up to this
+# batch; cuBLAS above it (0: cuBLAS always).
+O_KERNEL_MAX_BATCH = 0
+
 
 def use_dense(batch: int, k: int, n: int, gated: bool = True) -> bool:
     table = DENSE_FROM_BATCH if gated else DENSE_FROM_BATCH_MLP

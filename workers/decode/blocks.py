@@ -6,6 +6,9 @@ variants, head-sparse attention, the LM head. Stateless apart from two backend o
 ``cpu_rows`` (CPU backend): dense projections (QKV, O, LM head, dense FFN) through kernels.cpu's row kernels
 (True) or torch matmuls (False/None); which is faster depends on the CPU (``DecodeRuntime.pick_cpu_dense``).
 Sparse FFN on the CPU: kernels.cpu reads only the active rows of gate/up and of W_downᵀ, in one pass.
+``o_proj``: the dense O projection through "torch" (``linear_t``: cuBLAS on CUDA, the row kernels with
+``cpu_rows``), "kernel" (the down kernel over every head's rows of W_oᵀ, ``kernels.ops.head_sparse_out``) or
+"auto" (the kernel on CUDA up to ``kernels.configs.O_KERNEL_MAX_BATCH``, else "torch").
 """
 from __future__ import annotations
 
@@ -15,18 +18,20 @@ import torch.nn.functional as F
 from kernels import cpu as cpu_kernels
 from kernels import ops
 from kernels.common import ACTS, MAX_BATCH, apply_act
-from kernels.configs import use_dense
+from kernels.configs import O_KERNEL_MAX_BATCH, use_dense
 from workers.decode.weights import LayerWeights, ModelWeights
 from workers.loading.adapters import activation_fn
 
 FFN_DENSE = ("auto", "torch")
+O_PROJ = ("auto", "torch", "kernel")
 
 
 class Blocks:
     def __init__(self, w: ModelWeights, *, ffn_dense: str = "auto", cpu_rows: bool | None = None,
-                 count_inputs: bool = True, input_path: str = "auto"):
+                 count_inputs: bool = True, input_path: str = "auto", o_proj: str = "auto"):
         if ffn_dense not in FFN_DENSE:
             raise ValueError(f"ffn_dense must be one of {FFN_DENSE}, got {ffn_dense!r}")
+        self.o_proj = o_proj
         self.w, self.ffn_dense, self.cpu_rows = w, ffn_dense, cpu_rows
         self.input_path = input_path
         # accelerators: counting active inputs costs a few small kernels per projection (the CPU kernels count
@@ -34,6 +39,18 @@ class Blocks:
         self.count_inputs = count_inputs
         self.kv_all = torch.arange(w.dims.n_kv_heads, device=w.device, dtype=torch.int32)
         self.full_idx = torch.arange(w.dims.D, device=w.device, dtype=torch.int32)
+        self.q_all = torch.arange(w.dims.n_heads, device=w.device, dtype=torch.int32)
+
+    @property
+    def o_proj(self) -> str:
+        """The dense O projection's path (O_PROJ)."""
+        return self._o_proj
+
+    @o_proj.setter
+    def o_proj(self, value: str):
+        if value not in O_PROJ:
+            raise ValueError(f"o_proj must be one of {O_PROJ}, got {value!r}")
+        self._o_proj = value
 
     @property
     def input_path(self) -> str:
@@ -72,6 +89,17 @@ class Blocks:
             return cpu_kernels.linear_t(a, w_t, b)
         z = a @ w_t
         return z + b if b is not None else z
+
+    def o_kernel(self, batch: int) -> bool:
+        """Whether the dense O projection at ``batch`` runs through the down kernel (``o_proj`` resolved)."""
+        return self.o_proj == "kernel" or (
+            self.o_proj == "auto" and self.w.device.type == "cuda" and batch <= O_KERNEL_MAX_BATCH)
+
+    def out_dense(self, L: LayerWeights, a):
+        """The dense O projection a @ W_o^T (+ b) of the attention output ``a`` [B, H * hd] (``o_proj``)."""
+        if self.o_kernel(a.shape[0]):
+            return ops.head_sparse_out(a, L.w_o_t, self.q_all, None, self.w.dims.head_dim, L.b_o)
+        return self.linear_t(a, L.w_o_t, L.b_o)
 
     def logits(self, h):
         w = self.w

@@ -21,7 +21,8 @@ CUDA), ``use_graph`` (one CUDA graph per step), ``select_impl`` ("auto" | "torch
 ``input_path`` ("auto" | "mask" | "local": the input-sparse kernel, kernels.ops.INPUT_PATHS), ``glue``
 ("torch": the torch norms and decode attention, compiled on CUDA; "kernel": RoPE, the cache write and the
 attention of every (active) head in one kernels.ops call (one Triton launch on CUDA, one native call on the
-CPU), and on the CPU the norms natively too; "auto": "kernel" on the CPU and CUDA, "torch" elsewhere).
+CPU), and on the CPU the norms natively too; "auto": "kernel" on the CPU and CUDA, "torch" elsewhere),
+``o_proj`` ("auto" | "torch" | "kernel": the dense O projection, workers.decode.blocks).
 ``set_plan`` takes ``overlap`` (side-stream look-ahead on CUDA) and ``kv_mode`` ("exact": K/V of every head,
 the semantics of workers.sparsity.sparse_exec; "active": only the KV heads the active query heads need, skipped
 entries masked out of later attention -- Deja Vu's saving without its "recompute later", an approximation).
@@ -66,11 +67,11 @@ def faster_dense_with_predictor(batch: int, kept: int, n: int, gated: bool = Tru
 class DecodeRuntime:
     def __init__(self, weights: ModelWeights, *, ffn_dense: str = "auto", compile: bool = True,
                  use_graph: bool = True, select_impl: str = "auto", cpu_rows: bool | None = None,
-                 count_inputs: bool = True, input_path: str = "auto", glue: str = "auto"):
+                 count_inputs: bool = True, input_path: str = "auto", glue: str = "auto", o_proj: str = "auto"):
         self.weights = weights
         self.glue = check_glue(glue)
         self.blocks = Blocks(weights, ffn_dense=ffn_dense, cpu_rows=cpu_rows, count_inputs=count_inputs,
-                             input_path=input_path)
+                             input_path=input_path, o_proj=o_proj)
         self.selector = ActiveSetSelector(select_impl)
         self.compile, self.use_graph = compile, use_graph
         self.overlap, self.kv_mode = True, "exact"
@@ -92,14 +93,16 @@ class DecodeRuntime:
     def configure(self, *, ffn_dense: str | None = None, compile: bool | None = None, use_graph: bool | None = None,
                   select_impl: str | None = None, cpu_rows: bool | None = None,
                   count_inputs: bool | None = None, input_path: str | None = None,
-                  glue: str | None = None) -> "DecodeRuntime":
+                  glue: str | None = None, o_proj: str | None = None) -> "DecodeRuntime":
         """Change constructor settings (those given); drops the compiled glue and any captured graph."""
         if glue is not None:
             self.glue = check_glue(glue)
         if ffn_dense is not None:
             b = self.blocks
             self.blocks = Blocks(self.weights, ffn_dense=ffn_dense, cpu_rows=b.cpu_rows,
-                                 count_inputs=b.count_inputs, input_path=b.input_path)
+                                 count_inputs=b.count_inputs, input_path=b.input_path, o_proj=b.o_proj)
+        if o_proj is not None:
+            self.blocks.o_proj = o_proj
         if input_path is not None:
             self.input_path = input_path
         if count_inputs is not None:
@@ -320,7 +323,7 @@ class DecodeRuntime:
                         self.weights.eps, L.window)
         if "o" in ia:
             return b.in_linear(a, L.w_o_t, ia["o"], self._counts(l, ia["o"]), L.b_o)
-        return b.linear_t(a, L.w_o_t, L.b_o)
+        return b.out_dense(L, a)
 
     def _ffn(self, l, L, h, x_in, prev_x, sets, fns):
         """Layer ``l``'s FFN: dense, input-sparse, gate-threshold or on the predictor's active set."""

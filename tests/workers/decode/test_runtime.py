@@ -217,6 +217,20 @@ for family, heads in (("llama", False), ("gemma3", False), ("opt", False), ("qwe
         rt.prefill(ids)
         out[glue] = torch.stack([rt.step(keep_logits=True) for _ in range(3 if heads else 6)])
     torch.testing.assert_close(out["kernel"], out["torch"], atol=1e-4, rtol=1e-3), family
+for family in ("llama", "opt"):          # the dense O projection through the down kernel (opt: with its bias)
+    m = tiny_model(family)
+    with torch.no_grad():
+        for name, mod in m.named_modules():
+            if name.endswith("out_proj") and mod.bias is not None:
+                mod.bias.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(8))
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(6))
+    out = {}
+    for o in ("torch", "kernel"):
+        rt = DecodeRuntime.from_hf(m, o_proj=o)
+        rt.setup(2, 24)
+        rt.prefill(ids)
+        out[o] = torch.stack([rt.step(keep_logits=True) for _ in range(3)])
+    torch.testing.assert_close(out["kernel"], out["torch"], atol=1e-4, rtol=1e-3), family
 print("OK")
 """
 
@@ -225,7 +239,8 @@ def test_triton_attention_gives_the_torch_attention_logits():
     """glue="kernel" with the Triton backend (RoPE, q/k norms, cache write and attention in one launch; here in
     Triton's interpreter) gives the torch glue's logits, batch 2, prompt 12, 6 steps: llama, gemma3 (q/k norms; its
     16-position sliding window starts to drop positions at 16), opt (no RoPE), qwen2 (GQA); and 3 steps of
-    llama's head-sparse step (compact active heads)."""
+    llama's head-sparse step (compact active heads). And o_proj "kernel" (the dense O projection through the
+    Triton down kernel) gives o_proj "torch"'s logits, llama and opt (O with a bias)."""
     import os
     import subprocess
     import sys
@@ -309,6 +324,35 @@ def test_glue_option_is_checked():
     # "auto": the kernels where they were measured faster (CPU, CUDA), the compiled torch functions elsewhere
     assert [resolve_glue("auto", d) for d in ("cpu", "cuda", "npu")] == ["kernel", "kernel", "torch"]
     assert resolve_glue("torch", "cuda") == "torch"
+
+
+def test_o_proj_option_is_checked_and_resolved():
+    rt = DecodeRuntime.from_hf(tiny_model("llama"))
+    assert rt.blocks.o_proj == "auto" and not rt.blocks.o_kernel(1)   # "auto" on the CPU: the matmul / row kernels
+    with pytest.raises(ValueError, match="o_proj must be one of"):
+        DecodeRuntime.from_hf(tiny_model("llama"), o_proj="cublas")
+    with pytest.raises(ValueError, match="o_proj must be one of"):
+        rt.configure(o_proj="cublas")
+    assert rt.configure(o_proj="kernel").blocks.o_kernel(1)
+    assert rt.configure(ffn_dense="torch").blocks.o_proj == "kernel"    # rebuilding the blocks keeps it
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_o_proj_kernel_gives_the_dense_logits_on_the_cpu(family):
+    """o_proj "kernel" on the CPU (the native gather-down over every head's rows of W_o^T) gives the matmul's
+    logits, batch 2, prefill and 6 steps; opt's O has a bias (random here: HF initialises biases to 0)."""
+    m = tiny_model(family)
+    with torch.no_grad():
+        for name, mod in m.named_modules():
+            if name.endswith("out_proj") and mod.bias is not None:
+                mod.bias.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(8))
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(7))
+    out = {}
+    for o in ("torch", "kernel"):
+        rt = DecodeRuntime.from_hf(m, o_proj=o)
+        rt.setup(2, 24)
+        out[o] = torch.stack([rt.prefill(ids)] + [rt.step(keep_logits=True) for _ in range(6)])
+    torch.testing.assert_close(out["kernel"], out["torch"], atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
