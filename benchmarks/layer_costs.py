@@ -13,8 +13,8 @@ Parts (batch 1): the residual add + norm and the attention over a cache of ``--p
 native norm and attention on the CPU), the QKV and O projections, the FFN dense (the runtime's dense path) and on random
 active sets of 50 % and 10 % of the neurons (the fused kernel + reduce, without and with programmatic dependent
 launch), the Deja Vu predictor GEMVs + top-k of one layer's set, the O projection's candidates (the down kernel over every
-head, on CUDA in several launch configs, and cuBLAS over a W_o [out, in] copy), and the LM head + argmax once per
-step. The
+head, on CUDA in several launch configs; cuBLAS and the gather-GEMV kernel over a W_o [out, in] copy; QKV through
+the gather-GEMV kernel), and the LM head + argmax once per step. The
 step itself is ``bench_decode``'s p50 for the dense runtime with each glue. "unexplained" is the step per
 layer minus the dense parts' sum: launch gaps and what the graph cannot overlap. Writes
 ``benchmarks/results/<--json>`` (default ``layer_costs_<shape>.json``).
@@ -90,6 +90,18 @@ def layer_parts(rt: DecodeRuntime, model, prompt: int) -> dict[str, tuple[list, 
         w_o = [L.w_o_t.t().contiguous() for L in layers]
         parts["o, cuBLAS over W_o [out, in]"] = ([lambda i=i: torch.nn.functional.linear(a, w_o[i])
                                                   for i in range(len(layers))], o_bytes)
+        # the gather-GEMV kernel (one dot per weight row, the gate/up half of the sparse FFN) over every row of
+        # W_o [out, in] and of W_qkv: rows per program x warps
+        gg = ops.backend(a).gather_gemv
+        all_o = torch.arange(d, device=dev, dtype=torch.int32)
+        all_qkv = torch.arange(layers[0].w_qkv.shape[0], device=dev, dtype=torch.int32)
+        for br, nw in ((1, 4), (2, 4), (4, 4), (2, 8), (4, 8), (8, 8)):
+            cfg = dict(BLOCK_R=br, BLOCK_K=None, num_warps=nw)
+            parts[f"o, gather-GEMV over W_o [out, in] r{br}w{nw}"] = (
+                [lambda i=i, cfg=cfg: gg(a, w_o[i], all_o, config=cfg) for i in range(len(layers))], o_bytes)
+            parts[f"qkv, gather-GEMV r{br}w{nw}"] = (
+                [lambda L=L, cfg=cfg: gg(h, L.w_qkv, all_qkv, config=cfg) for L in layers],
+                layers[0].w_qkv.numel() * es)
     if w.gated:
         ffn = ops.backend(h).sparse_ffn
         for s in (0.5, 0.9):
