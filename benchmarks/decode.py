@@ -1,7 +1,7 @@
 """Decode benchmark on a GPU: our runtime dense / sparse vs Hugging Face ``generate``, 7B-class shapes.
 
     python -m benchmarks.decode [--shape llama2-7b] [--prompts 128,512,1024] [--gen 64] [--quick]
-        [--select-impl auto|torch|triton] [--input-path auto|mask|local] [--points dense,mlp.5,...]
+        [--select-impl auto,triton-1cta] [--input-path auto|mask|local] [--points dense,mlp.5,...]
         [--glue torch,kernel] [--o-proj torch,kernel] [--hf eager,static,static-compile] [--no-hf] [--json NAME]
     python -m benchmarks.decode --diag       # dense variants and the per-layer selection costs only
     python -m benchmarks.decode --select     # top-k candidates alone: µs per layer
@@ -20,7 +20,8 @@ A baseline that fails is an error row with its traceback; the others still run.
 and attention, or the decode attention as one Triton launch; default ``auto``, the runtime's own: the kernel on
 CUDA), one after the other per point, on runtimes that share the weights; points of the second are named
 ``NAME [glue kernel]``. ``--o-proj torch,kernel`` likewise for the dense O projection (cuBLAS, or the down kernel
-over every head: the runtime's ``o_proj``); with both, every combination runs. Speedups in the table are over
+over every head: the runtime's ``o_proj``), and ``--select-impl`` for the top-k (``select_impl``); with several,
+every combination runs. Speedups in the table are over
 the fastest dense row at each prompt length.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ from workers.decode.latency import (
     bench_decode, calibrated_input_plan, decode_bytes, random_plan, runtime_for, shape_model,
 )
 from workers.decode.runtime import DecodeRuntime
+from workers.decode.select import SELECT_IMPLS
 
 _MAIN_FIELDS = ("p50_ms_per_token", "p90_ms_per_token", "accelerator_name", "batch", "point")
 # HF baselines: point name -> (cache, compile)
@@ -125,8 +127,9 @@ def main(argv=None):
     ap.add_argument("--no-hf", action="store_true", help="no Hugging Face baseline")
     ap.add_argument("--diag", action="store_true", help="only the dense variants and the selection costs")
     ap.add_argument("--select", action="store_true", help="only the top-k selection candidates (µs per layer)")
-    ap.add_argument("--select-impl", default="auto", choices=("auto", "torch", "triton"),
-                    help="the runtime's top-k (DecodeRuntime's select_impl)")
+    ap.add_argument("--select-impl", default="auto",
+                    help=f"comma-separated top-k implementations to run every point with (DecodeRuntime's "
+                         f"select_impl: {', '.join(SELECT_IMPLS)})")
     ap.add_argument("--input-path", default="auto", choices=ops.INPUT_PATHS,
                     help="the input-sparse kernel (DecodeRuntime's input_path)")
     ap.add_argument("--points", default=None, help="comma-separated point names to run (default: all)")
@@ -149,7 +152,10 @@ def main(argv=None):
     oprojs = [v for v in a.o_proj.split(",") if v]
     if not oprojs or any(v not in O_PROJ for v in oprojs):
         ap.error(f"--o-proj: {a.o_proj!r}; each must be one of {', '.join(O_PROJ)}")
-    variants = [(g, o) for g in glues for o in oprojs]
+    selects = [v for v in a.select_impl.split(",") if v]
+    if not selects or any(v not in SELECT_IMPLS for v in selects):
+        ap.error(f"--select-impl: {a.select_impl!r}; each must be one of {', '.join(SELECT_IMPLS)}")
+    variants = [(g, o, si) for g in glues for o in oprojs for si in selects]
     try:
         hf_points = [] if a.no_hf or a.batch > 1 else [_HF_ARG[v] for v in a.hf.split(",") if v]
     except KeyError as e:
@@ -173,14 +179,14 @@ def main(argv=None):
 
     t0 = time.time()
     model = shape_model(a.shape, dtype=DTYPES[a.dtype])
-    rt = runtime_for(model, "cuda").configure(select_impl=a.select_impl, input_path=a.input_path,
+    rt = runtime_for(model, "cuda").configure(select_impl=selects[0], input_path=a.input_path,
                                               glue=glues[0], o_proj=oprojs[0])
-    runtimes = {v: rt if v == variants[0] else DecodeRuntime(rt.weights, select_impl=a.select_impl,
+    runtimes = {v: rt if v == variants[0] else DecodeRuntime(rt.weights, select_impl=v[2],
                                                              input_path=a.input_path, glue=v[0], o_proj=v[1])
                 for v in variants}
 
     def suffix(v) -> str:       # " [glue kernel, o torch]": what differs from the first variant
-        d = [f"{k} {x}" for k, x, x0 in (("glue", v[0], glues[0]), ("o", v[1], oprojs[0])) if x != x0]
+        d = [f"{k} {x}" for k, x, x0 in zip(("glue", "o", "select"), v, variants[0]) if x != x0]
         return f" [{', '.join(d)}]" if d else ""
 
     meta["build_s"] = time.time() - t0
@@ -322,9 +328,11 @@ def diag(model, rt, meta, rows, dump, a, dev):
 
 
 @torch.no_grad()
-def select_bench(out: str, command: str, n: int = 11008, n_heads: int = 32) -> list[Row]:
-    """Per-layer cost (µs, CUDA graph of 10 calls, median) of the top-k candidates on fp16 scores of a Llama-2
-    FFN (n = 11008) at s = .5/.7/.9 and of the heads (32, k = 16), and whether each gives the reference's set."""
+def select_bench(out: str, command: str, ns: tuple = (11008, 14336, 18944), n_heads: int = 32) -> list[Row]:
+    """Per-layer cost (µs, CUDA graph of 10 calls, median) of the top-k candidates on fp16 scores of the FFNs of
+    Llama-2 / Llama-3 / Qwen2 (n = 11008 / 14336 / 18944) at s = .5/.7/.9 and of the heads (32, k = 16), and
+    whether each gives the reference's set: torch.topk / sort / kthvalue, the one-CTA radix select, and the
+    multi-CTA select over chunks of 512-2048 entries."""
     from kernels import ops
     from kernels import reference as ref
     from kernels.select_triton import topk_select
@@ -333,7 +341,7 @@ def select_bench(out: str, command: str, n: int = 11008, n_heads: int = 32) -> l
     g = torch.Generator(device="cuda").manual_seed(0)
     dev = device_name("cuda")
     rows: list[Row] = []
-    for N, sp in [(n, 0.5), (n, 0.7), (n, 0.9), (n_heads, 0.5)]:
+    for N, sp in [(n, sp) for n in ns for sp in (0.5, 0.7, 0.9)] + [(n_heads, 0.5)]:
         k = k_for(sp, N)
         sc = torch.randn(1, N, device="cuda", dtype=torch.float16, generator=g)
         want = ref.topk_select(sc, k)
@@ -341,10 +349,12 @@ def select_bench(out: str, command: str, n: int = 11008, n_heads: int = 32) -> l
                  "torch.topk fp32": lambda: torch.topk(sc.float(), k, dim=-1, sorted=False).indices,
                  "torch.sort": lambda: torch.sort(sc, dim=-1, descending=True).indices[:, :k],
                  "torch.kthvalue+compact": lambda: ops.compact(sc[0] >= torch.kthvalue(sc[0], N - k + 1).values)}
-        for bits in (1, 2):
-            for w in (4, 8, 16, 32):
-                cands[f"triton bits={bits} warps={w}"] = (lambda bits=bits, w=w: topk_select(sc, k, bits=bits,
-                                                                                            num_warps=w))
+        cands["triton one-CTA"] = lambda: topk_select(sc, k, multi=False)
+        if N >= 1024:
+            for c in (512, 1024, 2048):
+                for w in (2, 4, 8):
+                    cands[f"triton multi chunk={c} warps={w}"] = (
+                        lambda c=c, w=w: topk_select(sc, k, multi=True, chunk=c, num_warps=w))
         cands["triton default"] = lambda: topk_select(sc, k)
         for name, fn in cands.items():
             extra, timing = dict(n=N, k=k, sparsity=sp), None

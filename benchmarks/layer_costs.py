@@ -30,6 +30,7 @@ from kernels import ops
 from workers.decode.glue import glue_fns
 from workers.decode.latency import bench_decode, random_plan, shape_model
 from workers.decode.runtime import DecodeRuntime
+from workers.decode.select import ActiveSetSelector
 
 
 def _random_sets(D: int, k: int, n: int, device) -> list[torch.Tensor]:
@@ -116,6 +117,10 @@ def layer_parts(rt: DecodeRuntime, model, prompt: int) -> dict[str, tuple[list, 
     rt.set_plan(random_plan(model, 0.5, None, rank=256))
     preds = [rt.sparse_plan.mlp[l] for l in range(len(layers))]
     parts["mlp predictor + top-k"] = ([lambda p=p: rt.selector.select(p, x, D) for p in preds], 256 * (d + D) * es)
+    if dev.type == "cuda":     # the one-CTA radix select the multi-CTA one replaced
+        one = ActiveSetSelector("triton-1cta")
+        parts["mlp predictor + top-k, one-CTA select"] = ([lambda p=p: one.select(p, x, D) for p in preds],
+                                                          256 * (d + D) * es)
     rt.set_plan(None)
     return parts
 

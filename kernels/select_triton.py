@@ -32,6 +32,10 @@ MAX_N = 1 << 16
 # num_warps by the padded row length (H200: 16 warps best at n = 11008, 4 at n = 32)
 NUM_WARPS = ((1024, 4), (4096, 8), (MAX_N, 16))
 BITS = 2
+# the multi-CTA select: chunk of entries per program, warps per program, and the row length from which it is used
+MULTI_CHUNK = 1024
+MULTI_WARPS = 4
+MULTI_MIN_N = 4096
 
 
 @triton.jit
@@ -85,14 +89,107 @@ def _topk_select_kernel(s_ptr, stride_s, out_ptr, stride_o, n, k,
     tl.store(out_ptr + row * stride_o + pos, j.to(tl.int32), mask=sel)
 
 
+@triton.jit
+def _key16(s_ptr, row, stride_s, n, c, CHUNK: tl.constexpr):
+    """Chunk ``c`` of a row: indices, in-range mask, and the order-preserving 16-bit keys (hi byte, lo byte);
+    lanes past n get hi = 256 (outside the 256 bins counted)."""
+    j = c * CHUNK + tl.arange(0, CHUNK)
+    m = j < n
+    v = tl.load(s_ptr + row * stride_s + j, mask=m, other=0.0)
+    s = v.to(tl.int16, bitcast=True).to(tl.int32)
+    s = tl.where(s == -32768, 0, s)
+    key = (s ^ ((s >> 15) & 0x7FFF)) + 32768
+    return j, m, key, tl.where(m, key >> 8, 256), key & 0xFF
+
+
+@triton.jit
+def _bin_of_kth(h_ptr, k):
+    """From a 256-bin count [b] (global, complete): the bin b* holding the k-th largest key and the count of
+    keys in bins above it."""
+    b = tl.arange(0, 256)
+    h = tl.load(h_ptr + b)
+    ge = tl.sum(h, axis=0) - (tl.cumsum(h, axis=0) - h)                # #(bin >= b), non-increasing
+    bstar = tl.sum(tl.where(ge >= k, 1, 0), axis=0) - 1
+    above = tl.sum(tl.where(b > bstar, h, 0), axis=0)
+    return bstar, above
+
+
+@triton.jit
+def _multi_hist_hi_kernel(s_ptr, stride_s, hist_ptr, n, CHUNK: tl.constexpr):
+    c, row = tl.program_id(0), tl.program_id(1)
+    j, m, key, hi, lo = _key16(s_ptr, row, stride_s, n, c, CHUNK)
+    h = tl.histogram(hi, 512)
+    b = tl.arange(0, 512)
+    tl.atomic_add(hist_ptr + row * 512 + b, h, mask=b < 256)
+
+
+@triton.jit
+def _multi_hist_lo_kernel(s_ptr, stride_s, hist_ptr, part_ptr, n, k, P_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    c, row = tl.program_id(0), tl.program_id(1)
+    bstar, above = _bin_of_kth(hist_ptr + row * 512, k)
+    j, m, key, hi, lo = _key16(s_ptr, row, stride_s, n, c, CHUNK)
+    h = tl.histogram(tl.where(hi == bstar, lo, 256), 512)              # lo bytes of the keys in bin b*
+    b = tl.arange(0, 512)
+    tl.atomic_add(hist_ptr + row * 512 + 256 + b, h, mask=b < 256)
+    # this chunk's own counts for the output offsets: lo histogram of bin b*, and in slot 256 #(hi > b*)
+    n_above = tl.sum(tl.where(m & (hi > bstar) & (hi < 256), 1, 0), axis=0)
+    part = part_ptr + (row * P_PAD + c) * 512
+    tl.store(part + b, tl.where(b == 256, n_above, h), mask=b <= 256)
+
+
+@triton.jit
+def _multi_write_kernel(s_ptr, stride_s, hist_ptr, part_ptr, out_ptr, stride_o, n, k,
+                        P_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    c, row = tl.program_id(0), tl.program_id(1)
+    bstar, above = _bin_of_kth(hist_ptr + row * 512, k)
+    lstar, above_lo = _bin_of_kth(hist_ptr + row * 512 + 256, k - above)
+    T = (bstar << 8) | lstar                                           # the k-th largest key
+    need = k - above - above_lo                                         # entries == T to take (lowest indices)
+    # what the chunks before this one hold: #(key > T) and #(key == T)
+    pc = tl.arange(0, P_PAD)
+    b = tl.arange(0, 256)
+    prev = pc < c
+    tile = tl.load(part_ptr + (row * P_PAD + pc[:, None]) * 512 + b[None, :], mask=prev[:, None], other=0)
+    gt_before = (tl.sum(tl.load(part_ptr + (row * P_PAD + pc) * 512 + 256, mask=prev, other=0), axis=0)
+                 + tl.sum(tl.sum(tl.where(b[None, :] > lstar, tile, 0), axis=1), axis=0))
+    eq_before = tl.sum(tl.sum(tl.where(b[None, :] == lstar, tile, 0), axis=1), axis=0)
+    j, m, key, hi, lo = _key16(s_ptr, row, stride_s, n, c, CHUNK)
+    gt = m & (key > T)
+    eq = m & (key == T)
+    pk = tl.where(gt, 1 << 16, 0) + tl.where(eq, 1, 0)
+    ex = tl.cumsum(pk, axis=0) - pk
+    ex_gt = (ex >> 16) + gt_before
+    ex_eq = (ex & 0xFFFF) + eq_before
+    sel = gt | (eq & (ex_eq < need))
+    pos = ex_gt + tl.minimum(ex_eq, need)
+    tl.store(out_ptr + row * stride_o + pos, j.to(tl.int32), mask=sel)
+
+
 def _np2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _multi(s: torch.Tensor, k: int, out: torch.Tensor, chunk: int, num_warps: int = MULTI_WARPS) -> None:
+    """The multi-CTA select of [B, n] 16-bit scores into ``out`` [B, k] (three launches, grid chunks x rows)."""
+    B, n = s.shape
+    assert chunk >= 256 and chunk & (chunk - 1) == 0, "chunk must be a power of two >= 256"
+    P = triton.cdiv(n, chunk)
+    p_pad = _np2(P)
+    hist = torch.zeros(B, 512, device=s.device, dtype=torch.int32)        # [hi-byte bins | lo bins of b*]
+    part = torch.empty(B, p_pad, 512, device=s.device, dtype=torch.int32)  # per chunk: lo bins, #(hi > b*)
+    grid = (P, B)
+    _multi_hist_hi_kernel[grid](s, s.stride(0), hist, n, CHUNK=chunk, num_warps=num_warps)
+    _multi_hist_lo_kernel[grid](s, s.stride(0), hist, part, n, k, P_PAD=p_pad, CHUNK=chunk, num_warps=num_warps)
+    _multi_write_kernel[grid](s, s.stride(0), hist, part, out, out.stride(0), n, k, P_PAD=p_pad, CHUNK=chunk,
+                              num_warps=num_warps)
+
+
 def topk_select(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None, num_warps: int | None = None,
-                bits: int = BITS) -> torch.Tensor:
+                bits: int = BITS, multi: bool | None = None, chunk: int = MULTI_CHUNK) -> torch.Tensor:
     """Indices of the ``k`` largest entries of each row of ``scores`` [B, n] (or [n]): int32 [B, k] (or [k]),
-    ascending; ties at the k-th value resolved to the lowest indices."""
+    ascending; ties at the k-th value resolved to the lowest indices. ``multi``: the multi-CTA select (16-bit
+    scores; None: from MULTI_MIN_N entries), over chunks of ``chunk`` entries, ``num_warps`` a program; else
+    the one-CTA kernel."""
     one = scores.dim() == 1
     s = scores[None] if one else scores
     assert s.dim() == 2, "scores must be [n] or [B, n]"
@@ -107,9 +204,15 @@ def topk_select(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None
         out = torch.empty(B, k, device=s.device, dtype=torch.int32)
     assert out.shape == (B, k) and out.dtype == torch.int32 and out.stride(1) == 1
     block = _np2(n)
+    key_bits = 32 if s.dtype == torch.float32 else 16
+    if multi is None:
+        multi = key_bits == 16 and n >= MULTI_MIN_N
+    if multi:
+        assert key_bits == 16, "the multi-CTA select takes fp16/bf16 scores"
+        _multi(s, k, out, chunk, num_warps or MULTI_WARPS)
+        return out[0] if one else out
     if num_warps is None:
         num_warps = next(w for lim, w in NUM_WARPS if block <= lim)
-    key_bits = 32 if s.dtype == torch.float32 else 16
     _topk_select_kernel[(B,)](s, s.stride(0), out, out.stride(0), n, k,
                               KEY_BITS=key_bits, BITS=bits, BLOCK=block, num_warps=num_warps)
     return out[0] if one else out

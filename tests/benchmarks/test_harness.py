@@ -163,7 +163,8 @@ def test_harness_and_gpu_scripts_import_no_service_packages():
 
 def test_layer_costs_smoke_names_every_part_and_the_step(tmp_path):
     """benchmarks.layer_costs on the CPU (a tiny random Llama): a row per part with a positive time, the LM head,
-    and the dense step with each glue beside its parts' sum."""
+    and the dense step with each glue (and the kernel glue with the O projection through the down kernel) beside
+    its parts' sum."""
     from benchmarks import layer_costs
 
     out = tmp_path / "lc.json"
@@ -171,7 +172,8 @@ def test_layer_costs_smoke_names_every_part_and_the_step(tmp_path):
     meta, rows = H.read_results(out)
     names = {r.op for r in rows}
     assert {"add + norm, glue torch", "add + norm, glue kernel", "qkv", "attention, glue torch",
-            "attention, glue kernel", "o", "ffn dense", "ffn s=0.5", "ffn s=0.9", "mlp predictor + top-k",
-            "lm head + argmax (per step)"} <= names
+            "attention, glue kernel", "o", "o, down kernel", "ffn dense", "ffn s=0.5", "ffn s=0.9",
+            "mlp predictor + top-k", "lm head + argmax (per step)"} <= names
     assert all(r.median > 0 for r in rows)
-    assert meta["step_us_glue_torch"] > 0 and meta["step_us_glue_kernel"] > 0
+    assert all(meta[f"step_us_glue_{g}_o_{o}"] > 0 for g, o in (("torch", "torch"), ("kernel", "torch"),
+                                                                 ("kernel", "kernel")))

@@ -10,7 +10,9 @@ _SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels.select_triton import _topk_select_kernel
+from kernels.select_triton import (
+    MULTI_CHUNK, MULTI_WARPS, _multi_hist_hi_kernel, _multi_hist_lo_kernel, _multi_write_kernel, _topk_select_kernel,
+)
 from kernels.decode_attn_triton import NUM_WARPS, _combine_kernel, block_n_for, _decode_attn_kernel
 from kernels.ffn_triton import _fused_ffn_kernel, _reduce_kernel
 
@@ -52,6 +54,12 @@ for bits in (1, 2):
     for dt, key_bits in (("fp16", 16), ("fp32", 32)):
         compile_sm90(_topk_select_kernel, dt, dict(KEY_BITS=key_bits, BITS=bits, BLOCK=16384),
                      ptrs={"s_ptr": "*" + dt, "out_ptr": "*i32"}, num_warps=16)
+# the multi-CTA select's three kernels (16-bit keys)
+for dt in ("fp16", "bf16"):
+    ptrs = {"s_ptr": "*" + dt, "hist_ptr": "*i32", "part_ptr": "*i32", "out_ptr": "*i32"}
+    compile_sm90(_multi_hist_hi_kernel, dt, dict(CHUNK=MULTI_CHUNK), ptrs=ptrs, num_warps=MULTI_WARPS)
+    for kern in (_multi_hist_lo_kernel, _multi_write_kernel):
+        compile_sm90(kern, dt, dict(P_PAD=64, CHUNK=MULTI_CHUNK), ptrs=ptrs, num_warps=MULTI_WARPS)
 print("OK")
 """
 

@@ -66,3 +66,37 @@ def test_out_buffer_and_checks(device):
         _sel(s, 65)
     with pytest.raises(AssertionError):
         _sel(s.long(), 3)
+
+
+# the multi-CTA select (three launches over chunks of the row): several chunks, a partial last chunk, batch rows
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_multi_cta_matches_the_reference(device, gen, dtype):
+    s = torch.randn(3, 1500, generator=gen).to(dtype).to(device)    # 6 chunks of 256, the last one 220 long
+    for k in (1, 2, 255, 256, 700, 1499, 1500):
+        idx = _sel(s, k, multi=True, chunk=256)
+        assert idx.shape == (3, k) and idx.dtype == torch.int32
+        assert torch.equal(idx.cpu(), ref.topk_select(s, k).cpu()), k
+
+
+def test_multi_cta_ties_span_chunks(device, gen):
+    """Few distinct values: the k-th value's ties fill several chunks and only the lowest-index ones are taken,
+    which needs the counts of the chunks before each one; -0.0 counts as +0.0."""
+    s = torch.randint(-2, 3, (1100,), generator=gen).to(torch.float16)
+    s[::5] = -0.0
+    s = s.to(device)
+    for k in (1, 100, 300, 550, 800, 1099, 1100):
+        assert torch.equal(_sel(s, k, multi=True, chunk=256).cpu(), ref.topk_select(s, k).cpu()), k
+
+
+def test_multi_cta_is_the_default_for_long_16_bit_rows(device, gen, monkeypatch):
+    import kernels.select_triton as st
+
+    calls = []
+    monkeypatch.setattr(st, "_multi", lambda *a: calls.append(a[0].shape))
+    s16 = torch.randn(st.MULTI_MIN_N, generator=gen).to(torch.float16).to(device)
+    st.topk_select(s16, 10)
+    st.topk_select(s16[: st.MULTI_MIN_N - 1], 10)                  # shorter: the one-CTA kernel
+    st.topk_select(s16.float(), 10)                                # fp32 keys: the one-CTA kernel
+    assert calls == [(1, st.MULTI_MIN_N)]
+    with pytest.raises(AssertionError, match="fp16/bf16"):
+        st.topk_select(s16.float(), 10, multi=True)
