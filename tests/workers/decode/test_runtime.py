@@ -386,6 +386,19 @@ def test_select_impl_torch_and_reference_backend():
         ActiveSetSelector("fast")
 
 
+def test_select_impl_triton_variants_pick_the_kernel(monkeypatch):
+    """"triton" leaves the one- / multi-CTA choice to the kernel's size rule, "triton-1cta" forces one CTA."""
+    import kernels.select_triton as st
+    from workers.decode.select import ActiveSetSelector
+
+    seen = []
+    monkeypatch.setattr(st, "topk_select", lambda s, k, multi=None: seen.append(multi) or torch.zeros(1, k))
+    s = torch.randn(1, 40)
+    for impl in ("triton", "triton-1cta"):
+        ActiveSetSelector(impl).topk(s, 9)
+    assert seen == [None, False]
+
+
 def test_bench_decode_rows():
     m = tiny_model("llama")
     keys = {"device_type", "accelerator_name", "batch", "prompt_len", "gen_len", "p50_ms_per_token",
