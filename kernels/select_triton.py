@@ -7,20 +7,27 @@ the op is CUDA-graph capturable). Ties at the k-th value go to the lowest indice
 deterministic and equal to ``kernels.reference.topk_select`` (stable descending sort, first k, sorted);
 without ties the set is exactly ``torch.topk``'s. -0.0 counts as +0.0; NaN is not supported.
 
-One program per row holds the whole row in registers (n up to MAX_N):
+Two implementations, the same result:
+
+One CTA per row (n < MULTI_MIN_N, fp32 scores) holds the whole row in registers (n up to MAX_N):
   1. key: the score's bits made order-preserving (fp16/bf16: 16 bits, fp32: 32 bits), lanes past n = -1;
   2. the k-th largest key T by a radix search from the top bit: BITS bits per step, one packed reduction
      per step (counts of key >= candidate for the 2^BITS - 1 candidates in one int64 sum);
   3. one packed scan (keys > T, keys == T): position of each chosen entry = (# > T before it)
      + min(# == T before it, k - # > T); store the index there.
-So 16-bit scores cost 8 reductions + 1 scan in one CTA, no atomics, no host sync.
 
-Measured (H200, fp16 scores, CUDA graph, µs per call; benchmarks/results/h200_select_2026-11-29.json): n = 11008
-(Llama-2 FFN), any k: this kernel 30.4–31.0 (BITS=2, 16 warps; BITS=1: 29.3–29.6), torch.topk 40.8–42.2,
-torch.sort 31.2–31.9, kthvalue + compaction 48–52; n = 32 heads: 2.4 vs torch.topk 4.7. One CTA is
-issue-bound: 4 warps 58 µs, 8 warps 32, 16 warps 30, 32 warps 35; sm_90 SASS of the 16-warp kernel is
-~6000 straight-line instructions per thread (32 elements x 16 steps of compare/select/int64 pack) with
-register spills (128 regs, 144–184 B stack). Next: int32 counts for BITS=1, or a multi-CTA histogram pass.
+Multi-CTA (16-bit scores, n >= MULTI_MIN_N; the decode default for FFN predictors): chunks of MULTI_CHUNK
+entries, one program each, three launches: (1) a 256-bin histogram of the keys' high bytes (integer atomics,
+so exact whatever the order); (2) every program finds the bin b* of the k-th largest key, counts its chunk's
+low bytes inside b* (atomically into a second histogram) and keeps its own counts; (3) every program finds T,
+sums the counts of the chunks before it and writes its chunk's chosen indices at their final positions (the
+same rule as step 3 above, offset by the earlier chunks).
+
+Measured (H200, fp16 scores, CUDA graph, µs per call; benchmarks/results/h200_select_multi_2026-12-02.json):
+n = 11,008 / 14,336 / 18,944, any k: multi-CTA 15.7–16.3; one CTA 30.1 / 30.1 / 65.8; torch.topk 40–62; n = 32
+heads: 2.5. The one-CTA kernel is issue-bound (4 warps 58 µs, 8 warps 32, 16 warps 30 at n = 11,008) and at
+16 warps fills an SM's register file; beside the decode step's GEMVs that made the look-ahead side stream the
+critical path on Qwen2-7B (BENCHMARKS.md).
 """
 from __future__ import annotations
 
