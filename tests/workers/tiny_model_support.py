@@ -29,6 +29,16 @@ def tiny_model(family: str, seed: int = 0):
     return model
 
 
+def random_out_bias(model, seed: int = 8):
+    """Random biases for the attention output projections that have one (OPT's); HF initialises biases to 0, so a
+    path that dropped them would pass unseen."""
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if name.endswith("out_proj") and mod.bias is not None:
+                mod.bias.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(seed))
+    return model
+
+
 def loaded(model, ref: str):
     """A tiny model as the LoadedModel that capture and fit take (no tokenizer: tests feed token ids)."""
     from workers.loading.adapters import adapter_for
