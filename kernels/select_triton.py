@@ -179,7 +179,7 @@ def _np2(n: int) -> int:
 def _multi(s: torch.Tensor, k: int, out: torch.Tensor, chunk: int, num_warps: int = MULTI_WARPS) -> None:
     """The multi-CTA select of [B, n] 16-bit scores into ``out`` [B, k] (three launches, grid chunks x rows)."""
     B, n = s.shape
-    assert chunk >= 256 and chunk & (chunk - 1) == 0, "chunk must be a power of two >= 256"
+    assert 256 <= chunk <= 32768 and chunk & (chunk - 1) == 0, "chunk must be a power of two in [256, 32768]"
     P = triton.cdiv(n, chunk)
     p_pad = _np2(P)
     hist = torch.zeros(B, 512, device=s.device, dtype=torch.int32)        # [hi-byte bins | lo bins of b*]
