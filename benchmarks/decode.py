@@ -21,8 +21,7 @@ and attention, or the decode attention as one Triton launch; default ``auto``, t
 CUDA), one after the other per point, on runtimes that share the weights; points of the second are named
 ``NAME [glue kernel]``. ``--o-proj torch,kernel`` likewise for the dense O projection (cuBLAS, or the down kernel
 over every head: the runtime's ``o_proj``), and ``--select-impl`` for the top-k (``select_impl``); with several,
-every combination runs. Speedups in the table are over
-the fastest dense row at each prompt length.
+every combination runs. Speedups in the table are over the fastest dense row at each prompt length.
 """
 from __future__ import annotations
 

@@ -210,16 +210,16 @@ def topk_select(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None
     if out is None:
         out = torch.empty(B, k, device=s.device, dtype=torch.int32)
     assert out.shape == (B, k) and out.dtype == torch.int32 and out.stride(1) == 1
-    block = _np2(n)
     key_bits = 32 if s.dtype == torch.float32 else 16
     if multi is None:
         multi = key_bits == 16 and n >= MULTI_MIN_N
     if multi:
         assert key_bits == 16, "the multi-CTA select takes fp16/bf16 scores"
         _multi(s, k, out, chunk, num_warps or MULTI_WARPS)
-        return out[0] if one else out
-    if num_warps is None:
-        num_warps = next(w for lim, w in NUM_WARPS if block <= lim)
-    _topk_select_kernel[(B,)](s, s.stride(0), out, out.stride(0), n, k,
-                              KEY_BITS=key_bits, BITS=bits, BLOCK=block, num_warps=num_warps)
+    else:
+        block = _np2(n)
+        if num_warps is None:
+            num_warps = next(w for lim, w in NUM_WARPS if block <= lim)
+        _topk_select_kernel[(B,)](s, s.stride(0), out, out.stride(0), n, k,
+                                  KEY_BITS=key_bits, BITS=bits, BLOCK=block, num_warps=num_warps)
     return out[0] if one else out

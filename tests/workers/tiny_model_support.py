@@ -39,6 +39,16 @@ def random_out_bias(model, seed: int = 8):
     return model
 
 
+def runtime_logits(model, ids, steps: int, max_len: int = 24, **options):
+    """The decode runtime's logits (``options``: its constructor's) on ``ids`` [B, T]: the prefill's last
+    position, then ``steps`` greedy steps, stacked."""
+    from workers.decode.runtime import DecodeRuntime
+
+    rt = DecodeRuntime.from_hf(model, **options)
+    rt.setup(ids.shape[0], max_len)
+    return torch.stack([rt.prefill(ids)] + [rt.step(keep_logits=True) for _ in range(steps)])
+
+
 def loaded(model, ref: str):
     """A tiny model as the LoadedModel that capture and fit take (no tokenizer: tests feed token ids)."""
     from workers.loading.adapters import adapter_for

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.workers.tiny_model_support import random_out_bias, tiny_model
+from tests.workers.tiny_model_support import random_out_bias, runtime_logits, tiny_model
 from workers.decode.latency import bench_decode, random_plan
 from workers.decode.runtime import DecodeRuntime
 
@@ -202,7 +202,7 @@ _ATTN_SCRIPT = r"""
 import os
 import torch
 torch.set_num_threads(1)
-from tests.workers.tiny_model_support import random_out_bias, tiny_model
+from tests.workers.tiny_model_support import random_out_bias, runtime_logits, tiny_model
 from workers.decode.latency import random_plan
 from workers.decode.runtime import DecodeRuntime
 os.environ["CTXSPARSE_KERNELS"] = "triton"   # every kernels.ops call in Triton (dense steps: only attention)
@@ -220,12 +220,7 @@ for family, heads in (("llama", False), ("gemma3", False), ("opt", False), ("qwe
 for family in ("llama", "opt"):          # the dense O projection through the down kernel (opt: with its bias)
     m = random_out_bias(tiny_model(family))
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(6))
-    out = {}
-    for o in ("torch", "kernel"):
-        rt = DecodeRuntime.from_hf(m, o_proj=o)
-        rt.setup(2, 24)
-        rt.prefill(ids)
-        out[o] = torch.stack([rt.step(keep_logits=True) for _ in range(3)])
+    out = {o: runtime_logits(m, ids, 3, o_proj=o) for o in ("torch", "kernel")}
     torch.testing.assert_close(out["kernel"], out["torch"], atol=1e-4, rtol=1e-3), family
 print("OK")
 """
@@ -339,11 +334,7 @@ def test_o_proj_kernel_gives_the_dense_logits_on_the_cpu(family):
     logits, batch 2, prefill and 6 steps; opt's O has a bias (made random)."""
     m = random_out_bias(tiny_model(family))
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(7))
-    out = {}
-    for o in ("torch", "kernel"):
-        rt = DecodeRuntime.from_hf(m, o_proj=o)
-        rt.setup(2, 24)
-        out[o] = torch.stack([rt.prefill(ids)] + [rt.step(keep_logits=True) for _ in range(6)])
+    out = {o: runtime_logits(m, ids, 6, o_proj=o) for o in ("torch", "kernel")}
     torch.testing.assert_close(out["kernel"], out["torch"], atol=2e-5, rtol=1e-4)
 
 
