@@ -39,7 +39,7 @@ postgres:
 	  $$S apt-get update -q && $$S env DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql postgresql-client; }
 	@$(PG_FOUND) || { echo "PostgreSQL binaries still not found (initdb, pg_ctl, psql)" >&2; exit 1; }
 
-# Fast default suite (CI): everything but tests marked slow/browser. pytest's exit 5 (no tests) fails, as does
+# Fast default suite (CI): everything but tests marked slow/grid/browser. pytest's exit 5 (no tests) fails, as does
 # any other non-zero status; PostgreSQL cases fail (never skip) without PostgreSQL.
 test: install postgres
 	$(PY) -m pytest -q --durations=15
@@ -49,7 +49,7 @@ test-all: install postgres
 	$(PY) -m pytest -q -m ""
 
 test-slow: install postgres
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m 'slow or grid'
 
 # The default sweep on a local Ray head (loopback): submit, follow, Pareto front, bundles. ~10 min on 2 cores.
 demo: install
