@@ -5,6 +5,10 @@ import torch
 
 
 def tiny_model(family: str, seed: int = 0):
+    """A 2-layer random model of ``family`` (``seed``: its weights). Every bias the architecture has and every
+    norm's weight (and LayerNorm bias) are random too (:func:`randomize_norms_and_biases`): HF initialises biases
+    to 0 and norm gains to 1, so a path that dropped a bias or ignored a norm weight would match the HF model
+    unseen. Gemma-3's layer 1 is a full-attention layer (its own RoPE table), layer 0 a sliding one."""
     import transformers as tf
 
     common = dict(vocab_size=128, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -16,7 +20,8 @@ def tiny_model(family: str, seed: int = 0):
     elif family == "qwen2":
         cfg = tf.Qwen2Config(num_key_value_heads=2, **common)
     elif family == "gemma3":
-        cfg = tf.Gemma3TextConfig(num_key_value_heads=1, head_dim=16, sliding_window=16, **common)
+        cfg = tf.Gemma3TextConfig(num_key_value_heads=1, head_dim=16, sliding_window=16,
+                                  layer_types=["sliding_attention", "full_attention"], **common)
     elif family == "opt":
         cfg = tf.OPTConfig(vocab_size=128, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, ffn_dim=80,
                            max_position_embeddings=64, word_embed_proj_dim=48)
@@ -26,16 +31,28 @@ def tiny_model(family: str, seed: int = 0):
         raise ValueError(family)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    return model
+    return randomize_norms_and_biases(model, seed)
 
 
-def random_out_bias(model, seed: int = 8):
-    """Random biases for the attention output projections that have one (OPT's); HF initialises biases to 0, so a
-    path that dropped them would pass unseen."""
-    with torch.no_grad():
-        for name, mod in model.named_modules():
-            if name.endswith("out_proj") and mod.bias is not None:
-                mod.bias.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(seed))
+def _is_norm(mod) -> bool:
+    return isinstance(mod, torch.nn.LayerNorm) or type(mod).__name__.endswith("RMSNorm")
+
+
+@torch.no_grad()
+def randomize_norms_and_biases(model, seed: int = 0):
+    """Seeded random values (an own generator: the global RNG is left as it was) for every norm weight -- gain
+    1 + 0.3·N(0, 1); Gemma's norms compute (1 + w), so there w = 0.3·N(0, 1) -- every LayerNorm bias
+    (0.1·N(0, 1)) and every bias of a projection (0.1·N(0, 1): Qwen2's QKV, OPT's and GPT-2's every Linear /
+    Conv1D). A projection's output entries are about 0.15 in size here (init std 0.02, d = 48), so each bias moves
+    them by a large fraction and each gain rescales a norm's output by about 30 % per channel."""
+    g = torch.Generator().manual_seed(1_000_003 + seed)
+    for mod in model.modules():
+        if _is_norm(mod) and mod.weight is not None:
+            one_plus = type(mod).__name__.startswith("Gemma")      # output * (1 + w)
+            mod.weight.copy_((0.0 if one_plus else 1.0) + 0.3 * torch.randn(mod.weight.shape, generator=g))
+        b = getattr(mod, "bias", None)
+        if isinstance(b, torch.Tensor):
+            b.copy_(0.1 * torch.randn(b.shape, generator=g))
     return model
 
 

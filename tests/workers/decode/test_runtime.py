@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.workers.tiny_model_support import random_out_bias, runtime_logits, tiny_model
+from tests.workers.tiny_model_support import runtime_logits, tiny_model
 from workers.decode.latency import bench_decode, random_plan
 from workers.decode.runtime import DecodeRuntime
 
@@ -202,7 +202,7 @@ _ATTN_SCRIPT = r"""
 import os
 import torch
 torch.set_num_threads(1)
-from tests.workers.tiny_model_support import random_out_bias, runtime_logits, tiny_model
+from tests.workers.tiny_model_support import runtime_logits, tiny_model
 from workers.decode.latency import random_plan
 from workers.decode.runtime import DecodeRuntime
 os.environ["CTXSPARSE_KERNELS"] = "triton"   # every kernels.ops call in Triton (dense steps: only attention)
@@ -218,7 +218,7 @@ for family, heads in (("llama", False), ("gemma3", False), ("opt", False), ("qwe
         out[glue] = torch.stack([rt.step(keep_logits=True) for _ in range(3 if heads else 6)])
     torch.testing.assert_close(out["kernel"], out["torch"], atol=1e-4, rtol=1e-3), family
 for family in ("llama", "opt"):          # the dense O projection through the down kernel (opt: with its bias)
-    m = random_out_bias(tiny_model(family))
+    m = tiny_model(family)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(6))
     out = {o: runtime_logits(m, ids, 3, o_proj=o) for o in ("torch", "kernel")}
     torch.testing.assert_close(out["kernel"], out["torch"], atol=1e-4, rtol=1e-3), family
@@ -331,8 +331,8 @@ def test_o_proj_option_is_checked_and_resolved():
 @pytest.mark.parametrize("family", ["llama", "opt"])
 def test_o_proj_kernel_gives_the_dense_logits_on_the_cpu(family):
     """o_proj "kernel" on the CPU (the native gather-down over every head's rows of W_o^T) gives the matmul's
-    logits, batch 2, prefill and 6 steps; opt's O has a bias (made random)."""
-    m = random_out_bias(tiny_model(family))
+    logits, batch 2, prefill and 6 steps; opt's O has a bias (random, as every tiny model's)."""
+    m = tiny_model(family)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(7))
     out = {o: runtime_logits(m, ids, 6, o_proj=o) for o in ("torch", "kernel")}
     torch.testing.assert_close(out["kernel"], out["torch"], atol=2e-5, rtol=1e-4)
