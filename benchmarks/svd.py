@@ -38,10 +38,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
     from workers.loading.models import load_model
     from workers.sparsity.predictors.base import FitContext, fit_method
     from workers.loading.adapters import activation_fn
-    from workers.sparsity.predictors.svd import (
-        Q_STEPS, SVDPredictor, _greedy_reference, calibration_costs, greedy_allocate, whitened_lowrank,
-        whitening_factor,
-    )
+    from workers.sparsity.greedy import greedy_allocate, greedy_reference
+    from workers.sparsity.predictors.svd import SVDPredictor
+    from workers.sparsity.predictors.svd_calibration import Q_STEPS, calibration_costs
+    from workers.sparsity.whitening import whitened_lowrank, whitening_factor
 
     lm = load_model(args.model)
     toks = token_windows(lm.tokenizer, "lambada", "calib", args.tokens, 512)
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     c = calibration_costs(P, dmg, Q_STEPS)
     costs, free, sizes, nq = c["costs"], c["free"], c["sizes"], c["nq"]
     budget = args.sparsity * N2 * D - int(nq[free].sum())
-    cmp = time_cpu({"argmin loop (reference)": lambda: _greedy_reference(costs, budget, free, sizes),
+    cmp = time_cpu({"argmin loop (reference)": lambda: greedy_reference(costs, budget, free, sizes),
                     "heap": lambda: greedy_allocate(costs, budget, free, sizes, impl="heap"),
                     "sort (default)": lambda: greedy_allocate(costs, budget, free, sizes, impl="sort")},
                    repeats=args.repeats)

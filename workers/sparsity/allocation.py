@@ -5,7 +5,7 @@ end: with only layer l sparsified by the oracle at sparsity s (each token keeps 
 |act(gate)·up|), damage_l(s) = mean over tokens of KL(dense next-token distribution || sparse one), on a few
 calibration windows, at a few sparsities (``points``), linearly interpolated onto a 0.05 grid (damage(0) = 0,
 made non-decreasing). A greedy then raises, one grid step at a time, the layer whose next step adds the least
-damage, until the mean sparsity over layers reaches the budget (a heap keeps each step O(log L)). Layers all
+damage, until the mean sparsity over layers reaches the budget (:mod:`workers.sparsity.greedy`). Layers all
 have D neurons, so the mean over layers is the model's FFN sparsity. The curves are method-independent (what the
 best set loses); a method then fits each layer at its allocated sparsity.
 
@@ -16,13 +16,14 @@ a massive-activation layer looks nearly free by output energy yet is not. Hence 
 from __future__ import annotations
 
 import hashlib
-import heapq
 import json
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from workers.paths import home, write_json_atomic
+from workers.sparsity.greedy import greedy_allocate
 from workers.sparsity.predictors.base import SparsityPlan, k_for
 
 DEFAULT_GRID = tuple(round(0.05 * i, 2) for i in range(20))   # 0.0 .. 0.95
@@ -98,22 +99,15 @@ def curve_on_grid(points, measured, grid=DEFAULT_GRID) -> list[float]:
 
 
 def allocate(curves: dict[int, list[float]], budget: float, grid=DEFAULT_GRID) -> dict[int, float]:
-    """Per-layer sparsities on ``grid`` whose mean is the smallest grid-reachable value >= ``budget``."""
+    """Per-layer sparsities on ``grid`` whose mean is the smallest grid-reachable value >= ``budget``: the greedy
+    (:func:`workers.sparsity.greedy.greedy_allocate`) over the layers' curves, a step's size its rise in sparsity."""
     if not 0 <= budget <= grid[-1]:
         raise ValueError(f"budget must be within [0, {grid[-1]}]")
     layers = sorted(curves)
-    step = {l: 0 for l in layers}
-    need = budget * len(layers)
-    total = 0.0
-    heap = [(curves[l][1] - curves[l][0], l) for l in layers if len(grid) > 1]
-    heapq.heapify(heap)
-    while total + 1e-9 < need and heap:
-        _, l = heapq.heappop(heap)
-        total += grid[step[l] + 1] - grid[step[l]]
-        step[l] += 1
-        if step[l] + 1 < len(grid):
-            heapq.heappush(heap, (curves[l][step[l] + 1] - curves[l][step[l]], l))
-    return {l: grid[step[l]] for l in layers}
+    if any(len(curves[l]) != len(grid) for l in layers):
+        raise ValueError(f"every curve needs one damage per grid point ({len(grid)})")
+    steps = greedy_allocate([curves[l] for l in layers], budget * len(layers) - 1e-9, sizes=np.diff(grid))
+    return {l: grid[k] for l, k in zip(layers, steps.tolist())}
 
 
 def total_damage(curves: dict[int, list[float]], alloc: dict[int, float], grid=DEFAULT_GRID) -> float:

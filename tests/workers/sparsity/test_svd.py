@@ -11,10 +11,10 @@ import torch
 from workers.sparsity.capture import capture_activations
 from workers.loading.data import token_windows
 from workers.sparsity.predictors.base import FitContext, fit_method, k_for
-from workers.sparsity.predictors.svd import (
-    Q_STEPS, SVDPredictor, _greedy_reference, calibrate_bias, greedy_allocate, plain_lowrank, whitened_lowrank,
-    whitening_factor,
-)
+from workers.sparsity.greedy import greedy_allocate, greedy_reference
+from workers.sparsity.predictors.svd import SVDPredictor
+from workers.sparsity.predictors.svd_calibration import Q_STEPS, calibrate_bias
+from workers.sparsity.whitening import plain_lowrank, whitened_lowrank, whitening_factor
 
 LAYERS = [3, 15]
 N_CALIB = 2048
@@ -89,7 +89,7 @@ def test_greedy_implementations_agree_with_the_argmin_loop_on_ties_and_sizes():
         start = np.array([rng.integers(0, n + 1) for n in lens])
         sizes = [rng.integers(0, 4, size=n) for n in lens] if trial % 2 else None
         budget = int(rng.integers(-1, 2 * lens.sum() + 2))
-        ref = _greedy_reference(costs, budget, start, sizes)
+        ref = greedy_reference(costs, budget, start, sizes)
         for impl in ("sort", "heap"):
             assert np.array_equal(greedy_allocate(costs, budget, start, sizes, impl=impl), ref), (trial, impl)
     with pytest.raises(ValueError, match="finite"):
