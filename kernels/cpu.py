@@ -77,23 +77,33 @@ def _cpu_tag() -> str:
     return platform.machine() + flags
 
 
-def _build() -> ctypes.CDLL | None:
+def compile_native(src: Path, extra_flags=()) -> Path | None:
+    """Compile ``src`` (a C file beside this module, with the headers beside it) into a shared library cached by
+    the content of the sources, the flags, the compiler and the CPU; None where there is no compiler or the build
+    fails."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None or not _SRC.exists():
+    if cc is None or not src.exists():
         return None
-    src = _SRC.read_bytes()
-    flags = _flags()
-    key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_tag().encode() + cc.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_native-{key}.so"
+    flags = _flags() + list(extra_flags)
+    text = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))
+    key = hashlib.sha256(text + " ".join(flags).encode() + _cpu_tag().encode() + cc.encode()).hexdigest()[:16]
+    out = _cache_dir() / f"{src.stem}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        r = subprocess.run([cc, *flags, "-o", tmp, str(_SRC), "-lm"], capture_output=True, text=True)
+        r = subprocess.run([cc, *flags, "-o", tmp, str(src), "-lm"], capture_output=True, text=True)
         if r.returncode != 0:
             os.unlink(tmp)
             return None
         os.replace(tmp, out)              # atomic: concurrent builders publish the same file
+    return out
+
+
+def _build() -> ctypes.CDLL | None:
+    out = compile_native(_SRC)
+    if out is None:
+        return None
     lib = ctypes.CDLL(str(out))
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.cs_rows_dot.argtypes = [P, P, P, I64, I64, P, I64, I64, P, I64, I, P, P, I]

@@ -20,6 +20,8 @@
 #include <string.h>
 #include <omp.h>
 
+#include "cpu_act.h"
+
 #define LANES 32
 #ifndef PF_DIST
 #define PF_DIST 4        /* software prefetch: rows this many active rows ahead (random rows defeat the */
@@ -39,17 +41,6 @@ static inline void pf_row(const float *p, int64_t n) {
     (void)n;
     __builtin_prefetch(p, 0, PF_ROW_LOC);
 #endif
-}
-
-static inline float act_f(float v, int act) {
-    if (act == 1) return v > 0.f ? v : 0.f;
-    if (act == 2) return v / (1.f + expf(-v));
-    if (act == 3) {
-        const float c = 0.7978845608028654f;
-        return 0.5f * v * (1.f + tanhf(c * (v + 0.044715f * v * v * v)));
-    }
-    if (act == 4) return 0.5f * v * (1.f + erff(v * 0.7071067811865476f));
-    return v;
 }
 
 static inline float dot_f(const float *a, const float *b, int64_t n) {

@@ -1,0 +1,768 @@
+/* CPU kernels over GGUF block-quantized weights (kernels/cpu_quant.py; formats in kernels/quant.py), fp32
+ * activations and accumulation: the weights are dequantized inside the kernel, so a product equals the one over
+ * the dequantized fp32 weights up to fp32 summation order.
+ *
+ *   cs_q_dequant   rows of a weight -> fp32, bit for bit gguf-py's dequantizer (scalar code; this file is
+ *                  compiled with -ffp-contract=off so that d*q + m stays two roundings)
+ *   cs_q_rows      out[b, j] = act(<W[r_j], x_b> + bias[r_j]) * <W2[r_j], x_b>   (rows by an index, or all:
+ *                  the dense GEMV, the output-sparse gather; W may be several parts of different formats)
+ *   cs_q_ffn       the dense FFN in one parallel region: h = act(gate x) * (up x), barrier, y = down h
+ *   cs_qt_axpy     y_b = sum_j w[b, j] * Wt[r_j, :] over the exact transposed layout (rows of W^T: the down
+ *                  projection over active neurons, input sparsity)
+ *
+ * A row dot works block by block: the block's integer codes times x in fp32 (FMA), times the block's scale, and
+ * for formats with an offset (Q4_1, Q5_1, K-quants' mins) offset * sum(x over the block), with the block sums of x
+ * computed once per call. AVX2 + FMA where the compiler targets them (-march=native), else a scalar path that
+ * dequantizes each block and takes a plain dot. Threads split rows by bytes (dense) or by count (an index); one
+ * thread runs with no OpenMP region. Errors (an index out of range, a bad format) return -1.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#include "cpu_act.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define QSIMD 1
+#else
+#define QSIMD 0
+#endif
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12,
+       T_Q5_K = 13, T_Q6_K = 14 };
+#define QK 256
+
+typedef struct {             /* rows of one format (kernels.quant.QuantPart) */
+    int32_t type;
+    int64_t rows;
+    int64_t row_bytes;
+    const uint8_t *data;
+    float scale;             /* values times this (1: none) */
+} qpart;
+
+static int blk_elems(int t) {
+    switch (t) {
+    case T_F32: case T_F16: return 1;
+    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: return 32;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: return QK;
+    default: return 0;
+    }
+}
+
+static int blk_bytes(int t) {
+    switch (t) {
+    case T_F32: return 4;
+    case T_F16: return 2;
+    case T_Q4_0: return 18;
+    case T_Q4_1: return 20;
+    case T_Q5_0: return 22;
+    case T_Q5_1: return 24;
+    case T_Q8_0: return 34;
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    case T_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static inline float h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, f;
+    if (e == 0) {
+        if (m == 0) {
+            f = sign;
+        } else {                                  /* subnormal: normalise */
+            int s = -1;
+            do { ++s; m <<= 1; } while (!(m & 0x400u));
+            f = sign | ((uint32_t)(112 - s) << 23) | ((m & 0x3ffu) << 13);
+        }
+    } else if (e == 31) {
+        f = sign | 0x7f800000u | (m << 13);
+    } else {
+        f = sign | ((e + 112u) << 23) | (m << 13);
+    }
+    float r;
+    memcpy(&r, &f, 4);
+    return r;
+#endif
+}
+
+/* Q4_K / Q5_K: the 12 scale bytes -> 6-bit scales and mins of the 8 groups */
+static inline void k_scale_min(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
+    for (int j = 0; j < 4; ++j) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (uint8_t)((s[j + 8] & 0x0F) | ((s[j] >> 6) << 4));
+        mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+}
+
+/* ------------------------------------------------------------------------------ exact block dequantizers */
+/* One block -> blk_elems(t) floats, the same fp32 operations as gguf-py (kernels/quant.py's table). */
+static void deq_block(int t, const uint8_t *b, float *y) {
+    switch (t) {
+    case T_F32:
+        memcpy(y, b, 4);
+        return;
+    case T_F16:
+        y[0] = h2f(b);
+        return;
+    case T_Q4_0: {
+        const float d = h2f(b);
+        for (int j = 0; j < 16; ++j) {
+            y[j] = d * (float)((b[2 + j] & 15) - 8);
+            y[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
+        }
+        return;
+    }
+    case T_Q4_1: {
+        const float d = h2f(b), m = h2f(b + 2);
+        for (int j = 0; j < 16; ++j) {
+            y[j] = d * (float)(b[4 + j] & 15) + m;
+            y[j + 16] = d * (float)(b[4 + j] >> 4) + m;
+        }
+        return;
+    }
+    case T_Q5_0: case T_Q5_1: {
+        const int one = t == T_Q5_1;
+        const float d = h2f(b), m = one ? h2f(b + 2) : 0.f;
+        uint32_t qh;
+        memcpy(&qh, b + 2 + 2 * one, 4);
+        const uint8_t *qs = b + 6 + 2 * one;
+        for (int j = 0; j < 16; ++j) {
+            const int lo = (qs[j] & 15) | (int)(((qh >> j) & 1u) << 4);
+            const int hi = (qs[j] >> 4) | (int)(((qh >> (j + 16)) & 1u) << 4);
+            if (one) {
+                y[j] = d * (float)lo + m;
+                y[j + 16] = d * (float)hi + m;
+            } else {
+                y[j] = d * (float)(lo - 16);
+                y[j + 16] = d * (float)(hi - 16);
+            }
+        }
+        return;
+    }
+    case T_Q8_0: {
+        const float d = h2f(b);
+        for (int j = 0; j < 32; ++j) y[j] = (float)(int8_t)b[2 + j] * d;
+        return;
+    }
+    case T_Q4_K: case T_Q5_K: {
+        const float d = h2f(b), dmin = h2f(b + 2);
+        uint8_t sc[8], mn[8];
+        k_scale_min(b + 4, sc, mn);
+        const int five = t == T_Q5_K;
+        const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
+        for (int s = 0; s < 8; ++s) {
+            const float ds = d * (float)sc[s], dm = dmin * (float)mn[s];
+            const int c = s / 2, sh = 4 * (s & 1);
+            for (int l = 0; l < 32; ++l) {
+                int q = (qs[c * 32 + l] >> sh) & 15;
+                if (five) q |= ((qh[l] >> s) & 1) << 4;
+                y[s * 32 + l] = ds * (float)q - dm;
+            }
+        }
+        return;
+    }
+    case T_Q6_K: {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = h2f(b + 208);
+        for (int e = 0; e < QK; ++e) {
+            const int h = e >> 7, r = e & 127;
+            const int lo = (ql[h * 64 + (r & 63)] >> (4 * (r >> 6))) & 15;
+            const int hi = (qh[h * 32 + (r & 31)] >> (2 * (r >> 5))) & 3;
+            y[e] = (d * (float)sc[e >> 4]) * (float)((lo | (hi << 4)) - 32);
+        }
+        return;
+    }
+    default:
+        return;
+    }
+}
+
+static void deq_row(int t, const uint8_t *row, int64_t n, float scale, float *y) {
+    const int be = blk_elems(t), bb = blk_bytes(t);
+    for (int64_t k = 0; k < n / be; ++k) deq_block(t, row + k * bb, y + k * be);
+    if (scale != 1.f)
+        for (int64_t i = 0; i < n; ++i) y[i] = y[i] * scale;
+}
+
+/* global row r of the parts -> its bytes (and format, scale); NULL when out of range */
+static inline const uint8_t *row_of(const qpart *P, int np, int64_t r, int *t, float *scale) {
+    for (int p = 0; p < np; ++p) {
+        if (r < P[p].rows) {
+            *t = P[p].type;
+            *scale = P[p].scale;
+            return P[p].data + r * P[p].row_bytes;
+        }
+        r -= P[p].rows;
+    }
+    return NULL;
+}
+
+static int64_t total_rows(const qpart *P, int np) {
+    int64_t n = 0;
+    for (int p = 0; p < np; ++p) n += P[p].rows;
+    return n;
+}
+
+static int check_parts(const qpart *P, int np, int64_t cols) {
+    for (int p = 0; p < np; ++p) {
+        const int be = blk_elems(P[p].type);
+        if (!be || cols % be || P[p].row_bytes != cols / be * blk_bytes(P[p].type)) return -1;
+    }
+    return 0;
+}
+
+/* rows (optionally by an index) -> fp32 [k, cols] */
+int cs_q_dequant(const qpart *P, int np, int64_t cols, const int64_t *idx, int64_t k, float *out, int nt) {
+    if (check_parts(P, np, cols)) return -1;
+    const int64_t R = total_rows(P, np);
+    for (int64_t j = 0; j < k; ++j)
+        if ((idx ? idx[j] : j) < 0 || (idx ? idx[j] : j) >= R) return -1;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && k > 64)
+    for (int64_t j = 0; j < k; ++j) {
+        int t;
+        float sc;
+        const uint8_t *row = row_of(P, np, idx ? idx[j] : j, &t, &sc);
+        deq_row(t, row, cols, sc, out + j * cols);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------- row dots */
+static inline float dot_plain(const float *a, const float *b, int64_t n) {
+    float s = 0.f;
+    for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+    return s;
+}
+
+static inline float sum32(const float *a) {
+    float s = 0.f;
+    for (int i = 0; i < 32; ++i) s += a[i];
+    return s;
+}
+
+#if QSIMD
+static inline float hsum8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+
+/* 16 byte codes (unsigned / signed) times x[0..16) */
+static inline __m256 dot16_u8(__m128i q, const float *x) {
+    __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), _mm256_loadu_ps(x));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(q, q))),
+                           _mm256_loadu_ps(x + 8), a);
+}
+
+static inline __m256 dot16_i8(__m128i q, const float *x) {
+    __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_loadu_ps(x));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q))),
+                           _mm256_loadu_ps(x + 8), a);
+}
+
+static inline __m256 dot32_u8(__m256i q, const float *x) {
+    return _mm256_add_ps(dot16_u8(_mm256_castsi256_si128(q), x), dot16_u8(_mm256_extracti128_si256(q, 1), x + 16));
+}
+
+static inline __m256 dot32_i8(__m256i q, const float *x) {
+    return _mm256_add_ps(dot16_i8(_mm256_castsi256_si128(q), x), dot16_i8(_mm256_extracti128_si256(q, 1), x + 16));
+}
+
+static inline __m256i join128(__m128i lo, __m128i hi) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+/* 32 bits (little-endian) -> 32 bytes, 0xFF where the bit is set */
+static inline __m256i bytes_from_bits(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
+    __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)v), shuf);
+    b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL));
+    return _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1));
+}
+
+static inline __m256i srl16(__m256i v, int s) {
+    return _mm256_srl_epi16(v, _mm_cvtsi32_si128(s));
+}
+#endif
+
+/* <row, x> for one row of n = cols elements; xs: sums of x over each 32 elements */
+static float row_dot(int t, const uint8_t *row, const float *x, const float *xs, int64_t n) {
+#if QSIMD
+    __m256 acc = _mm256_setzero_ps();
+    float off = 0.f;
+    switch (t) {
+    case T_F32:
+    case T_F16: {
+        int64_t i = 0;
+        if (t == T_F32) {
+            const float *w = (const float *)row;
+            for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc);
+            for (; i < n; ++i) off += w[i] * x[i];
+        } else {
+            for (; i + 8 <= n; i += 8)
+                acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i))),
+                                      _mm256_loadu_ps(x + i), acc);
+            for (; i < n; ++i) off += h2f(row + 2 * i) * x[i];
+        }
+        return hsum8(acc) + off;
+    }
+    case T_Q4_0: case T_Q4_1: {
+        const __m128i m4 = _mm_set1_epi8(15), e8 = _mm_set1_epi8(8);
+        const int one = t == T_Q4_1, bb = one ? 20 : 18;
+        for (int64_t k = 0; k < n / 32; ++k) {
+            const uint8_t *b = row + k * bb;
+            const float *xb = x + 32 * k;
+            const __m128i v = _mm_loadu_si128((const __m128i *)(b + 2 + 2 * one));
+            __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+            __m256 s;
+            if (one) {
+                s = _mm256_add_ps(dot16_u8(lo, xb), dot16_u8(hi, xb + 16));
+                off += h2f(b + 2) * xs[k];
+            } else {
+                s = _mm256_add_ps(dot16_i8(_mm_sub_epi8(lo, e8), xb), dot16_i8(_mm_sub_epi8(hi, e8), xb + 16));
+            }
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b)), s, acc);
+        }
+        return hsum8(acc) + off;
+    }
+    case T_Q5_0: case T_Q5_1: {
+        const __m128i m4 = _mm_set1_epi8(15);
+        const __m256i b16 = _mm256_set1_epi8(16);
+        const int one = t == T_Q5_1, bb = one ? 24 : 22;
+        for (int64_t k = 0; k < n / 32; ++k) {
+            const uint8_t *b = row + k * bb;
+            const __m128i v = _mm_loadu_si128((const __m128i *)(b + 6 + 2 * one));
+            __m256i q = join128(_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+            q = _mm256_or_si256(q, _mm256_and_si256(bytes_from_bits(b + 2 + 2 * one), b16));
+            __m256 s;
+            if (one) {
+                s = dot32_u8(q, x + 32 * k);
+                off += h2f(b + 2) * xs[k];
+            } else {
+                s = dot32_i8(_mm256_sub_epi8(q, b16), x + 32 * k);
+            }
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b)), s, acc);
+        }
+        return hsum8(acc) + off;
+    }
+    case T_Q8_0:
+        for (int64_t k = 0; k < n / 32; ++k) {
+            const uint8_t *b = row + k * 34;
+            const __m256 s = dot32_i8(_mm256_loadu_si256((const __m256i *)(b + 2)), x + 32 * k);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b)), s, acc);
+        }
+        return hsum8(acc);
+    case T_Q4_K: case T_Q5_K: {
+        const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+        const int five = t == T_Q5_K, bb = five ? 176 : 144;
+        for (int64_t k = 0; k < n / QK; ++k) {
+            const uint8_t *b = row + k * bb;
+            const float d = h2f(b), dmin = h2f(b + 2);
+            uint8_t sc[8], mn[8];
+            k_scale_min(b + 4, sc, mn);
+            const uint8_t *qs = b + (five ? 48 : 16);
+            const __m256i hb = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+            const float *xb = x + QK * k;
+            for (int c = 0; c < 4; ++c) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(srl16(v, 4), m4);
+                if (five) {
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(srl16(hb, 2 * c), one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(srl16(hb, 2 * c + 1), one), 4));
+                }
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[2 * c]), dot32_u8(lo, xb + 64 * c), acc);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[2 * c + 1]), dot32_u8(hi, xb + 64 * c + 32), acc);
+                off -= (dmin * (float)mn[2 * c]) * xs[8 * k + 2 * c] + (dmin * (float)mn[2 * c + 1]) * xs[8 * k + 2 * c + 1];
+            }
+        }
+        return hsum8(acc) + off;
+    }
+    case T_Q6_K: {
+        const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3), b32 = _mm256_set1_epi8(32);
+        for (int64_t k = 0; k < n / QK; ++k) {
+            const uint8_t *b = row + k * 210;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const float d = h2f(b + 208);
+            for (int h = 0; h < 2; ++h) {
+                const __m256i q0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+                const __m256i q1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                __m256i c[4];
+                c[0] = _mm256_or_si256(_mm256_and_si256(q0, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4));
+                c[1] = _mm256_or_si256(_mm256_and_si256(q1, m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(srl16(hb, 2), m3), 4));
+                c[2] = _mm256_or_si256(_mm256_and_si256(srl16(q0, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(srl16(hb, 4), m3), 4));
+                c[3] = _mm256_or_si256(_mm256_and_si256(srl16(q1, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(srl16(hb, 6), m3), 4));
+                const float *xb = x + QK * k + 128 * h;
+                for (int i = 0; i < 4; ++i) {
+                    const __m256i q = _mm256_sub_epi8(c[i], b32);
+                    const int s = 8 * h + 2 * i;
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[s]),
+                                          dot16_i8(_mm256_castsi256_si128(q), xb + 32 * i), acc);
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[s + 1]),
+                                          dot16_i8(_mm256_extracti128_si256(q, 1), xb + 32 * i + 16), acc);
+                }
+            }
+        }
+        return hsum8(acc);
+    }
+    default:
+        return 0.f;
+    }
+#else
+    (void)xs;
+    const int be = blk_elems(t), bb = blk_bytes(t);
+    float tmp[QK], s = 0.f;
+    const int chunk = be == 1 ? QK : be;          /* float formats: 256 elements at a time */
+    for (int64_t i = 0; i < n; i += chunk) {
+        const int64_t m = n - i < chunk ? n - i : chunk;
+        for (int64_t e = 0; e < m; e += be) deq_block(t, row + (i + e) / be * bb, tmp + e);
+        s += dot_plain(tmp, x + i, m);
+    }
+    return s;
+#endif
+}
+
+/* sums of x over every 32 elements: xs[b * (n / 32) + k] */
+static void block_sums(const float *x, int64_t B, int64_t n, float *xs) {
+    const int64_t nb = n / 32;
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t k = 0; k < nb; ++k) xs[b * nb + k] = sum32(x + b * n + 32 * k);
+}
+
+#ifndef QPF_DIST
+#define QPF_DIST 4           /* gathered rows: prefetch this many rows ahead (every line of the row) */
+#endif
+
+static inline void pf_bytes(const uint8_t *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(p + i, 0, 1);
+}
+
+/* rows j in [lo, hi) of cs_q_rows */
+static void q_rows_body(const qpart *P, int np, const qpart *P2, int np2, int64_t n, const float *bias,
+                        const int64_t *idx, int64_t lo, int64_t hi, int64_t k, int64_t kpad, const float *x,
+                        const float *xs, int64_t B, int act, float *out) {
+    const int64_t nb = n / 32;
+    for (int64_t j = lo; j < hi; ++j) {
+        const int64_t r = idx ? idx[j] : j;
+        int t, t2 = 0;
+        float sc, sc2 = 1.f;
+        const uint8_t *w = row_of(P, np, r, &t, &sc), *w2 = P2 ? row_of(P2, np2, r, &t2, &sc2) : NULL;
+        if (idx && j + QPF_DIST < k) {
+            int tt;
+            float ss;
+            const uint8_t *nx = row_of(P, np, idx[j + QPF_DIST], &tt, &ss);
+            pf_bytes(nx, n / blk_elems(tt) * blk_bytes(tt));
+            if (P2) {
+                nx = row_of(P2, np2, idx[j + QPF_DIST], &tt, &ss);
+                pf_bytes(nx, n / blk_elems(tt) * blk_bytes(tt));
+            }
+        }
+        for (int64_t b = 0; b < B; ++b) {
+            float z = row_dot(t, w, x + b * n, xs + b * nb, n) * sc;
+            if (bias) z += bias[r];
+            z = act_f(z, act);
+            if (w2) z *= row_dot(t2, w2, x + b * n, xs + b * nb, n) * sc2;
+            out[b * kpad + j] = z;
+        }
+    }
+}
+
+/* the thread's range of the rows 0..R-1 with equal shares of the bytes (the rows of every part of P and P2) */
+static void byte_range(const qpart *P, int np, const qpart *P2, int np2, int64_t R, int t, int T, int64_t align,
+                       int64_t *lo, int64_t *hi) {
+    if (T <= 1) {
+        *lo = 0;
+        *hi = R;
+        return;
+    }
+    int64_t tot = 0;
+    for (int p = 0; p < np; ++p) tot += P[p].rows * P[p].row_bytes;
+    const int uniform = np == 1 && (!P2 || np2 == 1);
+    int64_t bounds[2];
+    for (int e = 0; e < 2; ++e) {
+        const int u = t + e;
+        int64_t r;
+        if (u == 0) r = 0;
+        else if (u == T) r = R;
+        else if (uniform) r = R * u / T;
+        else {                                     /* walk the parts to the byte target */
+            const int64_t target = tot * u / T;
+            int64_t acc = 0;
+            r = 0;
+            for (int p = 0; p < np; ++p) {
+                const int64_t pb = P[p].rows * P[p].row_bytes;
+                if (acc + pb >= target) {
+                    r += (target - acc) / P[p].row_bytes;
+                    break;
+                }
+                acc += pb;
+                r += P[p].rows;
+            }
+        }
+        if (u != 0 && u != T && align > 1) r = r / align * align;
+        bounds[e] = r;
+    }
+    *lo = bounds[0];
+    *hi = bounds[1];
+}
+
+/* out [B, kpad]: out[b, j] = act(<W[r_j], x_b> * scale + bias[r_j]) * (<W2[r_j], x_b> * scale2) for j < k
+ * (r_j = idx[j], idx NULL: j), 0 for j in [k, kpad). P2 NULL: no second factor. x [B, n]. */
+int cs_q_rows(const qpart *P, int np, const qpart *P2, int np2, int64_t n, const float *bias, const int64_t *idx,
+              int64_t k, int64_t kpad, const float *x, int64_t B, int act, float *out, int nt) {
+    if (check_parts(P, np, n) || (P2 && check_parts(P2, np2, n)) || n % 32 && blk_elems(P[0].type) != 1) return -1;
+    const int64_t R = total_rows(P, np);
+    if (P2 && total_rows(P2, np2) != R) return -1;
+    if (idx) {
+        for (int64_t j = 0; j < k; ++j)
+            if (idx[j] < 0 || idx[j] >= R) return -1;
+    } else if (k > R) {
+        return -1;
+    }
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t j = k; j < kpad; ++j) out[b * kpad + j] = 0.f;
+    float *xs = (float *)malloc((size_t)(B * (n / 32) + 1) * sizeof(float));
+    if (!xs) return -1;
+    block_sums(x, B, n, xs);
+    if (nt <= 1 || k < 64) {
+        q_rows_body(P, np, P2, np2, n, bias, idx, 0, k, k, kpad, x, xs, B, act, out);
+    } else {
+#pragma omp parallel num_threads(nt)
+        {
+            const int t = omp_get_thread_num(), T = omp_get_num_threads();
+            int64_t lo, hi;
+            if (idx || k != R) {
+                lo = k * t / T;
+                hi = k * (t + 1) / T;
+            } else {
+                byte_range(P, np, P2, np2, R, t, T, 1, &lo, &hi);
+            }
+            q_rows_body(P, np, P2, np2, n, bias, idx, lo, hi, k, kpad, x, xs, B, act, out);
+        }
+    }
+    free(xs);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ the dense FFN */
+/* phase 1 for neurons [lo, hi): h[b, j] = act(<G_j, x_b> + b1[j]) * <U_j, x_b> (gated; G NULL: act(<U_j, x_b> +
+ * b1[j])) and the 32-sums of h for the neurons' whole blocks (lo, hi multiples of 32, or hi = D) */
+static void ffn_up_body(const qpart *G, int ng, const qpart *U, int nu, const float *b1, int64_t d, int64_t D,
+                        const float *x, const float *xs, int64_t B, int act, int64_t lo, int64_t hi, float *h,
+                        float *hs) {
+    const int64_t nbx = d / 32, nbh = D / 32;
+    for (int64_t j = lo; j < hi; ++j) {
+        int tg = 0, tu;
+        float sg = 1.f, su;
+        const uint8_t *wg = G ? row_of(G, ng, j, &tg, &sg) : NULL, *wu = row_of(U, nu, j, &tu, &su);
+        for (int64_t b = 0; b < B; ++b) {
+            const float *xb = x + b * d, *xsb = xs + b * nbx;
+            float a;
+            if (wg) {
+                a = row_dot(tg, wg, xb, xsb, d) * sg;
+                if (b1) a += b1[j];
+                a = act_f(a, act) * (row_dot(tu, wu, xb, xsb, d) * su);
+            } else {
+                a = row_dot(tu, wu, xb, xsb, d) * su;
+                if (b1) a += b1[j];
+                a = act_f(a, act);
+            }
+            h[b * D + j] = a;
+        }
+    }
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t q = lo / 32; q < hi / 32 && q < nbh; ++q)
+            hs[b * nbh + q] = sum32(h + b * D + 32 * q);
+}
+
+static void ffn_down_body(const qpart *Dn, int nd, const float *b2, int64_t d, int64_t D, const float *h,
+                          const float *hs, int64_t B, int64_t lo, int64_t hi, float *y) {
+    const int64_t nbh = D / 32;
+    for (int64_t o = lo; o < hi; ++o) {
+        int t;
+        float sc;
+        const uint8_t *w = row_of(Dn, nd, o, &t, &sc);
+        for (int64_t b = 0; b < B; ++b) {
+            const float z = row_dot(t, w, h + b * D, hs + b * nbh, D) * sc;
+            y[b * d + o] = b2 ? z + b2[o] : z;
+        }
+    }
+}
+
+/* The dense FFN: h = act(G x + b1) * (U x) (G NULL: act(U x + b1)), y = Dn h + b2. G, U [D, d], Dn [d, D];
+ * x [B, d], h: B * D floats of scratch, hs: B * D / 32 floats, y [B, d]. One parallel region: the neurons split
+ * by bytes (in whole 32-blocks), a barrier, then the output rows. */
+int cs_q_ffn(const qpart *G, int ng, const qpart *U, int nu, const qpart *Dn, int nd, int64_t d, int64_t D,
+             const float *b1, const float *b2, const float *x, int64_t B, int act, float *h, float *hs, float *y,
+             int nt) {
+    if ((G && (check_parts(G, ng, d) || total_rows(G, ng) != D)) || check_parts(U, nu, d) ||
+        total_rows(U, nu) != D || check_parts(Dn, nd, D) || total_rows(Dn, nd) != d || d % 32 || D % 32)
+        return -1;
+    float *xs = (float *)malloc((size_t)(B * (d / 32) + 1) * sizeof(float));
+    if (!xs) return -1;
+    block_sums(x, B, d, xs);
+    if (nt <= 1) {
+        ffn_up_body(G, ng, U, nu, b1, d, D, x, xs, B, act, 0, D, h, hs);
+        ffn_down_body(Dn, nd, b2, d, D, h, hs, B, 0, d, y);
+    } else {
+#pragma omp parallel num_threads(nt)
+        {
+            const int t = omp_get_thread_num(), T = omp_get_num_threads();
+            int64_t lo, hi;
+            byte_range(G ? G : U, G ? ng : nu, U, nu, D, t, T, 32, &lo, &hi);
+            ffn_up_body(G, ng, U, nu, b1, d, D, x, xs, B, act, lo, hi, h, hs);
+#pragma omp barrier
+            byte_range(Dn, nd, NULL, 0, d, t, T, 1, &lo, &hi);
+            ffn_down_body(Dn, nd, b2, d, D, h, hs, B, lo, hi, y);
+        }
+    }
+    free(xs);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------ the transposed layout */
+/* Wt [nin, nout] (kernels.quant.QuantWeightT): codes int8 [nin, nout] (bits 8) or 4-bit [nin, nout / 2] packed
+ * per 32 outputs (16 bytes: low nibbles the first 16, stored = code + cbias); scale, offset fp32
+ * [nin / group, nout] (offset NULL: none). Wt[i, o] = scale[g, o] * code[i, o] + offset[g, o], g = i / group.
+ *
+ * y_b = ybias + sum_j w[b * wstride + j] * Wt[r_j, :] (r_j = idx[j], idx NULL: j) for the k rows. Consecutive
+ * rows of one group share its scales: their codes are summed first (t_o = sum_j w_j code[r_j, o], s = sum_j w_j),
+ * then y_o += scale[g, o] * t_o + offset[g, o] * s: the scales are read once per group that has a row (sorted
+ * indices: once per group). Threads split the output columns (multiples of 32); no partial sums. */
+static void qt_body(const uint8_t *codes, int bits, int cbias, const float *scale, const float *offset,
+                    int64_t group, int64_t nout, const int64_t *idx, int64_t k, const float *w, int64_t wstride,
+                    int64_t B, const float *ybias, float *y, int64_t c0, int64_t c1, float *t, float *s) {
+    const int64_t m = c1 - c0, ld = bits == 4 ? nout / 2 : nout;
+    for (int64_t b = 0; b < B; ++b) {
+        if (ybias) memcpy(y + b * nout + c0, ybias + c0, m * sizeof(float));
+        else memset(y + b * nout + c0, 0, m * sizeof(float));
+    }
+    int64_t g = -1;
+    for (int64_t j = 0; j <= k; ++j) {
+        const int64_t r = j < k ? (idx ? idx[j] : j) : -1;
+        const int64_t gr = j < k ? r / group : -2;
+        if (gr != g) {
+            if (g >= 0) {                          /* flush the group */
+                const float *sg = scale + g * nout, *og = offset ? offset + g * nout : NULL;
+                for (int64_t b = 0; b < B; ++b) {
+                    float *yb = y + b * nout, *tb = t + b * m;
+                    for (int64_t o = 0; o < m; ++o) {
+                        float v = fmaf(sg[c0 + o], tb[o], yb[c0 + o]);
+                        if (og) v = fmaf(og[c0 + o], s[b], v);
+                        yb[c0 + o] = v;
+                    }
+                }
+            }
+            if (j == k) break;
+            g = gr;
+            memset(t, 0, (size_t)(B * m) * sizeof(float));
+            for (int64_t b = 0; b < B; ++b) s[b] = 0.f;
+        }
+        if (j + QPF_DIST < k) {
+            const int64_t rn = idx ? idx[j + QPF_DIST] : j + QPF_DIST;
+            pf_bytes(codes + rn * ld + (bits == 4 ? c0 / 2 : c0), bits == 4 ? m / 2 : m);
+        }
+        const uint8_t *row = codes + r * ld;
+        for (int64_t b = 0; b < B; ++b) {
+            const float wb = w[b * wstride + j];
+            if (wb == 0.f) continue;
+            s[b] += wb;
+            float *tb = t + b * m;
+#if QSIMD
+            const __m256 wv = _mm256_set1_ps(wb);
+            if (bits == 4) {
+                const __m128i m4 = _mm_set1_epi8(15), cb = _mm_set1_epi8((char)cbias);
+                for (int64_t o = 0; o < m; o += 32) {
+                    const __m128i v = _mm_loadu_si128((const __m128i *)(row + (c0 + o) / 2));
+                    const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m4), cb);
+                    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m4), cb);
+                    const __m128i q[4] = {lo, _mm_unpackhi_epi64(lo, lo), hi, _mm_unpackhi_epi64(hi, hi)};
+                    for (int u = 0; u < 4; ++u) {
+                        const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q[u]));
+                        _mm256_storeu_ps(tb + o + 8 * u, _mm256_fmadd_ps(wv, c, _mm256_loadu_ps(tb + o + 8 * u)));
+                    }
+                }
+            } else {
+                const int8_t *rc = (const int8_t *)row + c0;
+                int64_t o = 0;
+                for (; o + 8 <= m; o += 8) {
+                    const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(rc + o))));
+                    _mm256_storeu_ps(tb + o, _mm256_fmadd_ps(wv, c, _mm256_loadu_ps(tb + o)));
+                }
+                for (; o < m; ++o) tb[o] = fmaf(wb, (float)rc[o], tb[o]);
+            }
+#else
+            if (bits == 4) {
+                for (int64_t o = 0; o < m; o += 32) {
+                    const uint8_t *p = row + (c0 + o) / 2;
+                    for (int l = 0; l < 16; ++l) {
+                        tb[o + l] = fmaf(wb, (float)((p[l] & 15) - cbias), tb[o + l]);
+                        tb[o + 16 + l] = fmaf(wb, (float)((p[l] >> 4) - cbias), tb[o + 16 + l]);
+                    }
+                }
+            } else {
+                const int8_t *rc = (const int8_t *)row + c0;
+                for (int64_t o = 0; o < m; ++o) tb[o] = fmaf(wb, (float)rc[o], tb[o]);
+            }
+#endif
+        }
+    }
+}
+
+int cs_qt_axpy(const uint8_t *codes, int bits, int cbias, const float *scale, const float *offset, int64_t group,
+               int64_t nin, int64_t nout, const int64_t *idx, int64_t k, const float *w, int64_t wstride,
+               int64_t B, const float *ybias, float *y, int nt) {
+    if ((bits != 4 && bits != 8) || group <= 0 || nin % group || (bits == 4 && nout % 32)) return -1;
+    if (idx) {
+        for (int64_t j = 0; j < k; ++j)
+            if (idx[j] < 0 || idx[j] >= nin) return -1;
+    } else if (k > nin) {
+        return -1;
+    }
+    const int64_t step = 32;
+    int T = nt < 1 ? 1 : nt;
+    if (nout < step * T) T = 1;
+    int rc = 0;
+#pragma omp parallel num_threads(T) if (T > 1) reduction(| : rc)
+    {
+        const int t = omp_get_thread_num(), TT = omp_get_num_threads();
+        const int64_t chunks = (nout + step - 1) / step;
+        const int64_t c0 = chunks * t / TT * step;
+        int64_t c1 = chunks * (t + 1) / TT * step;
+        if (c1 > nout) c1 = nout;
+        if (c1 > c0) {
+            float *tmp = (float *)malloc((size_t)(B * (c1 - c0) + B) * sizeof(float));
+            if (!tmp) {
+                rc = 1;
+            } else {
+                qt_body(codes, bits, cbias, scale, offset, group, nout, idx, k, w, wstride, B, ybias, y, c0, c1, tmp,
+                        tmp + B * (c1 - c0));
+                free(tmp);
+            }
+        }
+    }
+    return rc ? -1 : 0;
+}
+
+/* 1 when the SIMD paths are compiled in (AVX2 + FMA), 0 for the scalar fallback */
+int cs_q_simd(void) { return QSIMD; }

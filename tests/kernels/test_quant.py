@@ -1,0 +1,256 @@
+"""GGUF block formats (kernels.quant) and the quantized CPU kernels (kernels.cpu_quant).
+
+Dequantization is checked BIT FOR BIT against gguf-py's ``dequantize`` (what transformers loads a GGUF through) on
+real tensors of every type the packaged GGUFs contain and on random blocks of every supported format, for the
+numpy reference, the native kernel and its scalar fallback. Products (fp32 activations, accumulation in fp32)
+are checked against the fp64 product over the same dequantized weights at |y - y64| <= 1e-6 · Σ|w·x| (the
+observed error is about 1e-7 of that: fp32 summation order). About 10 s (two compiles on a cold cache).
+"""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, dequantize
+
+from kernels import cpu_quant as CQ
+from kernels.common import apply_act
+from kernels.quant import BLOCK_FORMATS, FORMATS, QuantWeight, dequantize_blocks, format_of
+from workers.loading.models import packaged_gguf
+
+# the scalar fallback: the same source without AVX / AVX2 / FMA / F16C
+NO_SIMD = ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx")
+# where each format keeps its fp16 fields (random bytes there would be NaN / inf scales)
+F16_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
+          "Q6_K": [208]}
+TYPES_IN = {"smollm2-135m": {"Q4_1", "Q8_0", "F32"}, "gemma3-270m": {"Q5_0", "Q4_K", "Q6_K", "Q8_0", "F32"}}
+
+
+def _libs():
+    lib, scalar = CQ.load_library(), CQ.load_library(NO_SIMD)
+    assert lib is not None and scalar is not None, "the quantized kernels must build here (cc, OpenMP)"
+    assert scalar.cs_q_simd() == 0
+    return {"native": lib, "scalar": scalar}
+
+
+def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype == np.float32 and np.array_equal(a.view(np.uint32),
+                                                                                         b.view(np.uint32))
+
+
+def random_blocks(fmt: str, rows: int, cols: int, rng) -> np.ndarray:
+    """uint8 [rows, row_bytes] of random codes and finite random fp16 scales."""
+    f = FORMATS[fmt]
+    b = rng.integers(0, 256, (rows * cols // f.block, f.nbytes), dtype=np.uint8)
+    for o in F16_AT[fmt]:
+        b[:, o:o + 2] = (rng.standard_normal((len(b), 1)) * 0.02).astype(np.float16).view(np.uint8)
+    return b.reshape(rows, -1)
+
+
+def random_weight(fmt: str, rows: int, cols: int, rng, scale: float = 1.0) -> QuantWeight:
+    return QuantWeight.of(fmt, random_blocks(fmt, rows, cols, rng), cols, scale)
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m",
+                                   # gguf's reader parses Gemma-3's 262k-token vocabulary for 15-20 s; its
+                                   # formats are covered by the random blocks below in the default suite
+                                   pytest.param("gemma3-270m", marks=pytest.mark.slow)])
+def test_real_tensors_dequantize_bit_for_bit(model):
+    """Every tensor type of the packaged GGUFs (a histogram: the known answer), up to two tensors each (the first
+    256 rows): reference, native and scalar dequantizers give gguf-py's values bit for bit. About 4 s (SmolLM2)."""
+    reader = GGUFReader(str(packaged_gguf(model)))
+    hist = collections.Counter(t.tensor_type.name for t in reader.tensors)
+    assert set(hist) == TYPES_IN[model], hist
+    libs = _libs()
+    done = collections.Counter()
+    for t in reader.tensors:
+        fmt = format_of(t.tensor_type)
+        if done[fmt.name] == 2:
+            continue
+        done[fmt.name] += 1
+        data = np.asarray(t.data[:256])
+        want = dequantize(data, t.tensor_type)
+        assert _bits_equal(dequantize_blocks(fmt, data.view(np.uint8)), want), (t.name, fmt.name)
+        if fmt.name == "F32":
+            continue
+        w = QuantWeight.of(fmt, data, int(t.shape[0]))
+        for name, lib in libs.items():
+            assert _bits_equal(CQ.dequantize(w, lib=lib).numpy(), want), (t.name, fmt.name, name)
+    assert set(done) == TYPES_IN[model]
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_random_blocks_dequantize_bit_for_bit(fmt):
+    """Formats the packaged files lack too (Q4_0, Q5_1, Q5_K), and every code / scale pattern of those they have."""
+    rng = np.random.default_rng(FORMATS[fmt].ggml_type)
+    b = random_blocks(fmt, 48, 512, rng)
+    want = dequantize(b, GGMLQuantizationType(FORMATS[fmt].ggml_type))
+    assert _bits_equal(dequantize_blocks(fmt, b), want)
+    w = QuantWeight.of(fmt, b, 512)
+    for lib in _libs().values():
+        assert _bits_equal(CQ.dequantize(w, lib=lib).numpy(), want)
+        rows = torch.tensor([7, 0, 47, 7])
+        assert _bits_equal(CQ.dequantize(w, rows, lib=lib).numpy(), want[rows.numpy()])
+    # the part scale is one fp32 product, as ``w * scale`` on the fp32 tensor
+    ws = w.with_scale(0.125 + 1e-3)
+    assert _bits_equal(CQ.dequantize(ws).numpy(), (torch.from_numpy(want) * (0.125 + 1e-3)).numpy())
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_transposed_layout_is_exact(fmt):
+    """Wᵀ with blocks along the output dimension keeps every value (no requantization)."""
+    rng = np.random.default_rng(100 + FORMATS[fmt].ggml_type)
+    w = random_weight(fmt, 64, 512, rng)
+    wt = w.transposed()
+    assert wt.code_bits == (4 if FORMATS[fmt].code_bits == 4 else 8)
+    assert torch.equal(wt.dequantize_reference(), CQ.dequantize(w).t())
+    assert wt.nbytes < 64 * 512 * (2 if fmt != "Q6_K" else 2.5)      # not an fp32 copy
+
+
+def test_transposed_layout_mixed_parts():
+    """Gemma-3's fused QKV: Q5_0 query/key rows and Q8_0 value rows share groups of 32 and no offsets."""
+    rng = np.random.default_rng(3)
+    w = QuantWeight.stack([random_weight("Q5_0", 64, 256, rng), random_weight("Q8_0", 32, 256, rng)])
+    assert torch.equal(w.transposed().dequantize_reference(), CQ.dequantize(w).t())
+    with pytest.raises(ValueError, match="groups or offsets"):
+        QuantWeight.stack([random_weight("Q4_1", 32, 256, rng), random_weight("Q8_0", 32, 256, rng)]).transposed()
+
+
+def _close(y, y64, mass, rel=1e-6):
+    err = (y.double() - y64).abs()
+    assert bool((err <= rel * mass + 1e-30).all()), float((err / mass.clamp_min(1e-30)).max())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_rows_dot_and_linear(fmt, threads):
+    rng = np.random.default_rng(200 + FORMATS[fmt].ggml_type)
+    torch.manual_seed(FORMATS[fmt].ggml_type)
+    w = random_weight(fmt, 160, 512, rng)
+    w2 = random_weight(fmt, 160, 512, rng)
+    W, W2 = CQ.dequantize(w).double(), CQ.dequantize(w2).double()
+    x = torch.randn(3, 512)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for name, lib in _libs().items():
+            # dense GEMV (every row), 1 and 3 tokens
+            for B in (1, 3):
+                y = CQ.rows_dot(x[:B], w, None, 160, lib=lib)
+                _close(y, x[:B].double() @ W.t(), x[:B].double().abs() @ W.abs().t())
+            # a gathered set with a second factor and an activation, padded
+            rows = torch.tensor(rng.choice(160, 70, replace=False))
+            bias = torch.randn(160)
+            z = CQ.rows_dot(x, w, rows, 80, w2=w2, bias=bias, act="silu", lib=lib)
+            a64 = x.double() @ W[rows].t() + bias.double()[rows]
+            u64 = x.double() @ W2[rows].t()
+            want = apply_act(a64, "silu") * u64
+            # the tolerance propagated through act(a) * u: |d(act)/da| <= 1.1 for SiLU
+            mass = (1.1 * (x.double().abs() @ W[rows].abs().t()) * u64.abs()
+                    + apply_act(a64, "silu").abs() * (x.double().abs() @ W2[rows].abs().t()))
+            _close(z[:, :70], want, mass)
+            assert torch.equal(z[:, 70:], torch.zeros(3, 10)), name
+    finally:
+        torch.set_num_threads(prev)
+    # linear(): the GEMV for few tokens, an exact dequantization + matmul for many (prefill)
+    xl = torch.randn(2, 12, 512)
+    y = CQ.linear(xl, w)
+    assert y.shape == (2, 12, 160)
+    _close(y, xl.double() @ W.t(), xl.double().abs() @ W.abs().t())
+
+
+def test_multi_part_weight_with_scales(gen):
+    """A fused QKV of mixed formats, the query part scaled: rows of every part, 2 threads splitting by bytes."""
+    rng = np.random.default_rng(5)
+    w = QuantWeight.stack([random_weight("Q5_0", 96, 256, rng, scale=0.125), random_weight("Q5_0", 32, 256, rng),
+                           random_weight("Q8_0", 32, 256, rng)])
+    W = CQ.dequantize(w).double()
+    assert torch.equal(CQ.dequantize(w)[:96], CQ.dequantize(QuantWeight(w.parts[:1], 256)))
+    x = torch.randn(1, 256, generator=gen)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        y = CQ.rows_dot(x, w, None, 160)
+    finally:
+        torch.set_num_threads(prev)
+    _close(y, x.double() @ W.t(), x.double().abs() @ W.abs().t())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("gated,act", [(True, "silu"), (True, "gelu_tanh"), (False, "relu")])
+def test_dense_ffn(gated, act, threads, gen):
+    rng = np.random.default_rng(7)
+    d, D = 256, 512
+    wg = random_weight("Q4_K", D, d, rng) if gated else None
+    wu, wd = random_weight("Q5_0", D, d, rng), random_weight("Q6_K", d, D, rng)
+    b_up = None if gated else torch.randn(D, generator=gen)
+    b_down = None if gated else torch.randn(d, generator=gen)
+    x = torch.randn(2, d, generator=gen)
+    Wu, Wd = CQ.dequantize(wu).double(), CQ.dequantize(wd).double()
+    z = x.double() @ Wu.t() + (b_up.double() if b_up is not None else 0)
+    if gated:
+        Wg = CQ.dequantize(wg).double()
+        h = apply_act(x.double() @ Wg.t(), act) * z
+    else:
+        h = apply_act(z, act)
+    want = h @ Wd.t() + (b_down.double() if b_down is not None else 0)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for lib in _libs().values():
+            y = CQ.dense_ffn(x, wg, wu, wd, act, b_up=b_up, b_down=b_down, lib=lib)
+            # h carries its own fp32 error (relative ~1e-6 of its mass) into the down product
+            _close(y, want, h.abs() @ Wd.abs().t() + (b_down.double().abs() if b_down is not None else 0), rel=1e-5)
+    finally:
+        torch.set_num_threads(prev)
+    # many tokens: the dequantized matmul path, same function
+    xm = torch.randn(12, d, generator=gen)
+    ym = CQ.dense_ffn(xm, wg, wu, wd, act, b_up=b_up, b_down=b_down)
+    zm = xm.double() @ Wu.t() + (b_up.double() if b_up is not None else 0)
+    hm = apply_act(xm.double() @ Wg.t(), act) * zm if gated else apply_act(zm, act)
+    _close(ym, hm @ Wd.t() + (b_down.double() if b_down is not None else 0),
+           hm.abs() @ Wd.abs().t() + (b_down.double().abs() if b_down is not None else 0), rel=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_rows_axpy_transposed(fmt, threads, gen):
+    """The down projection over active neurons through rows of the exact Wᵀ: sorted and unsorted indices, every
+    row, a bias; against the fp64 product over the dequantized W."""
+    rng = np.random.default_rng(300 + FORMATS[fmt].ggml_type)
+    d, D = 320, 512
+    w = random_weight(fmt, d, D, rng)                  # W_down [d, D], blocks along D
+    wt = w.transposed()
+    WT = CQ.dequantize(w).double().t()                 # [D, d]
+    bias = torch.randn(d, generator=gen)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for lib in _libs().values():
+            for rows in (torch.tensor(sorted(rng.choice(D, 200, replace=False).tolist())),
+                         torch.tensor(rng.choice(D, 50, replace=False)), None):
+                k = D if rows is None else rows.numel()
+                h = torch.randn(2, k + 3, generator=gen)
+                y = CQ.rows_axpy_t(h, wt, rows, bias=bias, lib=lib)
+                sel = WT if rows is None else WT[rows]
+                _close(y, h[:, :k].double() @ sel + bias.double(), h[:, :k].double().abs() @ sel.abs() + bias.abs(),
+                       rel=1e-6)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def test_index_errors_and_embedding():
+    rng = np.random.default_rng(9)
+    w = random_weight("Q8_0", 64, 256, rng)
+    with pytest.raises(IndexError):
+        CQ.rows_dot(torch.randn(1, 256), w, torch.tensor([3, 64]), 2)
+    with pytest.raises(IndexError):
+        CQ.rows_axpy_t(torch.randn(1, 2), w.transposed(), torch.tensor([0, 256]))
+    with pytest.raises(ValueError, match="does not match"):
+        CQ.rows_dot(torch.randn(1, 128), w, None, 64)
+    ids = torch.tensor([[5, 0], [63, 5]])
+    e = CQ.embedding(ids, w)
+    full = torch.from_numpy(dequantize_blocks("Q8_0", w.parts[0].data.numpy()))
+    assert e.shape == (2, 2, 256) and torch.equal(e, full[ids])
