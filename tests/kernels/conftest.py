@@ -12,7 +12,25 @@ import secrets  # noqa: E402
 
 import pytest  # noqa: E402
 
+from tests.kernels.kernel_support import GRID_SEED_ENV, INTERPRETED, grid_seed  # noqa: E402
+
 DEVICE = "cuda" if ON_GPU else "cpu"
+SEED_ENV = "CTXSPARSE_TEST_SEED"       # every ``gen`` of the run starts from this seed instead of a random one
+_GEN_SEED = pytest.StashKey[int]()
+
+
+def _seeds_line() -> str:
+    grids = (f"a seeded sample of each grid ({GRID_SEED_ENV}={grid_seed()}), the rest marked grid" if INTERPRETED
+             else "every grid combination (GPU)")
+    return f"kernel tests: {grids}; random inputs from a per-test seed shown on failure ({SEED_ENV} fixes it)"
+
+
+def pytest_report_header(config):
+    return _seeds_line()        # shown when tests/kernels is named on the command line (an initial conftest)
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(_seeds_line())      # every run that collected kernel tests, -q included
 
 
 @pytest.fixture
@@ -21,11 +39,23 @@ def device():
 
 
 @pytest.fixture
-def gen():
-    """A fresh random generator per test; the seed is shown on failure."""
-    seed = secrets.randbelow(2**31)
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    return g
+def gen(request):
+    """A fresh random generator per test, from $CTXSPARSE_TEST_SEED or a random seed; a failing test's report
+    shows the seed (pytest_runtest_makereport below), so the failure can be replayed."""
+    env = os.environ.get(SEED_ENV, "").strip()
+    seed = int(env) if env else secrets.randbelow(2**31)
+    request.node.stash[_GEN_SEED] = seed
+    request.node.user_properties.append(("gen_seed", seed))
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    rep = (yield).get_result()
+    seed = item.stash.get(_GEN_SEED, None)
+    if rep.failed and seed is not None:
+        rep.sections.append(("random seed", f"gen seed {seed}: replay with {SEED_ENV}={seed} "
+                                            f"{GRID_SEED_ENV}={grid_seed()} pytest -m '' '{item.nodeid}'"))
 
 
 @pytest.fixture

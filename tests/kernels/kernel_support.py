@@ -1,5 +1,8 @@
 """Input builders and error metric shared by the kernel tests."""
+import itertools
 import math
+import os
+import random
 
 import torch
 
@@ -47,40 +50,99 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / nref if nref > 0 else diff
 
 
-# Without a GPU the Triton kernels run in Triton's interpreter, orders of magnitude slower: there the default
-# suite runs each test on a few combinations of its grid (each launch path, each dtype, both edge kinds at least
-# once) and the rest of the grid is marked slow (make test-all / make test-slow). On a GPU every combination is
-# in the default suite.
+# Without a GPU the Triton kernels run in Triton's interpreter, orders of magnitude slower. There the default
+# suite runs a seeded sample of each kernel grid (``grid``): every value of every axis named in ``cover`` at least
+# once (an axis product such as "dtype*path": every dtype on every launch path), then EXTRA more combinations at
+# random; the rest of the grid is marked ``grid`` (make test-all / make test-slow). The sample depends only on the
+# seed and the test's name: CTXSPARSE_GRID_SEED (default DEFAULT_GRID_SEED, shown in the report header) picks
+# another sample, so CI can rotate it. On a GPU every combination is in the default suite.
 INTERPRETED = not ON_GPU
+GRID_SEED_ENV = "CTXSPARSE_GRID_SEED"
+DEFAULT_GRID_SEED = 0
+EXTRA = 2
+TRIES = 8
 
 
-def slow_in_interpreter(test):
-    """Mark ``test`` slow in the interpreter only (a test that checks what the interpreter cannot show)."""
+def grid_seed() -> int:
+    """The seed of the interpreter's grid samples: $CTXSPARSE_GRID_SEED, else DEFAULT_GRID_SEED."""
+    v = os.environ.get(GRID_SEED_ENV, "").strip()
+    return int(v) if v else DEFAULT_GRID_SEED
+
+
+def gpu_meaning_only(test):
+    """Mark ``test`` ``grid`` in the interpreter: for a test whose check the interpreter cannot show (run-to-run
+    bit identity of a GPU's split reductions: the interpreter runs a launch's programs one after another, so
+    there it passes whatever the kernel does). It still runs with the rest of the grids (make test-all)."""
     import pytest
 
-    return pytest.mark.slow(test) if INTERPRETED else test
+    return pytest.mark.grid(test) if INTERPRETED else test
 
 
 def _id(v) -> str:
     return str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else str(v)
 
 
-def grid(names: str, axes: list, default) -> "pytest.MarkDecorator":
-    """``parametrize(names, product(*axes))``; in the interpreter a combination for which ``default(*combo)`` is
-    false is marked slow. Ids name every value (``float16-0.5-1-fixed``)."""
-    import itertools
+def _names(names) -> list[str]:
+    return [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
 
+
+def sample_grid(names, combos, cover=None, extra: int = EXTRA, key: str = "", seed: int | None = None) -> list:
+    """A deterministic sample of ``combos`` (tuples of values for ``names``, "a,b,c" or a list): for every group
+    of ``cover`` (axis names, or products of them such as "dtype*path"; default: each axis alone) every value
+    (tuple of values) that occurs in ``combos`` occurs in the sample; then ``extra`` more combinations drawn at
+    random. Greedy: the next pick covers the most values still missing, ties broken at random. Same ``seed``
+    (default: grid_seed()) and ``key`` (the test's name), same sample."""
+    names = _names(names)
+    groups = [tuple(names.index(a.strip()) for a in g.split("*")) for g in (names if cover is None else cover)]
+    rng = random.Random(f"{grid_seed() if seed is None else seed}:{key}")
+    combos = list(combos)
+    needs = {c: frozenset((gi, tuple(c[i] for i in g)) for gi, g in enumerate(groups)) for c in combos}
+    best = None
+    for _ in range(TRIES):                              # greedy covers from a few random orders: the smallest
+        pool = combos[:]
+        rng.shuffle(pool)
+        todo = set().union(*needs.values()) if combos else set()
+        chosen = []
+        while todo:
+            pick = max(pool, key=lambda c: len(needs[c] & todo))   # the first of the best: a random one
+            chosen.append(pick)
+            pool.remove(pick)
+            todo -= needs[pick]
+        if best is None or len(chosen) < len(best[0]):
+            best = chosen, pool
+    chosen, pool = best
+    return chosen + rng.sample(pool, min(extra, len(pool)))
+
+
+def grid_of(names, combos, default=None, *, cover=None, extra: int = EXTRA):
+    """``parametrize(names, combos)`` with ids naming every value (``float16-0.5-1-fixed``); in the interpreter
+    the combinations outside ``sample_grid(names, combos, cover, extra, <module.test>)`` are marked ``grid``.
+    ``default`` (a predicate over a combination) picks the default combinations by hand instead (older tests)."""
     import pytest
 
-    params = []
-    for combo in itertools.product(*axes):
-        slow = INTERPRETED and not default(*combo)
-        params.append(pytest.param(*combo, id="-".join(_id(v) for v in combo),
-                                   marks=(pytest.mark.slow,) if slow else ()))
-    return pytest.mark.parametrize(names, params)
+    combos = [tuple(c) for c in combos]
+
+    def deco(fn):
+        if not INTERPRETED:
+            keep = combos
+        elif default is not None:
+            keep = [c for c in combos if default(*c)]
+        else:
+            keep = sample_grid(names, combos, cover, extra, f"{fn.__module__}.{fn.__qualname__}")
+        params = [pytest.param(*c, id="-".join(_id(v) for v in c), marks=() if c in keep else (pytest.mark.grid,))
+                  for c in combos]
+        return pytest.mark.parametrize(names, params)(fn)
+
+    return deco
+
+
+def grid(names, axes: list, default=None, *, cover=None, extra: int = EXTRA):
+    """``grid_of`` over the product of ``axes`` (one list of values per name)."""
+    return grid_of(names, itertools.product(*axes), default, cover=cover, extra=extra)
 
 
 def in_default(*combos):
-    """A ``default`` predicate for ``grid``: true for exactly the listed combinations."""
+    """A ``default`` predicate for ``grid``: true for exactly the listed combinations (hand-picked defaults; a
+    seeded sample through ``cover`` is the rule)."""
     keep = set(combos)
     return lambda *combo: combo in keep

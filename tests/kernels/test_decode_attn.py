@@ -5,7 +5,7 @@ import torch
 
 from kernels import decode_attn_triton as T
 from kernels import reference as R
-from tests.kernels.kernel_support import INTERPRETED, grid, in_default, rel_err, rnd, TOL
+from tests.kernels.kernel_support import INTERPRETED, grid, grid_of, rel_err, rnd, TOL
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 HD, L = 16, 48
@@ -49,12 +49,13 @@ def _case(gen, dtype, device, B, H, KV, pos, family, compact):
     return (q, k, v, kc, vc, torch.tensor([pos], device=device)), extra
 
 
+# in the interpreter: every dtype with every family (RoPE, q/k norms and the window) and every head layout, every
+# family with every head layout and every position (empty history, inside and past the window), each GQA ratio and
+# batch (tests/kernels/kernel_support.py)
 @grid("dtype,heads,pos,family,compact,batch",
       [[F32, F16, BF16], [(4, 4), (4, 2), (4, 1)], [0, 5, 37], ["opt", "llama", "gemma"], [None, "fixed", "padded"],
        [1, 2]],
-      in_default((F32, (4, 2), 37, "llama", None, 2), (F16, (4, 4), 5, "gemma", "padded", 1),
-                 (BF16, (4, 1), 37, "gemma", "fixed", 1), (F16, (4, 2), 0, "opt", "padded", 2),
-                 (F32, (4, 1), 37, "gemma", None, 1)))
+      cover=["dtype*family", "dtype*compact", "family*compact", "family*pos", "heads", "batch"])
 def test_matches_reference(dtype, heads, pos, family, compact, batch, device, gen, poison):
     H, KV = heads
     (q, k, v, kc, vc, p), extra = _case(gen, dtype, device, batch, H, KV, pos, family, compact)
@@ -74,39 +75,122 @@ def test_matches_reference(dtype, heads, pos, family, compact, batch, device, ge
         assert torch.count_nonzero(got.view(batch, -1, HD)[:, n:]) == 0
 
 
-@pytest.mark.parametrize("nsplit", [2, 3, 5])
-@pytest.mark.parametrize("pos,family,compact", [(37, "llama", None), (37, "gemma", "padded"), (0, "opt", "fixed"),
-                                                (20, "gemma", None)])
-def test_split_cache_matches_reference(nsplit, pos, family, compact, device, gen, poison):
+SPLIT_CASES = [(37, "llama", None), (37, "gemma", "padded"), (0, "opt", "fixed"), (20, "gemma", None)]
+
+
+# in the interpreter: every dtype, split count (the combine's padded lanes) and case at least once
+@grid_of("dtype,nsplit,pos,family,compact", [(dt, n, *c) for dt in (F32, F16, BF16) for n in (2, 3, 5)
+                                             for c in SPLIT_CASES],
+         cover=["dtype", "nsplit", "pos*family*compact"])
+def test_split_cache_matches_reference(dtype, nsplit, pos, family, compact, device, gen, poison):
     """Flash-decoding: the cached positions split over programs and combined in a second launch give the
     reference's result (splits past pos attend to nothing; with the window, splits start at its first
     position); not the bits of one split (another summation order), but the same bits on every call."""
-    (q, k, v, kc, vc, p), extra = _case(gen, F16, device, 2, 4, 2, pos, family, compact)
+    (q, k, v, kc, vc, p), extra = _case(gen, dtype, device, 2, 4, 2, pos, family, compact)
     want = R.decode_attention(q, k, v, kc.clone(), vc.clone(), p, **extra)
     outs = [T.decode_attention(q, k, v, kc.clone(), vc.clone(), p, **extra, config={"BLOCK_N": 16, "nsplit": nsplit})
             for _ in range(2)]
-    assert rel_err(outs[0], want) < ATTN_TOL[F16], rel_err(outs[0], want)
+    assert rel_err(outs[0], want) < ATTN_TOL[dtype], rel_err(outs[0], want)
     assert torch.equal(outs[0], outs[1])
     if "q_count" in extra:
         assert torch.count_nonzero(outs[0].view(2, -1, HD)[:, int(extra["q_count"]):]) == 0
 
 
+def _attention_by_definition(q, k, v, k_cache, pos, cos_t=None, sin_t=None, q_norm=None, k_norm=None, eps=1e-6,
+                             window=None, q_idx=None, q_count=None, n_heads=None, valid=None, v_cache=None):
+    """Decode attention written from its definition, one (token, query slot) at a time in fp64: slot j's head
+    (q_idx[j], or j) reads KV head head // (H / KV); its query and the new key are normed (x / rms(x) * w) and
+    rotated (x cos + rot_half(x) sin at pos); it attends over the positions t <= pos inside the window
+    (t > pos - window) whose (KV head, t) entry is ``valid``, position pos from the new key and value, the others
+    from the caches; slots past q_count are 0. Nothing is written."""
+    f64 = lambda t: None if t is None else t.detach().double().cpu()        # noqa: E731
+    q, k, v, kc, vc = f64(q), f64(k), f64(v), f64(k_cache), f64(v_cache)
+    B, S, hd = q.shape
+    G = (n_heads or S) // k.shape[1]
+    p, half = int(pos), hd // 2
+
+    def prep(x, w):
+        if w is not None:
+            x = x / (x.pow(2).mean() + eps).sqrt() * f64(w)
+        if cos_t is not None:
+            x = x * f64(cos_t)[p] + torch.cat([-x[half:], x[:half]]) * f64(sin_t)[p]
+        return x
+
+    out = torch.zeros(B, S, hd, dtype=torch.float64)
+    for b in range(B):
+        for j in range(S if q_count is None else int(q_count)):
+            g = (j if q_idx is None else int(q_idx[j])) // G
+            qx = prep(q[b, j], q_norm)
+            ts = [t for t in range(p + 1)
+                  if (window is None or t > p - window) and (valid is None or bool(valid[b, g, t]))]
+            keys = torch.stack([prep(k[b, g], k_norm) if t == p else kc[b, g, t] for t in ts])
+            vals = torch.stack([v[b, g] if t == p else vc[b, g, t] for t in ts])
+            out[b, j] = torch.softmax(keys @ qx, dim=0) @ vals
+    return out.reshape(B, S * hd)
+
+
+def _active_mask(gen, B, KV, pos, H, q_idx, q_count, device):
+    """kv_mode "active"'s mask [B, KV, L] as the runtime builds it (KVCache.mark_written): earlier positions
+    written for a random part of the (KV head, position) entries; at pos exactly the KV heads the active query
+    heads need."""
+    valid = torch.rand(B, KV, L, generator=gen) < 0.6
+    heads = range(H) if q_idx is None else q_idx[: H if q_count is None else int(q_count)].tolist()
+    at_pos = torch.zeros(KV, dtype=torch.bool)
+    at_pos[[h // (H // KV) for h in heads]] = True
+    valid[:, :, pos] = at_pos
+    valid[:, :, pos + 1:] = False
+    return valid.to(device)
+
+
+@pytest.mark.parametrize("pos", [5, 37])
+@pytest.mark.parametrize("family", ["opt", "llama", "gemma"])
+@pytest.mark.parametrize("compact", [None, "fixed", "padded"])
+def test_active_kv_mode_matches_the_definition(pos, family, compact, device, gen):
+    """kv_mode "active" (``valid``: only the KV heads the active query heads need are written each step, the rest
+    masked out of later attention): the reference in fp64 against the definition, then every backend (the Triton
+    and CPU ops hand ``valid`` to the reference) in every dtype; the cache written at pos for every KV head."""
+    from kernels import cpu
+
+    H, KV = 4, 2
+    (q, k, v, kc, vc, p), extra = _case(gen, F32, device, 2, H, KV, pos, family, compact)
+    extra["valid"] = _active_mask(gen, 2, KV, pos, H, extra.get("q_idx"), extra.get("q_count"), device)
+    want = _attention_by_definition(q, k, v, kc, p, **extra, v_cache=vc)
+    assert torch.isfinite(want).all()
+    kc64, vc64 = kc.double(), vc.double()
+    got = R.decode_attention(q.double(), k.double(), v.double(), kc64, vc64, p, **extra)
+    assert rel_err(got, want) < 1e-6, rel_err(got, want)         # the reference's scores and norms are fp32
+    for dtype in (F32, F16, BF16):
+        for name, fn in (("triton", T.decode_attention), ("cpu", cpu.decode_attention)):
+            if name == "cpu" and device != "cpu":
+                continue
+            kc2, vc2 = kc.to(dtype), vc.to(dtype)
+            out = fn(q.to(dtype), k.to(dtype), v.to(dtype), kc2, vc2, p, **extra)
+            assert out.dtype == dtype and rel_err(out, want) < ATTN_TOL[dtype], (name, dtype, rel_err(out, want))
+            assert rel_err(kc2[:, :, pos], kc64[:, :, pos]) < ATTN_TOL[dtype] / 2
+            assert torch.equal(vc2[:, :, pos], v.to(dtype))
+
+
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 @pytest.mark.parametrize("window", [None, 4])
-def test_equal_scores_average_the_values(impl, window, device):
+@pytest.mark.parametrize("masked", [False, True])
+def test_equal_scores_average_the_values(impl, window, masked, device):
     """q = 0 makes every score 0, so the output is the plain mean of the values at the attended positions: the
-    cached ones inside the window and the new one at pos."""
+    cached ones inside the window and the new one at pos; with kv_mode "active"'s mask, only the written ones."""
     B, H, KV, pos = 1, 2, 1, 9
     g = torch.Generator().manual_seed(0)
     vc = torch.randn(B, KV, L, HD, generator=g, dtype=torch.float64).float().to(device)
     kc = torch.randn(B, KV, L, HD, generator=g).to(device)
     v = torch.randn(B, KV, HD, generator=g).to(device)
     q = torch.zeros(B, H, HD, device=device)
+    keep = torch.ones(L, dtype=torch.bool)
+    if masked:
+        keep[[2, 6, 7]] = False                             # never written for this KV head
     fn = R.decode_attention if impl == "reference" else T.decode_attention
     out = fn(q, torch.randn(B, KV, HD, generator=g).to(device), v, kc, vc, torch.tensor([pos], device=device),
-             window=window).view(B, H, HD)
+             window=window, valid=keep.view(1, 1, L).to(device) if masked else None).view(B, H, HD)
     lo = 0 if window is None else pos - window + 1
-    want = torch.cat([vc[0, 0, lo:pos], v[0]], dim=0).double().mean(0)
+    rows = [t for t in range(lo, pos) if keep[t]]
+    want = torch.cat([vc[0, 0, rows], v[0]], dim=0).double().mean(0)
     for h in range(H):
         torch.testing.assert_close(out[0, h].double().cpu(), want.cpu(), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(vc[0, 0, pos], v[0, 0])

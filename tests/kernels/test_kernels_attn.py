@@ -4,7 +4,7 @@ import torch
 
 from kernels import attn_triton as T
 from kernels import reference as R
-from tests.kernels.kernel_support import grid, in_default, rel_err, rnd, TOL, up
+from tests.kernels.kernel_support import grid, rel_err, rnd, TOL, up
 
 D_MODEL, HD = 72, 12  # 6 query heads of 12 -> q dim 72
 
@@ -36,8 +36,10 @@ def test_kv_heads_for(n_heads, n_kv, s, mode, device, gen, poison):
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 
+# in the interpreter (tests/kernels/kernel_support.py): every dtype with each head layout (MHA, GQA) and each
+# batch shape (batch 3 adds the bias), every sparsity (0.5 and 1.0 with a padded index buffer) at least once
 @grid("dtype,heads,s,batch", [[F32, F16, BF16], [(6, 6), (6, 2)], [0.0, 0.5, 0.9, 1.0], [1, 3]],
-      in_default((F32, (6, 2), 0.5, 3), (F16, (6, 6), 0.9, 1), (BF16, (6, 2), 1.0, 1), (F16, (6, 2), 0.0, 3)))
+      cover=["dtype*heads", "dtype*batch", "s"])
 def test_head_sparse_qkv_and_out(dtype, heads, s, batch, device, gen, poison):
     n_heads, n_kv = heads
     mode = "padded" if s in (0.5, 1.0) else "fixed"

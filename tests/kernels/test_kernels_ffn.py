@@ -4,8 +4,8 @@ import torch
 
 from kernels import ffn_triton as T
 from kernels import reference as R
-from tests.kernels.kernel_support import (D_FF, D_MODEL, ffn_weights, grid, in_default, make_idx, rel_err, rnd,
-                                          slow_in_interpreter, TOL, up)
+from tests.kernels.kernel_support import (D_FF, D_MODEL, ffn_weights, gpu_meaning_only, grid, make_idx, rel_err,
+                                          rnd, TOL, up)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SPARS = [0.0, 0.5, 0.9, 1.0]
@@ -17,8 +17,9 @@ def _check(out, ref, dtype, gen, what=""):
     assert err <= TOL[dtype], f"{what} rel err {err:.3g} > {TOL[dtype]} (seed {gen.initial_seed()})"
 
 
-@grid("dtype,s,batch,mode", [DTYPES, SPARS, [1, 3], ["fixed", "padded"]],
-      in_default((F32, 0.5, 1, "fixed"), (F16, 0.9, 3, "padded"), (BF16, 0.0, 3, "fixed"), (F16, 1.0, 1, "padded")))
+# in the interpreter (tests/kernels/kernel_support.py): every dtype with each index form (fixed, padded + count)
+# and each batch padding, every sparsity (0: all rows; 1: none) at least once
+@grid("dtype,s,batch,mode", [DTYPES, SPARS, [1, 3], ["fixed", "padded"]], cover=["dtype*mode", "dtype*batch", "s"])
 def test_gated_gather_gemv(dtype, s, batch, mode, device, gen, poison):
     wg, wu, _ = ffn_weights(gen, dtype, device)
     x = rnd((batch, D_MODEL), gen, dtype, device)
@@ -42,7 +43,7 @@ def test_gated_activations(act, device, gen, poison):
     _check(out, ref, dtype, gen, act)
 
 
-@grid("dtype,s,batch", [DTYPES, [0.0, 0.9], [1, 5]], in_default((F32, 0.0, 1), (BF16, 0.9, 5), (F16, 0.9, 1)))
+@grid("dtype,s,batch", [DTYPES, [0.0, 0.9], [1, 5]], cover=["dtype", "s", "batch"])
 def test_gather_gemv_bias_and_scale(dtype, s, batch, device, gen, poison):
     w, _, _ = ffn_weights(gen, dtype, device)
     b = rnd((D_FF,), gen, dtype, device)
@@ -57,8 +58,7 @@ def test_gather_gemv_bias_and_scale(dtype, s, batch, device, gen, poison):
     _check(out, ref, dtype, gen, "scale")
 
 
-@grid("dtype,s,batch,mode", [DTYPES, SPARS, [1, 3, 8], ["fixed", "padded"]],
-      in_default((F32, 0.5, 3, "fixed"), (F16, 0.9, 8, "padded"), (BF16, 0.0, 1, "padded"), (F16, 1.0, 3, "fixed")))
+@grid("dtype,s,batch,mode", [DTYPES, SPARS, [1, 3, 8], ["fixed", "padded"]], cover=["dtype*mode", "s", "batch"])
 def test_gather_down(dtype, s, batch, mode, device, gen, poison):
     _, _, wdt = ffn_weights(gen, dtype, device)
     idx, count = make_idx(gen, D_FF, s, mode, device)
@@ -70,7 +70,7 @@ def test_gather_down(dtype, s, batch, mode, device, gen, poison):
     _check(out, ref, dtype, gen)
 
 
-@slow_in_interpreter     # the order of a GPU's split reductions; the interpreter runs programs one at a time
+@gpu_meaning_only     # the order of a GPU's split reductions; the interpreter runs programs one at a time
 def test_gather_down_bit_identical(device, gen, poison):
     dtype = torch.float16
     _, _, wdt = ffn_weights(gen, dtype, device)
@@ -81,9 +81,10 @@ def test_gather_down_bit_identical(device, gen, poison):
         assert torch.equal(T.gather_down(h, wdt, idx, count).view(torch.int16), first.view(torch.int16))
 
 
+# every dtype on each launch path (fused: one kernel + reduce; split: gather, down, reduce), each path with each
+# index form, every sparsity and batch at least once
 @grid("dtype,s,batch,mode,path", [DTYPES, SPARS, [1, 6], ["fixed", "padded"], ["fused", "split"]],
-      in_default((F32, 0.5, 1, "fixed", "fused"), (F32, 0.5, 6, "padded", "split"), (F16, 0.9, 6, "padded", "fused"),
-                 (BF16, 0.0, 1, "fixed", "split"), (BF16, 1.0, 6, "padded", "fused"), (F16, 1.0, 1, "fixed", "split")))
+      cover=["dtype*path", "mode*path", "s", "batch"])
 def test_sparse_ffn_parallel(dtype, s, batch, mode, path, device, gen, poison):
     wg, wu, wdt = ffn_weights(gen, dtype, device)
     x = rnd((batch, D_MODEL), gen, dtype, device)
@@ -108,8 +109,7 @@ def _gap_threshold(x, wg, idx, count, act):
     return float(0.5 * (v[i] + v[i + 1]))
 
 
-@grid("dtype,s,batch,path", [DTYPES, [0.0, 0.5, 0.9], [1, 3], ["fused", "split"]],
-      in_default((F32, 0.5, 1, "fused"), (F16, 0.9, 3, "split"), (BF16, 0.0, 3, "fused")))
+@grid("dtype,s,batch,path", [DTYPES, [0.0, 0.5, 0.9], [1, 3], ["fused", "split"]], cover=["dtype*path", "s", "batch"])
 def test_sparse_ffn_sequential(dtype, s, batch, path, device, gen, poison):
     wg, wu, wdt = ffn_weights(gen, dtype, device)
     x = rnd((batch, D_MODEL), gen, dtype, device)
@@ -125,8 +125,7 @@ def test_sparse_ffn_sequential(dtype, s, batch, path, device, gen, poison):
     _check(out, ref, dtype, gen, path)
 
 
-@grid("dtype,s,batch,path", [DTYPES, SPARS, [1, 4], ["fused", "split"]],
-      in_default((F32, 0.5, 1, "fused"), (F16, 0.9, 4, "split"), (BF16, 0.0, 4, "fused"), (F32, 1.0, 1, "split")))
+@grid("dtype,s,batch,path", [DTYPES, SPARS, [1, 4], ["fused", "split"]], cover=["dtype*path", "s", "batch"])
 def test_sparse_mlp_relu(dtype, s, batch, path, device, gen, poison):
     w1, _, w2t = ffn_weights(gen, dtype, device)
     b1 = rnd((D_FF,), gen, dtype, device, 0.5)
@@ -138,7 +137,7 @@ def test_sparse_mlp_relu(dtype, s, batch, path, device, gen, poison):
     _check(out, ref, dtype, gen, path)
 
 
-@grid("n", [[1, 200, 1000, 20000]], lambda n: n <= 1000)
+@pytest.mark.parametrize("n", [1, 200, 1000, 20000])      # 2 s in all in the interpreter
 def test_compact_and_union(n, device, gen, poison):
     keep = (torch.rand(n, generator=gen) < 0.4).to(device)
     idx = torch.randperm(n, generator=gen).to(torch.int32).to(device)
@@ -157,7 +156,7 @@ DOT_CFG = {"gather": {"dot": True, "BLOCK_R": 16, "BLOCK_K": 32},
            "down": {"dot": True, "BLOCK_R": 16, "BLOCK_D": 32}}
 
 
-@grid("dtype,s,batch", [[F16, BF16], [0.0, 0.9], [1, 5]], in_default((F16, 0.9, 5),))
+@grid("dtype,s,batch", [[F16, BF16], [0.0, 0.9], [1, 5]], cover=["dtype", "s", "batch"])
 def test_tensor_core_dot_path(dtype, s, batch, device, gen, poison):
     """tl.dot variants of the gather GEMV and the down projection (batch padded to 16; h rounded to the dtype)."""
     wg, wu, wdt = ffn_weights(gen, dtype, device)

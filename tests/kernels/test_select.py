@@ -12,10 +12,11 @@ def _sel(scores, k, **kw):
     return topk_select(scores, k, **kw)
 
 
-# in the interpreter: every size at one dtype and both radix widths, the other dtypes at one mid size
+# in the interpreter (tests/kernels/kernel_support.py): every dtype (16- and 32-bit keys) with both radix widths,
+# every size at least once
 @grid("dtype,nk,bits", [[torch.float16, torch.bfloat16, torch.float32],
                         [(1, 1), (7, 3), (32, 16), (300, 150), (1000, 100), (2500, 2499)], [1, 2]],
-      lambda dtype, nk, bits: dtype == torch.float16 or nk == (300, 150))
+      cover=["dtype*bits", "nk"])
 def test_matches_topk(device, gen, dtype, nk, bits):
     n, k = nk
     # distinct values: distinct finite positive bit patterns, half of them negated (no ties)
@@ -69,10 +70,11 @@ def test_out_buffer_and_checks(device):
 
 
 # the multi-CTA select (three launches over chunks of the row): several chunks, a partial last chunk, batch rows
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_multi_cta_matches_the_reference(device, gen, dtype):
+@pytest.mark.parametrize("dtype,ks", [(torch.float16, (1, 256, 700, 1499)), (torch.bfloat16, (2, 255, 1500))],
+                         ids=["float16", "bfloat16"])
+def test_multi_cta_matches_the_reference(device, gen, dtype, ks):
     s = torch.randn(3, 1500, generator=gen).to(dtype).to(device)    # 6 chunks of 256, the last one 220 long
-    for k in (1, 2, 255, 256, 700, 1499, 1500):
+    for k in ks:
         idx = _sel(s, k, multi=True, chunk=256)
         assert idx.shape == (3, k) and idx.dtype == torch.int32
         assert torch.equal(idx.cpu(), ref.topk_select(s, k).cpu()), k
@@ -100,3 +102,35 @@ def test_multi_cta_is_the_default_for_long_16_bit_rows(device, gen, monkeypatch)
     assert calls == [(1, st.MULTI_MIN_N)]
     with pytest.raises(AssertionError, match="fp16/bf16"):
         st.topk_select(s16.float(), 10, multi=True)
+
+
+def _by_the_tie_rule(s, k):
+    """The selection as the kernel documents it, from the values alone: every entry above the k-th largest value
+    and, of the entries equal to it, the lowest indices (-0.0 equal to +0.0), in ascending index order."""
+    v = s.float().cpu()
+    v = torch.where(v == 0, torch.zeros(()), v)
+    kth = v.sort(descending=True).values[k - 1]
+    above = (v > kth).nonzero().flatten()
+    ties = (v == kth).nonzero().flatten()[: k - above.numel()]
+    return torch.cat([above, ties]).sort().values.to(torch.int32)
+
+
+# the multi-CTA select as decode runs it: the default dispatch (16-bit rows of MULTI_MIN_N entries or more), chunks of
+# MULTI_CHUNK; five chunks, the last one partial. Row 0 has fp16/bf16's natural ties, row 1 few distinct values, so
+# the k-th value's ties span every chunk. About 0.5 s a call in the interpreter.
+@pytest.mark.parametrize("dtype,ks", [(torch.float16, (1, 1024, 2277, 4500)), (torch.bfloat16, (37, 3000, 4499))],
+                         ids=["float16", "bfloat16"])
+def test_multi_cta_at_production_settings(device, gen, dtype, ks):
+    import kernels.select_triton as st
+
+    assert (st.MULTI_CHUNK, st.MULTI_MIN_N) == (1024, 4096)      # the settings this test stands for
+    n = st.MULTI_MIN_N + 404
+    s = torch.stack([torch.randn(n, generator=gen), torch.randint(-2, 3, (n,), generator=gen).float()]).to(dtype)
+    s[1, ::5] = -0.0
+    s = s.to(device)
+    for k in ks:
+        idx = _sel(s, k).cpu()
+        assert idx.shape == (2, k) and idx.dtype == torch.int32
+        for b in range(2):
+            assert torch.equal(idx[b], _by_the_tie_rule(s[b], k)), (b, k)
+        assert torch.equal(idx, ref.topk_select(s, k).cpu()), k
