@@ -145,46 +145,100 @@ def test_batch_union_and_kv_active():
     assert 0.0 <= sp["mlp"] < 0.5 and 0.0 <= sp["heads"] < 0.5     # union of 3 tokens' sets
 
 
-_TRITON_SCRIPT = r"""
+# The Triton kernels on the CPU run in Triton's interpreter, and TRITON_INTERPRET must be set before triton is
+# imported: both tests below read the parts of one fresh interpreter process (started once per module: about 8 s of
+# imports), each part reported on its own.
+_INTERPRETED_PARTS = r"""
+import collections, json, os, sys, traceback
 import torch
 torch.set_num_threads(1)
-from tests.workers.tiny_model_support import tiny_model
-from workers.decode.latency import random_plan
+from kernels import ops
+from tests.workers.tiny_model_support import runtime_logits, tiny_model
+from workers.decode.latency import calibrated_input_plan, random_plan
 from workers.decode.runtime import DecodeRuntime
-import os
-m = tiny_model("llama")
-ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(5))
-rt = DecodeRuntime.from_hf(m).set_plan(random_plan(m, 0.5, 0.5, rank=8))
-rt.setup(1, 12)
-out = {}
-for backend in ("reference", "triton"):
-    os.environ["CTXSPARSE_KERNELS"] = backend
-    rt.prefill(ids)
-    out[backend] = torch.stack([rt.step(keep_logits=True) for _ in range(3)])
-torch.testing.assert_close(out["triton"], out["reference"], atol=1e-4, rtol=1e-3)
-s = torch.randn(2, 50, generator=torch.Generator().manual_seed(6))
-for impl in ("auto", "triton"):    # the Triton select: ascending top-k indices of every row
-    rt.configure(select_impl=impl)
-    assert torch.equal(rt.selector.topk(s, 20), torch.topk(s, 20).indices.sort().values.int())
-from workers.decode.latency import calibrated_input_plan
-rt = DecodeRuntime.from_hf(m).set_plan(calibrated_input_plan(m, 0.5, n_tokens=32))
-rt.setup(1, 12)
-got = {}
-for backend, path in (("reference", "auto"), ("triton", "mask"), ("triton", "local")):
-    os.environ["CTXSPARSE_KERNELS"] = backend
-    rt.configure(input_path=path)
-    rt.prefill(ids)
-    got[path] = torch.stack([rt.step(keep_logits=True) for _ in range(3)])
-for path in ("mask", "local"):      # input sparsity on every projection through either Triton kernel path
-    torch.testing.assert_close(got[path], got["auto"], atol=1e-4, rtol=1e-3)
-print("OK")
+
+
+def spy_triton(names):
+    # calls of the Triton backend's ops (the namespace kernels.ops dispatches to under CTXSPARSE_KERNELS=triton)
+    os.environ["CTXSPARSE_KERNELS"] = "triton"
+    ns, calls = ops.backend(torch.zeros(1)), collections.Counter()
+    for n in names:
+        f = getattr(ns, n)
+        setattr(ns, n, lambda *a, _f=f, _n=n, **k: (calls.update([_n]), _f(*a, **k))[1])
+    return calls
+
+
+def attention():
+    os.environ["CTXSPARSE_KERNELS"] = "triton"   # every kernels.ops call in Triton (dense steps: only attention)
+    for family, heads in (("llama", False), ("gemma3", False), ("opt", False), ("qwen2", False), ("llama", True)):
+        m = tiny_model(family)
+        ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
+        plan = random_plan(m, 0.0, 0.5, rank=8) if heads else None
+        out = {}
+        for glue in ("torch", "kernel"):
+            rt = DecodeRuntime.from_hf(m, glue=glue).set_plan(plan)
+            rt.setup(2, 24)
+            rt.prefill(ids)
+            out[glue] = torch.stack([rt.step(keep_logits=True) for _ in range(3 if heads else 6)])
+        torch.testing.assert_close(out["kernel"], out["torch"], atol=1e-4, rtol=1e-3), family
+    for family in ("llama", "opt"):          # the dense O projection through the down kernel (opt: with its bias)
+        m = tiny_model(family)
+        ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(6))
+        out = {o: runtime_logits(m, ids, 3, o_proj=o) for o in ("torch", "kernel")}
+        torch.testing.assert_close(out["kernel"], out["torch"], atol=1e-4, rtol=1e-3), family
+
+
+def sparse_step():
+    m = tiny_model("qwen2")                  # QKV with a bias, GQA
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(5))
+    rt = DecodeRuntime.from_hf(m).set_plan(random_plan(m, 0.5, 0.5, rank=8))
+    rt.setup(1, 12)
+    calls = spy_triton(("sparse_ffn", "head_sparse_qkv", "head_sparse_out", "decode_attention"))
+    out, seen = {}, {}
+    for backend in ("reference", "triton"):
+        os.environ["CTXSPARSE_KERNELS"] = backend
+        calls.clear()
+        rt.prefill(ids)
+        out[backend] = torch.stack([rt.step(keep_logits=True) for _ in range(2)])
+        seen[backend] = dict(calls)
+        assert rt.realized_sparsity() == {"mlp": 0.5, "heads": 0.5}, (backend, rt.realized_sparsity())
+    want = dict.fromkeys(("sparse_ffn", "head_sparse_qkv", "head_sparse_out", "decode_attention"), 4)
+    assert seen == {"reference": {}, "triton": want}, seen       # 2 steps x 2 layers, each op in Triton
+    torch.testing.assert_close(out["triton"], out["reference"], atol=1e-4, rtol=1e-3)
+    s = torch.randn(2, 50, generator=torch.Generator().manual_seed(6))
+    for impl in ("auto", "triton"):          # the Triton select: ascending top-k indices of every row
+        rt.configure(select_impl=impl)
+        assert torch.equal(rt.selector.topk(s, 20), torch.topk(s, 20).indices.sort().values.int())
+    rt = DecodeRuntime.from_hf(m).set_plan(calibrated_input_plan(m, 0.5, n_tokens=32))
+    rt.setup(1, 12)
+    calls, got = spy_triton(("input_sparse_linear_segments",)), {}
+    for backend, path in (("reference", "auto"), ("triton", "mask"), ("triton", "local")):
+        os.environ["CTXSPARSE_KERNELS"] = backend
+        calls.clear()
+        rt.configure(input_path=path)
+        rt.prefill(ids)
+        got[path] = rt.step(keep_logits=True)
+        assert calls["input_sparse_linear_segments"] == (8 if backend == "triton" else 0), (path, calls)
+    for path in ("mask", "local"):      # input sparsity on every projection (4 groups a layer) through either path
+        torch.testing.assert_close(got[path], got["auto"], atol=1e-4, rtol=1e-3)
+
+
+results = {}
+for name in sys.argv[1:]:
+    try:
+        globals()[name]()
+        results[name] = "OK"
+    except BaseException:
+        results[name] = traceback.format_exc()
+    os.environ.pop("CTXSPARSE_KERNELS", None)
+print("RESULTS " + json.dumps(results))
 """
 
 
-@pytest.mark.slow       # a fresh interpreter process running every kernel of a decode step in Triton's interpreter
-def test_triton_interpreter_path():
-    """The runtime's sparse step through the Triton kernels (interpreted on CPU; TRITON_INTERPRET must be set
-    before triton is imported, hence a subprocess) gives the reference path's logits."""
+@pytest.fixture(scope="module")
+def interpreted():
+    """{part: "OK" or its traceback} of _INTERPRETED_PARTS, run once in a fresh process with TRITON_INTERPRET=1."""
+    import json
     import os
     import subprocess
     import sys
@@ -193,55 +247,30 @@ def test_triton_interpreter_path():
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    r = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+    env.pop("CTXSPARSE_KERNELS", None)
+    r = subprocess.run([sys.executable, "-c", _INTERPRETED_PARTS, "attention", "sparse_step"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULTS "):])
 
 
-_ATTN_SCRIPT = r"""
-import os
-import torch
-torch.set_num_threads(1)
-from tests.workers.tiny_model_support import runtime_logits, tiny_model
-from workers.decode.latency import random_plan
-from workers.decode.runtime import DecodeRuntime
-os.environ["CTXSPARSE_KERNELS"] = "triton"   # every kernels.ops call in Triton (dense steps: only attention)
-for family, heads in (("llama", False), ("gemma3", False), ("opt", False), ("qwen2", False), ("llama", True)):
-    m = tiny_model(family)
-    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
-    plan = random_plan(m, 0.0, 0.5, rank=8) if heads else None
-    out = {}
-    for glue in ("torch", "kernel"):
-        rt = DecodeRuntime.from_hf(m, glue=glue).set_plan(plan)
-        rt.setup(2, 24)
-        rt.prefill(ids)
-        out[glue] = torch.stack([rt.step(keep_logits=True) for _ in range(3 if heads else 6)])
-    torch.testing.assert_close(out["kernel"], out["torch"], atol=1e-4, rtol=1e-3), family
-for family in ("llama", "opt"):          # the dense O projection through the down kernel (opt: with its bias)
-    m = tiny_model(family)
-    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(6))
-    out = {o: runtime_logits(m, ids, 3, o_proj=o) for o in ("torch", "kernel")}
-    torch.testing.assert_close(out["kernel"], out["torch"], atol=1e-4, rtol=1e-3), family
-print("OK")
-"""
+def test_triton_sparse_step_gives_the_reference_logits(interpreted):
+    """The runtime's sparse step through the Triton kernels (the CUDA defaults; here in Triton's interpreter) gives
+    the reference path's logits, qwen2 (QKV bias, GQA), batch 1, 2 steps: FFN and head predictors at 0.5 (every
+    layer's FFN, head-sparse QKV / O and attention counted in Triton, realized sparsity exactly 0.5), the Triton
+    radix select's top-k indices, and input sparsity on every projection through both Triton paths ("mask",
+    "local": 8 launches a step)."""
+    assert interpreted["sparse_step"] == "OK", interpreted["sparse_step"]
 
 
-def test_triton_attention_gives_the_torch_attention_logits():
+def test_triton_attention_gives_the_torch_attention_logits(interpreted):
     """glue="kernel" with the Triton backend (RoPE, q/k norms, cache write and attention in one launch; here in
     Triton's interpreter) gives the torch glue's logits, batch 2, prompt 12, 6 steps: llama, gemma3 (q/k norms; its
     16-position sliding window starts to drop positions at 16), opt (no RoPE), qwen2 (GQA); and 3 steps of
     llama's head-sparse step (compact active heads). And o_proj "kernel" (the dense O projection through the
     Triton down kernel) gives o_proj "torch"'s logits, llama and opt (O with a bias)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[3]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    r = subprocess.run([sys.executable, "-c", _ATTN_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+    assert interpreted["attention"] == "OK", interpreted["attention"]
 
 
 def test_densify_slow_ffn_switches_the_layers_whose_union_is_too_wide():
