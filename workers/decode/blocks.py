@@ -1,5 +1,7 @@
 """The decode runtime's products over :class:`ModelWeights`: embedding, dense / sparse projections, the FFN
-variants, head-sparse attention, the LM head. Stateless apart from two backend options.
+variants, head-sparse attention, the LM head. Stateless apart from five backend options: ``ffn_dense``,
+``cpu_rows``, ``o_proj`` (below), ``input_path`` (the input-sparse kernel path, kernels.ops.INPUT_PATHS) and
+``count_inputs`` (whether accelerators count the active inputs; the CPU kernels count as they go).
 
 ``ffn_dense`` "auto": the dense FFN through the kernels where they are fastest (CPU row kernels with
 ``cpu_rows``; on CUDA, batch <= 8, the fused FFN kernel over every row), "torch": plain matmuls.
@@ -16,9 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu as cpu_kernels
-from kernels import ops
+from kernels import cpu_quant, ops
 from kernels.common import ACTS, MAX_BATCH, apply_act
 from kernels.configs import O_KERNEL_MAX_BATCH, use_dense
+from kernels.quant import QuantWeight
 from workers.decode.weights import LayerWeights, ModelWeights
 from workers.loading.adapters import activation_fn
 
@@ -63,7 +66,7 @@ class Blocks:
 
     def embed(self, ids, pos_ids):
         w = self.w
-        x = F.embedding(ids, w.embed)
+        x = cpu_quant.embedding(ids, w.embed) if isinstance(w.embed, QuantWeight) else F.embedding(ids, w.embed)
         if w.embed_scale is not None:
             x = x * w.embed_scale
         if w.proj_in is not None:
@@ -78,13 +81,17 @@ class Blocks:
 
     def linear(self, h, w, b=None):
         """h @ wᵀ (+ b)."""
+        if isinstance(w, QuantWeight):
+            return cpu_quant.linear(h, w, b)
         if self.rows(h):
             return cpu_kernels.linear(h, w, b)
         z = h @ w.t()
         return z + b if b is not None else z
 
     def linear_t(self, a, w_t, b=None):
-        """a @ w_t (+ b), w_t = Wᵀ [in, out]."""
+        """a @ w_t (+ b), w_t = Wᵀ [in, out] (or the quantized W [out, in] in that slot: the same map)."""
+        if isinstance(w_t, QuantWeight):
+            return cpu_quant.linear(a, w_t, b)
         if self.rows(a):
             return cpu_kernels.linear_t(a, w_t, b)
         z = a @ w_t
@@ -97,7 +104,7 @@ class Blocks:
 
     def out_dense(self, L: LayerWeights, a):
         """The dense O projection a @ W_o^T (+ b) of the attention output ``a`` [B, H * hd] (``o_proj``)."""
-        if self.o_kernel(a.shape[0]):
+        if self.o_kernel(a.shape[0]) and not self.w.quantized:
             return ops.head_sparse_out(a, L.w_o_t, self.q_all, None, self.w.dims.head_dim, L.b_o)
         return self.linear_t(a, L.w_o_t, L.b_o)
 
@@ -114,6 +121,8 @@ class Blocks:
     def ffn_dense_(self, L: LayerWeights, h, act_mul):
         w = self.w
         act = w.act
+        if w.quantized:       # the GGUF's blocks: one parallel region per FFN (kernels.cpu_quant.dense_ffn)
+            return cpu_quant.dense_ffn(h, L.w_gate, L.w_up, L.w_down_t, act, b_up=L.b_up, b_down=L.b_down)
         if self.ffn_dense == "auto" and act in ACTS and self.rows(h):
             if w.gated:       # the whole FFN in one pass of the row kernel (kernels.cpu.dense_ffn)
                 return ops.dense_ffn(h, L.w_gate, L.w_up, L.w_down_t, act)
@@ -143,10 +152,10 @@ class Blocks:
                                   allow_dense=count is None)
         return ops.sparse_mlp(h, L.w_up, L.b_up, L.w_down_t, L.b_down, idx, count, w.act, allow_dense=count is None)
 
-    def in_linear(self, x, w_t, ent, counts, bias=None):
-        """x @ w_t (+ bias) over the active inputs only (input sparsity); ``ent`` = (thresholds, segment sizes,
-        first counter column). ``counts`` (the layer's counters from that column) get the active entries."""
-        thr, sizes, _ = ent
+    def in_linear(self, x, w_t, group, counts, bias=None):
+        """x @ w_t (+ bias) over the active inputs only (input sparsity); ``group`` a ``plan.InputGroup``.
+        ``counts`` (its columns of the layer's input counters) get the active entries."""
+        thr, sizes = group.thresholds, group.sizes
         if ops.backend_name(x) == "cpu":
             return cpu_kernels.input_sparse_linear_segments(x, w_t, thr, sizes, bias, counts=counts)
         y = ops.input_sparse_linear_segments(x, w_t, thr, sizes, bias, path=self.input_path)
@@ -159,19 +168,16 @@ class Blocks:
         """The FFN with input sparsity on gate|up (one pass over the shared input), fc1, and/or down;
         ``stat_in`` is the layer's row of input counters."""
         w = self.w
-
-        def cnt(e):
-            return stat_in[e[2]: e[2] + len(e[1])]
-
         if w.gated:
-            gu = self.in_linear(h, L.w_gu_t, ent["gu"], cnt(ent["gu"])) if "gu" in ent else self.linear(h, L.gu())
+            gu = (self.in_linear(h, L.w_gu_t, ent["gu"], ent["gu"].counts(stat_in)) if "gu" in ent
+                  else self.linear(h, L.gu()))
             a = act_mul(gu, w.act)
         else:
-            z = (self.in_linear(h, L.w_up_t, ent["up"], cnt(ent["up"]), L.b_up) if "up" in ent
+            z = (self.in_linear(h, L.w_up_t, ent["up"], ent["up"].counts(stat_in), L.b_up) if "up" in ent
                  else self.linear(h, L.w_up, L.b_up))
             a = activation_fn(w.act)(z)
         if "down" in ent:
-            return self.in_linear(a, L.w_down_t, ent["down"], cnt(ent["down"]), L.b_down)
+            return self.in_linear(a, L.w_down_t, ent["down"], ent["down"].counts(stat_in), L.b_down)
         return self.linear_t(a, L.w_down_t, L.b_down)
 
     def ffn_threshold(self, L: LayerWeights, h, thr, stat):

@@ -3,7 +3,7 @@
     rp = RuntimePlan.build(plan, weights)     # plan None: dense
     rp.mlp[l], rp.heads[l]                    # predictors on the runtime's device / dtype (copies)
     rp.thr_ffn[l]                             # gate-threshold fast path: (threshold, score bias)
-    rp.in_attn[l], rp.in_ffn[l]               # input sparsity: {group: (thresholds, segment sizes, counter column)}
+    rp.in_attn[l], rp.in_ffn[l]               # input sparsity: {group: InputGroup}
     rp.dense                                  # nothing sparse left: the runtime runs its dense step
 
 Keep-all parts are dropped, so they run the dense code (greedy tokens at s = 0 are the dense ones on every
@@ -23,13 +23,37 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from kernels.common import ACTS
-from workers.decode.weights import ModelWeights, column_norms
+from workers.decode.weights import PROJ, ModelWeights, column_norms
 from workers.sparsity.predictors.base import neuron_out_norm
+from workers.sparsity.predictors.threshold import GateThreshold
+
+
+class InputGroup(NamedTuple):
+    """Projections that read one input under input sparsity (QKV, gate|up, or one projection alone)."""
+    thresholds: torch.Tensor        # [n] (one per projection) or, WINA, [n, n_in] (t / ‖W[:, i]‖ per input channel)
+    sizes: tuple[int, ...]          # the output segment of each projection in the fused product
+    col: int                        # the first projection's column of the input counters (PROJ); the rest follow
+
+    @classmethod
+    def of(cls, thresholds: torch.Tensor, sizes: tuple[int, ...], projections: tuple[str, ...]) -> "InputGroup":
+        col = PROJ.index(projections[0])
+        if PROJ[col: col + len(projections)] != projections or len(sizes) != len(projections):
+            raise ValueError(f"{projections}: not consecutive counter columns of {PROJ}, or not one size each")
+        return cls(thresholds, tuple(sizes), col)
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        return PROJ[self.col: self.col + len(self.sizes)]
+
+    def counts(self, row: torch.Tensor) -> torch.Tensor:
+        """The group's columns of a layer's row of input counters (a view: kernels add to it)."""
+        return row[self.col: self.col + len(self.sizes)]
 
 
 @dataclass
@@ -111,16 +135,16 @@ def _threshold_fast(w: ModelWeights, l: int, p, plan):
     """(threshold, score bias) when layer ``l``'s predictor is a gate threshold (|act(W1 h)| > t, W1 the FFN's
     own first projection): the FFN then runs the first projection dense once and reads up/down rows of the kept
     neurons only. None: the predictor runs as any other."""
-    if getattr(p, "method", None) != "threshold" or getattr(p, "input_kind", None) != "ffn_in":
+    if not isinstance(p, GateThreshold) or p.input_kind != "ffn_in":
         return None
-    if plan.mlp_mode == "sequential" or getattr(p, "act", None) != w.act or w.act not in ACTS:
+    if plan.mlp_mode == "sequential" or p.act != w.act or w.act not in ACTS:
         return None
     L = w.layers[l]
     w1 = L.w_gate if w.gated else L.w_up
-    pw = getattr(p, "_w", None)
-    if pw is None or tuple(pw.shape) != tuple(w1.shape) or not torch.equal(pw.to(w1.device, w1.dtype), w1):
+    pw = p.w_first
+    if tuple(pw.shape) != tuple(w1.shape) or not torch.equal(pw.to(w1.device, w1.dtype), w1):
         return None
-    b = getattr(p, "_b", None)
+    b = p.b_first
     if b is not None:
         if w.gated:
             return None
@@ -158,35 +182,37 @@ def _inputs(rp: RuntimePlan, plan, w: ModelWeights) -> None:
         L = w.layers[l]
         norms = column_norms(L, w.q_fold, H * hd, KV * hd) if wina else None
 
-        def thr(names, n_in):
-            """Thresholds of the projections ``names`` sharing one input: [len] (one each) or, WINA,
-            [len, n_in] (t / ‖W[:, i]‖); a projection without one keeps every input (-1)."""
+        def group(names, n_in, sizes) -> InputGroup:
+            """The projections ``names`` sharing one input; thresholds [len] (one each) or, WINA, [len, n_in]
+            (t / ‖W[:, i]‖); a projection without one keeps every input (-1)."""
             if not wina:
-                return torch.tensor([per.get(p, -1.0) for p in names], dtype=torch.float32, device=dev)
-            rows = [per[p] / norms[p].clamp_min(1e-30) if p in per else torch.full((n_in,), -1.0, device=dev)
-                    for p in names]
-            return torch.stack(rows).to(torch.float32).contiguous()
+                thr = torch.tensor([per.get(p, -1.0) for p in names], dtype=torch.float32, device=dev)
+            else:
+                rows = [per[p] / norms[p].clamp_min(1e-30) if p in per else torch.full((n_in,), -1.0, device=dev)
+                        for p in names]
+                thr = torch.stack(rows).to(torch.float32).contiguous()
+            return InputGroup.of(thr, sizes, names)
 
         ent = {}
         if set(per) & {"q", "k", "v"}:
             if "qkv_t" not in L.layouts:
                 L.layouts["qkv_t"] = L.w_qkv.t().contiguous()
-            ent["qkv"] = (thr(("q", "k", "v"), d), (H * hd, KV * hd, KV * hd), 0)
+            ent["qkv"] = group(("q", "k", "v"), d, (H * hd, KV * hd, KV * hd))
         if "o" in per:
-            ent["o"] = (thr(("o",), H * hd), (d,), 3)
+            ent["o"] = group(("o",), H * hd, (d,))
         if ent:
             rp.in_attn[l] = ent
         ent = {}
         if w.gated and set(per) & {"gate", "up"}:
             if "gu_t" not in L.layouts:
                 L.layouts["gu_t"] = torch.cat([L.w_gate, L.w_up], 0).t().contiguous()
-            ent["gu"] = (thr(("gate", "up"), d), (D, D), 4)
+            ent["gu"] = group(("gate", "up"), d, (D, D))
         elif not w.gated and "up" in per:
             if "up_t" not in L.layouts:
                 L.layouts["up_t"] = L.w_up.t().contiguous()
-            ent["up"] = (thr(("up",), d), (D,), 5)
+            ent["up"] = group(("up",), d, (D,))
         if "down" in per:
-            ent["down"] = (thr(("down",), D), (d,), 6)
+            ent["down"] = group(("down",), D, (d,))
         if ent:
             rp.in_ffn[l] = ent
 

@@ -63,13 +63,12 @@ def _weights_skipped(rp: RuntimePlan, w: ModelWeights, c: Counters, batch: int, 
     stat = c.inputs.cpu()
     skipped_in = 0.0
     for l in range(nl):
-        for _, sizes, col in (*rp.in_attn.get(l, {}).values(), *rp.in_ffn.get(l, {}).values()):
-            for j in range(len(sizes)):
-                p = PROJ[col + j]
+        for g in (*rp.in_attn.get(l, {}).values(), *rp.in_ffn.get(l, {}).values()):
+            for p, active in zip(g.projections, g.counts(stat[l]).tolist()):
                 if p not in numel or p not in rp.inputs.get(l, {}):
                     continue
                 n, n_in = numel[p]
-                skipped_in += (1.0 - float(stat[l, col + j]) / (seen * n_in)) * n
+                skipped_in += (1.0 - active / (seen * n_in)) * n
     skipped = skipped_in
     if "mlp" in kept:
         for l in rp.mlp:

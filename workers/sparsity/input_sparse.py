@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from kernels.common import MAX_BATCH
-from workers.loading.adapters import adapter_for, get_path, linear_weight, set_path
+from workers.loading.adapters import adapter_for, get_path, linear_weight
+from workers.sparsity.swaps import ModuleSwaps
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down", "qkv")
 ATTN_PROJECTIONS = ("q", "k", "v", "o", "qkv")
@@ -154,21 +155,14 @@ def model_projection_numel(model: nn.Module) -> dict[tuple[int, str], int]:
 
 
 @dataclass
-class AppliedInputSparsity:
+class AppliedInputSparsity(ModuleSwaps):
+    """The projections :func:`apply_input_sparsity` swapped (``revert()`` or ``with`` restores them) and the
+    counters they add to."""
     model: nn.Module
     stats: InputStats
-    _swaps: list = field(default_factory=list)     # (root, path, original module)
 
-    def revert(self) -> None:
-        for root, path, orig in reversed(self._swaps):
-            set_path(root, path, orig)
-        self._swaps.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.revert()
+    def __post_init__(self):
+        ModuleSwaps.__init__(self)
 
 
 def check_thresholds(model: nn.Module, thresholds: dict[int, dict[str, float]], score: str) -> None:
@@ -187,11 +181,11 @@ def check_thresholds(model: nn.Module, thresholds: dict[int, dict[str, float]], 
 
 def apply_input_sparsity(model: nn.Module, thresholds: dict[int, dict[str, float]], score: str = "abs",
                          mode: str = "masked", stats: InputStats | None = None,
-                         swaps: list | None = None) -> AppliedInputSparsity:
+                         swaps: ModuleSwaps | None = None) -> AppliedInputSparsity:
     """Swap the planned projections for :class:`InputSparseLinear`; ``.revert()`` restores the model.
 
-    ``thresholds``: {layer: {projection: t}}. ``swaps``: append the swaps to this list instead (a caller that
-    reverts several kinds of swap together, e.g. ``sparse_exec.apply_sparsity``)."""
+    ``thresholds``: {layer: {projection: t}}. ``swaps``: record the swaps there instead (a caller that reverts
+    several kinds of swap together, e.g. ``sparse_exec.apply_sparsity``); on an error they are reverted."""
     check_thresholds(model, thresholds, score)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")
@@ -200,7 +194,7 @@ def apply_input_sparsity(model: nn.Module, thresholds: dict[int, dict[str, float
     paths = projection_paths(ad)
     stats = stats if stats is not None else InputStats(model_projection_numel(model))
     applied = AppliedInputSparsity(model, stats)
-    log = swaps if swaps is not None else applied._swaps
+    log = swaps if swaps is not None else applied
     try:
         for l, per in sorted(thresholds.items()):
             layer = layers[int(l)]
@@ -210,12 +204,9 @@ def apply_input_sparsity(model: nn.Module, thresholds: dict[int, dict[str, float
                     raise ValueError(f"layer {l} {p}: {type(orig).__name__} is not a plain projection "
                                      "(already swapped by another plan part?)")
                 scale = column_norms(orig) if score == "wina" else None
-                log.append((layer, paths[p], orig))
-                set_path(layer, paths[p], InputSparseLinear(orig, t, scale, mode, int(l), p, stats))
+                log.swap(layer, paths[p], InputSparseLinear(orig, t, scale, mode, int(l), p, stats))
     except Exception:
-        for root, path, orig in reversed(log):
-            set_path(root, path, orig)
-        log.clear()
+        log.revert()
         raise
     return applied
 

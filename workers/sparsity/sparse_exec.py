@@ -32,11 +32,12 @@ import torch
 from torch import nn
 
 from kernels.token_sparse import masked_token_ffn, token_sparse_ffn, token_sparse_head_out
-from workers.loading.adapters import adapter_for, get_path, linear_weight, set_path
+from workers.loading.adapters import adapter_for, get_path, linear_weight
 from workers.sparsity.input_sparse import (
     InputStats, apply_input_sparsity, check_plan_parts, decoder_weight_skipped, model_projection_numel,
 )
 from workers.sparsity.predictors.base import HeadPredictor, MLPPredictor, SparsityPlan, layer_out_norms
+from workers.sparsity.swaps import ModuleSwaps
 
 
 @dataclass
@@ -199,26 +200,15 @@ class TokenSparseHeadOut(nn.Module):
 
 
 @dataclass
-class AppliedSparsity:
+class AppliedSparsity(ModuleSwaps):
+    """The modules and hooks :func:`apply_sparsity` put on a model (``revert()`` or ``with`` restores it) and the
+    counters they add to."""
     model: nn.Module
     stats: SparseStats
     mode: str = "kernel"                            # how the FFN / head parts ran: "kernel" or "masked"
-    _swaps: list = field(default_factory=list)     # (root, path, original module)
-    _hooks: list = field(default_factory=list)
 
-    def revert(self) -> None:
-        for root, path, orig in reversed(self._swaps):
-            set_path(root, path, orig)
-        for h in self._hooks:
-            h.remove()
-        self._swaps.clear()
-        self._hooks.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.revert()
+    def __post_init__(self):
+        ModuleSwaps.__init__(self)
 
 
 def apply_sparsity(model: nn.Module, plan: SparsityPlan, input_mode: str = "masked",
@@ -254,7 +244,7 @@ def apply_sparsity(model: nn.Module, plan: SparsityPlan, input_mode: str = "mask
     try:
         if need_taps:
             for i, layer in enumerate(layers):
-                applied._hooks.append(layer.register_forward_pre_hook(taps.hook(i), with_kwargs=True))
+                applied.hook(layer.register_forward_pre_hook(taps.hook(i), with_kwargs=True))
         for l, pred in plan.mlp.items():
             layer = layers[l]
             weights = ad.ffn_weights(layer)
@@ -262,23 +252,19 @@ def apply_sparsity(model: nn.Module, plan: SparsityPlan, input_mode: str = "mask
             fw = layer_out_norms(ad, layer) if damage_filter else None
             sparse = SparseFFN(l, weights, act, pred, thr, taps, stats, mode, fw)
             if ad.ffn.module:
-                _swap(applied, layer, ad.ffn.module, sparse)
+                applied.swap(layer, ad.ffn.module, sparse)
             else:  # FFN inline in the layer (OPT): fc1 and act become identities, fc2 the whole sparse FFN
-                _swap(applied, layer, ad.ffn.up, nn.Identity())
-                _swap(applied, layer, ad.ffn.inline_act, nn.Identity())
-                _swap(applied, layer, ad.ffn.down, sparse)
+                applied.swap(layer, ad.ffn.up, nn.Identity())
+                applied.swap(layer, ad.ffn.inline_act, nn.Identity())
+                applied.swap(layer, ad.ffn.down, sparse)
         for l, pred in plan.attn.items():
             attn = ad.attn_module(layers[l])
             orig = get_path(attn, ad.attn.o)
-            _swap(applied, attn, ad.attn.o, TokenSparseHeadOut(l, orig, pred, dims.head_dim, taps, stats, mode))
+            applied.swap(attn, ad.attn.o, TokenSparseHeadOut(l, orig, pred, dims.head_dim, taps, stats, mode))
         if plan.inputs:
-            apply_input_sparsity(model, plan.inputs, plan.input_score, input_mode, stats.inputs, swaps=applied._swaps)
+            apply_input_sparsity(model, plan.inputs, plan.input_score, input_mode, stats.inputs, swaps=applied)
     except Exception:
         applied.revert()
         raise
     return applied
 
-
-def _swap(applied: AppliedSparsity, root: nn.Module, path: str, new: nn.Module) -> None:
-    applied._swaps.append((root, path, get_path(root, path)))
-    set_path(root, path, new)

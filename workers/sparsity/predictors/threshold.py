@@ -16,14 +16,27 @@ from workers.sparsity.predictors.base import FitContext, MLPPredictor, SparsityP
 
 
 class GateThreshold(MLPPredictor):
+    """score = |act(x W1ᵀ + b1)| − t, W1 the FFN's own first projection (gate, or fc1 with its bias b1)."""
+
     method = "threshold"
 
     def __init__(self, w_first: torch.Tensor, act: str, threshold: float, b_first: torch.Tensor | None = None):
         super().__init__("ffn_in", "positive", None, w_first.shape[0])
         self.act = act
         self.threshold = float(threshold)
+        # plain attributes, not buffers: the layer's own weights, which a bundle does not store
         self._w = w_first
         self._b = b_first
+
+    @property
+    def w_first(self) -> torch.Tensor:
+        """The first projection's weight W1 [D, d] the score reads (the layer's own gate or fc1)."""
+        return self._w
+
+    @property
+    def b_first(self) -> torch.Tensor | None:
+        """fc1's bias b1 (non-gated families with biases), else None."""
+        return self._b
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         z = x.to(self._w.dtype) @ self._w.t()
