@@ -1,8 +1,14 @@
 """ctxsparse kernels: sparse FFN and head-sparse attention ops for contextual sparsity.
 
-Backends: Triton (CUDA; CPU via TRITON_INTERPRET=1), the index_select path (Ascend NPU, any device),
-and a torch reference. ``kernels.ops`` dispatches by device; ``kernels.modules`` has nn.Module drop-ins.
-Importing this package imports torch only (Triton is imported when a CUDA op first runs).
+Backends, which ``kernels.ops`` dispatches to by device (``CTXSPARSE_KERNELS`` forces one):
+  Triton     CUDA (``ffn_triton``, ``attn_triton``, ``input_sparse_triton``, ``decode_attn_triton``; the
+             device-side top-k ``select_triton``); on the CPU under ``TRITON_INTERPRET=1`` for the tests;
+  CPU        ``kernels.cpu``: row kernels that read only the active rows in place (a small C file compiled on
+             first use, torch primitives where there is no compiler);
+  NPU        ``kernels.npu``: ``index_select`` + dense matmuls (Ascend; runs on any torch device);
+  reference  ``kernels.reference``: plain torch, the signature and result every backend is tested against.
+``kernels.modules`` has nn.Module drop-ins. Importing this package imports torch only (Triton is imported when
+a CUDA op first runs).
 The index-buffer convention is documented in ``kernels.common``.
 """
 from .common import ACTS, MAX_BATCH  # noqa: F401

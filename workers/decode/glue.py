@@ -1,8 +1,11 @@
-"""The decode runtime's pure-torch glue: norms, RoPE + attention over the static cache (the torch
-``kernels.reference.decode_attention``), the gated activation.
+"""The decode runtime's glue: the parts of a decoder layer between its projections (norms, the residual add +
+norm, RoPE + attention over the static cache, the gated activation); the projections go through ``kernels``.
 
-These are the elementwise parts of a decoder layer (the projections go through ``kernels``). On CUDA the
-runtime compiles them with ``torch.compile`` (:func:`glue_fns`); the prefill always runs them eagerly.
+Two implementations (``GLUES``, :func:`glue_fns`): "torch", the torch functions here (attention is
+``kernels.reference.decode_attention``), compiled with ``torch.compile`` on CUDA; "kernel", attention through
+``kernels.ops.decode_attention`` (one Triton launch on CUDA, one native call on the CPU) and, where not
+compiled, the RMS norms through ``kernels.ops``. "auto" (:func:`resolve_glue`) is "kernel" on the CPU and CUDA,
+"torch" elsewhere. The prefill always runs the torch functions eagerly.
 """
 from __future__ import annotations
 
