@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import nn
 
+from kernels.quant import QuantWeight
 from workers.loading.adapters import adapter_for, get_path, linear_weight
 
 FAMILIES = ("llama", "mistral", "qwen2", "gemma3", "opt")
@@ -69,8 +70,8 @@ class LayerWeights:
         return self.layouts.get("up_t")
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for f in fields(self)
-                   if isinstance(t := getattr(self, f.name), torch.Tensor))
+        return sum(t.nbytes for f in fields(self)
+                   if isinstance(t := getattr(self, f.name), (torch.Tensor, QuantWeight)))
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,7 +101,12 @@ class ModelWeights:
 
     def weight_bytes(self) -> int:
         """Bytes of weights one dense decode step reads (layers + final norm + LM head)."""
-        return sum(L.nbytes() for L in self.layers) + self.lm_head.numel() * self.lm_head.element_size()
+        return sum(L.nbytes() for L in self.layers) + self.lm_head.nbytes
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the projections are GGUF blocks (workers.decode.quant_weights), not tensors."""
+        return isinstance(self.lm_head, QuantWeight)
 
     def proj_numel(self) -> dict[str, tuple[int, int]]:
         """Projection -> (weight elements, input length) per layer."""

@@ -1,0 +1,60 @@
+"""The decode runtime over the GGUF's quantized blocks (workers.decode.quant_weights, kernels.cpu_quant) on
+SmolLM2-135M (Q4_1 layers, Q8_0 embedding / tied LM head): the weights are the model loader's bit for bit, the
+greedy tokens are the fp32 runtime's, the logits agree to fp32 summation order. About 15 s (the GGUF's metadata
+parse, the fp32 structs, 2 x 2 short decodes)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.quant import QuantWeight
+from workers.decode import quant_weights
+from workers.decode.runtime import DecodeRuntime
+
+
+@pytest.fixture(scope="module")
+def runtimes(smollm2):
+    rq = DecodeRuntime.from_gguf(smollm2.model, smollm2.source)      # verify=True: every matrix bit for bit
+    rf = DecodeRuntime.from_hf(smollm2.model, torch.float32, "cpu", cpu_rows=True)
+    return rq, rf
+
+
+def test_weights_are_the_loaders_and_the_files_bytes(runtimes, smollm2):
+    rq, rf = runtimes
+    L = rq.weights.layers[0]
+    assert rq.weights.quantized and not rf.weights.quantized
+    assert L.w_qkv.formats == ("Q4_1", "Q4_1", "Q4_1") and L.w_qkv.parts[0].scale == rf.weights.q_fold
+    assert isinstance(rq.weights.lm_head, QuantWeight) and rq.weights.lm_head.formats == ("Q8_0",)
+    assert rq.weights.lm_head is rq.weights.embed                     # tied: one table
+    # the decoder's matrices and the head: the GGUF's bytes (98 MB file), not fp32's 538 MB
+    assert 90e6 < rq.weight_bytes() < 100e6 and rf.weight_bytes() > 5 * rq.weight_bytes()
+
+
+def test_a_wrong_layout_is_refused(smollm2, monkeypatch):
+    """Without the llama query/key row permutation the dequantized rows differ from the loader's: refused."""
+    monkeypatch.setattr(quant_weights, "PERMUTED_QK", ())
+    with pytest.raises(quant_weights.GGUFMismatch, match="w_qkv"):
+        quant_weights.from_gguf(smollm2.model, smollm2.source)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_greedy_tokens_equal_fp32(runtimes, smollm2, threads):
+    rq, rf = runtimes
+    ids = smollm2.tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tq, tf = rq.generate(ids, 16), rf.generate(ids, 16)
+        assert tq.tolist() == tf.tolist()
+        assert "Paris" in smollm2.tokenizer.decode(tq[0])
+        # one more step with logits: same up to fp32 summation order (the vocabulary's logits span ~30)
+        lq, lf = rq.step(keep_logits=True), rf.step(keep_logits=True)
+        assert (lq - lf).abs().max().item() < 2e-3 * lf.abs().max().item()
+    finally:
+        torch.set_num_threads(prev)
+
+
+def test_sparse_plans_are_refused(runtimes):
+    rq, _ = runtimes
+    with pytest.raises(NotImplementedError, match="quantized"):
+        rq.set_plan(object())
