@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu as cpu_kernels
-from kernels import ops
+from kernels import cpu_quant, ops
 from kernels.common import ACTS, MAX_BATCH, apply_act
 from kernels.configs import O_KERNEL_MAX_BATCH, use_dense
+from kernels.quant import QuantWeight
 from workers.decode.weights import LayerWeights, ModelWeights
 from workers.loading.adapters import activation_fn
 
@@ -65,7 +66,7 @@ class Blocks:
 
     def embed(self, ids, pos_ids):
         w = self.w
-        x = F.embedding(ids, w.embed)
+        x = cpu_quant.embedding(ids, w.embed) if isinstance(w.embed, QuantWeight) else F.embedding(ids, w.embed)
         if w.embed_scale is not None:
             x = x * w.embed_scale
         if w.proj_in is not None:
@@ -80,13 +81,17 @@ class Blocks:
 
     def linear(self, h, w, b=None):
         """h @ wᵀ (+ b)."""
+        if isinstance(w, QuantWeight):
+            return cpu_quant.linear(h, w, b)
         if self.rows(h):
             return cpu_kernels.linear(h, w, b)
         z = h @ w.t()
         return z + b if b is not None else z
 
     def linear_t(self, a, w_t, b=None):
-        """a @ w_t (+ b), w_t = Wᵀ [in, out]."""
+        """a @ w_t (+ b), w_t = Wᵀ [in, out] (or the quantized W [out, in] in that slot: the same map)."""
+        if isinstance(w_t, QuantWeight):
+            return cpu_quant.linear(a, w_t, b)
         if self.rows(a):
             return cpu_kernels.linear_t(a, w_t, b)
         z = a @ w_t
@@ -99,7 +104,7 @@ class Blocks:
 
     def out_dense(self, L: LayerWeights, a):
         """The dense O projection a @ W_o^T (+ b) of the attention output ``a`` [B, H * hd] (``o_proj``)."""
-        if self.o_kernel(a.shape[0]):
+        if self.o_kernel(a.shape[0]) and not self.w.quantized:
             return ops.head_sparse_out(a, L.w_o_t, self.q_all, None, self.w.dims.head_dim, L.b_o)
         return self.linear_t(a, L.w_o_t, L.b_o)
 
@@ -116,6 +121,8 @@ class Blocks:
     def ffn_dense_(self, L: LayerWeights, h, act_mul):
         w = self.w
         act = w.act
+        if w.quantized:       # the GGUF's blocks: one parallel region per FFN (kernels.cpu_quant.dense_ffn)
+            return cpu_quant.dense_ffn(h, L.w_gate, L.w_up, L.w_down_t, act, b_up=L.b_up, b_down=L.b_down)
         if self.ffn_dense == "auto" and act in ACTS and self.rows(h):
             if w.gated:       # the whole FFN in one pass of the row kernel (kernels.cpu.dense_ffn)
                 return ops.dense_ffn(h, L.w_gate, L.w_up, L.w_down_t, act)

@@ -86,6 +86,14 @@ class DecodeRuntime:
         return cls(weights_mod.from_hf(model, dtype, device), **options)
 
     @classmethod
+    def from_gguf(cls, model, gguf, **options) -> "DecodeRuntime":
+        """CPU, fp32 activations, every projection kept in the quantized blocks of ``gguf``, the file ``model``
+        was loaded from (workers.decode.quant_weights; dense plans only)."""
+        from workers.decode.quant_weights import from_gguf
+
+        return cls(from_gguf(model, gguf), **options)
+
+    @classmethod
     def from_config(cls, config, dtype=torch.float16, device="cuda", seed: int = 0, **options) -> "DecodeRuntime":
         """Random weights of the real shapes (an HF model is built on ``device`` and copied)."""
         return cls(weights_mod.from_config(config, dtype, device, seed), **options)
@@ -197,6 +205,8 @@ class DecodeRuntime:
         nothing left to skip (every layer at s = 0) runs the dense step."""
         if kv_mode not in KV_MODES:
             raise ValueError(f"kv_mode must be one of {KV_MODES}")
+        if plan is not None and self.weights.quantized:
+            raise NotImplementedError("sparsity plans over quantized weights are not supported yet: dense only")
         if kv_mode != self.kv_mode:
             self.cache = None                      # the cache layout changes: setup() again
         self.sparse_plan = RuntimePlan.build(plan, self.weights)
@@ -229,9 +239,7 @@ class DecodeRuntime:
         nk, eps = w.norm_kind, w.eps
         for l, L in enumerate(w.layers):
             h = norm(x, L.n1, L.n1b, nk, eps)
-            qkv = h @ L.w_qkv.t()
-            if L.b_qkv is not None:
-                qkv = qkv + L.b_qkv
+            qkv = b.linear(h, L.w_qkv, L.b_qkv)
             q = qkv[..., : H * hd].view(B, Tn, H, hd).transpose(1, 2)
             k = qkv[..., H * hd: (H + KV) * hd].view(B, Tn, KV, hd).transpose(1, 2)
             v = qkv[..., (H + KV) * hd:].view(B, Tn, KV, hd).transpose(1, 2)
@@ -242,9 +250,7 @@ class DecodeRuntime:
                 q = q * cos + rot_half(q) * sin
                 k = k * cos + rot_half(k) * sin
             cache.write_prompt(l, k, v)
-            o = attn_prefill(q, k, v, L.window) @ L.w_o_t
-            if L.b_o is not None:
-                o = o + L.b_o
+            o = b.linear_t(attn_prefill(q, k, v, L.window), L.w_o_t, L.b_o)
             if L.post_attn is not None:
                 o = norm(o, L.post_attn, None, nk, eps)
             x = x + o
