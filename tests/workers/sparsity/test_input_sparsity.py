@@ -402,9 +402,29 @@ def test_registered_and_accepted_by_a_sweep_spec():
     assert [m.name for m in spec.methods] == ["teal", "wina"]
 
 
-def test_symmetry_gaps_report(llama):
-    lm, tmp_path = llama
-    ctx = _ctx(lm, tmp_path)
-    gaps = symmetry_gaps(ctx.cache, ctx.layers, ["q", "down"], sparsities=(0.5,))
-    assert set(gaps) == {"q", "down"} and 0 <= gaps["q"][0.5]["neg_frac"] <= 1
-    assert gaps["q"][0.5]["max_abs_err"] >= abs(gaps["q"][0.5]["realized"] - 0.5) - 1e-12
+def test_symmetry_gaps_known_answers(tmp_path):
+    """symmetry_gaps reports how far TEAL's signed icdf(0.5 + s/2) rule lands from s. A cache (the on-disk format
+    ActivationCache reads) of two layers: q's input U[-1, 1] in layer 0 (symmetric: the rule is exact) and U[-1, 3] in
+    layer 1 (the rule's threshold icdf(0.5 + s/2) = 4 (0.5 + s/2) - 1 drops P(|x| <= t) = (t + 1) / 4: 0.75 at
+    s = 0.5, 0.625 at s = 0.25; a quarter of the inputs negative); down's input U[-1, 1] in both."""
+    from safetensors.torch import save_file
+
+    from workers.sparsity.capture import ActivationCache
+
+    g = torch.Generator().manual_seed(3)
+    u = lambda lo, hi: torch.rand(200_000, generator=g) * (hi - lo) + lo     # noqa: E731
+    save_file({"0.inhist.q": _rows(u(-1, 1)).int(), "1.inhist.q": _rows(u(-1, 3)).int(),
+               "0.inhist.down": _rows(u(-1, 1)).int(), "1.inhist.down": _rows(u(-1, 1)).int()},
+              str(tmp_path / "shard-0.safetensors"))
+    cache = ActivationCache(tmp_path, {"shards": [{"file": "shard-0.safetensors"}], "components": ["inhist"],
+                                       "layers": [0, 1], "n_tokens": 200_000})
+    gaps = symmetry_gaps(cache, [0, 1], ["q", "down"], sparsities=(0.25, 0.5))
+    q, down = gaps["q"], gaps["down"]
+    assert q[0.5]["realized"] == pytest.approx((0.5 + 0.75) / 2, abs=1e-2)
+    assert q[0.5]["max_abs_err"] == pytest.approx(0.25, abs=1e-2)
+    assert q[0.25]["realized"] == pytest.approx((0.25 + 0.625) / 2, abs=1e-2)
+    assert q[0.25]["max_abs_err"] == pytest.approx(0.375, abs=1e-2)
+    assert q[0.5]["neg_frac"] == q[0.25]["neg_frac"] == pytest.approx((0.5 + 0.25) / 2, abs=2e-3)
+    for s in (0.25, 0.5):
+        assert down[s]["realized"] == pytest.approx(s, abs=1e-2) and down[s]["max_abs_err"] < 1e-2
+        assert down[s]["neg_frac"] == pytest.approx(0.5, abs=2e-3)
