@@ -9,7 +9,7 @@ STAMP      := $(VENV)/.ctxsparse-installed
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install postgres test test-all test-slow demo ppl capture clean dashboard test-browser ship
+.PHONY: install postgres test test-all test-slow demo ppl capture clean dashboard test-browser ship llama-cpp
 
 install: $(STAMP)
 
@@ -73,6 +73,13 @@ SHIP_DIR  ?= .gpuship
 SHIP_ARGS ?=
 ship: install
 	$(PY) -m orchestrator.ship build $(SHIP_DIR) $(SHIP_ARGS)
+
+# llama.cpp through llama-cpp-python: the CPU peer that benchmarks/cpu_peer.py times on the same GGUF. Not part of
+# install / test: it builds llama.cpp from source (about 6 min of two cores; at the lowest priority, niced).
+LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
+llama-cpp: install
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" nice -n 19 $(PY) -m pip install -q -c constraints.txt $(LLAMA_CPP_SPEC)
+	$(PY) -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache
