@@ -134,13 +134,15 @@ def rows_dot(x, w: QuantWeight, rows, kpad: int, *, w2: QuantWeight | None = Non
     """out [B, kpad] fp32: out[:, j] = act(x @ W[rows[j]] + bias[rows[j]]) (* x @ W2[rows[j]]) for j < len(rows),
     0 beyond; ``rows`` int64 [k] (None: rows 0..kpad-1, the dense GEMV). Whole quantized rows are read."""
     lib = lib or load_library()
-    x = x.to(_F32).contiguous()
+    if x.dtype is not _F32 or not x.is_contiguous():
+        x = x.to(_F32).contiguous()
     B, n = x.shape
     if n != w.cols or (w2 is not None and (w2.cols != n or w2.rows != w.rows)):
         raise ValueError(f"x [B, {n}] does not match the weight [{w.rows}, {w.cols}]")
     idx = None if rows is None else rows.to(torch.int64).contiguous()
     k = kpad if idx is None else idx.numel()
-    bias = _f32(bias)
+    if bias is not None and (bias.dtype is not _F32 or not bias.is_contiguous()):
+        bias = bias.to(_F32).contiguous()
     if lib is None:
         r = torch.arange(k) if idx is None else idx
         z = apply_act(x @ dequantize(w, r).t() + (bias[r] if bias is not None else 0), act)
@@ -160,6 +162,9 @@ def rows_dot(x, w: QuantWeight, rows, kpad: int, *, w2: QuantWeight | None = Non
 def linear(x, w: QuantWeight, bias=None):
     """x @ Wᵀ (+ bias), x [..., in] -> [..., out] in x's dtype: the quantized GEMV for up to MAX_BATCH tokens, else
     the weight dequantized (exact) and a matmul (the prefill)."""
+    if x.dim() == 2 and x.shape[0] <= MAX_BATCH:           # the decode step: no reshapes
+        y = rows_dot(x, w, None, w.rows, bias=bias)
+        return y if x.dtype is _F32 else y.to(x.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] <= MAX_BATCH:
@@ -178,9 +183,10 @@ def dense_ffn(x, w_gate: QuantWeight | None, w_up: QuantWeight, w_down: QuantWei
     D, d = w_up.shape
     if w_down.shape != (d, D) or (w_gate is not None and w_gate.shape != (D, d)):
         raise ValueError(f"FFN shapes: gate/up [{D}, {d}], down {w_down.shape}")
-    xf = x.to(_F32).contiguous()
+    xf = x if x.dtype is _F32 and x.is_contiguous() else x.to(_F32).contiguous()
     B = xf.shape[0]
-    b_up, b_down = _f32(b_up), _f32(b_down)
+    if b_up is not None or b_down is not None:
+        b_up, b_down = _f32(b_up), _f32(b_down)
     if lib is None or B > MAX_BATCH:
         z = F.linear(xf, dequantize(w_up, lib=lib), b_up if w_gate is None else None)
         h = apply_act(F.linear(xf, dequantize(w_gate, lib=lib)), act) * z if w_gate is not None else apply_act(z, act)
@@ -193,7 +199,7 @@ def dense_ffn(x, w_gate: QuantWeight | None, w_up: QuantWeight, w_down: QuantWei
     dn, nd = _cached_parts(w_down)
     _check(lib.cs_q_ffn(g, ng, u, nu, dn, nd, d, D, _p(b_up), _p(b_down), xf.data_ptr(), B, act_code(act),
                         h.data_ptr(), hs.data_ptr(), y.data_ptr(), _threads()), "dense_ffn")
-    return y.to(x.dtype)
+    return y if x.dtype is _F32 else y.to(x.dtype)
 
 
 def rows_axpy_t(weights, wt: QuantWeightT, rows, *, bias=None, lib=None):

@@ -29,6 +29,7 @@ keeps every value identical without requantizing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -225,7 +226,7 @@ class QuantWeight:
                 raise ValueError(f"{f.name} rows of {self.cols} columns need {self.cols // f.block * f.nbytes} "
                                  f"bytes, got {p.data.shape[1]}")
 
-    @property
+    @cached_property
     def rows(self) -> int:
         return sum(p.rows for p in self.parts)
 

@@ -1,0 +1,187 @@
+"""Our CPU decode against llama.cpp on the same GGUF: greedy batch-1 decode, ms per token, at each thread count.
+
+    make llama-cpp                                        # once: llama-cpp-python built from source
+    python -m benchmarks.cpu_peer [--model smollm2-135m] [--threads 1,2] [--gen 64] [--repeats 5]
+        [--sparse teal:0.35] [--calib-tokens 1024] [--json NAME]
+
+Runners, each decoding ``--gen`` tokens after the same prompt (the first ``--prompt`` tokens of a held-out
+LAMBADA passage, token ids shared by all runners):
+
+* ``llama.cpp``            llama-cpp-python on the GGUF file (its own quantized kernels: the activations are
+                           quantized to 8 bits per block and multiplied in integers); per token one ``eval`` of
+                           the previous token and an argmax over the logits, as our runtime does
+* ``ours fp32``            DecodeRuntime over the dequantized fp32 weights (the CPU row kernels, native glue)
+* ``ours quant``           DecodeRuntime.from_gguf: the GGUF's blocks, fp32 activations (kernels.cpu_quant)
+* ``ours fp32 METHOD s=S`` with ``--sparse``: a plan fitted on ``--calib-tokens`` calibration tokens (as
+                           benchmarks.cpu_ops --methods), over the fp32 weights
+
+Every round runs every (runner, thread count) once, in an order that alternates between rounds; round 0 warms up.
+Median and IQR of the per-round ms/token; llama.cpp's row also carries its own eval timer (``llama_perf``).
+The greedy tokens of each runner are compared with ours fp32 (matching prefix length). The load average is
+recorded: on a machine that other processes share the figures are indicative only.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+import torch
+
+from benchmarks.harness import Row, Timing, command_line, write_results
+
+
+def _ints(s: str) -> list[int]:
+    return [int(v) for v in s.split(",") if v.strip()]
+
+
+class LlamaCppRunner:
+    """llama.cpp's greedy decode through llama-cpp-python, one context per thread count."""
+
+    def __init__(self, gguf, threads: int, n_ctx: int):
+        import llama_cpp
+
+        self.lib = llama_cpp
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
+                                   n_threads_batch=threads, logits_all=False, verbose=False)
+        self.n_vocab = self.llm.n_vocab()
+
+    def _argmax(self) -> int:
+        logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.n_vocab,))
+        return int(logits.argmax())
+
+    def run(self, ids: list[int], gen: int) -> tuple[float, list[int], float | None]:
+        """(seconds for ``gen`` decode steps, the greedy tokens (the prompt's argmax first), llama.cpp's own
+        eval ms per token or None)."""
+        llm = self.llm
+        llm.reset()
+        llm.eval(ids)
+        toks = [self._argmax()]
+        perf = getattr(self.lib, "llama_perf_context_reset", None)
+        if perf is not None:
+            perf(llm.ctx)
+        t0 = time.perf_counter()
+        for _ in range(gen):
+            llm.eval([toks[-1]])
+            toks.append(self._argmax())
+        dt = time.perf_counter() - t0
+        own = None
+        if perf is not None:
+            p = self.lib.llama_perf_context(llm.ctx)
+            own = p.t_eval_ms / p.n_eval if p.n_eval else None
+        return dt, toks, own
+
+
+class OursRunner:
+    """Our runtime's greedy decode (its own runtime per runner: a plan stays set)."""
+
+    def __init__(self, rt, plan=None):
+        self.rt = rt
+        if plan is not None:
+            rt.set_plan(plan)
+
+    def run(self, ids: list[int], gen: int) -> tuple[float, list[int], None]:
+        rt = self.rt
+        if rt.cache is None or not rt.cache.fits(1, len(ids) + gen + 1):
+            rt.setup(1, len(ids) + gen + 1)
+        rt.prefill(torch.tensor([ids]))
+        t0 = time.perf_counter()
+        toks = rt.decode(gen + 1)                 # the prefill's argmax, then gen steps
+        dt = time.perf_counter() - t0
+        return dt, toks[0].tolist(), None
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="a packaged model ref (its GGUF is what both decode)")
+    ap.add_argument("--threads", type=_ints, default=[1, 2])
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens (a held-out LAMBADA passage)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sparse", default="", help="METHOD:S,... fitted plans on the fp32 weights (e.g. teal:0.35)")
+    ap.add_argument("--calib-tokens", type=int, default=1024)
+    ap.add_argument("--no-llama", action="store_true", help="ours only (without llama-cpp-python installed)")
+    ap.add_argument("--json", default="cpu_peer", help="result file name under benchmarks/results/")
+    args = ap.parse_args(argv)
+
+    from benchmarks.cpu_ops import _methods, fitted_plans
+    from workers.decode.runtime import DecodeRuntime
+    from workers.loading.data import token_windows
+    from workers.loading.models import load_model
+
+    if not args.no_llama:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            raise SystemExit("llama-cpp-python is not installed: `make llama-cpp` (or --no-llama)") from None
+    load0 = os.getloadavg()
+    lm = load_model(args.model)
+    gguf = lm.source
+    ids = token_windows(lm.tokenizer, "lambada", "heldout", 1024, 512).windows[0, :args.prompt].tolist()
+    n_ctx = args.prompt + args.gen + 8
+    runners: dict[str, object] = {}
+    if not args.no_llama:
+        runners["llama.cpp"] = {t: LlamaCppRunner(gguf, t, n_ctx) for t in args.threads}
+    fp32 = DecodeRuntime.from_hf(lm.model, torch.float32, "cpu", cpu_rows=True)
+    runners["ours fp32"] = OursRunner(fp32)
+    runners["ours quant"] = OursRunner(DecodeRuntime.from_gguf(lm.model, gguf))
+    if args.sparse:
+        plans = fitted_plans(lm, _methods(args.sparse), args.calib_tokens)
+        for name, plan in plans.items():
+            runners[f"ours fp32 {name}"] = OursRunner(DecodeRuntime.from_hf(lm.model, torch.float32, "cpu",
+                                                                            cpu_rows=True), plan)
+    keys = [(n, t) for t in args.threads for n in runners]
+    times: dict = {k: [] for k in keys}
+    own: dict = {k: [] for k in keys}
+    tokens: dict = {}
+    prev = torch.get_num_threads()
+    try:
+        for r in range(args.repeats + 1):                 # round 0 warms up
+            for n, t in (keys if r % 2 == 0 else keys[::-1]):
+                torch.set_num_threads(t)
+                runner = runners[n][t] if isinstance(runners[n], dict) else runners[n]
+                dt, toks, own_ms = runner.run(ids, args.gen)
+                tokens[(n, t)] = toks
+                if r:
+                    times[(n, t)].append(dt / args.gen * 1e3)
+                    if own_ms is not None:
+                        own[(n, t)].append(own_ms)
+    finally:
+        torch.set_num_threads(prev)
+    load1 = os.getloadavg()
+    rows = []
+    print(f"{args.model}: greedy decode of {args.gen} tokens after {args.prompt}, {args.repeats} interleaved "
+          f"rounds; load average {load0[0]:.2f} before, {load1[0]:.2f} after")
+    for t in args.threads:
+        ref = tokens[("ours fp32", t)]
+        base = Timing.of(times[("llama.cpp", t)], "ms").median if ("llama.cpp", t) in times else None
+        print(f"  {t} thread(s)       ms/token    IQR   vs llama.cpp   tokens = ours fp32")
+        for n in runners:
+            tm = Timing.of(times[(n, t)], "ms")
+            same = _prefix(tokens[(n, t)], ref)
+            extra = dict(threads=t, gen=args.gen, prompt=args.prompt, same_tokens_as_fp32=same,
+                         load_avg=[round(v, 2) for v in (*load0, *load1)])
+            if own[(n, t)]:
+                extra["llama_perf_eval_ms"] = round(float(np.median(own[(n, t)])), 3)
+            ratio = f"{base / tm.median:8.2f}x" if base else "       -"
+            print(f"  {n:<22}{tm.median:>8.2f}{tm.iqr:>7.2f}   {ratio}     {same}/{len(ref)}")
+            dtype = "gguf, q8 act" if n == "llama.cpp" else ("gguf, fp32 act" if n == "ours quant" else "fp32")
+            rows.append(Row.measured("cpu_peer", n, tm, shape=args.model, dtype=dtype, device="cpu", extra=extra))
+    path = write_results(args.json, rows, command=command_line("benchmarks.cpu_peer"), device="cpu",
+                         meta={"model": args.model, "gguf": os.path.basename(str(gguf))})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
