@@ -58,3 +58,22 @@ def test_sparse_plans_are_refused(runtimes):
     rq, _ = runtimes
     with pytest.raises(NotImplementedError, match="quantized"):
         rq.set_plan(object())
+
+
+@pytest.mark.slow      # Gemma-3's load (a minute cold) and its GGUF's metadata parse (15-20 s)
+def test_gemma3_mixed_formats_decode_as_fp32():
+    """Gemma-3-270M Q4_K_M: query/key Q5_0 and value Q8_0 rows in one fused QKV, O Q4_K, down Q6_K, gate/up
+    Q5_0, Q8_0 embedding / tied head; every matrix verified bit for bit, the greedy tokens equal fp32's."""
+    from workers.loading.models import load_model
+
+    lm = load_model("gemma3-270m")
+    rq = DecodeRuntime.from_gguf(lm.model, lm.source)
+    rf = DecodeRuntime.from_hf(lm.model, torch.float32, "cpu", cpu_rows=True)
+    L = rq.weights.layers[0]
+    assert (L.w_qkv.formats, L.w_o_t.formats, L.w_down_t.formats, L.w_up.formats) == (
+        ("Q5_0", "Q5_0", "Q8_0"), ("Q4_K",), ("Q6_K",), ("Q5_0",))
+    ids = lm.tokenizer("The capital of Japan is", return_tensors="pt")["input_ids"]
+    tq, tf = rq.generate(ids, 16), rf.generate(ids, 16)
+    assert tq.tolist() == tf.tolist() and "Tokyo" in lm.tokenizer.decode(tq[0])
+    lq, lf = rq.step(keep_logits=True), rf.step(keep_logits=True)
+    assert (lq - lf).abs().max().item() < 1e-3 * lf.abs().max().item()
