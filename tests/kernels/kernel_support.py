@@ -7,7 +7,13 @@ import random
 import torch
 
 ON_GPU = torch.cuda.is_available()
-TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}  # relative error norm
+# Relative error norm (rel_err) allowed against the reference evaluated in fp64 on the same rounded inputs. The
+# kernels sum in fp32, so what is left is the output's rounding and at most one rounded intermediate (h on the tl.dot
+# paths, attention's scores): a few units of roundoff u. fp16 (u = 2^-11): 2e-3, 4u; bf16 (u = 2^-8): 1e-2, 2.6u;
+# fp32: 2e-6 (sums of up to a few hundred terms). Measured over the full FFN, attention and input-sparse grids in the
+# interpreter, five random draws each (2026-12-02): largest 3.7e-4 (fp16), 7.7e-3 (bf16, the tl.dot path), 2.6e-7
+# (fp32). One row of the ~100 active ones dropped is about 0.1; a dropped split partial far more.
+TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 D_FF, D_MODEL = 200, 72  # odd, non-multiple-of-block sizes
 
