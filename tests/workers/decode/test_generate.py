@@ -72,7 +72,10 @@ def test_bundle_generates_hf_generates_tokens(tiny, method, s):
     assert res.tokens == _hf_greedy(lm.model, path, ids, 10)
     assert len(res.tokens) == 10 and res.dense_tokens_per_s > 0 and res.sparse_tokens_per_s > 0
     key = "weights" if method == "teal" else "mlp"
-    assert 0.1 < res.realized_sparsity[key] < 0.9
+    if method == "static":          # one fixed top-k set per layer: exactly s
+        assert res.realized_sparsity == {key: s}
+    else:   # thresholds / biases calibrated to s on 256 tokens, realized on the prompt's (measured within 0.021)
+        assert abs(res.realized_sparsity[key] - s) < 0.1, res.realized_sparsity
     assert res.text == lm.tokenizer.decode(res.tokens, skip_special_tokens=True)
     assert "tokens/s on cpu" in res.summary()
 

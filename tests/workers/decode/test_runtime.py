@@ -423,7 +423,8 @@ def test_bench_decode_rows():
     for r in rows:
         assert set(r) == keys and r["device_type"] == "cpu" and r["accelerator_name"]
         assert 0 < r["p50_ms_per_token"] <= r["p90_ms_per_token"] and r["tokens_per_s"] > 0
-    assert rows[0]["realized_sparsity"] is None and 0.0 < rows[1]["realized_sparsity"] <= 0.7
+    # batch 2: each layer reads the union of two top-k sets of k = 0.3·D, between k and 2k neurons
+    assert rows[0]["realized_sparsity"] is None and 0.4 <= rows[1]["realized_sparsity"] <= 0.7
 
 
 @pytest.mark.parametrize("family", ["llama", "opt"])
