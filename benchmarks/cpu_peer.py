@@ -12,13 +12,16 @@ LAMBADA passage, token ids shared by all runners):
                            the previous token and an argmax over the logits, as our runtime does
 * ``ours fp32``            DecodeRuntime over the dequantized fp32 weights (the CPU row kernels, native glue)
 * ``ours quant``           DecodeRuntime.from_gguf: the GGUF's blocks, fp32 activations (kernels.cpu_quant)
+* ``ours quant q8``        the same with 8-bit activations (llama.cpp's arithmetic; approximate)
 * ``ours fp32 METHOD s=S`` with ``--sparse``: a plan fitted on ``--calib-tokens`` calibration tokens (as
                            benchmarks.cpu_ops --methods), over the fp32 weights
 
 Every round runs every (runner, thread count) once, in an order that alternates between rounds; round 0 warms up.
 Median and IQR of the per-round ms/token; llama.cpp's row also carries its own eval timer (``llama_perf``).
-The greedy tokens of each runner are compared with ours fp32 (matching prefix length). The load average is
-recorded: on a machine that other processes share the figures are indicative only.
+The greedy tokens of each runner are compared with ours fp32 (matching prefix length). ``--nll-tokens N``: each
+runner's accuracy on the same text, untimed: the mean negative log-likelihood of N held-out tokens fed one decode
+step at a time after the prompt (teacher forcing), so the 8-bit activations' error shows as a perplexity. The
+load average is recorded: on a machine that other processes share the figures are indicative only.
 """
 from __future__ import annotations
 
@@ -51,6 +54,19 @@ class LlamaCppRunner:
         logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.n_vocab,))
         return int(logits.argmax())
 
+    def nll(self, ids: list[int], prompt: int) -> float:
+        """Mean negative log-likelihood of ids[prompt:], each predicted by one decode step."""
+        llm = self.llm
+        llm.reset()
+        llm.eval(ids[:prompt])
+        tot = 0.0
+        for t in range(prompt, len(ids)):
+            if t > prompt:
+                llm.eval([ids[t - 1]])
+            logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(llm.ctx, -1), shape=(self.n_vocab,))
+            tot += _nll(torch.from_numpy(logits.copy()), ids[t])
+        return tot / (len(ids) - prompt)
+
     def run(self, ids: list[int], gen: int) -> tuple[float, list[int], float | None]:
         """(seconds for ``gen`` decode steps, the greedy tokens (the prompt's argmax first), llama.cpp's own
         eval ms per token or None)."""
@@ -81,6 +97,19 @@ class OursRunner:
         if plan is not None:
             rt.set_plan(plan)
 
+    def nll(self, ids: list[int], prompt: int) -> float:
+        rt = self.rt
+        rt.setup(1, len(ids) + 1)
+        logits = rt.prefill(torch.tensor([ids[:prompt]]))
+        tot = 0.0
+        for t in range(prompt, len(ids)):
+            if t > prompt:
+                rt.tok.fill_(ids[t - 1])
+                logits = rt.step(keep_logits=True)
+            tot += _nll(logits[0], ids[t])
+        rt.cache = None
+        return tot / (len(ids) - prompt)
+
     def run(self, ids: list[int], gen: int) -> tuple[float, list[int], None]:
         rt = self.rt
         if rt.cache is None or not rt.cache.fits(1, len(ids) + gen + 1):
@@ -90,6 +119,10 @@ class OursRunner:
         toks = rt.decode(gen + 1)                 # the prefill's argmax, then gen steps
         dt = time.perf_counter() - t0
         return dt, toks[0].tolist(), None
+
+
+def _nll(logits: torch.Tensor, target: int) -> float:
+    return -float(torch.log_softmax(logits.double(), -1)[target])
 
 
 def _prefix(a: list[int], b: list[int]) -> int:
@@ -110,6 +143,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sparse", default="", help="METHOD:S,... fitted plans on the fp32 weights (e.g. teal:0.35)")
     ap.add_argument("--calib-tokens", type=int, default=1024)
+    ap.add_argument("--nll-tokens", type=int, default=0, help="teacher-forced decode NLL over this many tokens")
     ap.add_argument("--no-llama", action="store_true", help="ours only (without llama-cpp-python installed)")
     ap.add_argument("--json", default="cpu_peer", help="result file name under benchmarks/results/")
     args = ap.parse_args(argv)
@@ -127,14 +161,16 @@ def main(argv=None) -> int:
     load0 = os.getloadavg()
     lm = load_model(args.model)
     gguf = lm.source
-    ids = token_windows(lm.tokenizer, "lambada", "heldout", 1024, 512).windows[0, :args.prompt].tolist()
-    n_ctx = args.prompt + args.gen + 8
+    text = token_windows(lm.tokenizer, "lambada", "heldout", 1024, 512).windows[0].tolist()
+    ids = text[:args.prompt]
+    n_ctx = max(args.prompt + args.gen, args.prompt + args.nll_tokens) + 8
     runners: dict[str, object] = {}
     if not args.no_llama:
         runners["llama.cpp"] = {t: LlamaCppRunner(gguf, t, n_ctx) for t in args.threads}
     fp32 = DecodeRuntime.from_hf(lm.model, torch.float32, "cpu", cpu_rows=True)
     runners["ours fp32"] = OursRunner(fp32)
     runners["ours quant"] = OursRunner(DecodeRuntime.from_gguf(lm.model, gguf))
+    runners["ours quant q8"] = OursRunner(DecodeRuntime.from_gguf(lm.model, gguf, activations="q8"))
     if args.sparse:
         plans = fitted_plans(lm, _methods(args.sparse), args.calib_tokens)
         for name, plan in plans.items():
@@ -158,6 +194,15 @@ def main(argv=None) -> int:
                         own[(n, t)].append(own_ms)
     finally:
         torch.set_num_threads(prev)
+    nll = {}
+    if args.nll_tokens:
+        torch.set_num_threads(1)
+        for n, runner in runners.items():
+            runner = runner[args.threads[0]] if isinstance(runner, dict) else runner
+            nll[n] = runner.nll(text[:args.prompt + args.nll_tokens], args.prompt)
+        torch.set_num_threads(prev)
+        print("teacher-forced decode over", args.nll_tokens, "held-out tokens: perplexity",
+              ", ".join(f"{n} {np.exp(v):.3f}" for n, v in nll.items()))
     load1 = os.getloadavg()
     rows = []
     print(f"{args.model}: greedy decode of {args.gen} tokens after {args.prompt}, {args.repeats} interleaved "
@@ -171,11 +216,15 @@ def main(argv=None) -> int:
             same = _prefix(tokens[(n, t)], ref)
             extra = dict(threads=t, gen=args.gen, prompt=args.prompt, same_tokens_as_fp32=same,
                          load_avg=[round(v, 2) for v in (*load0, *load1)])
+            if n in nll:
+                extra["decode_nll"] = round(nll[n], 5)
+                extra["decode_ppl"] = round(float(np.exp(nll[n])), 4)
             if own[(n, t)]:
                 extra["llama_perf_eval_ms"] = round(float(np.median(own[(n, t)])), 3)
             ratio = f"{base / tm.median:8.2f}x" if base else "       -"
             print(f"  {n:<22}{tm.median:>8.2f}{tm.iqr:>7.2f}   {ratio}     {same}/{len(ref)}")
-            dtype = "gguf, q8 act" if n == "llama.cpp" else ("gguf, fp32 act" if n == "ours quant" else "fp32")
+            dtype = {"llama.cpp": "gguf, q8 act", "ours quant": "gguf, fp32 act", "ours quant q8": "gguf, q8 act"
+                     }.get(n, "fp32")
             rows.append(Row.measured("cpu_peer", n, tm, shape=args.model, dtype=dtype, device="cpu", extra=extra))
     path = write_results(args.json, rows, command=command_line("benchmarks.cpu_peer"), device="cpu",
                          meta={"model": args.model, "gguf": os.path.basename(str(gguf))})

@@ -7,6 +7,7 @@
  *   cs_q_rows      out[b, j] = act(<W[r_j], x_b> + bias[r_j]) * <W2[r_j], x_b>   (rows by an index, or all:
  *                  the dense GEMV, the output-sparse gather; W may be several parts of different formats)
  *   cs_q_ffn       the dense FFN in one parallel region: h = act(gate x) * (up x), barrier, y = down h
+ *   (both with an option q8: activations quantized to 8 bits per 32 and integer products, llama.cpp's way)
  *   cs_qt_axpy     y_b = sum_j w[b, j] * Wt[r_j, :] over the exact transposed layout (rows of W^T: the down
  *                  projection over active neurons, input sparsity)
  *
@@ -442,11 +443,208 @@ static float row_dot(int t, const uint8_t *row, const float *x, const float *xs,
 #endif
 }
 
-/* sums of x over every 32 elements: xs[b * (n / 32) + k] */
-static void block_sums(const float *x, int64_t B, int64_t n, float *xs) {
+/* ------------------------------------------------------------------------ 8-bit activations (an option) */
+/* llama.cpp's way, as an option: x quantized per 32 elements to int8 (d = max|x| / 127, q = round-half-even(
+ * x / d), x^ = d * q), the weight codes times q in integers (VNNI dpbusd, or maddubs + madd), one fp32 scale
+ * product per group. The result is the fp32 product W x^ (to fp32 summation order), not W x: x^ differs from x by
+ * up to d / 2 per element. kernels.quant.quantize_q8 is the reference of the quantization. */
+#if QSIMD
+static inline __m256i mul_sum_us8(__m256i u, __m256i s) {      /* 8 int32 sums of 4 (u8 * s8) products each */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else                                                          /* |u| <= 128, |s| <= 127: no int16 saturation */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline __m256 cvt8(__m256i p) { return _mm256_cvtepi32_ps(p); }
+#endif
+
+/* <row, x^> for a block format; xq int8 [n], xd [n / 32] scales, xq16 [n / 16]: xd * (sum of q over 16) */
+static float row_dot8(int t, const uint8_t *row, const int8_t *xq, const float *xd, const float *xq16, int64_t n) {
+#if QSIMD
+    __m256 acc = _mm256_setzero_ps();
+    float off = 0.f;
+    switch (t) {
+    case T_Q4_0: case T_Q4_1: {
+        const __m128i m4 = _mm_set1_epi8(15);
+        const int one = t == T_Q4_1, bb = one ? 20 : 18;
+        for (int64_t k = 0; k < n / 32; ++k) {
+            const uint8_t *b = row + k * bb;
+            const float d = h2f(b);
+            const __m128i v = _mm_loadu_si128((const __m128i *)(b + 2 + 2 * one));
+            const __m256i u = join128(_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+            const __m256i p = mul_sum_us8(u, _mm256_loadu_si256((const __m256i *)(xq + 32 * k)));
+            acc = _mm256_fmadd_ps(cvt8(p), _mm256_set1_ps(d * xd[k]), acc);
+            off += (one ? h2f(b + 2) : -8.f * d) * (xq16[2 * k] + xq16[2 * k + 1]);
+        }
+        return hsum8(acc) + off;
+    }
+    case T_Q5_0: case T_Q5_1: {
+        const __m128i m4 = _mm_set1_epi8(15);
+        const __m256i b16 = _mm256_set1_epi8(16);
+        const int one = t == T_Q5_1, bb = one ? 24 : 22;
+        for (int64_t k = 0; k < n / 32; ++k) {
+            const uint8_t *b = row + k * bb;
+            const float d = h2f(b);
+            const __m128i v = _mm_loadu_si128((const __m128i *)(b + 6 + 2 * one));
+            __m256i u = join128(_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+            u = _mm256_or_si256(u, _mm256_and_si256(bytes_from_bits(b + 2 + 2 * one), b16));
+            const __m256i p = mul_sum_us8(u, _mm256_loadu_si256((const __m256i *)(xq + 32 * k)));
+            acc = _mm256_fmadd_ps(cvt8(p), _mm256_set1_ps(d * xd[k]), acc);
+            off += (one ? h2f(b + 2) : -16.f * d) * (xq16[2 * k] + xq16[2 * k + 1]);
+        }
+        return hsum8(acc) + off;
+    }
+    case T_Q8_0:
+        for (int64_t k = 0; k < n / 32; ++k) {
+            const uint8_t *b = row + k * 34;
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 2));
+            const __m256i s = _mm256_loadu_si256((const __m256i *)(xq + 32 * k));
+            const __m256i p = mul_sum_us8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w));
+            acc = _mm256_fmadd_ps(cvt8(p), _mm256_set1_ps(h2f(b) * xd[k]), acc);
+        }
+        return hsum8(acc);
+    case T_Q4_K: case T_Q5_K: {
+        const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+        const int five = t == T_Q5_K, bb = five ? 176 : 144;
+        for (int64_t k = 0; k < n / QK; ++k) {
+            const uint8_t *b = row + k * bb;
+            const float d = h2f(b), dmin = h2f(b + 2);
+            uint8_t sc[8], mn[8];
+            k_scale_min(b + 4, sc, mn);
+            const uint8_t *qs = b + (five ? 48 : 16);
+            const __m256i hb = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+            for (int c = 0; c < 4; ++c) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(srl16(v, 4), m4);
+                if (five) {
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(srl16(hb, 2 * c), one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(srl16(hb, 2 * c + 1), one), 4));
+                }
+                const int64_t g = 8 * k + 2 * c;          /* the x block of group 2c */
+                const __m256i p0 = mul_sum_us8(lo, _mm256_loadu_si256((const __m256i *)(xq + 32 * g)));
+                const __m256i p1 = mul_sum_us8(hi, _mm256_loadu_si256((const __m256i *)(xq + 32 * g + 32)));
+                acc = _mm256_fmadd_ps(cvt8(p0), _mm256_set1_ps(d * (float)sc[2 * c] * xd[g]), acc);
+                acc = _mm256_fmadd_ps(cvt8(p1), _mm256_set1_ps(d * (float)sc[2 * c + 1] * xd[g + 1]), acc);
+                off -= (dmin * (float)mn[2 * c]) * (xq16[2 * g] + xq16[2 * g + 1])
+                     + (dmin * (float)mn[2 * c + 1]) * (xq16[2 * g + 2] + xq16[2 * g + 3]);
+            }
+        }
+        return hsum8(acc) + off;
+    }
+    case T_Q6_K: {
+        const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+        for (int64_t k = 0; k < n / QK; ++k) {
+            const uint8_t *b = row + k * 210;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const float d = h2f(b + 208);
+            for (int h = 0; h < 2; ++h) {
+                const __m256i q0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+                const __m256i q1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                __m256i c[4];
+                c[0] = _mm256_or_si256(_mm256_and_si256(q0, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4));
+                c[1] = _mm256_or_si256(_mm256_and_si256(q1, m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(srl16(hb, 2), m3), 4));
+                c[2] = _mm256_or_si256(_mm256_and_si256(srl16(q0, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(srl16(hb, 4), m3), 4));
+                c[3] = _mm256_or_si256(_mm256_and_si256(srl16(q1, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(srl16(hb, 6), m3), 4));
+                for (int i = 0; i < 4; ++i) {
+                    const int64_t g = 8 * k + 4 * h + i;  /* the x block */
+                    const int s = 8 * h + 2 * i;
+                    const float sa = d * (float)sc[s], sb = d * (float)sc[s + 1];
+                    const __m256i p = mul_sum_us8(c[i], _mm256_loadu_si256((const __m256i *)(xq + 32 * g)));
+                    const __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sa * xd[g])),
+                                                           _mm_set1_ps(sb * xd[g]), 1);
+                    acc = _mm256_fmadd_ps(cvt8(p), sv, acc);
+                    off -= 32.f * (sa * xq16[2 * g] + sb * xq16[2 * g + 1]);
+                }
+            }
+        }
+        return hsum8(acc) + off;
+    }
+    default:
+        return 0.f;
+    }
+#else
+    (void)xq16;
+    const int be = blk_elems(t), bb = blk_bytes(t);
+    float tmp[QK], s = 0.f;
+    for (int64_t i = 0; i < n; i += be) {
+        deq_block(t, row + i / be * bb, tmp);
+        for (int e = 0; e < be; ++e) s += tmp[e] * (xd[(i + e) / 32] * (float)xq[i + e]);
+    }
+    return s;
+#endif
+}
+
+/* one 32-block of x -> int8 q, its scale, and the scaled sums of q over each 16 */
+static void quant_block(const float *x, int8_t *q, float *d, float *q16) {
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    const float dd = amax / 127.f, id = dd != 0.f ? 1.f / dd : 0.f;
+    int s0 = 0, s1 = 0;
+    for (int i = 0; i < 32; ++i) {
+        const int v = (int)nearbyintf(x[i] * id);
+        q[i] = (int8_t)v;
+        if (i < 16) s0 += v; else s1 += v;
+    }
+    *d = dd;
+    q16[0] = dd * (float)s0;
+    q16[1] = dd * (float)s1;
+}
+
+/* B activation rows of n: x and its 32-sums, and in q8 mode (q != NULL) their 8-bit quantization */
+typedef struct {
+    int64_t n;
+    const float *x;
+    float *xs;          /* [B, n / 32] sums of x */
+    int8_t *q;          /* [B, n] or NULL (fp32 mode) */
+    float *d;           /* [B, n / 32] */
+    float *q16;         /* [B, n / 16] */
+} xbuf;
+
+static int xbuf_alloc(xbuf *a, const float *x, int64_t B, int64_t n, int q8) {
     const int64_t nb = n / 32;
-    for (int64_t b = 0; b < B; ++b)
-        for (int64_t k = 0; k < nb; ++k) xs[b * nb + k] = sum32(x + b * n + 32 * k);
+    a->n = n;
+    a->x = x;
+    a->xs = (float *)malloc((size_t)(B * nb * (q8 ? 4 : 1) + 1) * sizeof(float));
+    a->q = q8 ? (int8_t *)malloc((size_t)(B * n) + 1) : NULL;
+    a->d = q8 && a->xs ? a->xs + B * nb : NULL;
+    a->q16 = q8 && a->xs ? a->xs + 2 * B * nb : NULL;
+    if (!a->xs || (q8 && !a->q)) {
+        free(a->xs);
+        free(a->q);
+        return -1;
+    }
+    return 0;
+}
+
+static void xbuf_free(xbuf *a) {
+    free(a->xs);
+    free(a->q);
+}
+
+/* fill blocks [k0, k1) (of n / 32) of token b */
+static void xbuf_fill(xbuf *a, int64_t b, int64_t k0, int64_t k1) {
+    const int64_t n = a->n, nb = n / 32;
+    for (int64_t k = k0; k < k1; ++k) {
+        const float *xb = a->x + b * n + 32 * k;
+        a->xs[b * nb + k] = sum32(xb);
+        if (a->q) quant_block(xb, a->q + b * n + 32 * k, a->d + b * nb + k, a->q16 + b * 2 * nb + 2 * k);
+    }
+}
+
+/* <row, x_b> of one format: the 8-bit path for block formats in q8 mode, else fp32 */
+static inline float row_dot_x(int t, const uint8_t *row, const xbuf *a, int64_t b) {
+    const int64_t n = a->n, nb = n / 32;
+    if (a->q && blk_elems(t) > 1)
+        return row_dot8(t, row, a->q + b * n, a->d + b * nb, a->q16 + b * 2 * nb, n);
+    return row_dot(t, row, a->x + b * n, a->xs + b * nb, n);
 }
 
 #ifndef QPF_DIST
@@ -459,9 +657,8 @@ static inline void pf_bytes(const uint8_t *p, int64_t n) {
 
 /* rows j in [lo, hi) of cs_q_rows */
 static void q_rows_body(const qpart *P, int np, const qpart *P2, int np2, int64_t n, const float *bias,
-                        const int64_t *idx, int64_t lo, int64_t hi, int64_t k, int64_t kpad, const float *x,
-                        const float *xs, int64_t B, int act, float *out) {
-    const int64_t nb = n / 32;
+                        const int64_t *idx, int64_t lo, int64_t hi, int64_t k, int64_t kpad, const xbuf *xa,
+                        int64_t B, int act, float *out) {
     for (int64_t j = lo; j < hi; ++j) {
         const int64_t r = idx ? idx[j] : j;
         int t, t2 = 0;
@@ -478,10 +675,10 @@ static void q_rows_body(const qpart *P, int np, const qpart *P2, int np2, int64_
             }
         }
         for (int64_t b = 0; b < B; ++b) {
-            float z = row_dot(t, w, x + b * n, xs + b * nb, n) * sc;
+            float z = row_dot_x(t, w, xa, b) * sc;
             if (bias) z += bias[r];
             z = act_f(z, act);
-            if (w2) z *= row_dot(t2, w2, x + b * n, xs + b * nb, n) * sc2;
+            if (w2) z *= row_dot_x(t2, w2, xa, b) * sc2;
             out[b * kpad + j] = z;
         }
     }
@@ -527,10 +724,12 @@ static void byte_range(const qpart *P, int np, const qpart *P2, int np2, int64_t
 }
 
 /* out [B, kpad]: out[b, j] = act(<W[r_j], x_b> * scale + bias[r_j]) * (<W2[r_j], x_b> * scale2) for j < k
- * (r_j = idx[j], idx NULL: j), 0 for j in [k, kpad). P2 NULL: no second factor. x [B, n]. */
+ * (r_j = idx[j], idx NULL: j), 0 for j in [k, kpad). P2 NULL: no second factor. x [B, n]. q8: 8-bit activations
+ * for the block formats' rows (see above). */
 int cs_q_rows(const qpart *P, int np, const qpart *P2, int np2, int64_t n, const float *bias, const int64_t *idx,
-              int64_t k, int64_t kpad, const float *x, int64_t B, int act, float *out, int nt) {
-    if (check_parts(P, np, n) || (P2 && check_parts(P2, np2, n)) || n % 32 && blk_elems(P[0].type) != 1) return -1;
+              int64_t k, int64_t kpad, const float *x, int64_t B, int act, int q8, float *out, int nt) {
+    if (check_parts(P, np, n) || (P2 && check_parts(P2, np2, n)) || (n % 32 && blk_elems(P[0].type) != 1))
+        return -1;
     const int64_t R = total_rows(P, np);
     if (P2 && total_rows(P2, np2) != R) return -1;
     if (idx) {
@@ -541,11 +740,11 @@ int cs_q_rows(const qpart *P, int np, const qpart *P2, int np2, int64_t n, const
     }
     for (int64_t b = 0; b < B; ++b)
         for (int64_t j = k; j < kpad; ++j) out[b * kpad + j] = 0.f;
-    float *xs = (float *)malloc((size_t)(B * (n / 32) + 1) * sizeof(float));
-    if (!xs) return -1;
-    block_sums(x, B, n, xs);
+    xbuf xa;
+    if (xbuf_alloc(&xa, x, B, n, q8 && n % 32 == 0)) return -1;
+    for (int64_t b = 0; b < B; ++b) xbuf_fill(&xa, b, 0, n / 32);
     if (nt <= 1 || k < 64) {
-        q_rows_body(P, np, P2, np2, n, bias, idx, 0, k, k, kpad, x, xs, B, act, out);
+        q_rows_body(P, np, P2, np2, n, bias, idx, 0, k, k, kpad, &xa, B, act, out);
     } else {
 #pragma omp parallel num_threads(nt)
         {
@@ -557,86 +756,87 @@ int cs_q_rows(const qpart *P, int np, const qpart *P2, int np2, int64_t n, const
             } else {
                 byte_range(P, np, P2, np2, R, t, T, 1, &lo, &hi);
             }
-            q_rows_body(P, np, P2, np2, n, bias, idx, lo, hi, k, kpad, x, xs, B, act, out);
+            q_rows_body(P, np, P2, np2, n, bias, idx, lo, hi, k, kpad, &xa, B, act, out);
         }
     }
-    free(xs);
+    xbuf_free(&xa);
     return 0;
 }
 
 /* ------------------------------------------------------------------------------------------ the dense FFN */
 /* phase 1 for neurons [lo, hi): h[b, j] = act(<G_j, x_b> + b1[j]) * <U_j, x_b> (gated; G NULL: act(<U_j, x_b> +
- * b1[j])) and the 32-sums of h for the neurons' whole blocks (lo, hi multiples of 32, or hi = D) */
-static void ffn_up_body(const qpart *G, int ng, const qpart *U, int nu, const float *b1, int64_t d, int64_t D,
-                        const float *x, const float *xs, int64_t B, int act, int64_t lo, int64_t hi, float *h,
-                        float *hs) {
-    const int64_t nbx = d / 32, nbh = D / 32;
+ * b1[j])), then h's sums (and 8-bit quantization) for the neurons' whole blocks (lo, hi multiples of 32) */
+static void ffn_up_body(const qpart *G, int ng, const qpart *U, int nu, const float *b1, const xbuf *xa,
+                        xbuf *ha, int64_t B, int act, int64_t lo, int64_t hi) {
+    const int64_t D = ha->n;
+    float *h = (float *)ha->x;
     for (int64_t j = lo; j < hi; ++j) {
         int tg = 0, tu;
         float sg = 1.f, su;
         const uint8_t *wg = G ? row_of(G, ng, j, &tg, &sg) : NULL, *wu = row_of(U, nu, j, &tu, &su);
         for (int64_t b = 0; b < B; ++b) {
-            const float *xb = x + b * d, *xsb = xs + b * nbx;
             float a;
             if (wg) {
-                a = row_dot(tg, wg, xb, xsb, d) * sg;
+                a = row_dot_x(tg, wg, xa, b) * sg;
                 if (b1) a += b1[j];
-                a = act_f(a, act) * (row_dot(tu, wu, xb, xsb, d) * su);
+                a = act_f(a, act) * (row_dot_x(tu, wu, xa, b) * su);
             } else {
-                a = row_dot(tu, wu, xb, xsb, d) * su;
+                a = row_dot_x(tu, wu, xa, b) * su;
                 if (b1) a += b1[j];
                 a = act_f(a, act);
             }
             h[b * D + j] = a;
         }
     }
-    for (int64_t b = 0; b < B; ++b)
-        for (int64_t q = lo / 32; q < hi / 32 && q < nbh; ++q)
-            hs[b * nbh + q] = sum32(h + b * D + 32 * q);
+    for (int64_t b = 0; b < B; ++b) xbuf_fill(ha, b, lo / 32, hi / 32);
 }
 
-static void ffn_down_body(const qpart *Dn, int nd, const float *b2, int64_t d, int64_t D, const float *h,
-                          const float *hs, int64_t B, int64_t lo, int64_t hi, float *y) {
-    const int64_t nbh = D / 32;
+static void ffn_down_body(const qpart *Dn, int nd, const float *b2, int64_t d, const xbuf *ha, int64_t B,
+                          int64_t lo, int64_t hi, float *y) {
     for (int64_t o = lo; o < hi; ++o) {
         int t;
         float sc;
         const uint8_t *w = row_of(Dn, nd, o, &t, &sc);
         for (int64_t b = 0; b < B; ++b) {
-            const float z = row_dot(t, w, h + b * D, hs + b * nbh, D) * sc;
+            const float z = row_dot_x(t, w, ha, b) * sc;
             y[b * d + o] = b2 ? z + b2[o] : z;
         }
     }
 }
 
 /* The dense FFN: h = act(G x + b1) * (U x) (G NULL: act(U x + b1)), y = Dn h + b2. G, U [D, d], Dn [d, D];
- * x [B, d], h: B * D floats of scratch, hs: B * D / 32 floats, y [B, d]. One parallel region: the neurons split
- * by bytes (in whole 32-blocks), a barrier, then the output rows. */
+ * x [B, d], h: B * D floats of scratch, y [B, d]; q8: 8-bit activations (x, and h) for the block formats. One
+ * parallel region: the neurons split by bytes (in whole 32-blocks), a barrier, then the output rows. */
 int cs_q_ffn(const qpart *G, int ng, const qpart *U, int nu, const qpart *Dn, int nd, int64_t d, int64_t D,
-             const float *b1, const float *b2, const float *x, int64_t B, int act, float *h, float *hs, float *y,
+             const float *b1, const float *b2, const float *x, int64_t B, int act, int q8, float *h, float *y,
              int nt) {
     if ((G && (check_parts(G, ng, d) || total_rows(G, ng) != D)) || check_parts(U, nu, d) ||
         total_rows(U, nu) != D || check_parts(Dn, nd, D) || total_rows(Dn, nd) != d || d % 32 || D % 32)
         return -1;
-    float *xs = (float *)malloc((size_t)(B * (d / 32) + 1) * sizeof(float));
-    if (!xs) return -1;
-    block_sums(x, B, d, xs);
+    xbuf xa, ha;
+    if (xbuf_alloc(&xa, x, B, d, q8)) return -1;
+    if (xbuf_alloc(&ha, h, B, D, q8)) {
+        xbuf_free(&xa);
+        return -1;
+    }
+    for (int64_t b = 0; b < B; ++b) xbuf_fill(&xa, b, 0, d / 32);
     if (nt <= 1) {
-        ffn_up_body(G, ng, U, nu, b1, d, D, x, xs, B, act, 0, D, h, hs);
-        ffn_down_body(Dn, nd, b2, d, D, h, hs, B, 0, d, y);
+        ffn_up_body(G, ng, U, nu, b1, &xa, &ha, B, act, 0, D);
+        ffn_down_body(Dn, nd, b2, d, &ha, B, 0, d, y);
     } else {
 #pragma omp parallel num_threads(nt)
         {
             const int t = omp_get_thread_num(), T = omp_get_num_threads();
             int64_t lo, hi;
             byte_range(G ? G : U, G ? ng : nu, U, nu, D, t, T, 32, &lo, &hi);
-            ffn_up_body(G, ng, U, nu, b1, d, D, x, xs, B, act, lo, hi, h, hs);
+            ffn_up_body(G, ng, U, nu, b1, &xa, &ha, B, act, lo, hi);
 #pragma omp barrier
             byte_range(Dn, nd, NULL, 0, d, t, T, 1, &lo, &hi);
-            ffn_down_body(Dn, nd, b2, d, D, h, hs, B, lo, hi, y);
+            ffn_down_body(Dn, nd, b2, d, &ha, B, lo, hi, y);
         }
     }
-    free(xs);
+    xbuf_free(&xa);
+    xbuf_free(&ha);
     return 0;
 }
 

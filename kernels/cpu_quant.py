@@ -9,7 +9,10 @@
 The weights are dequantized inside the kernels (``cpu_quant.c``, AVX2/FMA where the compiler targets them, a
 scalar fallback elsewhere) and multiplied with the fp32 activations in fp32: results equal the products over the
 dequantized fp32 weights up to fp32 summation order (tests/kernels/test_quant.py states the tolerance).
-``dequantize`` / ``embedding`` are exact. Thread count: torch's (one thread: no OpenMP region). Where the
+``dequantize`` / ``embedding`` are exact. A weight with ``activations="q8"`` (kernels.quant.QuantWeight) is
+multiplied llama.cpp's way instead: the few-token kernels quantize the activations to 8 bits per 32 and take
+integer products (W x̂, not W x); the dequantize + matmul path of many tokens stays fp32.
+Thread count: torch's (one thread: no OpenMP region). Where the
 native library cannot be built these ops fall back to the numpy reference dequantizer and torch (slow, but the
 same values), and ``native_available()`` says so.
 """
@@ -52,8 +55,8 @@ def load_library(extra_flags=()) -> ctypes.CDLL | None:
                 lib = ctypes.CDLL(str(out))
                 P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
                 lib.cs_q_dequant.argtypes = [P, I, I64, P, I64, P, I]
-                lib.cs_q_rows.argtypes = [P, I, P, I, I64, P, P, I64, I64, P, I64, I, P, I]
-                lib.cs_q_ffn.argtypes = [P, I, P, I, P, I, I64, I64, P, P, P, I64, I, P, P, P, I]
+                lib.cs_q_rows.argtypes = [P, I, P, I, I64, P, P, I64, I64, P, I64, I, I, P, I]
+                lib.cs_q_ffn.argtypes = [P, I, P, I, P, I, I64, I64, P, P, P, I64, I, I, P, P, I]
                 lib.cs_qt_axpy.argtypes = [P, I, I, P, P, I64, I64, I64, P, I64, P, I64, I64, P, P, I]
                 lib.cs_q_simd.argtypes = []
                 for f in (lib.cs_q_dequant, lib.cs_q_rows, lib.cs_q_ffn, lib.cs_qt_axpy, lib.cs_q_simd):
@@ -155,7 +158,7 @@ def rows_dot(x, w: QuantWeight, rows, kpad: int, *, w2: QuantWeight | None = Non
     parts, n1 = _cached_parts(w)
     parts2, n2 = _cached_parts(w2) if w2 is not None else (None, 0)
     _check(lib.cs_q_rows(parts, n1, parts2, n2, n, _p(bias), _p(idx), k, kpad, x.data_ptr(), B, act_code(act),
-                         out.data_ptr(), _threads()), "rows_dot")
+                         w.activations == "q8", out.data_ptr(), _threads()), "rows_dot")
     return out
 
 
@@ -192,13 +195,12 @@ def dense_ffn(x, w_gate: QuantWeight | None, w_up: QuantWeight, w_down: QuantWei
         h = apply_act(F.linear(xf, dequantize(w_gate, lib=lib)), act) * z if w_gate is not None else apply_act(z, act)
         return F.linear(h, dequantize(w_down, lib=lib), b_down).to(x.dtype)
     h = torch.empty(B, D, dtype=_F32)
-    hs = torch.empty(B * D // 32 + 1, dtype=_F32)
     y = torch.empty(B, d, dtype=_F32)
     g, ng = _cached_parts(w_gate) if w_gate is not None else (None, 0)
     u, nu = _cached_parts(w_up)
     dn, nd = _cached_parts(w_down)
     _check(lib.cs_q_ffn(g, ng, u, nu, dn, nd, d, D, _p(b_up), _p(b_down), xf.data_ptr(), B, act_code(act),
-                        h.data_ptr(), hs.data_ptr(), y.data_ptr(), _threads()), "dense_ffn")
+                        w_up.activations == "q8", h.data_ptr(), y.data_ptr(), _threads()), "dense_ffn")
     return y if x.dtype is _F32 else y.to(x.dtype)
 
 

@@ -64,6 +64,7 @@ FORMATS: dict[str, QuantFormat] = {f.name: f for f in (
 )}
 BY_TYPE: dict[int, QuantFormat] = {f.ggml_type: f for f in FORMATS.values()}
 BLOCK_FORMATS = tuple(n for n, f in FORMATS.items() if f.code_bits)
+ACTIVATIONS = ("fp32", "q8")
 
 
 def format_of(ggml_type) -> QuantFormat:
@@ -212,12 +213,17 @@ class QuantWeight:
     """W [out, in] as GGUF blocks along ``in``: the rows of ``parts`` one after another (fused projections whose
     parts have different formats, e.g. Gemma-3's Q5_0 query/key and Q8_0 value rows). The linear map is
     x -> x Wᵀ whatever slot of a weight struct holds it (the kernels read W's rows, or rows of Wᵀ from
-    :meth:`transposed`)."""
+    :meth:`transposed`). ``activations`` "fp32" (default): the products equal the ones over the dequantized
+    weights up to fp32 summation order; "q8": the activations are quantized to 8 bits per 32 first
+    (:func:`quantize_q8`) and multiplied in integers, llama.cpp's way: faster, but W x̂ instead of W x."""
 
     parts: tuple
     cols: int
+    activations: str = "fp32"     # how the kernels multiply: ACTIVATIONS
 
     def __post_init__(self):
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")
         for p in self.parts:
             f = p.fmt
             if p.data.dtype != torch.uint8 or p.data.dim() != 2 or not p.data.is_contiguous():
@@ -255,7 +261,10 @@ class QuantWeight:
         cols = {w.cols for w in weights}
         if len(cols) != 1:
             raise ValueError(f"stacked weights must share their columns, got {sorted(cols)}")
-        return cls(tuple(p for w in weights for p in w.parts), cols.pop())
+        acts = {w.activations for w in weights}
+        if len(acts) != 1:
+            raise ValueError(f"stacked weights must share their activations mode, got {sorted(acts)}")
+        return cls(tuple(p for w in weights for p in w.parts), cols.pop(), acts.pop())
 
     def take_rows(self, perm: torch.Tensor) -> "QuantWeight":
         """The rows in the order ``perm`` (int64 [rows] of one part's rows; single-part weights only): whole rows
@@ -263,10 +272,16 @@ class QuantWeight:
         if len(self.parts) != 1:
             raise ValueError("take_rows needs a single-part weight")
         p = self.parts[0]
-        return QuantWeight((QuantPart(p.fmt, p.data.index_select(0, perm).contiguous(), p.scale),), self.cols)
+        return QuantWeight((QuantPart(p.fmt, p.data.index_select(0, perm).contiguous(), p.scale),), self.cols,
+                           self.activations)
 
     def with_scale(self, scale: float) -> "QuantWeight":
-        return QuantWeight(tuple(QuantPart(p.fmt, p.data, float(scale)) for p in self.parts), self.cols)
+        return QuantWeight(tuple(QuantPart(p.fmt, p.data, float(scale)) for p in self.parts), self.cols,
+                           self.activations)
+
+    def with_activations(self, activations: str) -> "QuantWeight":
+        """The same blocks multiplied the ``activations`` way (ACTIVATIONS)."""
+        return QuantWeight(self.parts, self.cols, activations)
 
     def dequantize_reference(self) -> torch.Tensor:
         """fp32 [out, in] through the numpy reference (slow; the kernels have a native one)."""
@@ -280,8 +295,22 @@ class QuantWeight:
         return QuantWeightT.build(self)
 
 
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The "q8" activations: x [..., n] (n a multiple of 32, fp32) -> (q int8 [..., n], d fp32 [..., n / 32])
+    with d = max|x| / 127 per 32 elements and q = round-half-even(x · (1 / d)) (0 where d = 0); x̂ = d · q.
+    The same fp32 operations as the kernels' quantizer (cpu_quant.c), so the same q and d."""
+    xb = x.float().reshape(*x.shape[:-1], -1, 32)
+    d = xb.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros((), dtype=d.dtype))
+    q = torch.round(xb * inv[..., None]).to(torch.int8)
+    return q.reshape(x.shape), d
+
+
 def reference_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ Wᵀ (+ bias) through the dequantized weights and torch (the ops' reference)."""
+    """x @ Wᵀ (+ bias) through the dequantized weights and torch (the ops' reference; "q8": of x̂)."""
+    if w.activations == "q8":
+        q, d = quantize_q8(x)
+        x = (q.float().reshape(*d.shape, 32) * d[..., None]).reshape(x.shape).to(x.dtype)
     y = x @ w.dequantize_reference().to(x.dtype).t()
     return y + bias.to(x.dtype) if bias is not None else y
 

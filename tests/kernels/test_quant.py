@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType, GGUFReader, dequantize
 
 from kernels import cpu_quant as CQ
 from kernels.common import apply_act
-from kernels.quant import BLOCK_FORMATS, FORMATS, QuantWeight, dequantize_blocks, format_of
+from kernels.quant import BLOCK_FORMATS, FORMATS, QuantWeight, dequantize_blocks, format_of, quantize_q8
 from workers.loading.models import packaged_gguf
 
 # the scalar fallback: the same source without AVX / AVX2 / FMA / F16C
@@ -254,3 +254,37 @@ def test_index_errors_and_embedding():
     e = CQ.embedding(ids, w)
     full = torch.from_numpy(dequantize_blocks("Q8_0", w.parts[0].data.numpy()))
     assert e.shape == (2, 2, 256) and torch.equal(e, full[ids])
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_q8_activations_multiply_the_quantized_x(fmt, gen):
+    """The "q8" option (llama.cpp's way): the kernels' product is W x̂ with x̂ = kernels.quant.quantize_q8(x),
+    to fp32 summation order, in both builds and at 2 threads; it differs from W x by the quantization of x."""
+    rng = np.random.default_rng(400 + FORMATS[fmt].ggml_type)
+    w = random_weight(fmt, 96, 512, rng).with_activations("q8")
+    W = CQ.dequantize(w).double()
+    x = torch.randn(3, 512, generator=gen)
+    q, d = quantize_q8(x)
+    xh = (q.double().reshape(3, -1, 32) * d.double()[..., None]).reshape(3, 512)
+    assert (xh - x.double()).abs().max() <= d.max() / 2 + 1e-7        # half a step of the block's scale
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for lib in _libs().values():
+            _close(CQ.rows_dot(x, w, None, 96, lib=lib), xh @ W.t(), xh.abs() @ W.abs().t())
+    finally:
+        torch.set_num_threads(prev)
+    exact = x.double() @ W.t()
+    err = (CQ.rows_dot(x, w, None, 96).double() - exact).abs() / (x.double().abs() @ W.abs().t())
+    assert 1e-5 < err.max() < 1e-2
+
+
+def test_q8_dense_ffn_close_to_fp32(gen):
+    rng = np.random.default_rng(11)
+    d, D = 256, 512
+    ws = [random_weight("Q4_1", D, d, rng), random_weight("Q4_1", D, d, rng), random_weight("Q4_1", d, D, rng)]
+    x = torch.randn(1, d, generator=gen)
+    y32 = CQ.dense_ffn(x, *ws, "silu")
+    y8 = CQ.dense_ffn(x, *[w.with_activations("q8") for w in ws], "silu")
+    rel = ((y8 - y32).norm() / y32.norm()).item()
+    assert 1e-5 < rel < 2e-2, rel

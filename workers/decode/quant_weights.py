@@ -44,9 +44,11 @@ def _unpermute(w: QuantWeight, n_head: int) -> QuantWeight:
     return w.take_rows(perm)
 
 
-def from_gguf(model, gguf: str | Path, *, verify: bool = True) -> ModelWeights:
+def from_gguf(model, gguf: str | Path, *, verify: bool = True, activations: str = "fp32") -> ModelWeights:
     """fp32 runtime weights of ``model`` (CPU) with its projections, embedding and LM head replaced by the
-    quantized matrices of ``gguf`` (the file the model was loaded from)."""
+    quantized matrices of ``gguf`` (the file the model was loaded from). ``activations`` (kernels.quant.
+    ACTIVATIONS): "fp32", the products of the dequantized weights to fp32 summation order; "q8", the decode
+    step's activations quantized to 8 bits per 32 first (llama.cpp's way, approximate; the prefill stays fp32)."""
     base = from_hf(model, torch.float32, "cpu")
     if base.family == "opt":
         raise ValueError("quantized weights: llama-style GGUF tensor names only (llama, mistral, qwen2, gemma3)")
@@ -80,7 +82,18 @@ def from_gguf(model, gguf: str | Path, *, verify: bool = True) -> ModelWeights:
     head = m.get("output.weight", embed)
     if verify:
         _verify("embedding / LM head", dict(embed=embed, lm_head=head), dict(embed=base.embed, lm_head=base.lm_head))
-    return dataclasses.replace(base, layers=tuple(layers), embed=embed, lm_head=head)
+    out = dataclasses.replace(base, layers=tuple(layers), embed=embed, lm_head=head)
+    return out if activations == "fp32" else with_activations(out, activations)
+
+
+QUANT_FIELDS = ("w_qkv", "w_o_t", "w_gate", "w_up", "w_down_t")
+
+
+def with_activations(w: ModelWeights, activations: str) -> ModelWeights:
+    """The same quantized weights multiplied the ``activations`` way (kernels.quant.ACTIVATIONS), blocks shared."""
+    layers = tuple(dataclasses.replace(L, **{f: getattr(L, f).with_activations(activations) for f in QUANT_FIELDS
+                                             if isinstance(getattr(L, f), QuantWeight)}) for L in w.layers)
+    return dataclasses.replace(w, layers=layers, lm_head=w.lm_head.with_activations(activations))
 
 
 def _verify(where: str, quant: dict, ref: dict) -> None:

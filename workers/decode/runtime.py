@@ -86,12 +86,12 @@ class DecodeRuntime:
         return cls(weights_mod.from_hf(model, dtype, device), **options)
 
     @classmethod
-    def from_gguf(cls, model, gguf, **options) -> "DecodeRuntime":
-        """CPU, fp32 activations, every projection kept in the quantized blocks of ``gguf``, the file ``model``
-        was loaded from (workers.decode.quant_weights; dense plans only)."""
+    def from_gguf(cls, model, gguf, activations: str = "fp32", **options) -> "DecodeRuntime":
+        """CPU, every projection kept in the quantized blocks of ``gguf``, the file ``model`` was loaded from
+        (workers.decode.quant_weights; dense plans only); ``activations`` "fp32" or "q8" (approximate)."""
         from workers.decode.quant_weights import from_gguf
 
-        return cls(from_gguf(model, gguf), **options)
+        return cls(from_gguf(model, gguf, activations=activations), **options)
 
     @classmethod
     def from_config(cls, config, dtype=torch.float16, device="cuda", seed: int = 0, **options) -> "DecodeRuntime":
