@@ -78,10 +78,8 @@ INPUT_SPARSE = {
 }
 
 # The in-program compaction path ("local", batch 1): channels per K slice (a power of two), column block, active
-# rows per step; taken by default for outputs of >= LOCAL_MIN_OUT columns (the masked-load kernel below that),
-# one config per projection kind (the H200 tunes in kernels/NOTES.md, "Input sparsity").
-INPUT_PATHS = ("mask", "local")      # the input-sparse kernels (kernels/input_sparse_triton.py)
-LOCAL_MIN_OUT = 2048
+# rows per step, one config per projection kind (the H200 tunes in kernels/NOTES.md, "Input sparsity").
+INPUT_PATHS = ("mask", "local", "tile", "dense")   # the input-sparse op's paths (kernels/input_sparse_triton.py)
 INPUT_SPARSE_LOCAL = {
     "wide_in": dict(per=1024, BLOCK_N=128, BLOCK_R=64, num_warps=4),    # in >= 8192 (down)
     "wide_out": dict(per=512, BLOCK_N=256, BLOCK_R=32, num_warps=4),    # out >= 8192 (gate|up, fused QKV)
@@ -93,6 +91,58 @@ def input_sparse_local(k: int, n: int) -> dict:
     """The local path's launch config for a projection of ``k`` inputs and ``n`` outputs."""
     return dict(INPUT_SPARSE_LOCAL["wide_in" if k >= 8192 else "wide_out" if n >= 8192 else "square"])
 
+
+# The batch-1 tile kernel ("tile"): a K slice of BLOCK_M * TILES channels (a power of two) x BLOCK_N columns per
+# program; compact: the fraction of a slice's channels at or below which the program compacts its active rows
+# (BLOCK_R per step, ``depth`` steps of rows in flight, a scratch row per program if ``private``) instead of
+# loading TILES masked [BLOCK_M, BLOCK_N] tiles (0 never, 1 always); reduce: "ticket" (the column block's last
+# program sums the partials) or "kernel" (a second launch). Frozen per projection kind from the H200 tune of
+# 2026-12-02 (kernels/NOTES.md, "Input sparsity", run 8): the best geometric mean over s = .4/.5/.7/.9.
+INPUT_SPARSE_TILE = {
+    "wide_in": dict(BLOCK_M=1024, TILES=1, BLOCK_N=128, BLOCK_R=32, num_warps=4, compact=1.0, depth=2,
+                    private=True, order="col"),
+    "wide_out": dict(BLOCK_M=1024, TILES=1, BLOCK_N=128, BLOCK_R=32, num_warps=4, compact=1.0, depth=2,
+                     private=True, order="col"),
+    "square": dict(BLOCK_M=512, TILES=1, BLOCK_N=64, BLOCK_R=64, num_warps=4, compact=1.0, depth=2,
+                   private=True, order="col"),
+    "narrow_out": dict(BLOCK_M=32, TILES=8, BLOCK_N=128, num_warps=4, compact=0.0, order="col"),
+}
+
+
+def tile_kind(k: int, n: int) -> str:
+    """The projection kind a config is frozen for: wide input (down), wide output (gate|up, the fused QKV of
+    MHA models), narrow output (GQA k, v), else square (q, o, a GQA model's fused QKV)."""
+    return "wide_in" if k >= 8192 else "wide_out" if n >= 8192 else "narrow_out" if n <= 2048 else "square"
+
+
+def input_sparse_tile(k: int, n: int) -> dict:
+    """The tile kernel's launch config for a projection of ``k`` inputs and ``n`` outputs."""
+    return dict(INPUT_SPARSE_TILE[tile_kind(k, n)])
+
+
+# The batch-1 CUDA default path per projection kind (measured on an H200, 2026-12-02: the tile kernel is the
+# fastest of the three on q/o and GQA k/v at every sparsity; on the wide kinds the local path is 5-10 % faster at
+# s = .4/.5, the tile kernel 0-15 % faster at .7/.9). Batch >= 2 takes the masked-load kernel, or dense (below).
+INPUT_DEFAULT_PATH = {"wide_in": "local", "wide_out": "local", "square": "tile", "narrow_out": "tile"}
+
+# Dense crossover of the input-sparse op, the one rule (input_sparse_dense). From INPUT_DENSE_FROM_BATCH tokens
+# the op runs the masked product through cuBLAS (each token's x masked, then x @ w_t: the same function): the
+# sparse kernels were measured at 0.44-0.92x cuBLAS at batch 2 and 4 (kernels/NOTES.md, input sparsity run 4).
+# At batch 1 the op cannot see the sparsity (the threshold lives on the device): INPUT_MIN_SPARSITY[kind] is
+# the measured sparsity below which the default path is slower than cuBLAS (linear between the s = 0 and 0.4
+# points of 2026-12-02); a caller that knows its sparsity passes config={"sparsity": s} and gets cuBLAS below it
+# (the masking adds one small launch, so at s = 0 a caller should rather run the projection unmasked).
+INPUT_DENSE_FROM_BATCH = 2
+INPUT_MIN_SPARSITY = {"wide_in": 0.05, "wide_out": 0.23, "square": 0.1, "narrow_out": 0.0}
+
+
+def input_sparse_dense(batch: int, k: int, n: int, sparsity: float | None = None) -> bool:
+    """True where cuBLAS on the masked x was measured faster than the sparse kernels."""
+    if batch >= INPUT_DENSE_FROM_BATCH:
+        return True
+    return sparsity is not None and sparsity < INPUT_MIN_SPARSITY[tile_kind(k, n)]
+
+
 # CPU (Triton interpreter, CI): few big programs keep the interpreter fast; chunks smaller than the
 # test shapes keep the d-loop and row-tail masking exercised.
 INTERP = {
@@ -101,6 +151,7 @@ INTERP = {
     "down": dict(BLOCK_D=64, BLOCK_R=32, splits=3, num_warps=4),
     "input_sparse": dict(BLOCK_N=32, BLOCK_K=32, splits=2, num_warps=4),
     "input_sparse_local": dict(per=32, BLOCK_N=32, BLOCK_R=8, num_warps=4),
+    "input_sparse_tile": dict(BLOCK_M=8, TILES=4, BLOCK_N=32, BLOCK_R=8, num_warps=4),
 }
 
 

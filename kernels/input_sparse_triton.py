@@ -174,18 +174,18 @@ def _program_tile(thr_ptr, t0, t1, t2, t3, B, K, N, c1, c2, c3, NSEG: tl.constex
 
 
 @triton.jit
-def _write_out(out, bs, bm, cols, cm, pid_n, pid_s, B, N, ws_ptr, cnt_ptr, y_ptr, stride_yb, bias_ptr,
+def _write_out(out, bs, bm, cols, cm, pid_n, pid_s, nsplit, B, N, ws_ptr, cnt_ptr, y_ptr, stride_yb, bias_ptr,
                HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, TICKET: tl.constexpr, S_PAD: tl.constexpr,
                B_R: tl.constexpr):
     """A program's [B_PAD, BLOCK_N] sums: into y directly (one K slice), or as an fp32 partial whose column
-    block is then summed in a fixed order by its last program (TICKET) or by a reduce launch."""
+    block is then summed in a fixed order by its last program (TICKET; ``nsplit`` partials) or by a reduce
+    launch."""
     om = bm[:, None] & cm[None, :]
     if PARTIAL:
         tl.store(ws_ptr + (pid_s * B + bs[:, None]) * N + cols[None, :], out, mask=om)
         if TICKET:
             # the last program of this column block to finish sums all the partials as one [S_PAD, BLOCK_N]
             # tile per token (a fixed reduction tree, whoever is last: deterministic), then re-arms the counter
-            nsplit = tl.num_programs(1)
             tl.debug_barrier()
             ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
             if ticket == nsplit - 1:
@@ -290,8 +290,8 @@ def _input_sparse_kernel(
             if B_PAD > 2:
                 out += tl.where(bs[:, None] == 2, tl.sum(a2, axis=0)[None, :], 0.0)
                 out += tl.where(bs[:, None] == 3, tl.sum(a3, axis=0)[None, :], 0.0)
-    _write_out(out, bs, bm, cols, cm, pid_n, pid_s, B, N, ws_ptr, cnt_ptr, y_ptr, stride_yb, bias_ptr,
-               HAS_BIAS, PARTIAL, TICKET, S_PAD, B_R)
+    _write_out(out, bs, bm, cols, cm, pid_n, pid_s, tl.num_programs(1), B, N, ws_ptr, cnt_ptr, y_ptr, stride_yb,
+               bias_ptr, HAS_BIAS, PARTIAL, TICKET, S_PAD, B_R)
 
 
 @triton.jit
@@ -344,8 +344,147 @@ def _input_sparse_local_kernel(
         out = tl.sum(acc, axis=0)[None, :]
     else:
         out = acc
-    _write_out(out, bs, bm, cols, cm, pid_n, pid_s, B, N, ws_ptr, cnt_ptr, y_ptr, stride_yb, bias_ptr,
-               HAS_BIAS, PARTIAL, TICKET, S_PAD, B_R)
+    _write_out(out, bs, bm, cols, cm, pid_n, pid_s, tl.num_programs(1), B, N, ws_ptr, cnt_ptr, y_ptr, stride_yb,
+               bias_ptr, HAS_BIAS, PARTIAL, TICKET, S_PAD, B_R)
+
+
+@triton.jit
+def _active_rows(sidx_row, j0, n_act, x_ptr, BLOCK_R: tl.constexpr):
+    """Entries j0..j0+BLOCK_R of a program's list of active channels, their x (fp32) and the valid mask."""
+    j = j0 + tl.arange(0, BLOCK_R)
+    rm = j < n_act
+    rows = tl.load(sidx_row + j, mask=rm, other=0)
+    xr = tl.load(x_ptr + rows, mask=rm, other=0.0).to(tl.float32)
+    return rows.to(tl.int64), xr, rm
+
+
+@triton.jit
+def _w_rows(w_ptr, rows, rm, N, cols, cm, EVEN_N: tl.constexpr):
+    """w_t[rows, cols] (rows int64); rows outside ``rm`` are not read."""
+    if EVEN_N:
+        m = rm[:, None]
+    else:
+        m = rm[:, None] & cm[None, :]
+    return tl.load(w_ptr + rows[:, None] * N + cols[None, :], mask=m, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _masked_tiles(x_ptr, w_ptr, thr, k_lo, K, N, cols, cm, THR_VEC: tl.constexpr, EVEN_N: tl.constexpr,
+                  BLOCK_M: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """sum over the K slice k_lo.. of TILES unrolled [BLOCK_M, BLOCK_N] tiles, each masked by its rows' |x| > t
+    in the load (inactive rows not read); the tiles are independent, so their loads are in flight together."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for i in tl.static_range(TILES):
+        kt = k_lo + i * BLOCK_M + tl.arange(0, BLOCK_M)
+        kmt = kt < K
+        xv = tl.load(x_ptr + kt, mask=kmt, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        ont = (tl.abs(xv) > _thr_at(thr, kt, kmt, THR_VEC)) & kmt
+        w = _w_rows(w_ptr, kt.to(tl.int64), ont, N, cols, cm, EVEN_N)
+        acc += w.to(tl.float32) * tl.where(ont, xv, 0.0)[:, None]
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _compact_rows(x_ptr, w_ptr, srow, ks, on, N, cols, cm, EVEN_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_N: tl.constexpr, DEPTH: tl.constexpr):
+    """The same sum over the slice's active channels ``ks[on]`` only: listed in order in the scratch row
+    ``srow`` (a prefix sum; every column block of the slice writes the same values there), then their rows
+    loaded and multiplied BLOCK_R at a time, the weight rows of the next DEPTH (1 or 2) steps in flight while a
+    step is multiplied and the ids one step further ahead."""
+    u = on.to(tl.int32)
+    n_act = tl.sum(u, axis=0)
+    tl.store(srow + tl.cumsum(u, axis=0) - u, ks, mask=on)
+    tl.debug_barrier()                                  # the list, written by all threads, read by all
+    acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+    r_0, x_0, m_0 = _active_rows(srow, 0, n_act, x_ptr, BLOCK_R)
+    w_0 = _w_rows(w_ptr, r_0, m_0, N, cols, cm, EVEN_N)
+    r_1, x_1, m_1 = _active_rows(srow, BLOCK_R, n_act, x_ptr, BLOCK_R)
+    if DEPTH == 1:
+        for r0 in range(0, n_act, BLOCK_R):
+            w_1 = _w_rows(w_ptr, r_1, m_1, N, cols, cm, EVEN_N)
+            r_2, x_2, m_2 = _active_rows(srow, r0 + 2 * BLOCK_R, n_act, x_ptr, BLOCK_R)
+            acc += x_0[:, None] * w_0.to(tl.float32)
+            w_0 = w_1
+            x_0 = x_1
+            r_1 = r_2
+            x_1 = x_2
+            m_1 = m_2
+    else:
+        w_1 = _w_rows(w_ptr, r_1, m_1, N, cols, cm, EVEN_N)
+        r_2, x_2, m_2 = _active_rows(srow, 2 * BLOCK_R, n_act, x_ptr, BLOCK_R)
+        for r0 in range(0, n_act, BLOCK_R):
+            w_2 = _w_rows(w_ptr, r_2, m_2, N, cols, cm, EVEN_N)
+            r_3, x_3, m_3 = _active_rows(srow, r0 + 3 * BLOCK_R, n_act, x_ptr, BLOCK_R)
+            acc += x_0[:, None] * w_0.to(tl.float32)
+            w_0 = w_1
+            w_1 = w_2
+            x_0 = x_1
+            x_1 = x_2
+            r_2 = r_3
+            x_2 = x_3
+            m_2 = m_3
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _input_sparse_tile_kernel(
+    x_ptr, w_ptr, thr_ptr, t0, t1, t2, t3, bias_ptr, y_ptr, ws_ptr, cnt_ptr, sidx_ptr,
+    K, N, c1, c2, c3, nsplit, cut,
+    NSEG: tl.constexpr, THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+    S_PAD: tl.constexpr, EVEN_N: tl.constexpr, SPLIT_MAJOR: tl.constexpr, COMPACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    DEPTH: tl.constexpr, TICKET: tl.constexpr, PRIVATE: tl.constexpr,
+):
+    """Batch 1. Program (column block, K slice of TILES * BLOCK_M channels), one 1-D grid with the slices of a
+    column block adjacent (SPLIT_MAJOR; so each block's partials are summed soon after they are written, not
+    all at the end). Two inner loops over the slice:
+
+    * masked tiles (COMPACT 0): TILES unrolled [BLOCK_M, BLOCK_N] weight tiles, each masked by its rows'
+      |x| > t in the load (inactive rows not read), all independent so their loads are in flight together;
+      the instructions run on every row, read or not (TEAL's kernel, with a fixed-order reduction);
+    * compacted rows (COMPACT 1): the slice's active channels listed in order (prefix sum, a scratch row of
+      its (segment, slice) that every column block of the slice fills with the same values), then only those
+      rows loaded and multiplied, BLOCK_R at a time, the next step's ids and rows loaded one step ahead;
+    * COMPACT 2: each program picks one of the two by its own active count (compacted iff count <= ``cut``):
+      dense slices take the cheaper-to-start masked tiles, sparse ones the loop whose work falls with s.
+
+    The [BLOCK_N] fp32 sum goes to y (one slice) or to the partials, summed in a fixed order by the column
+    block's last program (ticket): deterministic either way."""
+    pid = tl.program_id(0)
+    if SPLIT_MAJOR:
+        pid_n = pid // nsplit
+        pid_s = pid - pid_n * nsplit
+    else:
+        n_blocks = tl.num_programs(0) // nsplit
+        pid_s = pid // n_blocks
+        pid_n = pid - pid_s * n_blocks
+    seg, c0, hi = _segment_of(pid_n, N, c1, c2, c3, NSEG, BLOCK_N)
+    thr = _segment_thr(seg, thr_ptr, t0, t1, t2, t3, K, THR_PTR, THR_VEC)
+    cols = c0 + tl.arange(0, BLOCK_N)
+    cm = cols < hi
+    k_lo = pid_s * (TILES * BLOCK_M)
+    if COMPACT == 0:
+        out = _masked_tiles(x_ptr, w_ptr, thr, k_lo, K, N, cols, cm, THR_VEC, EVEN_N, BLOCK_M, TILES, BLOCK_N)
+    else:
+        ks = k_lo + tl.arange(0, TILES * BLOCK_M)
+        km = ks < K
+        xs = tl.load(x_ptr + ks, mask=km, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        on = (tl.abs(xs) > _thr_at(thr, ks, km, THR_VEC)) & km
+        if PRIVATE:     # a scratch row per program: no two programs write the same addresses
+            srow = sidx_ptr + pid.to(tl.int64) * (TILES * BLOCK_M)
+        else:
+            srow = sidx_ptr + (seg * nsplit + pid_s).to(tl.int64) * (TILES * BLOCK_M)
+        if COMPACT == 1:
+            out = _compact_rows(x_ptr, w_ptr, srow, ks, on, N, cols, cm, EVEN_N, BLOCK_R, BLOCK_N, DEPTH)
+        else:
+            if tl.sum(on.to(tl.int32), axis=0) <= cut:
+                out = _compact_rows(x_ptr, w_ptr, srow, ks, on, N, cols, cm, EVEN_N, BLOCK_R, BLOCK_N, DEPTH)
+            else:
+                out = _masked_tiles(x_ptr, w_ptr, thr, k_lo, K, N, cols, cm, THR_VEC, EVEN_N, BLOCK_M, TILES,
+                                    BLOCK_N)
+    bs = tl.arange(0, 1)
+    _write_out(out[None, :], bs, bs < 1, cols, cm, pid_n, pid_s, nsplit, 1, N, ws_ptr, cnt_ptr, y_ptr, 0,
+               bias_ptr, HAS_BIAS, PARTIAL, TICKET, S_PAD, 1)
 
 
 def _segment_bounds(sizes, N):
@@ -393,28 +532,93 @@ def _launch_local(x, w_t, thresholds, sizes, bias, cfg):
     return y
 
 
+def _launch_tile(x, w_t, thresholds, sizes, bias, cfg):
+    """The batch-1 tile kernel: one launch, partials summed by the ticket reduce, no sync."""
+    K = x.shape[1]
+    N = w_t.shape[1]
+    nseg = len(sizes)
+    dev = x.device
+    block_m, tiles, block_n = cfg["BLOCK_M"], cfg["TILES"], cfg["BLOCK_N"]
+    ks = block_m * tiles
+    assert ks == triton.next_power_of_2(ks), f"BLOCK_M * TILES (channels per K slice) must be a power of two, got {ks}"
+    frac = float(cfg.get("compact", 0.0))
+    mode = 0 if frac <= 0 else 1 if frac >= 1 else 2
+    if cfg.get("two_branch"):
+        mode = 2
+    n_blocks = _n_blocks(sizes, block_n)
+    nsplit = triton.cdiv(K, ks)
+    c = _segment_bounds(sizes, N)
+    y = _c.empty((1, N), dev, x.dtype)
+    partial = nsplit > 1
+    ticket = partial and cfg.get("reduce", "ticket") == "ticket"
+    ws = _c.empty((nsplit, 1, N), dev, torch.float32) if partial else y
+    cnt = _counters(dev, n_blocks) if ticket else y
+    private = bool(cfg.get("private"))
+    sidx = _c.empty((n_blocks * nsplit if private else nseg * nsplit, ks), dev, torch.int32) if mode else y
+    thr_ptr, tv, thr_dev, thr_vec = _thr_args(x, thresholds)
+    _input_sparse_tile_kernel[(n_blocks * nsplit,)](
+        x, w_t, thr_ptr, *tv, bias if bias is not None else w_t, y, ws, cnt, sidx,
+        K, N, *c, nsplit, int(frac * ks) if mode == 2 else 0,
+        NSEG=nseg, THR_PTR=thr_dev, THR_VEC=thr_vec, HAS_BIAS=bias is not None, PARTIAL=partial,
+        S_PAD=triton.next_power_of_2(nsplit), EVEN_N=all(sz % block_n == 0 for sz in sizes),
+        SPLIT_MAJOR=cfg.get("order", "split") == "split", COMPACT=mode, BLOCK_M=block_m, TILES=tiles,
+        BLOCK_N=block_n, BLOCK_R=cfg.get("BLOCK_R", 16), DEPTH=cfg.get("depth", 1), TICKET=ticket,
+        PRIVATE=private,
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
+    )
+    if partial and not ticket:
+        _launch_reduce(ws, nsplit, bias, y, cfg.get("reduce_block"))
+    return y
+
+
 # ------------------------------------------------------------------------------------------------
 def _config(B, K, N, device, override):
-    """Launch config: ``override["path"]`` if given, else the local path at batch 1 on CUDA for outputs of at
-    least configs.LOCAL_MIN_OUT columns (measured faster there), the masked-load kernel otherwise; then that
-    path's frozen config for the shape, the interpreter's sizes on the CPU, and the override."""
+    """Launch config: ``override["path"]`` if given, else on CUDA cuBLAS where configs.input_sparse_dense says
+    (batch >= 2, or ``override["sparsity"]`` below the kind's crossover), the kind's default kernel at batch 1
+    (configs.INPUT_DEFAULT_PATH), the masked-load kernel otherwise; then that path's frozen config for the shape,
+    the interpreter's sizes on the CPU, and the override."""
     bp = C.b_pad(B)
-    path = (override or {}).get("path")
+    override = override or {}
+    path = override.get("path")
     if path is None:
-        path = "local" if bp == 1 and device.type == "cuda" and N >= C.LOCAL_MIN_OUT else "mask"
+        if device.type != "cuda":
+            path = "mask"
+        elif C.input_sparse_dense(B, K, N, override.get("sparsity")):
+            path = "dense"
+        else:
+            path = C.INPUT_DEFAULT_PATH[C.tile_kind(K, N)] if bp == 1 else "mask"
     if path not in C.INPUT_PATHS:
         raise ValueError(f"input-sparse path must be one of {C.INPUT_PATHS}, got {path!r}")
-    if path == "local":
+    if path == "tile" and bp != 1:
+        path = "mask"                   # the tile kernel is batch 1 only
+    if path == "dense":
+        cfg = {}
+    elif path == "local":
         cfg = C.input_sparse_local(K, N)
+    elif path == "tile":
+        cfg = C.input_sparse_tile(K, N)
     else:
         table = C.INPUT_SPARSE
         cfg = dict(table[bp] if bp in table else table[max(table)])
-    if device.type == "cpu":
-        cfg.update(C.INTERP["input_sparse_local" if path == "local" else "input_sparse"])
-    if override:
-        cfg.update(override)
+    if device.type == "cpu" and path != "dense":
+        cfg.update(C.INTERP["input_sparse" if path == "mask" else "input_sparse_" + path])
+    cfg.update(override)
     cfg["path"] = path
     return cfg
+
+
+def _dense(x, w_t, thresholds, sizes, bias):
+    """The same product through cuBLAS: each segment's masked x (|x| > its threshold, compared in fp32 as the
+    kernels do) times its columns of w_t; no sync."""
+    xf = x.float().abs()
+    outs, lo = [], 0
+    for j, sz in enumerate(sizes):
+        t = thresholds[j]
+        xm = torch.where(xf > (t.float() if isinstance(t, torch.Tensor) else t), x, torch.zeros_like(x))
+        outs.append(xm @ w_t[:, lo:lo + sz])
+        lo += sz
+    y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return y + bias if bias is not None else y
 
 
 _COUNTERS: dict = {}
@@ -456,8 +660,12 @@ def _launch(x, w_t, thresholds, sizes, bias, config):
     N = w_t.shape[1]
     nseg = len(sizes)
     cfg = _config(B, K, N, x.device, config)
+    if cfg["path"] == "dense":
+        return _dense(x, w_t, thresholds, sizes, bias)
     if cfg["path"] == "local":
         return _launch_local(x, w_t, thresholds, sizes, bias, cfg)
+    if cfg["path"] == "tile":
+        return _launch_tile(x, w_t, thresholds, sizes, bias, cfg)
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
     bp = C.b_pad(B)
     use_dot = bool(cfg.get("dot", True)) or bp > 4  # the register-prefetched loop keeps up to 4 token vectors

@@ -1,10 +1,12 @@
 """Input-sparse (TEAL/WINA) column-sparse GEMV vs the torch reference (fp64 ground truth): every launch path
-(no split, split + reduce kernel, split + ticket reduce, CUDA-core FMA, register-prefetched tensor-core MMA),
-masked rows never read, per-channel (WINA) thresholds, edges, bits."""
+(no split, split + reduce kernel, split + ticket reduce, CUDA-core FMA, register-prefetched tensor-core MMA, the
+local compaction, the batch-1 tile kernel's masked tiles / compacted rows / per-program choice, cuBLAS on the
+masked x), masked rows never read, per-channel (WINA) thresholds, edges, bits, the path and dense rules, and the
+peer benchmark's loader."""
 import pytest
 import torch
 
-from tests.kernels.kernel_support import INTERPRETED, grid, in_default, rel_err, rnd, TOL, up
+from tests.kernels.kernel_support import grid, grid_of, in_default, rel_err, rnd, TOL, up
 
 from kernels import input_sparse_triton as T
 from kernels import ops
@@ -23,7 +25,17 @@ CONFIGS = {
     # compaction inside each program: K slices of 32 channels (the last one partial), 8 active rows per step
     "local": dict(path="local", per=32, BLOCK_N=32, BLOCK_R=8, num_warps=4),
     "local_nosplit": dict(path="local", per=128, BLOCK_N=64, BLOCK_R=16, num_warps=4),
+    # the batch-1 tile kernel (a batch > 1 takes the masked-load kernel): K slices of 32 channels (3, the last
+    # partial), 32-column blocks (the last partial); masked tiles with the ticket, compacted rows two steps ahead
+    # in private scratch rows, and the per-program choice (half the slice) with a reduce launch, slices adjacent
+    "tile_masked": dict(path="tile", BLOCK_M=8, TILES=4, BLOCK_N=32, compact=0.0, num_warps=4),
+    "tile_compact": dict(path="tile", BLOCK_M=32, TILES=1, BLOCK_N=32, BLOCK_R=8, compact=1.0, depth=2,
+                         private=True, num_warps=4),
+    "tile_auto": dict(path="tile", BLOCK_M=8, TILES=4, BLOCK_N=32, BLOCK_R=8, compact=0.5, depth=1,
+                      reduce="kernel", order="split", num_warps=4),
+    "dense": dict(path="dense"),
 }
+TILES = ("tile_masked", "tile_compact", "tile_auto")
 
 
 def _thr(x, s):
@@ -37,21 +49,20 @@ def _check(out, ref, dtype, gen, what=""):
 
 
 # every dtype and both batch shapes on the paths the frozen configs take (CUDA-core FMA with a ticket reduce at
-# batch 1-2, the tensor-core dot at batch 4-8); the other launch paths once per dtype (the interpreter is slow)
+# batch 1-2, the tensor-core dot at batch 4-8); the other launch paths once per dtype, the tile kernel at batch 1
 MATRIX = ([(dtype, batch, cfg) for cfg in ("fma", "split_ticket") for dtype in DTYPES for batch in (1, 3)]
-          + [(dtype, 3 if i % 2 else 1, cfg) for cfg in sorted(set(CONFIGS) - {"fma", "split_ticket"})
-             for i, dtype in enumerate(DTYPES)])
+          + [(dtype, 1 if cfg in TILES else 3 if i % 2 else 1, cfg)
+             for cfg in sorted(set(CONFIGS) - {"fma", "split_ticket"}) for i, dtype in enumerate(DTYPES)])
 F32, F16, BF16 = DTYPES
 # in the interpreter (no GPU) the default suite takes every launch path once, every dtype and batch shape among
-# them; the rest of MATRIX is slow (tests/kernels/kernel_support.py)
+# them, and the tile kernel's three loops in fp16 and bf16; the rest of MATRIX is marked grid
 MATRIX_DEFAULT = {(F16, 1, "fma"), (BF16, 1, "split_ticket"), (F32, 1, "nosplit"), (F16, 3, "split_reduce"),
                   (BF16, 1, "fma_nosplit"), (F32, 1, "mma"), (F32, 1, "local"),
-                  (F16, 3, "local_nosplit")}
+                  (F16, 3, "local_nosplit"), (F16, 3, "dense")} | {m for m in MATRIX if m[2] in TILES and m[0] != F32}
 assert MATRIX_DEFAULT <= set(MATRIX) and {c for _, _, c in MATRIX_DEFAULT} == set(CONFIGS)
 
 
-@pytest.mark.parametrize("dtype,batch,cfg", [
-    pytest.param(*m, marks=(pytest.mark.slow,) if INTERPRETED and m not in MATRIX_DEFAULT else ()) for m in MATRIX])
+@grid_of("dtype,batch,cfg", MATRIX, lambda *m: m in MATRIX_DEFAULT)
 def test_matches_reference(dtype, batch, cfg, device, gen, poison):
     w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
     bias = rnd((OUT,), gen, dtype, device) if batch == 3 else None
@@ -64,8 +75,8 @@ def test_matches_reference(dtype, batch, cfg, device, gen, poison):
         _check(out, ref, dtype, gen, f"s={s}")
 
 
-@grid("batch,cfg", [[1, 2], ["nosplit", "split_ticket", "fma", "mma", "local"]],
-      lambda batch, cfg: batch == 2 or cfg in ("fma", "local"))
+@grid("batch,cfg", [[1, 2], ["nosplit", "split_ticket", "fma", "mma", "local", *TILES]],
+      lambda batch, cfg: batch == 2 and cfg not in TILES or batch == 1 and cfg in ("fma", "local", *TILES[:2]))
 def test_inactive_rows_are_never_read(batch, cfg, device, gen, poison):
     """Rows of w_t whose channel is inactive for every token hold NaN: a read would poison y."""
     dtype = torch.float16
@@ -82,17 +93,18 @@ def test_inactive_rows_are_never_read(batch, cfg, device, gen, poison):
     _check(out, ref, dtype, gen)
 
 
-@grid("cfg", [["nosplit", "split_reduce", "split_ticket", "local"]], lambda cfg: cfg != "split_ticket")
+@grid("cfg", [["nosplit", "split_reduce", "split_ticket", "local", *TILES, "dense"]],
+      lambda cfg: cfg not in ("split_ticket", "tile_masked", "tile_auto"))
 def test_nothing_active_and_all_active(cfg, device, gen, poison):
     dtype = torch.float32
     w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
-    x = rnd((2, IN), gen, dtype, device)
+    x = rnd((1 if cfg in TILES else 2, IN), gen, dtype, device)
     bias = rnd((OUT,), gen, dtype, device)
     big = float(x.abs().max()) + 1.0
     none = T.input_sparse_linear(x, w_t, big, config=CONFIGS[cfg])
     assert torch.equal(none, torch.zeros_like(none))
     none_b = T.input_sparse_linear(x, w_t, big, bias, config=CONFIGS[cfg])
-    assert torch.equal(none_b, bias[None, :].expand(2, OUT))
+    assert torch.equal(none_b, bias[None, :].expand(x.shape[0], OUT))
     for t in (-1.0, 0.0):  # every channel active (x has no exact zeros): the dense product
         out = T.input_sparse_linear(x, w_t, t, bias, config=CONFIGS[cfg])
         _check(out, up(x) @ up(w_t) + up(bias), dtype, gen, f"t={t}")
@@ -111,24 +123,24 @@ def test_threshold_forms_agree(device, gen):
 
 # run-to-run identity is about the order of the split reductions on a GPU; the interpreter runs a launch's programs
 # one after another, so there it cannot differ: slow there (tests/kernels/kernel_support.py)
-@grid("cfg", [["split_reduce", "split_ticket", "fma", "mma", "local"]], lambda cfg: False)
+@grid("cfg", [["split_reduce", "split_ticket", "fma", "mma", "local", *TILES]], lambda cfg: False)
 def test_bit_identical_repeats(cfg, device, gen):
     dtype = torch.bfloat16
     w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
-    x = rnd((3, IN), gen, dtype, device)
+    x = rnd((1 if cfg in TILES else 3, IN), gen, dtype, device)
     t = _thr(x, 0.4)
     first = T.input_sparse_linear(x, w_t, t, config=CONFIGS[cfg])
     for _ in range(4):
         assert torch.equal(T.input_sparse_linear(x, w_t, t, config=CONFIGS[cfg]), first)
 
 
-@grid("dtype,cfg", [[F32, BF16], ["nosplit", "split_ticket", "split_reduce", "local"]],
-      in_default((BF16, "nosplit"), (F32, "local")))
+@grid("dtype,cfg", [[F32, BF16], ["nosplit", "split_ticket", "split_reduce", "local", *TILES, "dense"]],
+      in_default((BF16, "nosplit"), (F32, "local"), (BF16, "tile_auto"), (F32, "dense")))
 def test_segments_per_projection_thresholds(dtype, cfg, device, gen, poison):
     """Fused QKV: one x, three output segments (sizes not multiples of BLOCK_N), one threshold each."""
     sizes = (40, 27, 33)
     w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
-    x = rnd((2, IN), gen, dtype, device)
+    x = rnd((1 if cfg in TILES else 2, IN), gen, dtype, device)
     bias = rnd((OUT,), gen, dtype, device)
     qs = (0.2, 0.6, 0.9)
     th = torch.stack([_thr(x, q) for q in qs])
@@ -137,28 +149,29 @@ def test_segments_per_projection_thresholds(dtype, cfg, device, gen, poison):
     _check(out, ref, dtype, gen, "tensor thresholds")
     out_f = T.input_sparse_linear_segments(x, w_t, [float(v) for v in th], sizes, bias, config=CONFIGS[cfg])
     assert torch.equal(out, out_f)
-    # each segment reads only the rows active under its own threshold
+    # each segment reads only the rows active under its own threshold (cuBLAS reads them all)
     w_nan = w_t.clone()
     lo = 0
     for s, t in zip(sizes, th):
         w_nan[~(x.float().abs() > t).any(dim=0), lo:lo + s] = float("nan")
         lo += s
-    out_nan = T.input_sparse_linear_segments(x, w_nan, th, sizes, bias, config=CONFIGS[cfg])
-    assert torch.equal(out_nan, out)
+    if cfg != "dense":
+        out_nan = T.input_sparse_linear_segments(x, w_nan, th, sizes, bias, config=CONFIGS[cfg])
+        assert torch.equal(out_nan, out)
     # one segment == the plain op
     one = T.input_sparse_linear_segments(x, w_t, th[1:2], (OUT,), bias, config=CONFIGS[cfg])
     assert torch.equal(one, T.input_sparse_linear(x, w_t, th[1], bias, config=CONFIGS[cfg]))
 
 
-@grid("dtype,cfg", [[F16, BF16, F32], ["fma", "split_ticket", "nosplit", "mma", "local"]],
-      in_default((F16, "fma"), (BF16, "nosplit"), (F16, "local")))
+@grid("dtype,cfg", [[F16, BF16, F32], ["fma", "split_ticket", "nosplit", "mma", "local", *TILES, "dense"]],
+      in_default((F16, "fma"), (BF16, "nosplit"), (F16, "local"), (F16, "tile_compact"), (BF16, "dense")))
 def test_per_channel_thresholds(dtype, cfg, device, gen, poison):
     """WINA: one threshold per segment and input channel (t / ‖W[:, i]‖), read with x: the same product as the
     reference, only rows active under their own channel's threshold read, and a row of equal thresholds gives
     the scalar op's bits."""
     sizes = (40, 27, 33)
     w_t = rnd((IN, OUT), gen, dtype, device, IN**-0.5)
-    x = rnd((2, IN), gen, dtype, device)
+    x = rnd((1 if cfg in TILES else 2, IN), gen, dtype, device)
     norms = torch.rand(len(sizes), IN, generator=gen).to(device) * 3 + 0.1
     score_t = torch.stack([_thr(x.float() * n, q) for n, q in zip(norms, (0.3, 0.6, 0.85))])
     th = (score_t[:, None] / norms).float().contiguous()              # [nseg, in]
@@ -172,7 +185,8 @@ def test_per_channel_thresholds(dtype, cfg, device, gen, poison):
         assert 0 < int(on.sum()) < IN
         w_nan[~on, lo:lo + s] = float("nan")
         lo += s
-    assert torch.equal(T.input_sparse_linear_segments(x, w_nan, th, sizes, config=CONFIGS[cfg]), out)
+    if cfg != "dense":
+        assert torch.equal(T.input_sparse_linear_segments(x, w_nan, th, sizes, config=CONFIGS[cfg]), out)
     one = T.input_sparse_linear(x, w_t, th[1], config=CONFIGS[cfg])          # [in]: one segment
     _check(one, R.input_sparse_linear(up(x), up(w_t), th[1]), dtype, gen, "one segment")
     flat = torch.full((1, IN), float(score_t[1] / 2), device=device)
@@ -218,18 +232,62 @@ def test_ops_dispatch(monkeypatch, device, gen):
 
 
 def test_path_choice():
-    """Batch 1 on CUDA takes the local (in-program compaction) path for wide outputs, the masked-load kernel for
-    narrow ones and for batches; an explicit path wins; a wrong one is refused by name."""
+    """Batch 1 on CUDA takes each projection kind's default kernel (tile: q/o and GQA k/v; local: gate|up,
+    fused QKV and down), cuBLAS on the masked x from batch 2 and below the kind's crossover when the caller
+    says its sparsity, the masked-load kernel on the CPU; an explicit path wins (tile falls back to the
+    masked-load kernel past batch 1); a wrong one is refused by name."""
     from kernels import configs as C
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    wide, narrow = C.LOCAL_MIN_OUT, C.LOCAL_MIN_OUT - 1
-    assert T._config(1, 4096, wide, cuda, None)["path"] == "local"
-    assert T._config(1, 4096, narrow, cuda, None)["path"] == "mask"
-    assert T._config(2, 4096, wide, cuda, None)["path"] == "mask"
-    assert T._config(1, 4096, wide, cpu, None)["path"] == "mask"
-    assert T._config(1, 4096, narrow, cuda, {"path": "local"})["per"] == C.INPUT_SPARSE_LOCAL["square"]["per"]
+    assert T._config(1, 4096, 4096, cuda, None)["path"] == "tile"
+    assert T._config(1, 4096, 1024, cuda, None)["path"] == "tile"
+    assert T._config(1, 4096, 11008, cuda, None)["path"] == "local"
+    assert T._config(1, 11008, 4096, cuda, None)["path"] == "local"
+    assert T._config(2, 4096, 4096, cuda, None)["path"] == "dense"
+    assert T._config(2, 4096, 4096, cpu, None)["path"] == "mask"
+    assert T._config(1, 4096, 11008, cpu, None)["path"] == "mask"
+    cross = C.INPUT_MIN_SPARSITY["wide_out"]
+    assert T._config(1, 4096, 11008, cuda, {"sparsity": cross - 0.01})["path"] == "dense"
+    assert T._config(1, 4096, 11008, cuda, {"sparsity": cross})["path"] == "local"
+    assert T._config(4, 4096, 4096, cuda, {"path": "tile"})["path"] == "mask"
+    assert T._config(1, 4096, 4096, cuda, {"path": "local"})["per"] == C.INPUT_SPARSE_LOCAL["square"]["per"]
     assert T._config(1, 11008, 4096, cuda, None)["BLOCK_R"] == C.INPUT_SPARSE_LOCAL["wide_in"]["BLOCK_R"]
-    assert T._config(1, 4096, 11008, cuda, None)["BLOCK_N"] == C.INPUT_SPARSE_LOCAL["wide_out"]["BLOCK_N"]
+    assert T._config(1, 4096, 1024, cuda, None)["BLOCK_M"] == C.INPUT_SPARSE_TILE["narrow_out"]["BLOCK_M"]
+    assert {C.tile_kind(4096, 11008), C.tile_kind(11008, 4096), C.tile_kind(4096, 4096),
+            C.tile_kind(4096, 1024)} == set(C.INPUT_DEFAULT_PATH) == set(C.INPUT_MIN_SPARSITY)
     with pytest.raises(ValueError, match="path must be one of"):
-        T._config(1, 4096, wide, cuda, {"path": "gather"})
+        T._config(1, 4096, 4096, cuda, {"path": "gather"})
+
+
+@grid("cfg", [["tile_masked", "tile_compact", "tile_auto"]], lambda cfg: cfg == "tile_auto")
+def test_tile_even_blocks(cfg, device, gen, poison):
+    """Columns a multiple of BLOCK_N (no column mask in the weight loads) and K a multiple of the slice, fp16,
+    at a sparsity where the per-program choice takes both loops."""
+    k, n = 64, 128
+    w_t = rnd((k, n), gen, torch.float16, device, k**-0.5)
+    for s in (0.3, 0.5, 0.8):
+        x = rnd((1, k), gen, torch.float16, device)
+        t = _thr(x, s)
+        out = T.input_sparse_linear(x, w_t, t, config=CONFIGS[cfg])
+        _check(out, R.input_sparse_linear(up(x), up(w_t), t), torch.float16, gen, f"s={s}")
+
+
+def test_peer_loader(tmp_path):
+    """The peer benchmark imports a user's file by path, stands in for imports of its own repository, and
+    adapts TEAL's call convention (x [1, 1, in], weight [out, in] column-major, float threshold, bin)."""
+    from benchmarks.input_sparse import Peer
+
+    f = tmp_path / "peer_gemv.py"
+    f.write_text("import torch\nfrom peer_repo_only_module import BaseKernel\n"
+                 "class Wrapper(BaseKernel):\n    pass\n"
+                 "def splitk_sparse_gemv(x, weight, threshold, sparsity_bin):\n"
+                 "    assert x.shape[:2] == (1, 1) and weight.stride(1) > 1 and isinstance(threshold, float)\n"
+                 "    return torch.where(x.abs() > threshold, x, 0) @ weight.t()\n")
+    peer = Peer.load(str(f))
+    assert peer.name == "peer_gemv:splitk_sparse_gemv"
+    gen = torch.Generator().manual_seed(0)
+    x, w_t = torch.randn(1, 16, generator=gen), torch.randn(16, 8, generator=gen)
+    y = peer.call(x, w_t, 0.5, 0.5)
+    assert y.shape == (1, 8) and torch.allclose(y, R.input_sparse_linear(x, w_t, 0.5))
+    with pytest.raises(AttributeError):
+        Peer.load(f"{f}:no_such_function")
