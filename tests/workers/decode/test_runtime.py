@@ -331,6 +331,26 @@ def test_compiled_torch_attention_takes_every_variant_whole():
         torch.testing.assert_close(attn(q, k, v, kc.clone(), vc.clone(), p, **extra), want, atol=1e-6, rtol=1e-5)
 
 
+def test_decode_is_bit_reproducible_at_one_thread_count():
+    """Same weights, plan, prompt and thread count: the same logits bit for bit (what a resumed sweep's rows and an
+    exported bundle's perplexity rely on). Fresh runtimes at 2 threads through the CPU defaults (native kernels
+    that split rows across threads): batch 2, dense, FFN and head predictors, and input sparsity on every
+    projection; prefill and 6 steps each. (The Triton kernels' fixed-order reductions are checked on a GPU: in the
+    interpreter a launch's programs run one after another.)"""
+    from workers.decode.latency import calibrated_input_plan
+
+    torch.set_num_threads(2)                       # the module's fixture restores the count
+    m = tiny_model("qwen2")
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(9))
+    for plan in (None, random_plan(m, 0.5, 0.5, rank=8, seed=3), calibrated_input_plan(m, 0.5, n_tokens=32)):
+        runs = []
+        for _ in range(2):
+            rt = DecodeRuntime.from_hf(m).set_plan(plan)
+            rt.setup(2, 18)
+            runs.append(torch.stack([rt.prefill(ids)] + [rt.step(keep_logits=True) for _ in range(6)]))
+        assert torch.equal(runs[0].view(torch.int32), runs[1].view(torch.int32))
+
+
 def test_glue_option_is_checked():
     with pytest.raises(ValueError, match="glue must be one of"):
         DecodeRuntime.from_hf(tiny_model("llama"), glue="flash")
