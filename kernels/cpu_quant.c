@@ -325,21 +325,21 @@ static float row_dot(int t, const uint8_t *row, const float *x, const float *xs,
         return hsum8(acc) + off;
     }
     case T_Q4_0: case T_Q4_1: {
-        const __m128i m4 = _mm_set1_epi8(15), e8 = _mm_set1_epi8(8);
+        /* bytes straight into 32-bit lanes (vpmovzxbd from memory), then each nibble: 16 codes per 8 bytes */
+        const __m256i m4 = _mm256_set1_epi32(15);
         const int one = t == T_Q4_1, bb = one ? 20 : 18;
         for (int64_t k = 0; k < n / 32; ++k) {
-            const uint8_t *b = row + k * bb;
+            const uint8_t *b = row + k * bb, *q = b + 2 + 2 * one;
             const float *xb = x + 32 * k;
-            const __m128i v = _mm_loadu_si128((const __m128i *)(b + 2 + 2 * one));
-            __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
-            __m256 s;
-            if (one) {
-                s = _mm256_add_ps(dot16_u8(lo, xb), dot16_u8(hi, xb + 16));
-                off += h2f(b + 2) * xs[k];
-            } else {
-                s = _mm256_add_ps(dot16_i8(_mm_sub_epi8(lo, e8), xb), dot16_i8(_mm_sub_epi8(hi, e8), xb + 16));
-            }
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b)), s, acc);
+            const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+            const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
+            __m256 a0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, m4)), _mm256_loadu_ps(xb));
+            __m256 a1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, m4)), _mm256_loadu_ps(xb + 8));
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), _mm256_loadu_ps(xb + 16), a0);
+            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), _mm256_loadu_ps(xb + 24), a1);
+            const float d = h2f(b);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_add_ps(a0, a1), acc);
+            off += (one ? h2f(b + 2) : -8.f * d) * xs[k];        /* the offset (Q4_1) or the code bias (Q4_0) */
         }
         return hsum8(acc) + off;
     }
@@ -366,28 +366,54 @@ static float row_dot(int t, const uint8_t *row, const float *x, const float *xs,
     case T_Q8_0:
         for (int64_t k = 0; k < n / 32; ++k) {
             const uint8_t *b = row + k * 34;
-            const __m256 s = dot32_i8(_mm256_loadu_si256((const __m256i *)(b + 2)), x + 32 * k);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b)), s, acc);
+            const float *xb = x + 32 * k;
+            __m256 a[4];
+            for (int u = 0; u < 4; ++u)
+                a[u] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                           _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * u)))), _mm256_loadu_ps(xb + 8 * u));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b)), _mm256_add_ps(_mm256_add_ps(a[0], a[1]),
+                                                                         _mm256_add_ps(a[2], a[3])), acc);
         }
         return hsum8(acc);
-    case T_Q4_K: case T_Q5_K: {
-        const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
-        const int five = t == T_Q5_K, bb = five ? 176 : 144;
+    case T_Q4_K: {
+        const __m256i m4 = _mm256_set1_epi32(15);
         for (int64_t k = 0; k < n / QK; ++k) {
-            const uint8_t *b = row + k * bb;
+            const uint8_t *b = row + k * 144;
             const float d = h2f(b), dmin = h2f(b + 2);
             uint8_t sc[8], mn[8];
             k_scale_min(b + 4, sc, mn);
-            const uint8_t *qs = b + (five ? 48 : 16);
-            const __m256i hb = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+            const float *xb = x + QK * k;
+            for (int c = 0; c < 4; ++c) {          /* 32 bytes: group 2c in the low nibbles, 2c + 1 in the high */
+                const uint8_t *q = b + 16 + 32 * c;
+                __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+                for (int u = 0; u < 4; ++u) {
+                    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * u)));
+                    lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, m4)),
+                                         _mm256_loadu_ps(xb + 64 * c + 8 * u), lo);
+                    hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)),
+                                         _mm256_loadu_ps(xb + 64 * c + 32 + 8 * u), hi);
+                }
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[2 * c]), lo, acc);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[2 * c + 1]), hi, acc);
+                off -= (dmin * (float)mn[2 * c]) * xs[8 * k + 2 * c] + (dmin * (float)mn[2 * c + 1]) * xs[8 * k + 2 * c + 1];
+            }
+        }
+        return hsum8(acc) + off;
+    }
+    case T_Q5_K: {
+        const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+        for (int64_t k = 0; k < n / QK; ++k) {
+            const uint8_t *b = row + k * 176;
+            const float d = h2f(b), dmin = h2f(b + 2);
+            uint8_t sc[8], mn[8];
+            k_scale_min(b + 4, sc, mn);
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(b + 16));
             const float *xb = x + QK * k;
             for (int c = 0; c < 4; ++c) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * c));
                 __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(srl16(v, 4), m4);
-                if (five) {
-                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(srl16(hb, 2 * c), one), 4));
-                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(srl16(hb, 2 * c + 1), one), 4));
-                }
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(srl16(hb, 2 * c), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(srl16(hb, 2 * c + 1), one), 4));
                 acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[2 * c]), dot32_u8(lo, xb + 64 * c), acc);
                 acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[2 * c + 1]), dot32_u8(hi, xb + 64 * c + 32), acc);
                 off -= (dmin * (float)mn[2 * c]) * xs[8 * k + 2 * c] + (dmin * (float)mn[2 * c + 1]) * xs[8 * k + 2 * c + 1];
