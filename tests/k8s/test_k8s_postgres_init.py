@@ -10,7 +10,6 @@ import subprocess
 import psycopg
 import pytest
 
-from tests.db.conftest import pg_cluster  # noqa: F401  (the session's throwaway PostgreSQL)
 from tests.k8s.conftest import K8S
 
 pytestmark = pytest.mark.postgres
@@ -19,7 +18,7 @@ SCRIPT = K8S / "postgres-init" / "10-ctxsparse-readonly-role.sh"
 OWNER, DB, RO = "ctxsparse", "ctxsparse_k8s", "ctxsparse_ro"
 
 
-def test_readonly_role_reads_migrated_tables_and_writes_nothing(pg_cluster):  # noqa: F811
+def test_readonly_role_reads_migrated_tables_and_writes_nothing(pg_cluster):
     assert shutil.which("psql"), "psql not found on PATH: install the PostgreSQL client (`make test` does)"
     # What the image does before running init scripts: the superuser POSTGRES_USER and POSTGRES_DB.
     pg_cluster._execute(f"CREATE ROLE {OWNER} SUPERUSER LOGIN")

@@ -3,33 +3,26 @@
 Covered elsewhere, not repeated here: malformed specs (tests/orchestrator/test_spec.py), tampered / damaged /
 wrong-model / escaping bundles (tests/workers/test_bundle.py), a killed worker, a re-submitted sweep and missing
 device types (tests/orchestrator/test_sweep.py), a corrupted activation cache (tests/workers/test_capture.py),
-concurrent writers on SQLite and PostgreSQL at the query layer (tests/db/test_db_concurrency.py).
+concurrent writers on SQLite and PostgreSQL at the query layer (tests/db/test_db_concurrency.py), the real Ray
+job server (tests/orchestrator/test_cli_jobs.py).
 
-Here:
-- the real tiny SmolLM2 sweep through the Ray driver into **PostgreSQL** with **2 evaluators** writing at once,
-  one of its settings a method that raises (``threshold`` given an option it does not take): every other unit
-  done with its rows exactly once, the failing fit recorded with its traceback, its dependants failed with the
-  reason, none of them with a row, no lock error anywhere (unit errors, PostgreSQL's log);
-- a bundle file deleted from ``CTXSPARSE_HOME`` after that sweep: ``ctxsparse bundle export`` exits 2 with one
-  clear message and writes nothing;
-- ``ctxsparse submit`` of the same spec twice: one submission id, one job (a stand-in job client here; the
-  real Ray job server in tests/orchestrator/test_cli_jobs.py);
+Here, on sweeps the session runs in the background (tests/sweep_support.py):
+- the real tiny SmolLM2 sweep through the Ray driver into **PostgreSQL** with **2 evaluators** writing at once
+  (``pg_sweep``), one of its settings a method that raises: every other unit done with its rows exactly once, the
+  failing fit recorded with its traceback, its dependants failed with the reason, none of them with a row, no
+  lock error anywhere (unit errors, PostgreSQL's log of that database);
+- a bundle file deleted from ``CTXSPARSE_HOME`` after the shared sweep: ``ctxsparse bundle export`` exits 2 with
+  one clear message and writes nothing;
 - a unit whose worker dies every time ends failed after ``resources.max_attempts`` with the reason, and a worker
-  that cannot record its unit (its store refuses the write) has the unit failed with the reason, no hang.
-The sweep uses its own ``CTXSPARSE_HOME`` (model and activation caches linked to the usual ones) so that
-deleting a bundle file touches nothing another test or sweep uses.
-
-The PostgreSQL sweep and the troubled-worker sweep are slow (each starts its own actors: minutes on 2 cores);
-the default suite's shared sweep (tests/orchestrator/test_sweep.py) checks a failing fit's chain on SQLite.
+  that cannot record its unit (its store refuses the write) has the unit failed with the reason, no hang
+  (``troubled_sweep``);
+and ``ctxsparse submit`` of the same spec twice against a stand-in job client (every job state).
 """
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -37,36 +30,11 @@ import yaml
 
 from db import queries
 from db.engine import get_engine, session_scope
-from tests.db.conftest import pg_cluster  # noqa: F401  (the throwaway PostgreSQL, a session fixture)
-from tests.sweep_support import PERPLEXITY_METRICS, TINY_SPEC, private_home, run_tiny_sweep
+from tests.sweep_support import FAILING_ERROR, FAILING_METHOD, PERPLEXITY_METRICS, PG_DATABASE, READONLY, TINY_SPEC
 
-BAD_OPTION = {"name": "threshold", "sparsity": [0.3], "options": {"bogus": 1}}
 LOCK_TROUBLE = re.compile(r"deadlock|could not obtain lock|could not serialize|lock timeout|database is locked",
                           re.I)
 
-
-
-
-@pytest.fixture(scope="module")
-def pg_sweep(ray_local, pg_cluster, tmp_path_factory):  # noqa: F811
-    """The tiny sweep on PostgreSQL: 2 evaluators, and a third method whose fit raises."""
-    root = tmp_path_factory.mktemp("battery")
-    home = private_home(root)
-    url = pg_cluster.empty_schema_url("ctxsparse_test")
-    old = os.environ.get("CTXSPARSE_HOME")
-    os.environ["CTXSPARSE_HOME"] = str(home)
-    t0 = time.time()
-    try:
-        outcome = run_tiny_sweep(url, name="battery-pg", methods=TINY_SPEC["methods"] + [BAD_OPTION],
-                                 resources={"fitters": 1, "evaluators": 2, "benchers": 1, "torch_threads": 1,
-                                            "cpus_per_actor": 0.5})
-    finally:
-        if old is None:
-            os.environ.pop("CTXSPARSE_HOME", None)
-        else:
-            os.environ["CTXSPARSE_HOME"] = old
-    print(f"battery sweep on PostgreSQL: {time.time() - t0:.0f}s", file=sys.stderr)
-    return url, outcome, home, pg_cluster
 
 
 def _units(url: str, sweep_id: int) -> dict:
@@ -86,61 +54,59 @@ def _expected_rows(u) -> int:
     return 0
 
 
-@pytest.mark.slow
 def test_pg_sweep_with_two_evaluators_loses_and_duplicates_nothing(pg_sweep):
-    url, out, _, cluster = pg_sweep
+    url, out = pg_sweep.url, pg_sweep.outcome
     units = _units(url, out.sweep_id)
-    assert len(units) == out.total
-    bad_fit = [u for u in units.values() if u.kind == "fit" and u.config.get("options") == {"bogus": 1}]
+    assert len(units) == out.total == 7              # collect; per setting a fit and 2 evals; no latency
+    bad_fit = [u for u in units.values() if u.kind == "fit" and u.config.get("options") == FAILING_METHOD["options"]]
     assert len(bad_fit) == 1
     chain = {bad_fit[0].id} | {u.id for u in units.values() if bad_fit[0].id in json.dumps(u.config)}
-    assert len(chain) == 4                                   # the fit, its 2 evals, its latency unit
+    assert len(chain) == 3                                   # the fit and its 2 evals
     assert sorted(out.failed) == sorted(chain) and out.worker_deaths == 0 and out.unplaceable == []
-    assert out.done == out.total - 4
+    assert out.done == out.ran == out.total - 3
     assert {u.status for uid, u in units.items() if uid not in chain} == {"done"}
     with session_scope(get_engine(url)) as s:
         acc = queries.accuracy_table(s)
-        lat = queries.latency_table(s)
+        assert queries.latency_table(s) == []
         assert [sw.status for sw in queries.list_sweeps(s)] == ["failed"]
     keys_acc = [(r.unit_id, r.suite, r.task, r.metric) for r in acc]
-    keys_lat = [(r.unit_id, r.device_type, r.batch, r.prompt_len, r.runtime) for r in lat]
-    assert len(keys_acc) == len(set(keys_acc)) and len(keys_lat) == len(set(keys_lat))      # no duplicates
+    assert len(keys_acc) == len(set(keys_acc))                                       # no duplicates
     got = {}
-    for uid, *_ in keys_acc + keys_lat:
+    for uid, *_ in keys_acc:
         got[uid] = got.get(uid, 0) + 1
     want = {uid: _expected_rows(u) for uid, u in units.items() if uid not in chain and _expected_rows(u)}
-    assert got == want                                       # nothing lost, nothing for the failed chain
-    # two evaluators really ran side by side: eval units of different workers overlap in time
-    evals = [u for u in units.values() if u.kind == "eval" and u.status == "done"]
-    assert len({u.worker for u in evals}) >= 2, {u.worker for u in evals}
-    assert any(a.worker != b.worker and a.started_at < b.finished_at and b.started_at < a.finished_at
-               for a in evals for b in evals), [(u.worker, u.started_at, u.finished_at) for u in evals]
-    # no lock trouble: no unit error mentions it, nor does PostgreSQL's server log
+    assert len(want) == 2 and got == want                    # nothing lost, nothing for the failed chain
+    # two evaluators really ran side by side: the two eval units, on different workers, overlap in time
+    a, b = [u for u in units.values() if u.kind == "eval" and u.status == "done"]
+    assert a.worker != b.worker, a.worker
+    assert a.started_at < b.finished_at and b.started_at < a.finished_at, [(u.started_at, u.finished_at)
+                                                                           for u in (a, b)]
+    # no lock trouble: no unit error mentions it, nor does PostgreSQL's server log for this database
     assert not [u.error for u in units.values() if u.error and LOCK_TROUBLE.search(u.error)]
-    log = (cluster.root / "log").read_text(errors="replace")
-    assert not LOCK_TROUBLE.findall(log), [ln for ln in log.splitlines() if LOCK_TROUBLE.search(ln)][:5]
+    log = pg_sweep.cluster.log_lines(PG_DATABASE)
+    assert any("connection authorized" in ln for ln in log), log[:5]     # the log does name the sweep's database
+    assert not [ln for ln in log if LOCK_TROUBLE.search(ln)][:5]
 
 
-@pytest.mark.slow
 def test_a_method_that_raises_fails_its_chain_with_the_traceback_and_no_rows(pg_sweep):
-    url, out, _, _ = pg_sweep
+    url, out = pg_sweep.url, pg_sweep.outcome
     units = _units(url, out.sweep_id)
     (fit,) = [units[i] for i in out.failed if units[i].kind == "fit"]
-    assert fit.status == "failed" and fit.method == "threshold"
-    assert "Traceback (most recent call last)" in fit.error and "bogus" in fit.error
+    assert fit.status == "failed" and fit.method == FAILING_METHOD["name"]
+    assert "Traceback (most recent call last)" in fit.error and FAILING_ERROR in fit.error
     dependants = [units[i] for i in out.failed if i != fit.id]
-    assert sorted(u.kind for u in dependants) == ["eval", "eval", "latency"]
+    assert sorted(u.kind for u in dependants) == ["eval", "eval"]
     for u in dependants:
         assert u.status == "failed"
         assert u.error.startswith("not run: a unit it depends on failed") and fit.id in u.error
     with session_scope(get_engine(url)) as s:
         for uid in out.failed:
             assert queries.artifacts_for(s, uid) == [] and queries.layer_metrics_for(s, uid) == []
-        ids = {r.unit_id for r in queries.accuracy_table(s)} | {r.unit_id for r in queries.latency_table(s)}
+        ids = {r.unit_id for r in queries.accuracy_table(s)}
         assert not ids & set(out.failed)
-    # the good threshold and oracle settings still went all the way
-    done_fits = {u.method for u in units.values() if u.kind == "fit" and u.status == "done"}
-    assert done_fits == {"dense", "oracle", "threshold"}
+    # the dense setting still went all the way
+    done = sorted((u.kind, u.method) for u in units.values() if u.status == "done")
+    assert done == [("collect", None), ("eval", "dense"), ("eval", "dense"), ("fit", "dense")], done
 
 
 def _export_of_a_deleted_bundle_file_exits_2(url, sweep_id, home, tmp_path, capsys, out_name, method):
@@ -166,18 +132,10 @@ def _export_of_a_deleted_bundle_file_exits_2(url, sweep_id, home, tmp_path, caps
     assert cli(["bundle", "export", fit.id[:12], "--out", str(tmp_path / out_name), "--db", url]) == 0  # restored
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("out_name", ["bundle", "bundle.tar.gz"])
-def test_bundle_file_deleted_after_the_sweep_export_exits_2_and_writes_nothing(pg_sweep, tmp_path, capsys,
-                                                                              out_name):
-    url, out, home, _ = pg_sweep
-    _export_of_a_deleted_bundle_file_exits_2(url, out.sweep_id, home, tmp_path, capsys, out_name, "oracle")
-
-
 @pytest.mark.parametrize("out_name", ["bundle", "bundle.tar.gz"])
 def test_bundle_file_deleted_after_the_shared_sweep_export_exits_2_and_writes_nothing(tiny_sweep, tmp_path,
                                                                                      capsys, out_name):
-    """The same on the session's shared sweep (SQLite; tests/sweep_support.py), in the default suite."""
+    """On the session's shared sweep (SQLite; tests/sweep_support.py)."""
     _export_of_a_deleted_bundle_file_exits_2(tiny_sweep.url, tiny_sweep.outcome.sweep_id, tiny_sweep.home,
                                              tmp_path, capsys, out_name, "threshold")
 
@@ -258,81 +216,16 @@ def test_submitting_the_same_spec_twice_gives_one_submission_id(tmp_path, capsys
 
 
 # ------------------------------------------------------------------ workers that die or cannot record
-READONLY = "attempt to write a readonly database"
-
-
-def _unwritable(*args, **kwargs):
-    import sqlite3
-
-    from sqlalchemy.exc import OperationalError
-
-    raise OperationalError("UPDATE work_units SET status=?", None, sqlite3.OperationalError(READONLY))
-
-
-class _TroubledFitter:
-    """A real fitter (``workers.actors._UnitActor``) whose process misbehaves by method: ``oracle``: the worker
-    process dies in the middle of the unit, every time; ``threshold``: the store refuses the unit's rows (``finish_unit`` raises);
-    ``static``: the store refuses every write of this worker, the failure record included."""
-    role = "fitter"
-
-    def run(self, task: dict) -> dict:
-        from db import queries as q
-
-        method = task["config"].get("method")
-        if method == "oracle":         # dies inside the unit, after marking it running
-            self._setup().run = lambda *a, **k: os._exit(1)
-        saved = q.finish_unit, q.fail_unit
-        if method in ("threshold", "static"):
-            q.finish_unit = _unwritable
-        if method == "static":
-            q.fail_unit = _unwritable
-        try:
-            return super().run(task)
-        finally:
-            q.finish_unit, q.fail_unit = saved
-
-
-@pytest.fixture(scope="module")
-def troubled_sweep(ray_local, tmp_path_factory):
-    """A latency-only sweep of a random-weights shape (its fit units are trivial; cuda latency units wait for a
-    GPU) with the troubled fitter, max_attempts 2; run in a thread so that a hang fails the test."""
-    import threading
-
-    import ray
-
-    from orchestrator.driver import run_sweep
-    from orchestrator.spec import parse_spec
-    from workers import actors
-
-    url = f"sqlite:///{tmp_path_factory.mktemp('troubled') / 'store.db'}"
-    spec = parse_spec({"name": "battery-troubled", "models": ["shape:llama2-7b"],
-                       "methods": [{"name": m, "sparsity": [0.5]} for m in ("oracle", "threshold", "static")],
-                       "latency": {"devices": ["cuda"], "prompt_len": [16], "gen_len": 4, "repeats": 1},
-                       "resources": {"max_attempts": 2, "torch_threads": 1, "cpus_per_actor": 0.5}})
-    troubled = ray.remote(num_cpus=1, max_restarts=4, max_task_retries=0)(
-        type("TroubledFitter", (_TroubledFitter, actors._UnitActor), {}))
-    result: dict = {}
-    saved = actors.ROLE_CLASSES["fit"]
-    actors.ROLE_CLASSES["fit"] = troubled
-    try:
-        t = threading.Thread(target=lambda: result.update(out=run_sweep(spec, url, heartbeat_s=10)), daemon=True)
-        t0 = time.time()
-        t.start()
-        t.join(timeout=300)
-    finally:
-        actors.ROLE_CLASSES["fit"] = saved
-    assert not t.is_alive(), "the driver hung"
-    print(f"troubled sweep: {time.time() - t0:.0f}s", file=sys.stderr)
+def _fits(url: str) -> tuple[dict, list]:
     with session_scope(get_engine(url)) as s:
         fits = {u.method: u for m in queries.list_models(s) for u in queries.units_for_model(s, m.id)
                 if u.kind == "fit"}
-        sweeps = queries.list_sweeps(s)
-    return result["out"], fits, sweeps
+        return fits, queries.list_sweeps(s)
 
 
-@pytest.mark.slow
 def test_a_worker_that_dies_every_time_fails_its_unit_after_max_attempts(troubled_sweep):
-    out, fits, sweeps = troubled_sweep
+    out = troubled_sweep.outcome
+    fits, sweeps = _fits(troubled_sweep.url)
     u = fits["oracle"]
     assert out.worker_deaths == 2 and u.id in out.failed
     assert u.status == "failed" and u.attempts == 2
@@ -341,9 +234,9 @@ def test_a_worker_that_dies_every_time_fails_its_unit_after_max_attempts(trouble
     assert [sw.status for sw in sweeps] == ["failed"]
 
 
-@pytest.mark.slow
 def test_a_worker_that_cannot_record_its_unit_gets_it_failed_with_the_reason(troubled_sweep):
-    out, fits, _ = troubled_sweep
+    out = troubled_sweep.outcome
+    fits, _ = _fits(troubled_sweep.url)
     rows_refused, nothing_written = fits["threshold"], fits["static"]
     assert {rows_refused.id, nothing_written.id} <= set(out.failed)
     # the worker could still record the failure: its traceback names the refused write

@@ -1,14 +1,11 @@
 """``ctxsparse submit / status / logs / resume`` against a real Ray job server, and operational errors.
 
-One Ray head with its job server serves the whole module (own ports, own temp dir, own process group, stopped at
-the end). The sweeps submitted to it are latency-only sweeps of a random-weights shape (``shape:llama2-7b``)
-timed on ``cuda``: the driver really runs (describe, plan, register, the two trivial fit units) in seconds, and
-the cuda units stay pending on this GPU-less cluster, so no model is loaded. Ray 2.60 guards the job API with a
-token: as in orchestrator/demo.sh, RAY_AUTH_MODE=token (the head writes ~/.ray/auth_token if missing and clients
-read it); Ray reads that setting once per process, hence every Ray client here is a subprocess.
-
-The job-server tests are slow (the head and each job's driver start in ~1-2 minutes on 2 cores); the default
-suite keeps the submission logic against a stand-in job client (tests/orchestrator/test_battery.py).
+The job server is the session's Ray cluster's (``ray_job_address``, tests/conftest.py: its dashboard's job API on
+loopback, Ray 2.60's token authentication on; this process and its children hold the token, as a user's shell
+does with ``RAY_AUTH_MODE=token``). The default test reads the session's shared SmolLM2 sweep, whose store copy its
+background driver resumed through that server (``ctxsparse resume``, ``submit`` while the job lives, ``logs
+--follow``: tests/sweep_support.py), then asks ``status`` and ``logs`` itself; the commands run in-process
+(``orchestrator.cli.main``). The slow one submits its own jobs (an attempt that failed, one still running).
 
 Operational errors (an unreachable store, an unknown model, a missing or empty data file, budgets smaller than
 one window) are one message and exit status 2, found before any Ray work starts.
@@ -16,18 +13,18 @@ one window) are one message and exit status 2, found before any Ray work starts.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
+import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
-from tests.net_support import free_port
+
+from db import queries
+from db.engine import get_engine, session_scope
+from tests.sweep_support import FAILING_ERROR
 
 BIN = Path(sys.executable).parent
 SHAPE_SPEC = {
@@ -40,113 +37,44 @@ SHAPE_SPEC = {
 UNREACHABLE_DB = "postgresql+psycopg://nobody@127.0.0.1:1/nothing"
 NOWHERE = "http://127.0.0.1:1"       # no Ray there either
 
-JOBS_PY = """
-import json, sys, time
-from ray.job_submission import JobSubmissionClient
-c = JobSubmissionClient(sys.argv[1])
-op = json.loads(sys.argv[2])
-for sid, entrypoint in op.get("submit", {}).items():
-    c.submit_job(entrypoint=entrypoint, submission_id=sid)
-for sid in op.get("stop", []):
-    c.stop_job(sid)
-if op.get("stop_live"):
-    [c.stop_job(j.submission_id) for j in c.list_jobs() if str(j.status.value) in ("PENDING", "RUNNING")]
-for sid, want in op.get("wait", {}).items():
-    t0 = time.time()
-    while str(c.get_job_status(sid).value) not in want:
-        assert time.time() - t0 < 120, (sid, str(c.get_job_status(sid).value), want)
-        time.sleep(0.3)
-print(json.dumps({j.submission_id: str(j.status.value) for j in c.list_jobs() if j.submission_id}))
-"""
+
+class Jobs:
+    """Raw jobs on the job server (what a test submits itself, besides the CLI's)."""
+
+    def __init__(self, address: str):
+        from ray.job_submission import JobSubmissionClient
+
+        self.client = JobSubmissionClient(address)
+
+    def status(self, sid: str) -> str:
+        return str(self.client.get_job_status(sid).value)
+
+    def wait(self, sid: str, *states: str, timeout: float = 120) -> str:
+        t0 = time.time()
+        while (st := self.status(sid)) not in states:
+            assert time.time() - t0 < timeout, (sid, st, states)
+            time.sleep(0.3)
+        return st
+
+    def listed(self, prefix: str) -> list[str]:
+        return sorted(j.submission_id for j in self.client.list_jobs() if (j.submission_id or "").startswith(prefix))
 
 
-@dataclass
-class JobServer:
-    address: str
-    env: dict
-    root: Path
-
-    def jobs(self, **op) -> dict | None:
-        """Submit / stop / wait for raw jobs; -> {submission id: status} of every job (None: server not up)."""
-        r = subprocess.run([sys.executable, "-c", JOBS_PY, self.address, json.dumps(op)], env=self.env,
-                           capture_output=True, text=True, timeout=180)
-        return json.loads(r.stdout) if r.returncode == 0 else None
-
-    def cli(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-        """The installed ``ctxsparse`` command, as a user runs it."""
-        return subprocess.run([str(BIN / "ctxsparse"), *args], env=self.env, capture_output=True, text=True,
-                              timeout=timeout)
-
-    def spec(self, name: str) -> Path:
-        p = self.root / f"{name}.yaml"
-        p.write_text(yaml.safe_dump({"name": name, **SHAPE_SPEC}))
-        return p
+@pytest.fixture
+def jobs(ray_job_address):
+    """Raw jobs; every job still live at the end of the test is stopped."""
+    j = Jobs(ray_job_address)
+    before = {x.submission_id for x in j.client.list_jobs()}
+    yield j
+    for x in j.client.list_jobs():
+        if x.submission_id not in before and str(x.status.value) in ("PENDING", "RUNNING"):
+            j.client.stop_job(x.submission_id)
 
 
-@pytest.fixture(scope="module")
-def job_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("jobs")
-    gcs, dash, *agent = (free_port() for _ in range(7))
-    temp = Path(f"/tmp/rj{os.getpid()}")
-    home = root / "home"
-    home.mkdir()
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_AUTH_MODE": "token", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-           "CTXSPARSE_HOME": str(home)}
-    for var in ("RAY_ADDRESS", "CTXSPARSE_DB_URL"):   # the job runs `python -m orchestrator.driver`: this venv's
-        env.pop(var, None)
-    head = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs}", "--num-cpus=2",
-         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp}",
-         "--disable-usage-stats",
-         # every fixed default port of its own: another Ray on this machine (a demo, a user's) holds the defaults
-         *(f"--{name}={port}" for name, port in zip(
-             ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
-              "runtime-env-agent-port", "ray-client-server-port"), agent))],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    server = JobServer(f"http://127.0.0.1:{dash}", env, root)
-    t0 = time.time()
-    try:
-        n = 0      # up when a job runs: the job API answers a little before the node's job agent takes jobs
-        while server.jobs(submit={f"probe-{n}": "true"}, wait={f"probe-{n}": ["SUCCEEDED"]}) is None:
-            assert head.poll() is None and time.time() - t0 < 180, "the Ray head did not come up"
-            n += 1
-            time.sleep(1)
-        print(f"Ray job server up in {time.time() - t0:.1f}s", file=sys.stderr)
-        yield server
-    finally:
-        server.jobs(stop_live=True)     # job drivers (their command lines do not name the temp dir) end first
-        # nothing of this throwaway cluster is kept: end it at once, the whole group (gcs, raylet, ...), then the
-        # workers and job drivers that started sessions of their own
-        try:
-            os.killpg(head.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        head.wait(timeout=30)
-        _kill_leftovers(str(temp))
-        shutil.rmtree(temp, ignore_errors=True)
-
-
-def _kill_leftovers(marker: str) -> None:
-    """Ray worker processes start their own session, so the head's process group does not hold them: end the
-    ones of this module's head (their command line names its temp dir) by pid."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmd:
-            try:
-                os.kill(int(proc.name), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-def _last_json(r: subprocess.CompletedProcess):
-    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
-    return json.loads(r.stdout.strip().splitlines()[-1])
+def _spec(root: Path, name: str) -> Path:
+    p = root / f"{name}.yaml"
+    p.write_text(yaml.safe_dump({"name": name, **SHAPE_SPEC}))
+    return p
 
 
 def _sid(spec: Path) -> str:
@@ -156,70 +84,90 @@ def _sid(spec: Path) -> str:
     return f"ctxsparse-{s.name}-{s.spec_hash()[:12]}"
 
 
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    from orchestrator.cli import main as cli
+
+    capsys.readouterr()
+    rc = cli([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _last_json(capsys, *args: str):
+    rc, out, err = _cli(capsys, *args)
+    assert rc == 0, (rc, err[-3000:])
+    return json.loads(out.strip().splitlines()[-1])
+
+
 # ------------------------------------------------------------------------------------- real job server
+def test_resume_submit_twice_logs_and_status_of_a_real_sweep(tiny_sweep, tiny_sweep_resumed, ray_job_address,
+                                                             capsys):
+    """The session's shared SmolLM2 sweep (tests/sweep_support.py), its store copied right after it ran, resumed
+    by its background driver as a user would: ``ctxsparse resume`` (a Ray job), ``ctxsparse submit`` of the same
+    spec while that job lives, ``ctxsparse logs --follow`` to the job's end; then here ``status`` and ``logs``."""
+    from orchestrator.spec import parse_spec
+
+    steps, first = tiny_sweep_resumed.steps, tiny_sweep.outcome
+    assert set(steps) == {"resume", "submit_while_live", "follow"}, {k: v.err[-2000:] for k, v in steps.items()}
+    db, at = tiny_sweep_resumed.url, ("--address", ray_job_address)
+    with session_scope(get_engine(db)) as s:
+        (sweep,) = queries.list_sweeps(s)
+    sid = f"ctxsparse-{sweep.name}-{parse_spec(sweep.spec).spec_hash()[:12]}"
+    # resume: the stored spec submitted as a job (the first run had none), named after the sweep's hash
+    r = steps["resume"]
+    assert r.rc == 0 and json.loads(r.out.splitlines()[-1]) == {
+        "submission_id": sid, "status": "PENDING", "submitted": True, "address": ray_job_address, "previous": None}
+    # the same spec submitted while that job waits or runs: nothing submitted, the live attempt named
+    r = steps["submit_while_live"]
+    live = json.loads(r.out.splitlines()[-1])
+    assert r.rc == 0 and live["submitted"] is False and live["submission_id"] == sid, (r.out, r.err)
+    assert live["status"] in ("PENDING", "RUNNING") and f"attempt {sid} of this sweep is {live['status']}" in r.err
+    # logs --follow streamed the driver's log until the job ended, and said how: a unit failed (again), exit 1
+    r = steps["follow"]
+    assert "units registered" in r.out and r.out.rstrip().endswith(f"job {sid}: FAILED") and r.rc == 1, r.out[-3000:]
+    assert re.search(r"\[\d+/\d+\] smollm2-135m svd s=0.5 target=no_such_target fit FAILED on fitter@", r.out), r.out
+    # status: the store's view (the sweep now knows its job) plus the Ray job's state, failures with their error
+    rc, out, err = _cli(capsys, "status", "tiny-test", *at, "--db", db)
+    assert rc == 0, err
+    (st,) = json.loads(out)
+    assert (st["sweep"], st["submission_id"], st["ray_job"], st["status"]) == ("tiny-test", sid, "FAILED", "failed")
+    assert (st["done"], st["failed"], st["total"]) == (first.done, len(first.failed), first.total)
+    assert any(FAILING_ERROR in f["error"] for f in st["failures"]), st["failures"]
+    # logs by sweep name (through the store), without following: the same log
+    rc, out, err = _cli(capsys, "logs", "tiny-test", *at, "--db", db)
+    assert rc == 0 and "units registered" in out and "already done" in out, err[-3000:]
+    # an unknown job: one message, exit 2
+    rc, _, err = _cli(capsys, "logs", "ctxsparse-nothing-0", *at)
+    assert rc == 2 and err.strip().count("\n") == 0 and "no Ray job" in err
+
+
 @pytest.mark.slow
-def test_submit_never_starts_a_second_live_attempt(job_server):
+def test_submit_never_starts_a_second_live_attempt(ray_job_address, jobs, tmp_path, capsys):
     """A failed first attempt, its ``-r2`` retry still running: submitting again submits nothing, names the live
     attempt; once that attempt has ended, a new one (``-r3``) is submitted."""
-    spec = job_server.spec("jobs-attempts")
+    spec = _spec(tmp_path, "jobs-attempts")
     sid = _sid(spec)
-    job_server.jobs(submit={sid: "python -c 'import sys; sys.exit(3)'", f"{sid}-r2": "sleep 300"},
-                    wait={sid: ["FAILED"], f"{sid}-r2": ["RUNNING"]})
-    r = job_server.cli("submit", str(spec), "--address", job_server.address,
-                       "--db", f"sqlite:///{job_server.root / 'attempts.db'}")
-    out = _last_json(r)
+    db = ("--db", f"sqlite:///{tmp_path / 'attempts.db'}")
+    jobs.client.submit_job(entrypoint="python -c 'import sys; sys.exit(3)'", submission_id=sid)
+    jobs.client.submit_job(entrypoint="sleep 300", submission_id=f"{sid}-r2")
+    jobs.wait(sid, "FAILED")
+    jobs.wait(f"{sid}-r2", "RUNNING")
+    rc, out, err = _cli(capsys, "submit", spec, "--address", ray_job_address, *db)
     # the live attempt ends (listing the jobs after that: whatever the submit did is still listed)
-    jobs = job_server.jobs(stop=[f"{sid}-r2"], wait={f"{sid}-r2": ["STOPPED"]})
-    assert f"{sid}-r3" not in jobs, f"a second live attempt was submitted: {jobs}"
+    jobs.client.stop_job(f"{sid}-r2")
+    jobs.wait(f"{sid}-r2", "STOPPED")
+    assert f"{sid}-r3" not in jobs.listed(sid), "a second live attempt was submitted"
+    assert rc == 0, err[-3000:]
+    out = json.loads(out.strip().splitlines()[-1])
     assert out["submitted"] is False and out["submission_id"] == f"{sid}-r2" and out["status"] == "RUNNING"
-    assert f"{sid}-r2" in r.stderr and "RUNNING" in r.stderr and "Traceback" not in r.stderr
+    assert f"{sid}-r2" in err and "RUNNING" in err and "Traceback" not in err
     # now a retry goes in, as -r3, naming what it follows
-    retry = _last_json(job_server.cli("submit", str(spec), "--address", job_server.address,
-                                      "--db", f"sqlite:///{job_server.root / 'attempts.db'}"))
+    retry = _last_json(capsys, "submit", spec, "--address", ray_job_address, *db)
     assert retry["submitted"] is True and retry["submission_id"] == f"{sid}-r3"
     assert retry["previous"] == {"submission_id": f"{sid}-r2", "status": "STOPPED"}
-    jobs = job_server.jobs(stop=[f"{sid}-r3"], wait={f"{sid}-r3": ["STOPPED", "SUCCEEDED", "FAILED"]})
-    assert sorted(j for j in jobs if j.startswith(sid)) == [sid, f"{sid}-r2", f"{sid}-r3"]
-
-
-@pytest.mark.slow
-def test_submit_twice_status_logs_and_resume_of_a_real_sweep(job_server):
-    spec = job_server.spec("jobs-real")
-    db = f"sqlite:///{job_server.root / 'real.db'}"
-    at = ("--address", job_server.address)
-    first = _last_json(job_server.cli("submit", str(spec), *at, "--db", db))
-    sid = first["submission_id"]
-    assert first["submitted"] is True and sid == _sid(spec)
-    again = _last_json(job_server.cli("submit", str(spec), *at, "--db", db))    # while it waits or runs
-    assert again["submitted"] is False and again["submission_id"] == sid
-    # logs --follow streams the driver's log until the job ends, and says how it ended
-    r = job_server.cli("logs", sid, *at, "--follow")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "units registered" in r.stdout and r.stdout.rstrip().endswith(f"job {sid}: SUCCEEDED")
-    # status: the store's view plus the Ray job's state
-    (st,) = _last_json_block(job_server.cli("status", "jobs-real", *at, "--db", db))
-    assert st["sweep"] == "jobs-real" and st["submission_id"] == sid and st["ray_job"] == "SUCCEEDED"
-    assert st["failed"] == 0 and st["done"] == 2 and st["total"] > st["done"]  # 2 fits; cuda units wait for a GPU
-    assert st["status"] == "running"
-    # logs by sweep name (through the store), without following
-    r = job_server.cli("logs", "jobs-real", *at, "--db", db)
-    assert r.returncode == 0 and "units registered" in r.stdout, r.stderr[-3000:]
-    # resume: a new attempt of the stored spec; what was done is skipped
-    res = _last_json(job_server.cli("resume", "jobs-real", *at, "--db", db))
-    assert res["submitted"] is True and res["submission_id"] == f"{sid}-r2"
-    assert res["previous"] == {"submission_id": sid, "status": "SUCCEEDED"}
-    r = job_server.cli("logs", f"{sid}-r2", *at, "--follow")
-    assert r.returncode == 0 and "2 of " in r.stdout and "already done; 0 to run" in r.stdout, r.stdout[-3000:]
-    (st,) = _last_json_block(job_server.cli("status", "jobs-real", *at, "--db", db))
-    assert st["submission_id"] == f"{sid}-r2" and st["ray_job"] == "SUCCEEDED" and st["done"] == 2
-    # an unknown job or sweep: one message, exit 2
-    r = job_server.cli("logs", "ctxsparse-nothing-0", *at)
-    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "no Ray job" in r.stderr
-
-
-def _last_json_block(r: subprocess.CompletedProcess):
-    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
-    return json.loads(r.stdout)
+    jobs.client.stop_job(f"{sid}-r3")
+    jobs.wait(f"{sid}-r3", "STOPPED", "SUCCEEDED", "FAILED")
+    assert jobs.listed(sid) == [sid, f"{sid}-r2", f"{sid}-r3"]
 
 
 # ------------------------------------------------------------------------------------- operational errors

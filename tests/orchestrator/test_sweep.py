@@ -2,15 +2,12 @@
 placement.
 
 The default tests read the session's one shared tiny sweep (``tiny_sweep``, tests/sweep_support.py): a setting
-whose fit raises and latency asked for on a device type the cluster lacks are part of it, and so is the same spec
-submitted again on a copy of its store. The slow ones run sweeps of their own (a run whose only units left need
-a missing device, on a copy of that store; a killed worker)."""
+whose fit raises, latency asked for on a device type the cluster lacks and an evaluator killed in the middle of a
+unit are part of it, and so is a copy of its store resumed as a Ray job. The slow one runs a sweep of its own (a run
+whose only units left need a missing device, on a copy of that store)."""
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
+import re
 
 import pytest
 
@@ -54,7 +51,7 @@ def test_tiny_sweep_writes_every_row_once(tiny_sweep):
     chain = {u.id for u in units.values() if bad_fit[0].id in (u.id, u.config.get("fit_unit"))
              and u.device_type == "cpu"}
     assert sorted(u.kind for u in units.values() if u.id in chain) == ["eval", "eval", "fit", "latency"]
-    assert sorted(outcome.failed) == sorted(chain) and outcome.worker_deaths == 0
+    assert sorted(outcome.failed) == sorted(chain) and outcome.worker_deaths == 1     # the killed evaluator
     assert all(units[i].error.startswith("not run: a unit it depends on failed") for i in chain - {bad_fit[0].id})
     # cuda units stay pending on a cluster without a GPU: one per setting and the HF baseline, no rows invented
     cuda = {u.id for u in units.values() if u.device_type == "cuda"}
@@ -108,21 +105,28 @@ def test_tiny_sweep_writes_every_row_once(tiny_sweep):
         assert pareto(settings, "perplexity/lambada-heldout/ppl", "cuda").message.startswith("no latency rows")
 
 
-def test_resubmitted_sweep_recomputes_nothing(tiny_sweep):
-    """The same spec submitted again on a copy of the store (right after the sweep, by the shared sweep's driver):
-    nothing done is computed again; the failed fit is retried and fails again, its dependants with it; the same
-    sweep, the same rows."""
-    first, again = tiny_sweep.outcome, tiny_sweep.resubmitted
-    before, after = _counts(tiny_sweep.url), _counts(tiny_sweep.resubmitted_url)
-    assert again.sweep_id == first.sweep_id and again.total == first.total
-    assert again.ran == 0 and sorted(again.failed) == sorted(first.failed) and again.worker_deaths == 0
-    assert again.done == first.done and sorted(again.unplaceable) == sorted(first.unplaceable)
+def test_resumed_sweep_recomputes_nothing(tiny_sweep, tiny_sweep_resumed):
+    """A copy of the store made right after the sweep, resumed as a Ray job (``ctxsparse resume``, by the shared
+    sweep's driver; tests/orchestrator/test_cli_jobs.py reads what the commands printed): nothing done is computed
+    again; the failed fit is retried and fails again, its dependants with it; the same sweep, the same rows."""
+    first = tiny_sweep.outcome
+    before, after = _counts(tiny_sweep.url), _counts(tiny_sweep_resumed.url)
     assert sorted(after["acc"]) == sorted(before["acc"]) and sorted(after["lat"]) == sorted(before["lat"])
-    assert len(after["sweeps"]) == 1                  # the same spec finds its sweep
-    attempts = {u.id: u.attempts for u in _all_units(tiny_sweep.resubmitted_url).values()}
-    first_attempts = {u.id: u.attempts for u in _all_units(tiny_sweep.url).values()}
-    assert {i: attempts[i] for i in attempts if i not in first.failed} == \
-           {i: first_attempts[i] for i in first_attempts if i not in first.failed}     # nothing done ran again
+    assert [sw.id for sw in after["sweeps"]] == [first.sweep_id]        # the stored spec finds its sweep
+    assert sorted(after["left"]) == sorted(before["left"])
+    units, first_units = _all_units(tiny_sweep_resumed.url), _all_units(tiny_sweep.url)
+    assert {i: u.attempts for i, u in units.items() if i not in first.failed} == \
+           {i: u.attempts for i, u in first_units.items() if i not in first.failed}   # nothing done ran again
+    assert {i: u.status for i, u in units.items()} == {i: u.status for i, u in first_units.items()}
+    (fit,) = [units[i] for i in first.failed if units[i].kind == "fit"]
+    assert fit.attempts == first_units[fit.id].attempts + 1 and FAILING_ERROR in fit.error        # retried
+    # the driver's own summary of the resumed run
+    log = tiny_sweep_resumed.steps["follow"].out
+    assert f"{first.done} of {first.total} units already done; {first.total - first.done - len(first.unplaceable)} " \
+           "to run" in log, log[-3000:]
+    assert re.search(rf"sweep tiny-test: {first.done}/{first.total} units done, {len(first.failed)} failed, "
+                     rf"{len(first.unplaceable)} waiting for devices this cluster lacks; 0 computed now in \S+; "
+                     r"0 worker deaths", log), log[-3000:]
 
 
 @pytest.mark.slow
@@ -140,44 +144,24 @@ def test_device_types_the_cluster_lacks_stay_pending(tiny_sweep, tmp_path):
         assert sw.status == "running" and queries.sweep_progress(s, sw.id).done == out.total - 3
 
 
-@pytest.mark.slow
-def test_worker_killed_mid_unit_loses_nothing_and_duplicates_nothing(ray_local, tmp_path):
-    url = f"sqlite:///{tmp_path / 'store.db'}"
-    engine = get_engine(url)
-    result = {}
-    t = threading.Thread(target=lambda: result.update(out=run_tiny_sweep(url, name="tiny-kill")), daemon=True)
-    t.start()
-    victim = None
-    deadline = time.time() + 600
-    while victim is None and time.time() < deadline and t.is_alive():
-        time.sleep(0.2)
-        try:
-            with session_scope(engine) as s:
-                models = queries.list_models(s)
-                running = queries.units_for_model(s, models[0].id, status="running") if models else []
-        except Exception:   # the store is being created by the sweep thread
-            continue
-        evals = [u for u in running if u.kind == "eval" and u.worker]
-        if evals:
-            victim = evals[0]
-    assert victim is not None, "no eval unit was seen running"
-    pid = int(victim.worker.rsplit(":", 1)[1])
-    os.kill(pid, signal.SIGKILL)
-    t.join(timeout=900)
-    out = result["out"]
-    assert out.ok and out.worker_deaths >= 1 and out.done == out.total
-    c = _counts(url)
-    assert c["left"] == {}
+def test_worker_killed_mid_unit_loses_nothing_and_duplicates_nothing(tiny_sweep):
+    """The shared sweep's driver killed (SIGKILL) the evaluator running the first eval unit: that unit ran again on
+    a new worker and wrote its rows once; nothing else was lost (test_tiny_sweep_writes_every_row_once)."""
+    killed, out = tiny_sweep.killed, tiny_sweep.outcome
+    assert killed is not None, "no eval unit was seen running"
+    assert out.worker_deaths == 1 and killed.unit not in out.failed
+    c = _counts(tiny_sweep.url)
+    assert killed.unit not in c["left"]
     assert len(c["acc"]) == len(set(c["acc"])) and len(c["lat"]) == len(set(c["lat"]))
-    with session_scope(engine) as s:
-        u = queries.get_unit(s, victim.id)
-        assert u.status == "done" and u.attempts >= 2 and u.worker != victim.worker
-        rows = [r for r in queries.accuracy_table(s) if r.unit_id == victim.id]
-        from workers.evals.tasks import SUITES
+    with session_scope(get_engine(tiny_sweep.url)) as s:
+        u = queries.get_unit(s, killed.unit)
+        assert u.kind == "eval" and u.status == "done" and u.attempts == 2 and u.worker != killed.worker
+        rows = [r for r in queries.accuracy_table(s) if r.unit_id == killed.unit]
+    from workers.evals.tasks import SUITES
 
-        suite = victim.config["suite"]
-        expected = PERPLEXITY_METRICS if suite == "perplexity" else SUITES[suite].metrics
-        assert sorted(r.metric for r in rows) == sorted(expected)
+    suite = u.config["suite"]
+    expected = PERPLEXITY_METRICS if suite == "perplexity" else SUITES[suite].metrics
+    assert sorted(r.metric for r in rows) == sorted(expected)
 
 
 def test_npu_actor_is_placed_on_the_npu_node_and_sees_its_device(ray_local):
