@@ -236,6 +236,8 @@ class SweepSpec(_Strict):
         if len(set(keys)) != len(keys):
             raise ValueError("methods: the same method with the same allocation and options is listed twice "
                              "(merge their grids)")
+        for ref in self.models:
+            check_ranks(self, ref, _known_hidden_size(ref))
         return self
 
     def canonical(self) -> dict:
@@ -244,6 +246,30 @@ class SweepSpec(_Strict):
 
     def spec_hash(self) -> str:
         return hashlib.sha256(json.dumps(self.canonical(), sort_keys=True).encode()).hexdigest()
+
+
+def _known_hidden_size(ref: str) -> int | None:
+    """The hidden size d of a model known without loading it or reading a file (a packaged model, a shape)."""
+    from workers.loading.models import PACKAGED_HIDDEN_SIZE
+
+    if is_shape(ref):
+        from workers.decode.shapes import ffn_shape
+
+        return ffn_shape(shape_name(ref))[0]
+    return PACKAGED_HIDDEN_SIZE.get(ref)
+
+
+def check_ranks(spec: SweepSpec, ref: str, d: int | None) -> None:
+    """A predictor's rank is at most the model's hidden size d (a rank-r map from d inputs has rank <= d: SVDP
+    truncates an SVD of a D x d matrix, Deja Vu's d -> r -> D factors gain nothing past r = d). ValueError naming
+    the grid value and the model; nothing to check where d is not known here (``d`` None)."""
+    if d is None:
+        return
+    for i, m in enumerate(spec.methods):
+        for j, r in enumerate(m.rank):
+            if r is not None and r > d:
+                raise ValueError(f"methods.{i}.rank.{j}: rank {r} is larger than the hidden size of model {ref!r} "
+                                 f"(d = {d}); a predictor's rank is at most d")
 
 
 def _field_path(loc: tuple) -> str:
@@ -262,7 +288,10 @@ def parse_spec(data: Any, origin: str = "spec") -> SweepSpec:
             msg = err["msg"]
             if err["type"] == "extra_forbidden":
                 msg = "unknown key (not part of the sweep spec)"
-            lines.append(f"  {_field_path(err['loc'])}: {msg}")
+            if not err["loc"] and err["type"] == "value_error":    # a check across fields names its own fields
+                lines.append(f"  {msg.removeprefix('Value error, ')}")
+            else:
+                lines.append(f"  {_field_path(err['loc'])}: {msg}")
         raise SpecError(f"{origin}: invalid sweep spec\n" + "\n".join(lines)) from None
 
 
@@ -280,9 +309,25 @@ def load_spec(path: str | Path) -> SweepSpec:
     return parse_spec(data, str(path))
 
 
+def _folder_hidden_size(spec: SweepSpec, folder: Path) -> int | None:
+    """A local model folder's hidden size, from its config (read only where the spec gives a rank); None where the
+    config cannot be read as a known architecture (the worker that loads it says why)."""
+    if all(r is None for m in spec.methods for r in m.rank):
+        return None
+    from transformers import AutoConfig
+
+    from workers.loading.adapters import adapter_for
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        return adapter_for(config).dims(config).d
+    except (ValueError, KeyError, OSError):
+        return None
+
+
 def check_inputs(spec: SweepSpec) -> None:
     """What the spec names on this machine's disk, checked before a job exists: model files and folders given by
-    path exist, a local task YAML (``yaml:PATH``) is readable as one lm-eval task, and a local data file exists
+    path exist (a folder's hidden size bounds the predictor ranks: ``check_ranks``), a local task YAML (``yaml:PATH``) is readable as one lm-eval task, and a local data file exists
     and holds some text. SpecError naming the field.
 
     Packaged models and data, and Hugging Face ids, are left to the workers (they may be installed there only)."""
@@ -304,6 +349,10 @@ def check_inputs(spec: SweepSpec) -> None:
                 raise SpecError(f"models.{i}: model folder not found: {ref}")
             if not (p / "config.json").is_file():
                 raise SpecError(f"models.{i}: {ref} has no config.json (not a Hugging Face model folder)")
+            try:
+                check_ranks(spec, ref, _folder_hidden_size(spec, p))
+            except ValueError as e:
+                raise SpecError(str(e)) from None
     src = spec.data.source
     if src in PACKAGED_SOURCES or src.startswith("hf:"):
         return

