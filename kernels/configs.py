@@ -120,20 +120,29 @@ def input_sparse_tile(k: int, n: int) -> dict:
     return dict(INPUT_SPARSE_TILE[tile_kind(k, n)])
 
 
-# The batch-1 CUDA default path per projection kind (measured on an H200, 2026-12-02: the tile kernel is the
-# fastest of the three on q/o and GQA k/v at every sparsity; on the wide kinds the local path is 5-10 % faster at
-# s = .4/.5, the tile kernel 0-15 % faster at .7/.9). Batch >= 2 takes the masked-load kernel, or dense (below).
-INPUT_DEFAULT_PATH = {"wide_in": "local", "wide_out": "local", "square": "tile", "narrow_out": "tile"}
+# The batch-1 CUDA default kernel (measured on an H200, 2026-12-02, kernels/NOTES.md run 9): the tile kernel up to
+# INPUT_TILE_MAX_OUT output columns with fewer than 8,192 inputs (q, o, GQA k and v: the fastest of the three at
+# every sparsity), the local path otherwise (gate|up, down, fused QKV: 4-16 % faster than the tile kernel at
+# s = .4/.5, within 6 % at .7, 4-15 % slower at .9). Batch >= 2: cuBLAS (below).
+INPUT_TILE_MAX_OUT = 4096
 
-# Dense crossover of the input-sparse op, the one rule (input_sparse_dense). From INPUT_DENSE_FROM_BATCH tokens
-# the op runs the masked product through cuBLAS (each token's x masked, then x @ w_t: the same function): the
-# sparse kernels were measured at 0.44-0.92x cuBLAS at batch 2 and 4 (kernels/NOTES.md, input sparsity run 4).
-# At batch 1 the op cannot see the sparsity (the threshold lives on the device): INPUT_MIN_SPARSITY[kind] is
-# the measured sparsity below which the default path is slower than cuBLAS (linear between the s = 0 and 0.4
-# points of 2026-12-02); a caller that knows its sparsity passes config={"sparsity": s} and gets cuBLAS below it
-# (the masking adds one small launch, so at s = 0 a caller should rather run the projection unmasked).
+
+def input_default_path(k: int, n: int) -> str:
+    """The batch-1 CUDA default path of a projection of ``k`` inputs and ``n`` outputs."""
+    return "tile" if n <= INPUT_TILE_MAX_OUT and k < 8192 else "local"
+
+
+# Dense crossover of the input-sparse op, the one rule (input_sparse_dense). The "dense" path is cuBLAS on the
+# masked x (one launch masks x per segment, then x @ w_t per segment: the same function), measured on an H200
+# (2026-12-02, kernels/NOTES.md run 9) at cuBLAS + 1.4-2 µs for one segment. From INPUT_DENSE_FROM_BATCH tokens
+# the op takes it: at batch 4 it was 1.4-1.7x the masked-load kernel (gate/up 26.2 vs 44.0 µs, q/o 14.8 vs 21.4,
+# fused QKV 42.1 vs 56.4), and the sparse kernels were 0.58-0.92x cuBLAS at batch 2 (input sparsity run 4). At
+# batch 1 the op cannot see the sparsity (the threshold lives on the device): a caller that knows it passes
+# config={"sparsity": s} and gets the dense path below INPUT_MIN_SPARSITY[kind], the measured sparsity at which
+# the kind's default kernel is as fast as the dense path (linear between s = 0 and 0.4). At s = 0 only an
+# unmasked product (the caller not sparsifying the projection) matches cuBLAS itself.
 INPUT_DENSE_FROM_BATCH = 2
-INPUT_MIN_SPARSITY = {"wide_in": 0.05, "wide_out": 0.23, "square": 0.1, "narrow_out": 0.0}
+INPUT_MIN_SPARSITY = {"wide_in": 0.0, "wide_out": 0.03, "square": 0.0, "narrow_out": 0.0}
 
 
 def input_sparse_dense(batch: int, k: int, n: int, sparsity: float | None = None) -> bool:

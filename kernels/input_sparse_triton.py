@@ -9,14 +9,19 @@ Ops (same signatures as kernels.reference):
 contiguous row. y[b] = sum over i with |x[b, i]| > t of x[b, i] * w_t[i, :] (+ bias). A row of w_t is read only
 if some token of the batch has that channel active (the union); each token's inactive entries are zeroed, so
 every token gets exactly its own masked product. No host sync (the threshold may be a 0-d device tensor),
-CUDA-graph capturable. Two kernels (``path``, configs.py):
+CUDA-graph capturable. Paths (``path``, configs.py; the default per batch and projection kind there):
 
 * "mask": the mask is applied in the weight load, no compaction. Bytes fall with the sparsity, instructions do
   not (every row's converts and FMAs run, on zeros), so its time flattens at high sparsity.
 * "local": each program first lists the active channels of its own K slice (a prefix sum over the slice, written
   to a scratch row that every column block of the slice fills with the same values), then loads and multiplies
-  only those rows. Bytes and instructions both fall with the sparsity; one launch. The default at batch 1 on
-  CUDA for outputs of >= configs.LOCAL_MIN_OUT columns.
+  only those rows. Bytes and instructions both fall with the sparsity; one launch.
+* "tile" (batch 1): one grid of (column block, K slice) programs that either load masked [BLOCK_M, BLOCK_N]
+  tiles (TEAL's loop, every tile's loads in flight together) or compact their slice's active rows into a
+  scratch row of their own (no two programs writing one address) and stream those rows with the next steps in
+  flight, or pick one of the two by their own active count; partials by the ticket or a reduce launch.
+* "dense": cuBLAS on the masked x (one launch masks x, one product per segment): from batch 2, and at batch 1
+  where the caller says its sparsity is below the measured crossover (configs.input_sparse_dense).
 
 The segmented op is the fused QKV case: one input x, W^T of q, k and v concatenated along out, and one
 threshold per output segment (up to 4 segments): segment j uses the mask |x| > thresholds[j]. A threshold may
@@ -32,9 +37,9 @@ CUDA-core FMAs with the next two weight tiles prefetched in registers (batch <= 
 1 and 2), the same loop with tensor-core tl.dot (``mma``), and a cp.async-pipelined tl.dot with the batch
 padded to 16 rows (``dot``; batch >= 4). fp32 accumulation throughout; fp16, bf16 and fp32 inputs.
 
-Measured on an H200 (kernels/NOTES.md): at batch 1 both paths pay a per-call constant above cuBLAS's; the best of
-the two is 1.3-1.4x cuBLAS at 50 % sparsity and 1.7-1.8x at 70 % for gate/up, down and the fused QKV; the local
-path runs bf16 as fast as fp16. Batch >= 2 is slower than cuBLAS.
+Measured on an H200 (kernels/NOTES.md, BENCHMARKS.md): at batch 1 every path pays a per-call constant above
+cuBLAS's; the default (local for gate|up, fused QKV and down, tile for q/o and GQA k/v) is 1.1-1.5x cuBLAS at
+50 % sparsity and 1.4-1.9x at 70 %, bf16 as fast as fp16; TEAL's atomic kernel stays 3-18 % faster at 40-50 %.
 """
 from __future__ import annotations
 
@@ -487,6 +492,25 @@ def _input_sparse_tile_kernel(
                bias_ptr, HAS_BIAS, PARTIAL, TICKET, S_PAD, 1)
 
 
+MASK_BLOCK = 1024
+
+
+@triton.jit
+def _mask_kernel(x_ptr, stride_xb, thr_ptr, t0, t1, t2, t3, out_ptr, B, K,
+                 NSEG: tl.constexpr, THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, BLOCK: tl.constexpr):
+    """out[seg, b, k] = x[b, k] if |x[b, k]| > segment seg's threshold (of channel k) else 0: the masked x the
+    dense path hands to cuBLAS, every segment in one launch (grid: flat blocks of B * K, segments)."""
+    seg = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < B * K
+    b = offs // K
+    k = offs - b * K
+    xv = tl.load(x_ptr + b * stride_xb + k, mask=m, other=0.0)
+    thr = _thr_at(_segment_thr(seg, thr_ptr, t0, t1, t2, t3, K, THR_PTR, THR_VEC), k, m, THR_VEC)
+    on = tl.abs(xv.to(tl.float32)) > thr
+    tl.store(out_ptr + seg * (B * K) + offs, tl.where(on, xv, tl.zeros_like(xv)), mask=m)
+
+
 def _segment_bounds(sizes, N):
     """c1, c2, c3: the first column of segments 1..3 (N past the last segment)."""
     bounds = [0]
@@ -574,9 +598,9 @@ def _launch_tile(x, w_t, thresholds, sizes, bias, cfg):
 # ------------------------------------------------------------------------------------------------
 def _config(B, K, N, device, override):
     """Launch config: ``override["path"]`` if given, else on CUDA cuBLAS where configs.input_sparse_dense says
-    (batch >= 2, or ``override["sparsity"]`` below the kind's crossover), the kind's default kernel at batch 1
-    (configs.INPUT_DEFAULT_PATH), the masked-load kernel otherwise; then that path's frozen config for the shape,
-    the interpreter's sizes on the CPU, and the override."""
+    (batch >= 2, or ``override["sparsity"]`` below the kind's crossover), the shape's default kernel at batch 1
+    (configs.input_default_path), the masked-load kernel on the CPU; then that path's frozen config for the
+    shape, the interpreter's sizes on the CPU, and the override."""
     bp = C.b_pad(B)
     override = override or {}
     path = override.get("path")
@@ -586,7 +610,7 @@ def _config(B, K, N, device, override):
         elif C.input_sparse_dense(B, K, N, override.get("sparsity")):
             path = "dense"
         else:
-            path = C.INPUT_DEFAULT_PATH[C.tile_kind(K, N)] if bp == 1 else "mask"
+            path = C.input_default_path(K, N) if bp == 1 else "mask"
     if path not in C.INPUT_PATHS:
         raise ValueError(f"input-sparse path must be one of {C.INPUT_PATHS}, got {path!r}")
     if path == "tile" and bp != 1:
@@ -608,17 +632,26 @@ def _config(B, K, N, device, override):
 
 
 def _dense(x, w_t, thresholds, sizes, bias):
-    """The same product through cuBLAS: each segment's masked x (|x| > its threshold, compared in fp32 as the
-    kernels do) times its columns of w_t; no sync."""
-    xf = x.float().abs()
-    outs, lo = [], 0
+    """The same product through cuBLAS: one launch writes each segment's masked x (|x| > its threshold,
+    compared in fp32 as the kernels do), then one cuBLAS product per segment into its columns of y (the bias
+    added there); no sync."""
+    B, K = x.shape
+    N = w_t.shape[1]
+    nseg = len(sizes)
+    xm = _c.empty((nseg, B, K), x.device, x.dtype)
+    thr_ptr, tv, thr_dev, thr_vec = _thr_args(x, thresholds)
+    _mask_kernel[(triton.cdiv(B * K, MASK_BLOCK), nseg)](
+        x, x.stride(0), thr_ptr, *tv, xm, B, K, NSEG=nseg, THR_PTR=thr_dev, THR_VEC=thr_vec, BLOCK=MASK_BLOCK,
+        num_warps=4)
+    y = _c.empty((B, N), x.device, x.dtype)
+    lo = 0
     for j, sz in enumerate(sizes):
-        t = thresholds[j]
-        xm = torch.where(xf > (t.float() if isinstance(t, torch.Tensor) else t), x, torch.zeros_like(x))
-        outs.append(xm @ w_t[:, lo:lo + sz])
+        if bias is None:
+            torch.mm(xm[j], w_t[:, lo:lo + sz], out=y[:, lo:lo + sz])
+        else:
+            torch.addmm(bias[lo:lo + sz], xm[j], w_t[:, lo:lo + sz], out=y[:, lo:lo + sz])
         lo += sz
-    y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    return y + bias if bias is not None else y
+    return y
 
 
 _COUNTERS: dict = {}

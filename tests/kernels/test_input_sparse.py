@@ -15,13 +15,14 @@ from kernels import reference as R
 IN, OUT = 72, 100  # not multiples of the blocks: K and column tails are exercised
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # every launch path; blocks small enough that the test shapes span several of them
+MASK = dict(path="mask")   # the masked-load kernel (at batch >= 2 the op's own choice on a GPU is cuBLAS)
 CONFIGS = {
-    "nosplit": dict(BLOCK_N=32, BLOCK_K=32, splits=1, dot=True),
-    "split_reduce": dict(BLOCK_N=32, BLOCK_K=16, splits=3, dot=True, reduce="kernel"),
-    "split_ticket": dict(BLOCK_N=16, BLOCK_K=16, splits=4, dot=True, reduce="ticket"),
-    "fma": dict(BLOCK_N=32, BLOCK_K=16, splits=2, dot=False, reduce="ticket"),
-    "fma_nosplit": dict(BLOCK_N=64, BLOCK_K=32, splits=1, dot=False),
-    "mma": dict(BLOCK_N=32, BLOCK_K=16, splits=3, dot=False, mma=True, reduce="ticket"),
+    "nosplit": dict(MASK, BLOCK_N=32, BLOCK_K=32, splits=1, dot=True),
+    "split_reduce": dict(MASK, BLOCK_N=32, BLOCK_K=16, splits=3, dot=True, reduce="kernel"),
+    "split_ticket": dict(MASK, BLOCK_N=16, BLOCK_K=16, splits=4, dot=True, reduce="ticket"),
+    "fma": dict(MASK, BLOCK_N=32, BLOCK_K=16, splits=2, dot=False, reduce="ticket"),
+    "fma_nosplit": dict(MASK, BLOCK_N=64, BLOCK_K=32, splits=1, dot=False),
+    "mma": dict(MASK, BLOCK_N=32, BLOCK_K=16, splits=3, dot=False, mma=True, reduce="ticket"),
     # compaction inside each program: K slices of 32 channels (the last one partial), 8 active rows per step
     "local": dict(path="local", per=32, BLOCK_N=32, BLOCK_R=8, num_warps=4),
     "local_nosplit": dict(path="local", per=128, BLOCK_N=64, BLOCK_R=16, num_warps=4),
@@ -232,15 +233,16 @@ def test_ops_dispatch(monkeypatch, device, gen):
 
 
 def test_path_choice():
-    """Batch 1 on CUDA takes each projection kind's default kernel (tile: q/o and GQA k/v; local: gate|up,
-    fused QKV and down), cuBLAS on the masked x from batch 2 and below the kind's crossover when the caller
-    says its sparsity, the masked-load kernel on the CPU; an explicit path wins (tile falls back to the
-    masked-load kernel past batch 1); a wrong one is refused by name."""
+    """Batch 1 on CUDA takes the shape's default kernel (tile: q/o and GQA k/v; local: gate|up, fused QKV and
+    down), cuBLAS on the masked x from batch 2 and below the kind's crossover when the caller says its
+    sparsity, the masked-load kernel on the CPU; an explicit path wins (tile falls back to the masked-load
+    kernel past batch 1); a wrong one is refused by name."""
     from kernels import configs as C
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert T._config(1, 4096, 4096, cuda, None)["path"] == "tile"
     assert T._config(1, 4096, 1024, cuda, None)["path"] == "tile"
+    assert T._config(1, 4096, 6144, cuda, None)["path"] == "local"     # a GQA model's fused QKV
     assert T._config(1, 4096, 11008, cuda, None)["path"] == "local"
     assert T._config(1, 11008, 4096, cuda, None)["path"] == "local"
     assert T._config(2, 4096, 4096, cuda, None)["path"] == "dense"
@@ -254,7 +256,7 @@ def test_path_choice():
     assert T._config(1, 11008, 4096, cuda, None)["BLOCK_R"] == C.INPUT_SPARSE_LOCAL["wide_in"]["BLOCK_R"]
     assert T._config(1, 4096, 1024, cuda, None)["BLOCK_M"] == C.INPUT_SPARSE_TILE["narrow_out"]["BLOCK_M"]
     assert {C.tile_kind(4096, 11008), C.tile_kind(11008, 4096), C.tile_kind(4096, 4096),
-            C.tile_kind(4096, 1024)} == set(C.INPUT_DEFAULT_PATH) == set(C.INPUT_MIN_SPARSITY)
+            C.tile_kind(4096, 1024)} == set(C.INPUT_SPARSE_TILE) == set(C.INPUT_MIN_SPARSITY)
     with pytest.raises(ValueError, match="path must be one of"):
         T._config(1, 4096, 4096, cuda, {"path": "gather"})
 
