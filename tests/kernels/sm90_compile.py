@@ -106,6 +106,21 @@ def cases() -> list[Case]:
     out.append(_case("input_sparse_triton", "_input_sparse_local_kernel", "bf16",
                      dict(NSEG=1, THR_PTR=True, THR_VEC=False, HAS_BIAS=False, PARTIAL=True, TICKET=True, S_PAD=32,
                           B_R=1, B_PAD=1, PER=512, BLOCK_R=32, BLOCK_N=128)))
+    # the batch-1 tile kernel (configs.INPUT_SPARSE_TILE): masked tiles with the ticket, compacted rows two steps
+    # ahead in private scratch rows, the per-program choice over three segments with per-channel thresholds and
+    # a reduce launch; the dense path's mask launch
+    tile = dict(NSEG=1, THR_PTR=True, THR_VEC=False, HAS_BIAS=False, PARTIAL=True, S_PAD=16, EVEN_N=True,
+                SPLIT_MAJOR=False, TICKET=True, PRIVATE=False, DEPTH=1, BLOCK_R=32)
+    out.append(_case("input_sparse_triton", "_input_sparse_tile_kernel", "fp16",
+                     dict(tile, COMPACT=0, BLOCK_M=32, TILES=8, BLOCK_N=128)))
+    out.append(_case("input_sparse_triton", "_input_sparse_tile_kernel", "bf16",
+                     dict(tile, COMPACT=1, PRIVATE=True, DEPTH=2, BLOCK_M=1024, TILES=1, BLOCK_N=128)))
+    out.append(_case("input_sparse_triton", "_input_sparse_tile_kernel", "fp16",
+                     dict(tile, NSEG=3, THR_VEC=True, HAS_BIAS=True, EVEN_N=False, SPLIT_MAJOR=True, TICKET=False,
+                          COMPACT=2, BLOCK_M=64, TILES=4, BLOCK_N=64, BLOCK_R=64)))
+    for dt, vec in (("fp16", False), ("bf16", True)):
+        out.append(_case("input_sparse_triton", "_mask_kernel", dt,
+                         dict(NSEG=3, THR_PTR=True, THR_VEC=vec, BLOCK=1024)))
     # the one-CTA top-k select: packed counts (1 and 2 bits a step), 16- and 32-bit keys
     for bits in (1, 2):
         for dt, key_bits in (("fp16", 16), ("fp32", 32)):
