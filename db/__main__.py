@@ -1,8 +1,9 @@
-"""``python -m db upgrade [URL]`` / ``python -m db current [URL]``; a sweep's rows as JSON lines:
-``python -m db export SWEEP FILE [URL]`` and ``python -m db load FILE [URL]`` (see ``db.resultset``).
+"""``python -m db upgrade [--db URL]`` / ``python -m db current [--db URL]``; a sweep's rows as JSON lines:
+``python -m db export SWEEP FILE [--db URL]`` and ``python -m db load FILE [--db URL]`` (see ``db.resultset``).
 
-URL defaults to ``$CTXSPARSE_DB_URL``, else the SQLite file under ``$CTXSPARSE_HOME``.
-Exit status 0 on success, 1 with a one-line message on stderr otherwise.
+``--db URL``, as every ``ctxsparse`` command takes it; the URL may also come last, without ``--db`` (both: they
+must be the same). It defaults to ``$CTXSPARSE_DB_URL``, else the SQLite file under ``$CTXSPARSE_HOME``.
+Exit status 0 on success, 1 with a one-line message on stderr otherwise, 2 for a usage error.
 """
 
 from __future__ import annotations
@@ -36,10 +37,13 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("file", help="the .jsonl file to write")
         elif name == "load":
             p.add_argument("file", help="a .jsonl file written by export")
-        p.add_argument("url", nargs="?", default=None,
+        p.add_argument("--db", dest="db", default=None, metavar="URL",
                        help="SQLAlchemy URL (default: $CTXSPARSE_DB_URL or the SQLite file under $CTXSPARSE_HOME)")
+        p.add_argument("url", nargs="?", default=None, help="the same URL, given without --db")
     args = parser.parse_args(argv)
-    url = args.url or default_url()
+    if args.db and args.url and args.db != args.url:
+        parser.error(f"two different store URLs: --db {_safe(args.db)} and {_safe(args.url)}; give one")
+    url = args.db or args.url or default_url()
     if args.command in ("export", "load"):
         return _resultset(args, url)
     try:

@@ -29,7 +29,7 @@ def test_cli_upgrade_then_current(db_url):
     up = _cli("upgrade", db_url)
     assert up.returncode == 0, up.stderr
     assert f"at revision {head_revision()}" in up.stdout
-    cur = _cli("current", db_url)
+    cur = _cli("current", "--db", db_url)                # the URL as every ctxsparse command takes it
     assert cur.returncode == 0 and "up to date" in cur.stdout, cur.stderr
 
 

@@ -117,3 +117,23 @@ def test_cli_export_load_and_errors(tmp_path, capsys):
     assert "junk.jsonl:2: not JSON" in capsys.readouterr().err
     assert db_main(["load", str(tmp_path / "missing.jsonl"), dst]) == 1
     assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_cli_takes_the_store_as_db_or_last_and_refuses_two(tmp_path, capsys, monkeypatch):
+    """``--db URL`` as every ctxsparse command takes it, or the URL last; both: the same one or a usage error
+    (exit 2, nothing written); neither: $CTXSPARSE_DB_URL."""
+    src_url, src = _source(tmp_path)
+    src.dispose()
+    out, dst, other = tmp_path / "a.jsonl", f"sqlite:///{tmp_path / 'dst.db'}", tmp_path / "other.db"
+    assert db_main(["export", "sweep-a", str(out), "--db", src_url]) == 0
+    assert db_main(["load", "--db", dst, str(out)]) == 0
+    assert "4 work_units" in capsys.readouterr().out
+    assert db_main(["load", str(out), dst, "--db", dst]) == 0                   # the same URL twice: fine
+    assert "0 work_units" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        db_main(["load", str(out), dst, "--db", f"sqlite:///{other}"])
+    assert e.value.code == 2 and "two different store URLs" in capsys.readouterr().err
+    assert not other.exists()
+    monkeypatch.setenv("CTXSPARSE_DB_URL", f"sqlite:///{other}")
+    assert db_main(["load", str(out)]) == 0 and other.exists()
+    assert "4 work_units" in capsys.readouterr().out
