@@ -868,14 +868,44 @@ int cs_q_ffn(const qpart *G, int ng, const qpart *U, int nu, const qpart *Dn, in
 
 /* ------------------------------------------------------------------------------ the transposed layout */
 /* Wt [nin, nout] (kernels.quant.QuantWeightT): codes int8 [nin, nout] (bits 8) or 4-bit [nin, nout / 2] packed
- * per 32 outputs (16 bytes: low nibbles the first 16, stored = code + cbias); scale, offset fp32
- * [nin / group, nout] (offset NULL: none). Wt[i, o] = scale[g, o] * code[i, o] + offset[g, o], g = i / group.
+ * per 32 outputs (16 bytes: low nibbles the first 16, stored = code + cbias); scale, offset [nin / group, nout]
+ * fp32, or fp16 (half != 0) (offset NULL: none). Wt[i, o] = scale[g, o] * code[i, o] + offset[g, o], g = i / group.
  *
  * y_b = ybias + sum_j w[b * wstride + j] * Wt[r_j, :] (r_j = idx[j], idx NULL: j) for the k rows. Consecutive
  * rows of one group share its scales: their codes are summed first (t_o = sum_j w_j code[r_j, o], s = sum_j w_j),
  * then y_o += scale[g, o] * t_o + offset[g, o] * s: the scales are read once per group that has a row (sorted
  * indices: once per group). Threads split the output columns (multiples of 32); no partial sums. */
-static void qt_body(const uint8_t *codes, int bits, int cbias, const float *scale, const float *offset,
+/* y[o] += scale[o] * t[o] + offset[o] * sw for o in [0, m) (scale/offset fp16 or fp32 rows at column c0) */
+static void qt_flush(const void *scale, const void *offset, int half, int64_t c0, int64_t m, const float *t,
+                     float sw, float *y) {
+    int64_t o = 0;
+#if QSIMD
+    const __m256 swv = _mm256_set1_ps(sw);
+    for (; o + 8 <= m; o += 8) {
+        const __m256 sv = half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)scale + c0 + o)))
+                               : _mm256_loadu_ps((const float *)scale + c0 + o);
+        __m256 v = _mm256_fmadd_ps(sv, _mm256_loadu_ps(t + o), _mm256_loadu_ps(y + o));
+        if (offset) {
+            const __m256 ov = half
+                ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)offset + c0 + o)))
+                : _mm256_loadu_ps((const float *)offset + c0 + o);
+            v = _mm256_fmadd_ps(ov, swv, v);
+        }
+        _mm256_storeu_ps(y + o, v);
+    }
+#endif
+    for (; o < m; ++o) {
+        const float sc = half ? h2f((const uint8_t *)scale + 2 * (c0 + o)) : ((const float *)scale)[c0 + o];
+        float v = fmaf(sc, t[o], y[o]);
+        if (offset) {
+            const float of = half ? h2f((const uint8_t *)offset + 2 * (c0 + o)) : ((const float *)offset)[c0 + o];
+            v = fmaf(of, sw, v);
+        }
+        y[o] = v;
+    }
+}
+
+static void qt_body(const uint8_t *codes, int bits, int cbias, const void *scale, const void *offset, int half,
                     int64_t group, int64_t nout, const int64_t *idx, int64_t k, const float *w, int64_t wstride,
                     int64_t B, const float *ybias, float *y, int64_t c0, int64_t c1, float *t, float *s) {
     const int64_t m = c1 - c0, ld = bits == 4 ? nout / 2 : nout;
@@ -889,15 +919,10 @@ static void qt_body(const uint8_t *codes, int bits, int cbias, const float *scal
         const int64_t gr = j < k ? r / group : -2;
         if (gr != g) {
             if (g >= 0) {                          /* flush the group */
-                const float *sg = scale + g * nout, *og = offset ? offset + g * nout : NULL;
-                for (int64_t b = 0; b < B; ++b) {
-                    float *yb = y + b * nout, *tb = t + b * m;
-                    for (int64_t o = 0; o < m; ++o) {
-                        float v = fmaf(sg[c0 + o], tb[o], yb[c0 + o]);
-                        if (og) v = fmaf(og[c0 + o], s[b], v);
-                        yb[c0 + o] = v;
-                    }
-                }
+                const size_t es = half ? 2 : 4;
+                const void *sg = (const uint8_t *)scale + (size_t)(g * nout) * es;
+                const void *og = offset ? (const uint8_t *)offset + (size_t)(g * nout) * es : NULL;
+                for (int64_t b = 0; b < B; ++b) qt_flush(sg, og, half, c0, m, t + b * m, s[b], y + b * nout + c0);
             }
             if (j == k) break;
             g = gr;
@@ -955,8 +980,8 @@ static void qt_body(const uint8_t *codes, int bits, int cbias, const float *scal
     }
 }
 
-int cs_qt_axpy(const uint8_t *codes, int bits, int cbias, const float *scale, const float *offset, int64_t group,
-               int64_t nin, int64_t nout, const int64_t *idx, int64_t k, const float *w, int64_t wstride,
+int cs_qt_axpy(const uint8_t *codes, int bits, int cbias, const void *scale, const void *offset, int half,
+               int64_t group, int64_t nin, int64_t nout, const int64_t *idx, int64_t k, const float *w, int64_t wstride,
                int64_t B, const float *ybias, float *y, int nt) {
     if ((bits != 4 && bits != 8) || group <= 0 || nin % group || (bits == 4 && nout % 32)) return -1;
     if (idx) {
@@ -981,8 +1006,8 @@ int cs_qt_axpy(const uint8_t *codes, int bits, int cbias, const float *scale, co
             if (!tmp) {
                 rc = 1;
             } else {
-                qt_body(codes, bits, cbias, scale, offset, group, nout, idx, k, w, wstride, B, ybias, y, c0, c1, tmp,
-                        tmp + B * (c1 - c0));
+                qt_body(codes, bits, cbias, scale, offset, half, group, nout, idx, k, w, wstride, B, ybias, y, c0,
+                        c1, tmp, tmp + B * (c1 - c0));
                 free(tmp);
             }
         }

@@ -57,7 +57,7 @@ def load_library(extra_flags=()) -> ctypes.CDLL | None:
                 lib.cs_q_dequant.argtypes = [P, I, I64, P, I64, P, I]
                 lib.cs_q_rows.argtypes = [P, I, P, I, I64, P, P, I64, I64, P, I64, I, I, P, I]
                 lib.cs_q_ffn.argtypes = [P, I, P, I, P, I, I64, I64, P, P, P, I64, I, I, P, P, I]
-                lib.cs_qt_axpy.argtypes = [P, I, I, P, P, I64, I64, I64, P, I64, P, I64, I64, P, P, I]
+                lib.cs_qt_axpy.argtypes = [P, I, I, P, P, I, I64, I64, I64, P, I64, P, I64, I64, P, P, I]
                 lib.cs_q_simd.argtypes = []
                 for f in (lib.cs_q_dequant, lib.cs_q_rows, lib.cs_q_ffn, lib.cs_qt_axpy, lib.cs_q_simd):
                     f.restype = I
@@ -223,6 +223,6 @@ def rows_axpy_t(weights, wt: QuantWeightT, rows, *, bias=None, lib=None):
         return y + bias if bias is not None else y
     y = torch.empty(B, wt.cols, dtype=_F32)
     _check(lib.cs_qt_axpy(wt.codes.data_ptr(), wt.code_bits, wt.code_bias, wt.scale.data_ptr(), _p(wt.offset),
-                          wt.group, wt.rows, wt.cols, _p(idx), k, w.data_ptr(), K, B, _p(bias), y.data_ptr(),
+                          wt.scale.dtype == torch.float16, wt.group, wt.rows, wt.cols, _p(idx), k, w.data_ptr(), K, B, _p(bias), y.data_ptr(),
                           _threads()), "rows_axpy_t")
     return y

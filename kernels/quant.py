@@ -64,6 +64,7 @@ FORMATS: dict[str, QuantFormat] = {f.name: f for f in (
 )}
 BY_TYPE: dict[int, QuantFormat] = {f.ggml_type: f for f in FORMATS.values()}
 BLOCK_FORMATS = tuple(n for n, f in FORMATS.items() if f.code_bits)
+F16_SCALES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")    # formats whose scale (and offset) is one fp16 per block
 ACTIVATIONS = ("fp32", "q8")
 
 
@@ -321,11 +322,13 @@ def reference_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None 
 class QuantWeightT:
     """Wᵀ [in, out] of a :class:`QuantWeight` W [out, in], exact: ``codes`` [in, out] (int8, or 4-bit codes packed
     per run of 32 outputs as 16 bytes, low nibbles = the first 16 outputs, stored value = code + ``code_bias``),
-    ``scale`` fp32 [in / group, out] and ``offset`` fp32 [in / group, out] (or None), so that
+    ``scale`` [in / group, out] and ``offset`` [in / group, out] (or None), so that
     W[o, i] = fp32(scale[i // group, o] · code[i, o]) + offset[i // group, o] -- the same fp32 operations as the
-    row layout's dequantizer, hence the same values. F16/F32 weights: ``codes`` None and ``dense`` the fp32 Wᵀ.
-    Bytes per element: 4-bit codes 0.5 + 8 / group (Q4_1: 0.75, the file's 0.625), int8 codes 1 + 4 or 8 / group.
-    A weight's parts must agree in group and offset (their codes then share one width)."""
+    row layout's dequantizer, hence the same values. Scales and offsets are fp16 where the format stores them so
+    (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: exact), else fp32 (the K-quants' products d · sc). F16/F32 weights: ``codes``
+    None and ``dense`` the fp32 Wᵀ. Bytes per element: Q4_0 0.5625, Q4_1 0.625 (as the file), Q5_x / Q8_0 about
+    1.06-1.13, Q4_K 0.75, Q6_K 1.25. A weight's parts must agree in group and offset (their codes then share one
+    width)."""
 
     rows: int               # in
     cols: int               # out
@@ -372,8 +375,11 @@ class QuantWeightT:
             code_t = torch.from_numpy(np.ascontiguousarray(packed.reshape(w.cols, -1)))
         else:
             code_t = torch.from_numpy(np.ascontiguousarray(code.astype(np.int8)))
-        scale = torch.from_numpy(np.ascontiguousarray(np.concatenate(scales, 0).T))
-        offset = torch.from_numpy(np.ascontiguousarray(np.concatenate(offsets, 0).T)) if has_off else None
+        half = all(f.name in F16_SCALES for f in fmts)          # exact: these scales were fp16 in the file
+        sdt = np.float16 if half else np.float32
+        scale = torch.from_numpy(np.ascontiguousarray(np.concatenate(scales, 0).T.astype(sdt)))
+        offset = (torch.from_numpy(np.ascontiguousarray(np.concatenate(offsets, 0).T.astype(sdt))) if has_off
+                  else None)
         return cls(w.cols, w.rows, g, 4 if four else 8, bias, code_t, scale, offset)
 
     def dequantize_reference(self) -> torch.Tensor:
@@ -386,7 +392,7 @@ class QuantWeightT:
             code = u.reshape(self.rows, self.cols).astype(np.int16) - self.code_bias
         else:
             code = c.view(np.int8).astype(np.int16)
-        v = np.repeat(self.scale.numpy(), self.group, axis=0) * code.astype(np.float32)
+        v = np.repeat(self.scale.float().numpy(), self.group, axis=0) * code.astype(np.float32)
         if self.offset is not None:
-            v = v + np.repeat(self.offset.numpy(), self.group, axis=0)
+            v = v + np.repeat(self.offset.float().numpy(), self.group, axis=0)
         return torch.from_numpy(v)
