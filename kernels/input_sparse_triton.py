@@ -39,7 +39,7 @@ padded to 16 rows (``dot``; batch >= 4). fp32 accumulation throughout; fp16, bf1
 
 Measured on an H200 (kernels/NOTES.md, BENCHMARKS.md): at batch 1 every path pays a per-call constant above
 cuBLAS's; the default (local for gate|up, fused QKV and down, tile for q/o and GQA k/v) is 1.1-1.5x cuBLAS at
-50 % sparsity and 1.4-1.9x at 70 %, bf16 as fast as fp16; TEAL's atomic kernel stays 3-18 % faster at 40-50 %.
+50 % sparsity and 1.4-1.9x at 70 %, bf16 as fast as fp16; TEAL's atomic kernel stays 3-19 % faster at 40-50 %.
 """
 from __future__ import annotations
 
