@@ -24,7 +24,7 @@ def test_dense_logits_match_hf(family):
     m = tiny_model(family)
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ref = m(ids).logits          # gemma3 tiny: sliding window 16 < 24, exercised
+        ref = m(ids).logits          # gemma3 tiny: sliding window 16 < 24 (layer 0), exercised
     rt = DecodeRuntime.from_hf(m)
     rt.setup(2, 32)
     lg = rt.prefill(ids[:, :10])
@@ -32,6 +32,8 @@ def test_dense_logits_match_hf(family):
     for t in range(10, 24):
         rt.tok.copy_(ids[:, t])
         torch.testing.assert_close(rt.step(keep_logits=True), ref[:, t], atol=1e-5, rtol=1e-4)
+    # the whole prompt at once: gemma3's sliding layer drops keys in the prefill's mask too (24 > 16 positions)
+    torch.testing.assert_close(rt.prefill(ids), ref[:, 23], atol=1e-5, rtol=1e-4)
     assert torch.equal(rt.generate(ids[:, :10], 6), _greedy_reference(m, ids[:, :10], 6))
 
 
