@@ -340,6 +340,30 @@ def test_swap_equals_masked_dense_reference_and_reverts_exactly(family):
                 assert torch.equal(model(input_ids=ids).logits, dense)
 
 
+def test_an_input_exactly_at_the_threshold_is_dropped_and_counted_so():
+    """The rule is keep iff score > t (calibration counts score <= t as dropped, ``calib_sparsity``): an entry
+    exactly at t is dropped, and at t = 0 so is an exact zero (a ReLU output), in both modes and for WINA's score.
+    Known answers by hand; ~10 ms."""
+    w = torch.tensor([[2.0, 0.0, 0.0, 0.0], [0.0, 2.0, 0.0, 1.0], [0.0, 0.0, 2.0, 0.0]], dtype=torch.float64)
+    lin = torch.nn.Linear(4, 3, bias=False).double()
+    with torch.no_grad():
+        lin.weight.copy_(w)                                   # column norms 2, 2, 2, 1: WINA's score exact
+    x = torch.tensor([[0.5, -0.5, 0.25, 1.0], [0.0, 0.0, 2.0, -0.5]], dtype=torch.float64)
+    cases = [  # (threshold, WINA column norms or None, the entries kept)
+        (0.5, None, [[0, 0, 0, 1], [0, 0, 1, 0]]),          # |x| = 0.5 sits on t: dropped
+        (0.0, None, [[1, 1, 1, 1], [0, 0, 1, 1]]),          # exact zeros at t = 0: dropped
+        (1.0, w.norm(dim=0), [[0, 0, 0, 0], [0, 0, 1, 0]]),  # WINA: |x|·‖W[:, i]‖ = 1.0 on t for three entries
+    ]
+    for t, scale, kept in cases:
+        keep = torch.tensor(kept, dtype=torch.bool)
+        for mode in ("masked", "kernel"):
+            st = InputStats({(0, "q"): 12})
+            mod = InputSparseLinear(lin, t, scale, mode, 0, "q", st)
+            with torch.no_grad():
+                torch.testing.assert_close(mod(x), F.linear(x * keep, w), rtol=1e-12, atol=1e-12)
+            assert st.seen[(0, "q")] == [8, int(keep.sum())], (t, mode)
+
+
 def test_kernel_mode_module_matches_the_reference_op_and_counts_what_it_drops():
     lin = torch.nn.Linear(16, 8, bias=True).double()
     x = torch.randn(5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
