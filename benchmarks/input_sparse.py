@@ -2,7 +2,8 @@
 
     python -m benchmarks.input_sparse [--quick] [--json NAME] [--dtypes fp16,bf16] [--batches 1,2,4]
                                       [--tune] [--use-tuned] [--config JSON] [--determinism N] [--smoke]
-                                      [--per-channel] [--paths mask,local] [--tune-paths local]
+                                      [--per-channel] [--paths mask,local,tile] [--tune-paths local|tile]
+                                      [--proj NAMES] [--sparsities S,...] [--peer FILE[:FUNCTION]]
 
 Every projection of Llama-2-7B and Llama-3-8B at batch 1/2/4: gate/up [in=d, out=D], down [in=D, out=d], q/o
 (and Llama-2's k/v) [d, d], Llama-3's GQA k/v [d, 1024], and the fused QKV (one x, three output segments,
@@ -387,7 +388,7 @@ def bench(args, copy_bw, dev, path_cfgs):
                     rows.append(Row.measured("input_sparse", "cublas_dense", td, nbytes=dense_bytes,
                                              copy_bw_gbps=copy_bw, shape=shape, dtype=dname, batch=batch,
                                              device=str(dev), extra=base))
-                    if args.peer:   # x @ w_t through cuBLAS: what a dense fallback on the w_t buffer costs
+                    if args.peer or "dense" in args.paths:   # x @ w_t through cuBLAS: the dense path's product
                         tw = time_graph(point_fn("dense_wt", W, x0, None, None, cfg), reps=args.reps,
                                         per_replay=W.L, device=dev)
                         rows.append(Row.measured("input_sparse", "cublas_dense_wt", tw, nbytes=dense_bytes,
@@ -489,8 +490,8 @@ def main(argv=None):
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--per-channel", action="store_true",
                     help="also time every sparse point with one threshold per input channel (WINA's form)")
-    ap.add_argument("--paths", default="mask,local", help="kernel paths timed side by side")
-    ap.add_argument("--tune-paths", default="", help="paths whose launch configs to tune (local)")
+    ap.add_argument("--paths", default="mask,local,tile", help="the op's paths timed side by side")
+    ap.add_argument("--tune-paths", default="", help="paths whose launch configs to tune (local, tile)")
     ap.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes")
     ap.add_argument("--proj", default="", help="only these projections (gate_up, llama3-8b:k_v, ...)")
     ap.add_argument("--sparsities", default="", help="the sparse points (default 0,.25,.4,.5,.7,.9)")

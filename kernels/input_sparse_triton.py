@@ -440,21 +440,20 @@ def _input_sparse_tile_kernel(
     BLOCK_M: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DEPTH: tl.constexpr, TICKET: tl.constexpr, PRIVATE: tl.constexpr,
 ):
-    """Batch 1. Program (column block, K slice of TILES * BLOCK_M channels), one 1-D grid with the slices of a
-    column block adjacent (SPLIT_MAJOR; so each block's partials are summed soon after they are written, not
-    all at the end). Two inner loops over the slice:
+    """Batch 1. Program (column block, K slice of TILES * BLOCK_M channels) of one 1-D grid, the slices of a
+    column block adjacent (SPLIT_MAJOR) or the column blocks of a slice. Inner loops over the slice:
 
     * masked tiles (COMPACT 0): TILES unrolled [BLOCK_M, BLOCK_N] weight tiles, each masked by its rows'
       |x| > t in the load (inactive rows not read), all independent so their loads are in flight together;
-      the instructions run on every row, read or not (TEAL's kernel, with a fixed-order reduction);
-    * compacted rows (COMPACT 1): the slice's active channels listed in order (prefix sum, a scratch row of
-      its (segment, slice) that every column block of the slice fills with the same values), then only those
-      rows loaded and multiplied, BLOCK_R at a time, the next step's ids and rows loaded one step ahead;
-    * COMPACT 2: each program picks one of the two by its own active count (compacted iff count <= ``cut``):
-      dense slices take the cheaper-to-start masked tiles, sparse ones the loop whose work falls with s.
+      the instructions run on every row, read or not (TEAL's loop, with a fixed-order reduction);
+    * compacted rows (COMPACT 1): the slice's active channels listed in order (a prefix sum) in a scratch row,
+      the program's own (PRIVATE) or its (segment, slice)'s, which every column block of the slice fills with
+      the same values, then only those rows loaded and multiplied, BLOCK_R at a time, DEPTH steps of rows in
+      flight;
+    * COMPACT 2: each program picks one of the two by its own active count (compacted iff count <= ``cut``).
 
     The [BLOCK_N] fp32 sum goes to y (one slice) or to the partials, summed in a fixed order by the column
-    block's last program (ticket): deterministic either way."""
+    block's last program (TICKET) or by a reduce launch: deterministic either way."""
     pid = tl.program_id(0)
     if SPLIT_MAJOR:
         pid_n = pid // nsplit
@@ -557,7 +556,8 @@ def _launch_local(x, w_t, thresholds, sizes, bias, cfg):
 
 
 def _launch_tile(x, w_t, thresholds, sizes, bias, cfg):
-    """The batch-1 tile kernel: one launch, partials summed by the ticket reduce, no sync."""
+    """The batch-1 tile kernel: one launch (the partials summed by the ticket), or two (a reduce launch); no
+    sync. configs.INPUT_SPARSE_TILE says what each key means."""
     K = x.shape[1]
     N = w_t.shape[1]
     nseg = len(sizes)
@@ -567,8 +567,6 @@ def _launch_tile(x, w_t, thresholds, sizes, bias, cfg):
     assert ks == triton.next_power_of_2(ks), f"BLOCK_M * TILES (channels per K slice) must be a power of two, got {ks}"
     frac = float(cfg.get("compact", 0.0))
     mode = 0 if frac <= 0 else 1 if frac >= 1 else 2
-    if cfg.get("two_branch"):
-        mode = 2
     n_blocks = _n_blocks(sizes, block_n)
     nsplit = triton.cdiv(K, ks)
     c = _segment_bounds(sizes, N)
@@ -587,8 +585,7 @@ def _launch_tile(x, w_t, thresholds, sizes, bias, cfg):
         S_PAD=triton.next_power_of_2(nsplit), EVEN_N=all(sz % block_n == 0 for sz in sizes),
         SPLIT_MAJOR=cfg.get("order", "split") == "split", COMPACT=mode, BLOCK_M=block_m, TILES=tiles,
         BLOCK_N=block_n, BLOCK_R=cfg.get("BLOCK_R", 16), DEPTH=cfg.get("depth", 1), TICKET=ticket,
-        PRIVATE=private,
-        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
+        PRIVATE=private, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
     )
     if partial and not ticket:
         _launch_reduce(ws, nsplit, bias, y, cfg.get("reduce_block"))
