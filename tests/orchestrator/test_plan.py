@@ -55,3 +55,24 @@ def test_evaluation_on_an_accelerator_runs_on_it_with_larger_batches():
     assert ev_gpu["piqa"].config["exec_mode"] == "masked" and ev_gpu["piqa"].config["batch_size"] == 32
     assert ev_gpu["piqa"].device_type == "cuda" and ev_gpu["piqa"].id != ev["piqa"].id
     assert "batch_size" not in ev_gpu["perplexity"].config      # one window per forward on every device
+
+
+def test_every_config_field_is_part_of_the_unit_id():
+    """A unit's id is the hash of its kind and its whole config: changing any one field (a fingerprint, the data,
+    the method's options, a task's limit, the thread count, the latency point, ...) gives another id, so rows of
+    different work never share one; the same config always gives the same id."""
+    from orchestrator.plan import unit_id
+
+    spec = parse_spec({**SPEC, "methods": [{"name": "svd", "sparsity": [0.5], "rank": [8],
+                                            "options": {"target": "gate"}}],
+                       "latency": {"devices": ["cpu"], "prompt_len": [16], "gen_len": 4, "repeats": 1}})
+    fields = set()
+    for u in plan_units(spec, DESCRIBED):
+        assert u.id == unit_id(u.kind, dict(u.config)) != unit_id("other", u.config)
+        for key, value in u.config.items():
+            assert unit_id(u.kind, {**u.config, key: ["changed", value]}) != u.id, (u.label, key)
+            fields.add((u.kind, key))
+    assert {("collect", "model_fp"), ("collect", "calib_fp"), ("collect", "data"), ("fit", "options"),
+            ("fit", "rank"), ("fit", "sparsity"), ("fit", "threads"), ("eval", "limit"), ("eval", "fit_unit"),
+            ("eval", "heldout_fp"), ("eval", "exec_mode"), ("latency", "prompt_len"), ("latency", "paired"),
+            ("latency", "runtime")} <= fields

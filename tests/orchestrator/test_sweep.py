@@ -72,6 +72,11 @@ def test_tiny_sweep_writes_every_row_once(tiny_sweep):
         assert queries.latency_table(s, device_type="cuda") == []
         nll = [r for r in queries.accuracy_table(s) if r.suite == "perplexity" and r.metric == "nll"]
         assert len(nll) == n_ok and all(r.stderr is None for r in nll)       # one window: no stderr
+        # each metric's direction as stored with its rows: perplexity and NLL fall as a setting improves, COPA's
+        # accuracy (lm-eval's declaration) and the realized sparsities rise
+        directions = {(r.suite, r.metric): r.higher_is_better for r in queries.accuracy_table(s)}
+        assert directions == {**{("perplexity", m): m not in ("ppl", "nll") for m in PERPLEXITY_METRICS},
+                              ("mc", "acc"): True}, directions
         model = queries.list_models(s)[0]
         settings = settings_for_model(s, model.id)
         assert sorted(st.method for st in settings) == ["dense", FAILING_METHOD["name"], SHARED_METHOD["name"]]

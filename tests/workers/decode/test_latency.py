@@ -87,3 +87,17 @@ def test_calibrated_input_plan_realizes_its_sparsity_in_the_runtime():
     realized = rt.realized_sparsity()
     assert 0.35 < realized["inputs"] < 0.65, realized      # every projection is input-sparse: weights = inputs
     assert realized["weights"] == pytest.approx(realized["inputs"])
+
+
+def test_decode_bytes_of_known_dims_charge_the_predictors():
+    """Bytes of one decode step of the tiny Llama (fp32; d 48, D 80, 2 layers, 4 heads of 12, 2 KV heads, vocab
+    128, untied head): dense 2·(3·48·80 + 2·4·12·48 + 2·2·12·48)·4 + 128·48·4 = 172,032. At MLP 0.5, heads 0.25,
+    rank 8 and 10 cached positions: weights 2·(5,760 + 3,456 + 2,304)·4 + 24,576 = 116,736; the predictors
+    2·(8·(48 + 80) + 8·(48 + 4))·4 = 11,520, read every step; the KV cache 2·2·2·12·10·4 = 3,840."""
+    from workers.decode.latency import decode_bytes
+    from workers.decode.runtime import DecodeRuntime
+
+    rt = DecodeRuntime.from_hf(tiny_model("llama"))
+    assert decode_bytes(rt) == dict(weights=172_032, predictor=0, kv_cache=0, total=172_032)
+    assert decode_bytes(rt, 0.5, 0.25, rank=8, context=10) == dict(weights=116_736, predictor=11_520, kv_cache=3_840,
+                                                                   total=132_096)
