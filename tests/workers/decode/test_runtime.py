@@ -214,7 +214,8 @@ def sparse_step():
     rt = DecodeRuntime.from_hf(m).set_plan(calibrated_input_plan(m, 0.5, n_tokens=32))
     rt.setup(1, 12)
     calls, got = spy_triton(("input_sparse_linear_segments",)), {}
-    for backend, path in (("reference", "auto"), ("triton", "mask"), ("triton", "local")):
+    # against the CPU default (its own branch of the runtime's input-sparse product, checked against sparse_exec)
+    for backend, path in (("cpu", "auto"), ("triton", "mask"), ("triton", "local")):
         os.environ["CTXSPARSE_KERNELS"] = backend
         calls.clear()
         rt.configure(input_path=path)
@@ -262,7 +263,7 @@ def test_triton_sparse_step_gives_the_reference_logits(interpreted):
     the reference path's logits, qwen2 (QKV bias, GQA), batch 1, 2 steps: FFN and head predictors at 0.5 (every
     layer's FFN, head-sparse QKV / O and attention counted in Triton, realized sparsity exactly 0.5), the Triton
     radix select's top-k indices, and input sparsity on every projection through both Triton paths ("mask",
-    "local": 8 launches a step)."""
+    "local": 8 launches a step) against the CPU default's."""
     assert interpreted["sparse_step"] == "OK", interpreted["sparse_step"]
 
 
