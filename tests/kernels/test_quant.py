@@ -2,9 +2,10 @@
 
 Dequantization is checked BIT FOR BIT against gguf-py's ``dequantize`` (what transformers loads a GGUF through) on
 real tensors of every type the packaged GGUFs contain and on random blocks of every supported format, for the
-numpy reference, the native kernel and its scalar fallback. Products (fp32 activations, accumulation in fp32)
-are checked against the fp64 product over the same dequantized weights at |y - y64| <= 1e-6 · Σ|w·x| (the
-observed error is about 1e-7 of that: fp32 summation order). About 10 s (two compiles on a cold cache).
+numpy reference, the native kernel (AVX-512 where the CPU has it), an AVX2-only build and the scalar fallback.
+Products (fp32 activations, accumulation in fp32) are checked against the fp64 product over the same dequantized
+weights at |y - y64| <= 1e-6 · Σ|w·x| (the observed error is about 1e-7 of that: fp32 summation order). About 12 s
+(three compiles on a cold cache).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from workers.loading.models import packaged_gguf
 
 # the scalar fallback: the same source without AVX / AVX2 / FMA / F16C
 NO_SIMD = ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx")
+NO_AVX512 = ("-mno-avx512f",)
 # where each format keeps its fp16 fields (random bytes there would be NaN / inf scales)
 F16_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
           "Q6_K": [208]}
@@ -29,10 +31,11 @@ TYPES_IN = {"smollm2-135m": {"Q4_1", "Q8_0", "F32"}, "gemma3-270m": {"Q5_0", "Q4
 
 
 def _libs():
-    lib, scalar = CQ.load_library(), CQ.load_library(NO_SIMD)
-    assert lib is not None and scalar is not None, "the quantized kernels must build here (cc, OpenMP)"
+    """The native build (AVX-512 paths where the CPU has them), an AVX2-only build and the scalar fallback."""
+    lib, avx2, scalar = CQ.load_library(), CQ.load_library(NO_AVX512), CQ.load_library(NO_SIMD)
+    assert lib is not None and avx2 is not None and scalar is not None, "the quantized kernels must build here"
     assert scalar.cs_q_simd() == 0
-    return {"native": lib, "scalar": scalar}
+    return {"native": lib, "avx2": avx2, "scalar": scalar}
 
 
 def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
