@@ -17,7 +17,8 @@ LAMBADA passage, token ids shared by all runners):
                            benchmarks.cpu_ops --methods), over the fp32 weights
 
 Every round runs every (runner, thread count) once, in an order that alternates between rounds; round 0 warms up.
-Median and IQR of the per-round ms/token; llama.cpp's row also carries its own eval timer (``llama_perf``).
+Median, IQR and p10 of the per-round ms/token (p10 resists other processes' load better; the ratios to llama.cpp
+are printed for both); llama.cpp's row also carries its own eval timer (``llama_perf``).
 The greedy tokens of each runner are compared with ours fp32 (matching prefix length). ``--nll-tokens N``: each
 runner's accuracy on the same text, untimed: the mean negative log-likelihood of N held-out tokens fed one decode
 step at a time after the prompt (teacher forcing), so the 8-bit activations' error shows as a perplexity. The
@@ -209,8 +210,8 @@ def main(argv=None) -> int:
           f"rounds; load average {load0[0]:.2f} before, {load1[0]:.2f} after")
     for t in args.threads:
         ref = tokens[("ours fp32", t)]
-        base = Timing.of(times[("llama.cpp", t)], "ms").median if ("llama.cpp", t) in times else None
-        print(f"  {t} thread(s)       ms/token    IQR   vs llama.cpp   tokens = ours fp32")
+        base = Timing.of(times[("llama.cpp", t)], "ms") if ("llama.cpp", t) in times else None
+        print(f"  {t} thread(s)       ms/token    IQR    p10   vs llama.cpp (median, p10)   tokens = ours fp32")
         for n in runners:
             tm = Timing.of(times[(n, t)], "ms")
             same = _prefix(tokens[(n, t)], ref)
@@ -221,8 +222,8 @@ def main(argv=None) -> int:
                 extra["decode_ppl"] = round(float(np.exp(nll[n])), 4)
             if own[(n, t)]:
                 extra["llama_perf_eval_ms"] = round(float(np.median(own[(n, t)])), 3)
-            ratio = f"{base / tm.median:8.2f}x" if base else "       -"
-            print(f"  {n:<22}{tm.median:>8.2f}{tm.iqr:>7.2f}   {ratio}     {same}/{len(ref)}")
+            ratio = f"{base.median / tm.median:8.2f}x {base.p10 / tm.p10:8.2f}x" if base else f"{'-':>19}"
+            print(f"  {n:<22}{tm.median:>8.2f}{tm.iqr:>7.2f}{tm.p10:>7.2f}   {ratio}              {same}/{len(ref)}")
             dtype = {"llama.cpp": "gguf, q8 act", "ours quant": "gguf, fp32 act", "ours quant q8": "gguf, q8 act"
                      }.get(n, "fp32")
             rows.append(Row.measured("cpu_peer", n, tm, shape=args.model, dtype=dtype, device="cpu", extra=extra))
