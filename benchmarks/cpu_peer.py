@@ -150,6 +150,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from benchmarks.cpu_ops import _methods, fitted_plans
+    from workers.decode.quant_weights import with_activations
     from workers.decode.runtime import DecodeRuntime
     from workers.loading.data import token_windows
     from workers.loading.models import load_model
@@ -170,8 +171,9 @@ def main(argv=None) -> int:
         runners["llama.cpp"] = {t: LlamaCppRunner(gguf, t, n_ctx) for t in args.threads}
     fp32 = DecodeRuntime.from_hf(lm.model, torch.float32, "cpu", cpu_rows=True)
     runners["ours fp32"] = OursRunner(fp32)
-    runners["ours quant"] = OursRunner(DecodeRuntime.from_gguf(lm.model, gguf))
-    runners["ours quant q8"] = OursRunner(DecodeRuntime.from_gguf(lm.model, gguf, activations="q8"))
+    quant = DecodeRuntime.from_gguf(lm.model, gguf)
+    runners["ours quant"] = OursRunner(quant)
+    runners["ours quant q8"] = OursRunner(DecodeRuntime(with_activations(quant.weights, "q8")))   # same blocks
     if args.sparse:
         plans = fitted_plans(lm, _methods(args.sparse), args.calib_tokens)
         for name, plan in plans.items():
