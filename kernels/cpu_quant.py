@@ -223,6 +223,6 @@ def rows_axpy_t(weights, wt: QuantWeightT, rows, *, bias=None, lib=None):
         return y + bias if bias is not None else y
     y = torch.empty(B, wt.cols, dtype=_F32)
     _check(lib.cs_qt_axpy(wt.codes.data_ptr(), wt.code_bits, wt.code_bias, wt.scale.data_ptr(), _p(wt.offset),
-                          wt.scale.dtype == torch.float16, wt.group, wt.rows, wt.cols, _p(idx), k, w.data_ptr(), K, B, _p(bias), y.data_ptr(),
-                          _threads()), "rows_axpy_t")
+                          wt.scale.dtype == torch.float16, wt.group, wt.rows, wt.cols, _p(idx), k, w.data_ptr(), K, B,
+                          _p(bias), y.data_ptr(), _threads()), "rows_axpy_t")
     return y
