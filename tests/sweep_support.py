@@ -293,49 +293,49 @@ def _emit(name: str, payload) -> None:
     print(RESULT + name + " " + json.dumps(asdict(payload) if is_dataclass(payload) else payload), flush=True)
 
 
-def _running_units(url: str) -> list:
+def _units(engine, status: str | None = None) -> list:
+    """Every unit in the store (with ``status``); none while the sweep is still creating it."""
     from db import queries
-    from db.engine import get_engine, session_scope
+    from db.engine import session_scope
 
-    with session_scope(get_engine(url, read_only=True)) as s:
-        return [u for m in queries.list_models(s) for u in queries.units_for_model(s, m.id, status="running")]
+    try:
+        with session_scope(engine) as s:
+            return [u for m in queries.list_models(s) for u in queries.units_for_model(s, m.id, status=status)]
+    except Exception:   # the store is being created by the sweep
+        return []
 
 
 def _kill_an_evaluator_mid_unit(url: str, killed: dict, stop) -> None:
     """Watch the store; SIGKILL the worker of the first eval unit seen running (its first unit: it loads the model
     inside the unit, seconds), and record which."""
     import signal
-    import time
 
-    while not stop.is_set():
-        time.sleep(0.2)
-        try:
-            running = _running_units(url)
-        except Exception:   # the store is being created by the sweep
-            continue
-        evals = [u for u in running if u.kind == "eval" and u.worker]
-        if evals:
-            killed.update(unit=evals[0].id, worker=evals[0].worker)
-            os.kill(int(evals[0].worker.rsplit(":", 1)[1]), signal.SIGKILL)
-            return
+    from db.engine import get_engine
+
+    engine = get_engine(url, read_only=True)
+    try:
+        while not stop.wait(0.2):
+            evals = [u for u in _units(engine, "running") if u.kind == "eval" and u.worker]
+            if evals:
+                killed.update(unit=evals[0].id, worker=evals[0].worker)
+                os.kill(int(evals[0].worker.rsplit(":", 1)[1]), signal.SIGKILL)
+                return
+    finally:
+        engine.dispose()
 
 
 def _wait_for_a_collect(url: str, timeout: float = 600) -> None:
     import time
 
-    from db import queries
-    from db.engine import get_engine, session_scope
+    from db.engine import get_engine
 
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        try:
-            with session_scope(get_engine(url, read_only=True)) as s:
-                if any(u.kind == "collect" and u.status == "done"
-                       for m in queries.list_models(s) for u in queries.units_for_model(s, m.id)):
-                    return
-        except Exception:   # not created yet
-            pass
-        time.sleep(1)
+    engine = get_engine(url, read_only=True)
+    t_end = time.time() + timeout
+    try:
+        while time.time() < t_end and not any(u.kind == "collect" for u in _units(engine, "done")):
+            time.sleep(1)
+    finally:
+        engine.dispose()
 
 
 def _cli(*args) -> dict:
