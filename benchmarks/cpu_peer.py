@@ -232,6 +232,8 @@ def main(argv=None) -> int:
     path = write_results(args.json, rows, command=command_line("benchmarks.cpu_peer"), device="cpu",
                          meta={"model": args.model, "gguf": os.path.basename(str(gguf))})
     print(f"wrote {path}")
+    for r in runners.get("llama.cpp", {}).values():
+        r.llm.close()                # before interpreter shutdown (llama-cpp-python's __del__ fails there)
     return 0
 
 
