@@ -96,8 +96,8 @@ def test_split_cache_matches_reference(dtype, nsplit, pos, family, compact, devi
         assert torch.count_nonzero(outs[0].view(2, -1, HD)[:, int(extra["q_count"]):]) == 0
 
 
-def _attention_by_definition(q, k, v, k_cache, pos, cos_t=None, sin_t=None, q_norm=None, k_norm=None, eps=1e-6,
-                             window=None, q_idx=None, q_count=None, n_heads=None, valid=None, v_cache=None):
+def _attention_by_definition(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_norm=None, k_norm=None,
+                             eps=1e-6, window=None, q_idx=None, q_count=None, n_heads=None, valid=None):
     """Decode attention written from its definition, one (token, query slot) at a time in fp64: slot j's head
     (q_idx[j], or j) reads KV head head // (H / KV); its query and the new key are normed (x / rms(x) * w) and
     rotated (x cos + rot_half(x) sin at pos); it attends over the positions t <= pos inside the window
@@ -155,7 +155,7 @@ def test_active_kv_mode_matches_the_definition(pos, family, compact, device, gen
     H, KV = 4, 2
     (q, k, v, kc, vc, p), extra = _case(gen, F32, device, 2, H, KV, pos, family, compact)
     extra["valid"] = _active_mask(gen, 2, KV, pos, H, extra.get("q_idx"), extra.get("q_count"), device)
-    want = _attention_by_definition(q, k, v, kc, p, **extra, v_cache=vc)
+    want = _attention_by_definition(q, k, v, kc, vc, p, **extra)
     assert torch.isfinite(want).all()
     kc64, vc64 = kc.double(), vc.double()
     got = R.decode_attention(q.double(), k.double(), v.double(), kc64, vc64, p, **extra)
