@@ -29,6 +29,8 @@ INT_PTRS = {"pos_ptr": "*i64", "qidx_ptr": "*i32", "qcount_ptr": "*i32", "idx_pt
 F32_PTRS = {"cos_ptr", "sin_ptr", "qn_ptr", "kn_ptr", "ws_ptr", "b1_ptr", "s_ptr", "bias_ptr", "thr_ptr", "sv_ptr",
             "v_ptr", "v2_ptr"}
 FLOATS = {"eps", "thr", "t0", "t1", "t2", "t3"}
+# a floating-point atomic (atom / red on f16, bf16, f32, f64, packed pairs): its summation order varies run to run
+FLOAT_ATOMIC = re.compile(r"\b(?:atom|red)(?:\.\w+)*\.(?:f16|bf16|f32|f64)(?:x2)?\b")
 
 
 class Case(NamedTuple):
@@ -156,6 +158,8 @@ def compile_case(c: Case) -> str:
     k = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=c.consts), target=GPUTarget("cuda", 90, 32),
                        options=c.options)
     assert k.asm["cubin"], c
+    # bit-reproducible (README): no floating-point atomic add anywhere, only integer ones (counters, histograms)
+    assert not FLOAT_ATOMIC.search(k.asm["ptx"]), f"{c.module}.{c.kernel}: a floating-point atomic"
     return f"{c.module}.{c.kernel}"
 
 
