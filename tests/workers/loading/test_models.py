@@ -111,7 +111,7 @@ def test_gemma3_gguf_from_its_wheels_maps_to_gemma3_and_predicts_the_probe(monke
     assert {k: v.shape for k, v in tensors.items()} == want
     with no_init_weights():                             # the weights come next: no random init of 268M parameters
         model = AutoModelForCausalLM.from_config(cfg)
-    model.load_state_dict(tensors, strict=False)
+    model.load_state_dict(tensors, strict=False, assign=True)       # the dequantized tensors themselves
     model.tie_weights()
     probe = torch.tensor([REFERENCE_TOKENS["gemma3-270m"][:11]])   # <bos>The quick brown fox jumps over the lazy dog.
     with torch.no_grad():
