@@ -106,7 +106,13 @@ def _stand_in(name):
     """An empty module for an import a peer file makes and the timed call does not use; any attribute is a
     fresh empty class (TEAL subclasses one)."""
     mod = types.ModuleType(name)
-    mod.__getattr__ = lambda attr: type(attr, (), {})
+
+    def attr_of(attr):
+        if attr.startswith("__"):              # module protocol (__file__, __path__, ...): a plain module's answer
+            raise AttributeError(attr)
+        return type(attr, (), {})
+
+    mod.__getattr__ = attr_of
     return mod
 
 
@@ -123,6 +129,7 @@ class Peer:
         """``FILE[:FUNCTION]``: import FILE by path (stand-ins for missing imports of its repository)."""
         path, _, func = spec.partition(":")
         func = func or "splitk_sparse_gemv"
+        stand_ins = []
         for _ in range(8):
             mspec = importlib.util.spec_from_file_location(f"peer_{Path(path).stem}", path)
             if mspec is None:
@@ -135,6 +142,9 @@ class Peer:
                 if not e.name or e.name in sys.modules:
                     raise
                 sys.modules[e.name] = _stand_in(e.name)
+                stand_ins.append(e.name)
+        for name in stand_ins:                 # the peer module holds what it imported; nothing else sees them
+            sys.modules.pop(name, None)
         return cls(name=f"{Path(path).stem}:{func}", fn=getattr(mod, func))
 
     def tuned(self):
