@@ -10,7 +10,7 @@ failed fit and its failed dependants, and cuda units left pending. The slow and 
      their error text: the store holds two sweeps, latency rows and real failures.
      Actors get half a CPU there: the 2-CPU test cluster then holds collector, fitter and bencher at once.
 The sweeps use their own ``CTXSPARSE_HOME`` whose model / activation caches link to the usual ones, so the bundle
-files are this session's own (a test may damage one to check the sha256 guard, then restores it).
+files are the test run's own (a test may damage one to check the sha256 guard, then restores it).
 """
 from __future__ import annotations
 

@@ -309,7 +309,7 @@ def test_bundle_sha_mismatch(app, tiny_sweep):
     url = tiny_sweep.url
     fit = _fit_unit(url, "threshold")
     target = next(Path(a.uri) for a in data._bundle_files(url, fit) if a.uri.endswith(".safetensors"))
-    assert tiny_sweep.home in target.parents                     # this session's own bundle
+    assert tiny_sweep.home in target.parents                     # the test run's own bundle
     original = target.read_bytes()
     try:
         target.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))

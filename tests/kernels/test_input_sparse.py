@@ -3,6 +3,8 @@
 local compaction, the batch-1 tile kernel's masked tiles / compacted rows / per-program choice, cuBLAS on the
 masked x), masked rows never read, per-channel (WINA) thresholds, edges, bits, the path and dense rules, and the
 peer benchmark's loader."""
+import sys
+
 import pytest
 import torch
 
@@ -275,21 +277,22 @@ def test_tile_even_blocks(cfg, device, gen, poison):
 
 
 def test_peer_loader(tmp_path):
-    """The peer benchmark imports a user's file by path, stands in for imports of its own repository, and
-    adapts TEAL's call convention (x [1, 1, in], weight [out, in] column-major, float threshold, bin)."""
+    """The peer benchmark imports a user's file by path, stands in for imports of the file's own project, and
+    adapts the call convention it documents (x [1, 1, in], weight [out, in] column-major, float threshold, bin)."""
     from benchmarks.input_sparse import Peer
 
-    f = tmp_path / "peer_gemv.py"
-    f.write_text("import torch\nfrom peer_repo_only_module import BaseKernel\n"
-                 "class Wrapper(BaseKernel):\n    pass\n"
-                 "def splitk_sparse_gemv(x, weight, threshold, sparsity_bin):\n"
+    f = tmp_path / "user_kernel.py"                  # a masked dense product in the peer's convention, not a kernel
+    f.write_text("import torch\nfrom project_only_module import Base\n"
+                 "class Wrapper(Base):\n    pass\n"
+                 "def masked_product(x, weight, threshold, level):\n"
                  "    assert x.shape[:2] == (1, 1) and weight.stride(1) > 1 and isinstance(threshold, float)\n"
                  "    return torch.where(x.abs() > threshold, x, 0) @ weight.t()\n")
-    peer = Peer.load(str(f))
-    assert peer.name == "peer_gemv:splitk_sparse_gemv"
+    peer = Peer.load(f"{f}:masked_product")
+    assert peer.name == "user_kernel:masked_product"
     gen = torch.Generator().manual_seed(0)
     x, w_t = torch.randn(1, 16, generator=gen), torch.randn(16, 8, generator=gen)
     y = peer.call(x, w_t, 0.5, 0.5)
     assert y.shape == (1, 8) and torch.allclose(y, R.input_sparse_linear(x, w_t, 0.5))
+    assert "project_only_module" not in sys.modules   # the stand-in left with the load
     with pytest.raises(AttributeError):
         Peer.load(f"{f}:no_such_function")
