@@ -20,26 +20,16 @@ import json
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from workers.paths import home, write_json_atomic
 from workers.sparsity.greedy import greedy_allocate
+from workers.sparsity.next_token import next_token_logp, token_kl  # noqa: F401 (benchmarks import them here)
 from workers.sparsity.predictors.base import SparsityPlan, k_for
 
 DEFAULT_GRID = tuple(round(0.05 * i, 2) for i in range(20))   # 0.0 .. 0.95
 # measured points: a coarse set (e.g. 0.25/0.5/0.75) makes the interpolated marginals piecewise constant with a
 # kink at each point, and the greedy then stops every layer at the same kink (seen: uniform 0.5 exactly)
 DEFAULT_POINTS = tuple(round(0.1 * i, 1) for i in range(1, 10))
-
-
-def next_token_logp(model, ids: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities [batch, positions, vocab] of the next token, in float32."""
-    return F.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)
-
-
-def token_kl(logp: torch.Tensor, dense_logp: torch.Tensor) -> torch.Tensor:
-    """KL(dense || sparse) of each position's next-token distribution, from log-probabilities [..., vocab]."""
-    return F.kl_div(logp, dense_logp, log_target=True, reduction="none").sum(-1)
 
 
 def damage_curves(ctx, tokens, points=DEFAULT_POINTS, grid=DEFAULT_GRID) -> dict[int, list[float]]:

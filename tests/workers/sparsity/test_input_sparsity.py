@@ -19,7 +19,7 @@ from workers.sparsity.input_sparse import (
     InputSparseLinear, InputStats, apply_input_sparsity, projection_modules, projection_paths,
 )
 from workers.sparsity.predictors import FitContext, SparsityPlan, fit_method
-from workers.sparsity.predictors.input_sparsity import calib_sparsity, symmetry_gaps, threshold_for
+from workers.sparsity.input_thresholds import calib_sparsity, symmetry_gaps, threshold_for
 from workers.sparsity.sparse_exec import apply_sparsity
 
 
@@ -192,16 +192,16 @@ def test_options_are_checked(llama):
 
 def test_greedy_block_allocation_path_and_plan(llama, monkeypatch):
     import workers.loading.data as data
-    from workers.sparsity.predictors import input_sparsity as mod
+    from workers.sparsity import input_allocation as mod
 
     lm, tmp_path = llama
     monkeypatch.setenv("CTXSPARSE_HOME", str(tmp_path / "home"))
     ctx = _ctx(lm, tmp_path)
     monkeypatch.setattr(data, "token_windows", lambda *a, **k: _tokens(3, 4, 32))
     projs = ["q", "k", "v", "o", "gate", "up", "down"]
-    monkeypatch.setattr(mod, "GREEDY_STEP", 0.2)
-    monkeypatch.setattr(mod, "GREEDY_MAX", 0.4)
-    paths = mod.greedy_paths(ctx, "abs", projs)
+    monkeypatch.setattr(mod, "BLOCK_STEP", 0.2)
+    monkeypatch.setattr(mod, "BLOCK_MAX", 0.4)
+    paths = mod.block_greedy_paths(ctx, "abs", projs)
     numel = {p: linear_weight(m).numel() for p, m in projection_modules(lm.adapter, lm.model.model.layers[0]).items()}
     for l, path in paths.items():
         budgets = [b for b, _, _ in path]
@@ -212,7 +212,7 @@ def test_greedy_block_allocation_path_and_plan(llama, monkeypatch):
     plan = fit_method("teal", ctx, 0.3, greedy=True)        # reads the cached path (same key)
     assert len(list((tmp_path / "home" / "input_greedy").glob("*.json"))) == 1
     for l in (0, 1):
-        per = mod.path_at(paths[l], 0.3)
+        per = mod.block_sparsities_at(paths[l], 0.3)
         assert set(plan.inputs[l]) == {p for p in projs if per[p] > 0}
         assert plan.info[l]["inputs"]["greedy"] == "block"
     with pytest.raises(ValueError, match="do not combine"):
@@ -235,9 +235,9 @@ def test_greedy_model_allocation_spends_the_budget_where_it_is_free_first(llama,
             layer.self_attn.o_proj.weight.zero_()
     ctx = _ctx(lm, tmp_path)
     monkeypatch.setattr(data, "token_windows", lambda *a, **k: _tokens(3, 4, 32))
-    monkeypatch.setattr(mod, "STEP", 0.25)
-    monkeypatch.setattr(mod, "CAP", 0.75)
-    monkeypatch.setattr(mod, "MAX_BUDGET", 0.6)
+    monkeypatch.setattr(mod, "MODEL_STEP", 0.25)
+    monkeypatch.setattr(mod, "MODEL_CAP", 0.75)
+    monkeypatch.setattr(mod, "MODEL_MAX_BUDGET", 0.6)
     calls = []
     measure = mod._measure
     monkeypatch.setattr(mod, "_measure", lambda *a: calls.append(a[-2]) or measure(*a))
@@ -254,7 +254,7 @@ def test_greedy_model_allocation_spends_the_budget_where_it_is_free_first(llama,
     for b, per, _ in path:
         assert b == pytest.approx(sum(per[p] * numel[p] for p in per) / sum(numel.values()), abs=1e-5)
     mid = (path[13][0] + path[14][0]) / 2                     # halfway through the second FFN step
-    per = mod.path_at(path, mid)
+    per = mod.model_sparsities_at(path, mid)
     assert sum(per[p] * numel[p] for p in per) / sum(numel.values()) == pytest.approx(mid, abs=1e-6)
     plan = fit_method("teal", ctx, mid, greedy="model")      # reads the cached path
     assert calls == [0.2, 0.6]                               # two measurements: the prefix, then the rest
