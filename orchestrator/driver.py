@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from db import queries
 from db.engine import get_engine, session_scope, upgrade
 from db.schemas import UnitSpec
+from orchestrator.placement import DEVICE_RESOURCE, DevicePlacement, alive_nodes, pool_sizes
 from orchestrator.plan import PlannedUnit, plan_units
 from orchestrator.spec import SpecError, SweepSpec, check_inputs, load_spec, parse_spec
 
@@ -114,7 +115,10 @@ def cluster_device_types(ray) -> set[str]:
 
 
 class _Pools:
-    """Actor pools keyed by (role, device type), created on demand; dead actors are replaced."""
+    """Actor pools keyed by (role, device type), created on demand up to their size (``orchestrator.placement``:
+    a spec's number, or ``auto`` from the cluster's resources); dead actors are replaced. The actors of a GPU / NPU
+    device type are spread over its devices through one placement group (``DevicePlacement``), made when the
+    first of them is needed."""
 
     def __init__(self, ray, spec: SweepSpec, db_url: str | None):
         from workers.actors import ROLE_CLASSES, actor_options
@@ -124,29 +128,52 @@ class _Pools:
         self.actors: dict[tuple[str, str], list] = defaultdict(list)
         self.idle: dict[tuple[str, str], deque] = defaultdict(deque)
         self.started: set[int] = set()      # actors that have answered at least once (so were placed)
+        lat = spec.latency.devices if spec.latency else []
+        self.plan = pool_sizes(spec.resources, alive_nodes(ray), lat)
+        self.placements: dict[str, DevicePlacement | None] = {}
 
-    def _size(self, kind: str) -> int:
-        return getattr(self.spec.resources, ROLE_OF_KIND[kind])
+    def _size(self, kind: str, device: str) -> int:
+        return self.plan.size(ROLE_OF_KIND[kind], device)
+
+    def _placement(self, device: str) -> DevicePlacement | None:
+        if device not in self.placements:
+            room = self.plan.rooms.get(device)
+            spread = device in DEVICE_RESOURCE and room is not None and room.bundles > 0
+            self.placements[device] = DevicePlacement(self.ray, room, self.plan.on(device),
+                                                      self.spec.resources.cpus_per_actor) if spread else None
+            if spread and self.placements[device].reserved:
+                pl = self.placements[device]
+                log.info("%s actors: spread over %d placement-group bundles of %s, %d actors each", device,
+                         pl.reserved, pl.bundle, pl.per_bundle)
+        return self.placements[device]
 
     def _new(self, kind: str, device: str):
         r = self.spec.resources
         opts = self._options(device, cpus=r.cpus_per_actor, gpus=r.gpus_per_actor, npus=r.npus_per_actor,
                              max_restarts=r.max_restarts)
         home = os.environ.get("CTXSPARSE_HOME")
-        return self._classes[kind].options(**opts).remote(self.db_url, device, r.torch_threads, home)
+
+        def make(extra: dict):
+            return self._classes[kind].options(**opts, **extra).remote(self.db_url, device, r.torch_threads, home)
+
+        placement = self._placement(device)
+        return make({}) if placement is None else placement.create(ROLE_OF_KIND[kind], make)
 
     def take(self, kind: str, device: str):
+        """An idle actor of (kind, device), or a new one while the pool is below its size and its devices have
+        room; None otherwise (the unit waits)."""
         key = (kind, device)
         if self.idle[key]:
             return self.idle[key].popleft()
-        if len(self.actors[key]) < self._size(kind):
+        if len(self.actors[key]) < self._size(kind, device):
             a = self._new(kind, device)
-            self.actors[key].append(a)
+            if a is not None:
+                self.actors[key].append(a)
             return a
         return None
 
-    def rebalance(self, ready: dict, inflight_actors) -> None:
-        """Retire idle actors that have nothing ready while other work waits for room.
+    def rebalance(self, ready: dict, inflight_actors) -> int:
+        """Retire idle actors that have nothing ready while other work waits for room; returns how many.
 
         Idle actors keep their CPU/GPU reservation: on a small cluster an idle fitter and an idle evaluator can
         hold every CPU while a new latency bencher waits to be placed, forever. So whenever some ready unit
@@ -156,10 +183,13 @@ class _Pools:
         blocked = any(q and not self.idle[key] for key, q in ready.items())
         unplaced = any(id(a) not in self.started for a in inflight_actors)
         if not (blocked or unplaced):
-            return
+            return 0
+        retired = 0
         for key, q in self.idle.items():
             while q and not ready.get(key):
                 self.replace(*key, q.popleft())
+                retired += 1
+        return retired
 
     def give_back(self, kind: str, device: str, actor) -> None:
         self.started.add(id(actor))
@@ -172,11 +202,15 @@ class _Pools:
         except Exception:  # already gone
             pass
         self.actors[key] = [a for a in self.actors[key] if a is not dead]
+        if self.placements.get(device) is not None:
+            self.placements[device].release(dead)
 
     def describe(self, ref: str, spec: SweepSpec) -> dict:
         from ray.exceptions import RayTaskError
 
         a = self.take("collect", spec.resources.accelerator)
+        if a is None:
+            raise SweepSetupError(f"no room for a collector on {spec.resources.accelerator} in this cluster")
         try:
             ppl = spec.suites.perplexity.model_dump() if spec.suites.perplexity else None
             return self.ray.get(a.describe.remote(ref, spec.data.model_dump(), ppl))
@@ -192,6 +226,9 @@ class _Pools:
                     self.ray.kill(a, no_restart=True)
                 except Exception:
                     pass
+        for placement in self.placements.values():
+            if placement is not None:
+                placement.remove()
 
 
 def _fmt_eta(seconds: float) -> str:
@@ -227,6 +264,9 @@ def run_sweep(spec: SweepSpec, db_url: str | None = None, submission_id: str | N
     engine = open_store(db_url)
     ray = _ray()
     pools = _Pools(ray, spec, db_url if db_url is not None else str(engine.url.render_as_string(hide_password=False)))
+    res = ray.cluster_resources()
+    log.info("cluster: %s; pools %s", ", ".join(f"{res[k]:g} {k}" for k in ("GPU", "NPU", "CPU") if res.get(k)),
+             pools.plan.summary(spec.resources))
     try:
         described = {ref: pools.describe(ref, spec) for ref in spec.models}
         for ref, d in described.items():
@@ -282,17 +322,21 @@ def _execute(ray, engine, pools: _Pools, spec: SweepSpec, sweep_id: int, units: 
         # latency is timed alone when the spec says so: no other unit of this sweep runs beside a bencher
         others_busy = any(k[0] != "latency" and q for k, q in ready.items()) or \
             any(u.kind != "latency" for u in waiting.values()) or any(u.kind != "latency" for u, _ in inflight.values())
-        for key, q in ready.items():
-            if key[0] == "latency" and exclusive and others_busy:
-                continue
-            while q:
-                actor = pools.take(*key)
-                if actor is None:
-                    break
-                u = q.popleft()
-                ref = actor.run.remote({"id": u.id, "kind": u.kind, "config": u.config})
-                inflight[ref] = (u, actor)
-        pools.rebalance(ready, [a for _, a in inflight.values()])
+        while True:
+            for key, q in ready.items():
+                if key[0] == "latency" and exclusive and others_busy:
+                    continue
+                while q:
+                    actor = pools.take(*key)
+                    if actor is None:
+                        break
+                    u = q.popleft()
+                    ref = actor.run.remote({"id": u.id, "kind": u.kind, "config": u.config})
+                    inflight[ref] = (u, actor)
+            # room an idle actor left is used now, not after the next unit ends (each pass retires at least one
+            # idle actor, and takes none back to idle: this ends)
+            if not pools.rebalance(ready, [a for _, a in inflight.values()]):
+                break
 
     exclusive = spec.latency is not None and spec.latency.exclusive
     release_ready()

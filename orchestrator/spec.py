@@ -12,7 +12,7 @@
       tasks: [{name: piqa, limit: 100}, {name: copa, limit: all}, {name: lm_eval:lambada_standard},
               {name: yaml:tasks/my_task.yaml, limit: 50}]
     latency: {devices: [cpu], batch: [1], prompt_len: [128], gen_len: 16}
-    resources: {fitters: 1, evaluators: 1}
+    resources: {accelerator: cpu, evaluators: auto, fitters: 1}    # counts: a number or auto (the default)
 
 Every model is described relative to the dense model (a ``dense`` setting is always swept). Unknown keys
 are rejected everywhere; an error names the field (``methods.1.rank.0: ...``). ``load_spec`` is what
@@ -182,14 +182,42 @@ class LatencySpec(_Strict):
         return _unique(v, info.field_name)
 
 
+AUTO = "auto"     # a pool size sized from the cluster's resources when the sweep starts
+
+
+def _count(v: Any) -> int | str:
+    if v == AUTO:
+        return AUTO
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"a number of actors (1 or more) or {AUTO!r}, not {v!r}")
+    return v
+
+
+def _device_share(v: float) -> float:
+    """Ray grants a fraction of one device, or whole devices: 0.25 and 2 are shares, 1.5 is neither."""
+    if v > 1 and v != int(v):
+        raise ValueError(f"a fraction of one device (at most 1) or a whole number of devices, not {v}")
+    return v
+
+
+Count = Annotated[int | Literal["auto"], BeforeValidator(_count)]
+DeviceShare = AfterValidator(_device_share)
+
+
 class ResourcesSpec(_Strict):
-    collectors: Positive = 1
-    fitters: Positive = 1
-    evaluators: Positive = 1
-    benchers: Positive = 1
+    """How many actors of each role a sweep runs, and what each asks Ray for.
+
+    A count is a number, or ``auto`` (the default): sized from the cluster's resources when the sweep starts
+    (``orchestrator.placement``): the actors of the spec's size that the GPUs / NPUs (for ``accelerator``), the
+    CPUs and the host memory hold at once; evaluators get that room but a quarter, which fitters (and, before
+    them, collectors) use; one latency bencher per GPU / NPU, one for CPU timings."""
+    collectors: Count = AUTO
+    fitters: Count = AUTO
+    evaluators: Count = AUTO
+    benchers: Count = AUTO
     cpus_per_actor: Annotated[float, Field(gt=0, le=256)] = 1.0
-    gpus_per_actor: Annotated[float, Field(gt=0, le=8)] = 1.0    # on NVIDIA nodes (fitting, eval, cuda latency)
-    npus_per_actor: Annotated[float, Field(gt=0, le=16)] = 1.0   # the custom resource NPU on Ascend nodes
+    gpus_per_actor: Annotated[float, Field(gt=0, le=8), DeviceShare] = 1.0   # NVIDIA nodes (fit, eval, cuda latency)
+    npus_per_actor: Annotated[float, Field(gt=0, le=16), DeviceShare] = 1.0  # the custom resource NPU on Ascend nodes
     accelerator: DeviceType = "cpu"                               # where collect / fit / eval run
     torch_threads: Positive | None = None
     max_attempts: Annotated[int, Field(ge=1, le=20)] = 3          # per unit, counting actor deaths

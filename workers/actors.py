@@ -4,7 +4,9 @@ Each actor runs units (``run(task)``) through ``workers.units.Units`` and writes
 transaction (``db.queries.finish_unit``), the moment the unit is done; a failure is recorded with its
 traceback (``fail_unit``) and reported back, never half-written. Resources are declared on the classes
 (one CPU each); the driver adds ``num_gpus`` for NVIDIA nodes or the custom resource ``NPU`` for Ascend
-nodes (Ray then sets ``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES``) with ``actor_options``.
+nodes (Ray then sets ``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES``) with ``actor_options``, and the
+placement-group bundle of one device (``orchestrator.placement``). An actor sees only the devices Ray assigned it,
+so its device is index 0 (``cuda`` is ``cuda:0``); one that sees others refuses to run (``visible_devices_problem``).
 Construction is cheap (a restarted actor is back at once); models load on first use and stay loaded.
 ``torch_npu`` is imported only inside an actor placed on an NPU.
 """
@@ -49,14 +51,47 @@ def actor_options(device_type: DeviceType, *, cpus: float = 1.0, gpus: float = 1
     return opts
 
 
+VISIBLE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+RAY_ACCELERATOR = {"cuda": "GPU", "npu": "NPU"}
+
+
+def assigned_devices(device_type: DeviceType) -> list[str]:
+    """The ids of the GPUs / NPUs Ray assigned to this actor (its bundle's device; [] on the CPU)."""
+    if device_type not in RAY_ACCELERATOR:
+        return []
+    ids = ray.get_runtime_context().get_accelerator_ids().get(RAY_ACCELERATOR[device_type], [])
+    return [str(i) for i in ids]
+
+
+def visible_devices_problem(device_type: DeviceType) -> str | None:
+    """Why this actor would not compute on its own device alone, or None: the visible-devices variable must list
+    exactly the devices Ray assigned (unset, as under ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``, every actor
+    would use device 0, whichever Ray gave it)."""
+    if device_type not in VISIBLE_ENV:
+        return None
+    var, ids = VISIBLE_ENV[device_type], assigned_devices(device_type)
+    seen = os.environ.get(var)
+    if not ids:
+        return f"actor placed for {device_type} but Ray assigned it no {RAY_ACCELERATOR[device_type]}"
+    if seen is None or seen.split(",") != ids:
+        return f"{var}={seen!r}, but Ray assigned this actor {RAY_ACCELERATOR[device_type]} {','.join(ids)}"
+    return None
+
+
 def _torch_device(device_type: DeviceType) -> str:
     import torch
 
+    problem = visible_devices_problem(device_type)
+    if problem:
+        raise RuntimeError(problem)
     if device_type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"actor placed for cuda but sees no GPU (CUDA_VISIBLE_DEVICES="
                                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
-        return "cuda"
+        n, ids = torch.cuda.device_count(), assigned_devices(device_type)
+        if n != len(ids):
+            raise RuntimeError(f"actor assigned GPU {','.join(ids)} sees {n} GPUs")
+        return "cuda"          # index 0: the first of the devices this actor sees, its own
     if device_type == "npu":
         try:
             import torch_npu  # noqa: F401  (Ascend plugin; only ever imported here, on an NPU node)
@@ -115,7 +150,9 @@ class _UnitActor:
         keys = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "CTXSPARSE_HOME")
         return {"name": self.name, "role": self.role, "device_type": self.device_type,
                 "node_id": ray.get_runtime_context().get_node_id(),
-                "env": {k: os.environ.get(k) for k in keys}, "pid": os.getpid()}
+                "env": {k: os.environ.get(k) for k in keys}, "pid": os.getpid(),
+                "devices": assigned_devices(self.device_type),
+                "visible_problem": visible_devices_problem(self.device_type)}
 
     def describe(self, ref: str, data: dict, ppl: dict | None) -> dict:
         return self._setup().describe(ref, data, ppl)
