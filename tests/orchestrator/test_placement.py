@@ -132,8 +132,12 @@ def _probe() -> dict:
     try:
         # Ray alone, two actors at half a GPU each
         alone = [Evaluator.options(**actor_options("cuda", gpus=0.5)).remote(None, "cuda") for _ in range(2)]
+        # and one told not to have its CUDA_VISIBLE_DEVICES set: it would compute on device 0, whichever it got
+        unset = Evaluator.options(**actor_options("cuda", gpus=0.5), runtime_env={"env_vars": {
+            "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}).remote(None, "cuda")
         out["alone"] = [i["devices"] for i in infos(alone)]
-        for a in alone:
+        out["unset"] = infos([unset])[0]["visible_problem"]
+        for a in alone + [unset]:
             ray.kill(a)
         spec = parse_spec({**GOOD, "latency": {"devices": ["cuda"]},
                            "resources": {"accelerator": "cuda", "gpus_per_actor": 0.5}})
@@ -178,6 +182,13 @@ def probe() -> dict:
 def test_ray_alone_packs_fractional_gpus_on_gpu_0(probe):
     """Why the placement group exists (Ray 2.60): two half-GPU actors both get GPU 0 while GPU 1 idles."""
     assert probe["alone"] == [["0"], ["0"]]
+
+
+@pytest.mark.timeout(300)
+def test_an_actor_that_would_see_every_gpu_says_so(probe):
+    """Without Ray's CUDA_VISIBLE_DEVICES an actor would compute on device 0 whatever Ray gave it: it refuses."""
+    assert probe["unset"] is not None and probe["unset"].startswith("CUDA_VISIBLE_DEVICES=None, but Ray assigned "
+                                                                     "this actor GPU "), probe["unset"]
 
 
 @pytest.mark.timeout(300)
