@@ -472,6 +472,7 @@ def profile(args, copy_bw):
     the reduce launched by programmatic dependent launch (``pdl``; sm_90+, elsewhere the same launch)."""
     from kernels import configs as C
     from kernels import ffn_triton as T
+    from kernels._launch import launch_reduce
 
     gen = torch.Generator().manual_seed(4)
     out = []
@@ -500,7 +501,7 @@ def profile(args, copy_bw):
                          -(-k // cfg["BLOCK_R"]))
             wss = [torch.randn((nsplit, 1, d), device=DEV) for _ in range(nl)]
             ys = [torch.empty((1, d), device=DEV, dtype=torch.float16) for _ in range(nl)]
-            t_red = time_layers([lambda i=i: T._launch_reduce(wss[i], nsplit, None, ys[i], cfg.get("reduce_block"))
+            t_red = time_layers([lambda i=i: launch_reduce(wss[i], nsplit, None, ys[i], cfg.get("reduce_block"))
                                  for i in range(nl)], args.reps).median
             nb = ffn_bytes(d, k, True, 2, 1)
             log(f"profile {sname} s={s}: op {t_all:.1f} us = reduce alone {t_red:.1f} us + rest {t_all - t_red:.1f} us;"

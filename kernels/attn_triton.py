@@ -20,8 +20,8 @@ import triton.language as tl
 from . import configs as C
 from ._tl_common import _dot_rows
 from . import common as _c
-from .common import check_idx, check_weight, check_x
-from .ffn_triton import _cfg, _launch_down, _np2
+from ._launch import launch_config, launch_down
+from .common import check_idx, check_weight, check_x, next_pow2
 
 
 @triton.jit
@@ -101,8 +101,8 @@ def kv_heads_for(q_idx, q_count, n_heads, n_kv_heads):
     kv_slot = _c.empty(q_idx.shape[0], dev, torch.int32)
     _kv_heads_kernel[(1,)](q_idx, q_count if q_count is not None else q_idx, kv_idx, kv_count, kv_slot,
                            q_idx.shape[0], n_heads // n_kv_heads, n_kv_heads,
-                           HAS_COUNT=q_count is not None, Q_PAD=_np2(q_idx.shape[0]),
-                           KV_PAD=_np2(n_kv_heads), num_warps=4)
+                           HAS_COUNT=q_count is not None, Q_PAD=next_pow2(q_idx.shape[0]),
+                           KV_PAD=next_pow2(n_kv_heads), num_warps=4)
     return kv_idx, kv_count, kv_slot
 
 
@@ -122,8 +122,8 @@ def head_sparse_qkv(x, w_qkv, q_idx, q_count, kv_idx, kv_count, n_heads, n_kv_he
     total = (KQ + 2 * KKV) * head_dim
     out = _c.empty((B, total), x.device, x.dtype)
     bp = C.b_pad(B)
-    cfg = _cfg("gather", bp, config, x.device)
-    block_k = min(cfg["BLOCK_K"] or _np2(d), _np2(d))
+    cfg = launch_config("gather", bp, config, x.device)
+    block_k = min(cfg["BLOCK_K"] or next_pow2(d), next_pow2(d))
     block_r = cfg["BLOCK_R"]
     _qkv_kernel[(triton.cdiv(total, block_r),)](
         x, x.stride(0), w_qkv, bias if bias is not None else w_qkv, q_idx,
@@ -147,4 +147,4 @@ def head_sparse_out(attn, w_o_t, q_idx, q_count=None, head_dim=None, bias=None, 
     assert h.shape[1] == q_idx.shape[0] * head_dim
     check_weight(w_o_t, "w_o_t", w_o_t.shape[1], attn.dtype, attn.device)
     check_idx(q_idx, q_count, attn.device)
-    return _launch_down(h, w_o_t, q_idx, q_count, bias, head_dim, attn.dtype, config)
+    return launch_down(h, w_o_t, q_idx, q_count, bias, head_dim, attn.dtype, config)

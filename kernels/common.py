@@ -27,6 +27,11 @@ MAX_BATCH = 8
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for n <= 1): block sizes, paddings, batch pads."""
+    return 1 << (max(1, int(n)) - 1).bit_length()
+
+
 def empty(shape, device, dtype) -> torch.Tensor:
     """Every output / workspace of the Triton ops is allocated here (tests swap in a poisoning
     version to check that every element is written)."""

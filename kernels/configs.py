@@ -9,6 +9,8 @@ from functools import lru_cache
 
 import torch
 
+from .common import next_pow2 as _next_pow2
+
 
 @lru_cache(maxsize=None)
 def num_sms(device_index: int | None) -> int:
@@ -19,10 +21,6 @@ def num_sms(device_index: int | None) -> int:
 
 def sm_count(t: torch.Tensor) -> int:
     return num_sms(t.device.index if t.device.type == "cuda" else None)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 # --- FFN (gate/up + down) -------------------------------------------------------------------------

@@ -34,6 +34,7 @@ import triton.language as tl
 from . import common as _c
 from . import configs as C
 from . import reference as _ref
+from .common import next_pow2
 
 
 @triton.jit
@@ -175,7 +176,7 @@ NUM_WARPS = 8
 def block_n_for(hd: int) -> int:
     """Cached positions per iteration: a [BLOCK_N, hd] fp32 tile of K and of V stays within 64 registers a
     thread at NUM_WARPS = 8 (measured on an H200, hd 128: 128 x 8 warps 1.2-1.5x faster than 64 x 4 or 32 x 4/8)."""
-    return max(16, 64 * 32 * NUM_WARPS // triton.next_power_of_2(hd))
+    return max(16, 64 * 32 * NUM_WARPS // next_pow2(hd))
 
 
 MIN_CHUNK = 128      # cached positions per split at least (one BLOCK_N tile at hd 128)
@@ -213,7 +214,7 @@ def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_n
     if q_idx is not None:
         assert q_idx.shape == (S,), f"q_idx must be [S={S}]"
     out = _c.empty((B, S * hd), q.device, q.dtype)
-    hd_pad = triton.next_power_of_2(hd)
+    hd_pad = next_pow2(hd)
     cfg = {"BLOCK_N": block_n_for(hd), "num_warps": NUM_WARPS, **(config or {})}
     L = k_cache.shape[2]
     block_n = cfg["BLOCK_N"]
@@ -234,5 +235,5 @@ def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_n
     )
     if nsplit > 1:
         _combine_kernel[(B, S)](ws, out, out.stride(0), S, hd, nsplit, HD_PAD=hd_pad,
-                                SP_PAD=triton.next_power_of_2(nsplit), num_warps=4)
+                                SP_PAD=next_pow2(nsplit), num_warps=4)
     return out

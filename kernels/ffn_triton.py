@@ -22,9 +22,10 @@ import triton
 import triton.language as tl
 
 from . import configs as C
+from ._launch import launch_config, launch_down, launch_reduce, use_dot
 from ._tl_common import _accum_rows, _act, _dot_rows, _dot_rows_mma
 from . import common as _c
-from .common import MAX_BATCH, act_code, check_idx, check_weight, check_x
+from .common import MAX_BATCH, act_code, check_idx, check_weight, check_x, next_pow2
 
 MAX_D = 16384
 COMPACT_MAX = 1 << 20
@@ -143,74 +144,6 @@ def _fused_ffn_kernel(
 
 
 @triton.jit
-def _gather_down_kernel(
-    h_ptr, stride_hb, wt_ptr, idx_ptr, count_ptr, ws_ptr,
-    K, d, B,
-    GROUP: tl.constexpr, HAS_COUNT: tl.constexpr,
-    B_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, USE_DOT: tl.constexpr,
-    DOT_F32: tl.constexpr,
-):
-    """Program (d-chunk, split): partial[split, b, chunk] = sum over the split's rows j of
-    h[b, j] * W^T[row(j), chunk], row(j) = idx[j // GROUP] * GROUP + j % GROUP."""
-    pid_d = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    nsplit = tl.num_programs(1)
-    if HAS_COUNT:
-        n = tl.minimum(tl.load(count_ptr).to(tl.int32), K) * GROUP
-    else:
-        n = K * GROUP
-    nblk = (n + BLOCK_R - 1) // BLOCK_R
-    per = ((nblk + nsplit - 1) // nsplit) * BLOCK_R
-    start = pid_s * per
-    end = tl.minimum(start + per, n)
-    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    cm = cols < d
-    bs = tl.arange(0, B_PAD)
-    acc = tl.zeros([B_PAD, BLOCK_D], dtype=tl.float32)
-    for r0 in range(start, end, BLOCK_R):
-        j = r0 + tl.arange(0, BLOCK_R)
-        rm = j < end
-        head = tl.load(idx_ptr + j // GROUP, mask=rm, other=0).to(tl.int64)
-        roff = (head * GROUP + j % GROUP) * d
-        w = tl.load(wt_ptr + roff[:, None] + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        hv = tl.load(h_ptr + bs[:, None] * stride_hb + j[None, :],
-                     mask=(bs[:, None] < B) & rm[None, :], other=0.0)
-        if USE_DOT:  # h rounded to the weight dtype (fp16/bf16), fp32 accumulation on tensor cores
-            hv = hv.to(w.dtype)
-            if DOT_F32:
-                acc = tl.dot(hv.to(tl.float32), w.to(tl.float32), acc)
-            else:
-                acc = tl.dot(hv, w, acc)
-        else:
-            acc = _accum_rows(acc, hv.to(tl.float32), w.to(tl.float32), B_PAD)
-    tl.store(ws_ptr + (pid_s * B + bs[:, None]) * d + cols[None, :], acc,
-             mask=(bs[:, None] < B) & cm[None, :])
-
-
-@triton.jit
-def _reduce_kernel(ws_ptr, bias_ptr, y_ptr, stride_yb, NSPLIT, B, d,
-                   HAS_BIAS: tl.constexpr, S_PAD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """y[b, c] = sum_s ws[s, b, c] (+ bias[c]): one [S_PAD, BLOCK] tile, fixed reduction tree. PDL: launched
-    early (programmatic dependent launch); waits here until the partials' grid has finished and its writes
-    are visible."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)  # flat over B * d
-    om = offs < B * d
-    ss = tl.arange(0, S_PAD)
-    part = tl.load(ws_ptr + ss[:, None] * (B * d) + offs[None, :],
-                   mask=(ss[:, None] < NSPLIT) & om[None, :], other=0.0)
-    acc = tl.sum(part, axis=0)
-    c = offs % d
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + c, mask=om, other=0.0).to(tl.float32)
-    b = offs // d
-    tl.store(y_ptr + b * stride_yb + c, acc.to(y_ptr.dtype.element_ty), mask=om)
-
-
-@triton.jit
 def _compact_chunk(keep_ptr, idx_ptr, v_ptr, stride_vb, idx2_ptr, v2_ptr, stride_v2b, j, N, B, tot, base_k, base_d,
                    HAS_IDX: tl.constexpr, HAS_V: tl.constexpr, B_PAD: tl.constexpr):
     m = j < N
@@ -267,39 +200,16 @@ def _compact_kernel(keep_ptr, idx_ptr, v_ptr, stride_vb, idx2_ptr, v2_ptr, strid
 # ------------------------------------------------------------------------------------------------
 # launch helpers
 # ------------------------------------------------------------------------------------------------
-def _np2(n: int) -> int:
-    return triton.next_power_of_2(max(1, int(n)))
-
-
-def _dummy(t: torch.Tensor) -> torch.Tensor:
-    return t  # any valid pointer for an unused argument (never dereferenced)
-
-
-def _cfg(name: str, bp: int, override: dict | None, device=None) -> dict:
-    table = {"fused": C.FUSED, "gather": C.GATHER, "down": C.DOWN}[name]
-    cfg = dict(table[bp] if bp in table else table[max(table)])
-    if device is not None and device.type == "cpu":
-        cfg.update(C.INTERP[name])
-    if override:
-        cfg.update(override)
-    return cfg
-
-
-def _use_dot(cfg, t, batch):
-    """Tensor-core tl.dot path (batch padded to 16): fp16/bf16 only (fp32 keeps exact FMA math)."""
-    return bool(cfg.get("dot")) and t.dtype in (torch.float16, torch.bfloat16)
-
-
 def _launch_gather(x, w1, w2, b1, scale, idx, count, out, keep, thr, mode, act, config=None):
     B, d = x.shape
     K = idx.shape[0]
     bp = C.b_pad(B)
-    cfg = _cfg("gather", bp, config, x.device)
-    block_k = cfg["BLOCK_K"] or _np2(d)
-    block_k = min(block_k, _np2(d))
+    cfg = launch_config("gather", bp, config, x.device)
+    block_k = cfg["BLOCK_K"] or next_pow2(d)
+    block_k = min(block_k, next_pow2(d))
     block_r = cfg["BLOCK_R"]
-    use_dot = _use_dot(cfg, x, B)
-    if use_dot:
+    dot = use_dot(cfg, x)
+    if dot:
         bp = 16
         assert block_r >= 16 and block_k >= 16, "the tl.dot path needs BLOCK_R, BLOCK_K >= 16"
     if K == 0:
@@ -312,8 +222,8 @@ def _launch_gather(x, w1, w2, b1, scale, idx, count, out, keep, thr, mode, act, 
         out, out.stride(0), keep if keep is not None else idx, float(thr),
         K, d, B,
         MODE=mode, ACT=act_code(act), HAS_COUNT=count is not None, HAS_BIAS=b1 is not None,
-        FILTER=keep is not None, B_PAD=bp, BLOCK_R=block_r, BLOCK_K=block_k, USE_DOT=use_dot,
-        DOT_F32=use_dot and x.device.type == "cpu", num_warps=cfg["num_warps"],
+        FILTER=keep is not None, B_PAD=bp, BLOCK_R=block_r, BLOCK_K=block_k, USE_DOT=dot,
+        DOT_F32=dot and x.device.type == "cpu", num_warps=cfg["num_warps"],
     )
     return out
 
@@ -323,45 +233,11 @@ def _pdl(cfg, t) -> bool:
     return bool(cfg.get("pdl")) and t.device.type == "cuda" and torch.cuda.get_device_capability(t.device)[0] >= 9
 
 
-def _launch_reduce(ws, nsplit, bias, y, block=None, pdl=False):
-    B, d = y.shape
-    s_pad = _np2(nsplit)
-    block = block or max(16, min(1024, 8192 // s_pad))
-    grid = (triton.cdiv(B * d, block),)
-    extra = dict(launch_pdl=True) if pdl else {}
-    _reduce_kernel[grid](ws, bias if bias is not None else ws, y, y.stride(0), nsplit, B, d,
-                         HAS_BIAS=bias is not None, S_PAD=s_pad, BLOCK=block, PDL=pdl, num_warps=4, **extra)
-    return y
-
-
-def _launch_down(h, w_t, idx, count, bias, group, out_dtype, config=None):
-    B = h.shape[0]
-    d = w_t.shape[1]
-    K = idx.shape[0]
-    bp = C.b_pad(B)
-    cfg = _cfg("down", bp, config, h.device)
-    block_d = min(cfg["BLOCK_D"], _np2(d))
-    use_dot = _use_dot(cfg, w_t, B)
-    if use_dot:
-        bp = 16
-        assert cfg["BLOCK_R"] >= 16 and block_d >= 16, "the tl.dot path needs BLOCK_R, BLOCK_D >= 16"
-    nsplit = max(1, min(cfg["splits"], triton.cdiv(K * group, cfg["BLOCK_R"])))
-    ws = _c.empty((nsplit, B, d), h.device, torch.float32)
-    grid = (triton.cdiv(d, block_d), nsplit)
-    _gather_down_kernel[grid](
-        h, h.stride(0), w_t, idx, count if count is not None else idx, ws, K, d, B,
-        GROUP=group, HAS_COUNT=count is not None, B_PAD=bp, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=block_d,
-        USE_DOT=use_dot, DOT_F32=use_dot and h.device.type == "cpu", num_warps=cfg["num_warps"],
-    )
-    y = _c.empty((B, d), h.device, out_dtype)
-    return _launch_reduce(ws, nsplit, bias, y)
-
-
 def _launch_fused(x, w1, w2, b1, scale, w_t, idx, count, bias2, mode, act, config=None):
     B, d = x.shape
     K = idx.shape[0]
     bp = C.b_pad(B)
-    cfg = _cfg("fused", bp, config, x.device)
+    cfg = launch_config("fused", bp, config, x.device)
     block_r = cfg["BLOCK_R"]
     nsplit = cfg.get("nsplit") or cfg["progs_per_sm"] * C.sm_count(x)
     nsplit = max(1, min(nsplit, triton.cdiv(K, block_r)))
@@ -372,16 +248,11 @@ def _launch_fused(x, w1, w2, b1, scale, w_t, idx, count, bias2, mode, act, confi
         scale if scale is not None else x, scale.stride(0) if scale is not None else 0,
         w_t, idx, count if count is not None else idx, ws, K, d, B,
         MODE=mode, ACT=act_code(act), HAS_COUNT=count is not None, HAS_BIAS=b1 is not None,
-        B_PAD=bp, BLOCK_R=block_r, D_PAD=_np2(d), EARLY_DOWN=cfg.get("early_down", True), PDL=pdl,
+        B_PAD=bp, BLOCK_R=block_r, D_PAD=next_pow2(d), EARLY_DOWN=cfg.get("early_down", True), PDL=pdl,
         num_warps=cfg["num_warps"],
     )
     y = _c.empty((B, d), x.device, x.dtype)
-    return _launch_reduce(ws, nsplit, bias2, y, cfg.get("reduce_block"), pdl)
-
-
-def _check_count_dev(count, device):
-    if count is not None:
-        assert count.device == device
+    return launch_reduce(ws, nsplit, bias2, y, cfg.get("reduce_block"), pdl)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -436,7 +307,7 @@ def gather_down(h, w_t, idx, count=None, bias=None, group=1, *, out_dtype=None, 
     check_idx(idx, count, h.device)
     if bias is not None:
         assert bias.shape == (d,) and bias.device == h.device
-    return _launch_down(h, w_t, idx, count, bias, group, out_dtype or w_t.dtype, config)
+    return launch_down(h, w_t, idx, count, bias, group, out_dtype or w_t.dtype, config)
 
 
 def compact(keep, idx=None, values=None):
@@ -457,12 +328,12 @@ def compact(keep, idx=None, values=None):
         assert values.dim() == 2 and values.shape[1] == N and values.stride(1) == 1
         B = values.shape[0]
         v2 = _c.empty((B, N), dev, torch.float32)
-    n_pad = _np2(N)
+    n_pad = next_pow2(N)
     _compact_kernel[(1,)](
         keep, idx if idx is not None else keep, values if values is not None else idx2,
         values.stride(0) if values is not None else 0,
         idx2, v2 if v2 is not None else idx2, v2.stride(0) if v2 is not None else 0, count2,
-        N, B, HAS_IDX=idx is not None, HAS_V=values is not None, B_PAD=_np2(B), N_PAD=n_pad,
+        N, B, HAS_IDX=idx is not None, HAS_V=values is not None, B_PAD=next_pow2(B), N_PAD=n_pad,
         CHUNK=COMPACT_CHUNK if keep.device.type != "cpu" else 256,
         num_warps=max(4, min(32, min(n_pad, COMPACT_CHUNK) // 512)),
     )

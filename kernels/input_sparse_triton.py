@@ -51,7 +51,7 @@ from . import common as _c
 from . import configs as C
 from ._tl_common import _accum_rows
 from .common import MAX_BATCH, check_x
-from .ffn_triton import _launch_reduce
+from ._launch import launch_reduce as _launch_reduce
 
 MAX_SEGMENTS = 4
 

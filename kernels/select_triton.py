@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import next_pow2
+
 MAX_N = 1 << 16
 # num_warps by the padded row length (H200: 16 warps best at n = 11008, 4 at n = 32)
 NUM_WARPS = ((1024, 4), (4096, 8), (MAX_N, 16))
@@ -172,16 +174,12 @@ def _multi_write_kernel(s_ptr, stride_s, hist_ptr, part_ptr, out_ptr, stride_o, 
     tl.store(out_ptr + row * stride_o + pos, j.to(tl.int32), mask=sel)
 
 
-def _np2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _multi(s: torch.Tensor, k: int, out: torch.Tensor, chunk: int, num_warps: int = MULTI_WARPS) -> None:
     """The multi-CTA select of [B, n] 16-bit scores into ``out`` [B, k] (three launches, grid chunks x rows)."""
     B, n = s.shape
     assert 256 <= chunk <= 32768 and chunk & (chunk - 1) == 0, "chunk must be a power of two in [256, 32768]"
     P = triton.cdiv(n, chunk)
-    p_pad = _np2(P)
+    p_pad = next_pow2(P)
     hist = torch.zeros(B, 512, device=s.device, dtype=torch.int32)        # [hi-byte bins | lo bins of b*]
     part = torch.empty(B, p_pad, 512, device=s.device, dtype=torch.int32)  # per chunk: lo bins, #(hi > b*)
     grid = (P, B)
@@ -217,7 +215,7 @@ def topk_select(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None
         assert key_bits == 16, "the multi-CTA select takes fp16/bf16 scores"
         _multi(s, k, out, chunk, num_warps or MULTI_WARPS)
     else:
-        block = _np2(n)
+        block = next_pow2(n)
         if num_warps is None:
             num_warps = next(w for lim, w in NUM_WARPS if block <= lim)
         _topk_select_kernel[(B,)](s, s.stride(0), out, out.stride(0), n, k,

@@ -63,7 +63,7 @@ def cases() -> list[Case]:
         out.append(_case("ffn_triton", "_fused_ffn_kernel", "fp16",
                          dict(MODE=1, ACT=2, HAS_COUNT=True, HAS_BIAS=False, B_PAD=1, BLOCK_R=2, D_PAD=4096,
                               EARLY_DOWN=True, PDL=pdl), num_warps=8))
-        out.append(_case("ffn_triton", "_reduce_kernel", "fp16", dict(HAS_BIAS=False, S_PAD=512, BLOCK=16, PDL=pdl),
+        out.append(_case("_launch", "_reduce_kernel", "fp16", dict(HAS_BIAS=False, S_PAD=512, BLOCK=16, PDL=pdl),
                          launch_pdl=pdl))
     # the split path (configs.GATHER / DOWN): batch-1 CUDA-core rows, batch >= 2 tensor-core tl.dot; the sequential
     # pipeline's gate filter and scaled up projection; the head-grouped down (the attention output projection)
@@ -79,12 +79,12 @@ def cases() -> list[Case]:
                      dict(gemv, MODE=2, ACT=0, B_PAD=1, BLOCK_R=2, BLOCK_K=4096, USE_DOT=False),
                      ptrs={"out_ptr": "*fp32"}))
     down = dict(HAS_COUNT=True, DOT_F32=False, BLOCK_D=128)
-    out.append(_case("ffn_triton", "_gather_down_kernel", "fp16",
+    out.append(_case("_launch", "_gather_down_kernel", "fp16",
                      dict(down, GROUP=1, B_PAD=1, BLOCK_R=64, USE_DOT=False), ptrs={"h_ptr": "*fp32"}))
-    out.append(_case("ffn_triton", "_gather_down_kernel", "bf16",
+    out.append(_case("_launch", "_gather_down_kernel", "bf16",
                      dict(down, GROUP=1, B_PAD=16, BLOCK_R=32, USE_DOT=True), ptrs={"h_ptr": "*fp32"}))
-    out.append(_case("ffn_triton", "_gather_down_kernel", "fp16", dict(down, GROUP=128, B_PAD=1, BLOCK_R=64,
-                                                                        USE_DOT=False)))
+    out.append(_case("_launch", "_gather_down_kernel", "fp16", dict(down, GROUP=128, B_PAD=1, BLOCK_R=64,
+                                                                     USE_DOT=False)))
     # device-side compaction: one scan, and chunked past COMPACT_CHUNK entries
     for n_pad in (4096, 32768):
         out.append(_case("ffn_triton", "_compact_kernel", "fp32",
