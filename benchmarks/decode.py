@@ -334,7 +334,7 @@ def select_bench(out: str, command: str, ns: tuple = (11008, 14336, 18944), n_he
     multi-CTA select over chunks of 512-2048 entries."""
     from kernels import ops
     from kernels import reference as ref
-    from kernels.select_triton import topk_select
+    from kernels.select_triton import topk_select      # the multi-CTA launch options
     from workers.sparsity.predictors.base import k_for
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -348,13 +348,13 @@ def select_bench(out: str, command: str, ns: tuple = (11008, 14336, 18944), n_he
                  "torch.topk fp32": lambda: torch.topk(sc.float(), k, dim=-1, sorted=False).indices,
                  "torch.sort": lambda: torch.sort(sc, dim=-1, descending=True).indices[:, :k],
                  "torch.kthvalue+compact": lambda: ops.compact(sc[0] >= torch.kthvalue(sc[0], N - k + 1).values)}
-        cands["triton one-CTA"] = lambda: topk_select(sc, k, multi=False)
+        cands["triton one-CTA"] = lambda: ops.topk_select(sc, k, multi=False)
         if N >= 1024:
             for c in (512, 1024, 2048):
                 for w in (2, 4, 8):
                     cands[f"triton multi chunk={c} warps={w}"] = (
                         lambda c=c, w=w: topk_select(sc, k, multi=True, chunk=c, num_warps=w))
-        cands["triton default"] = lambda: topk_select(sc, k)
+        cands["triton default"] = lambda: ops.topk_select(sc, k)         # what the runtime calls
         for name, fn in cands.items():
             extra, timing = dict(n=N, k=k, sparsity=sp), None
             try:

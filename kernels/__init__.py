@@ -1,6 +1,7 @@
 """ctxsparse kernels: sparse FFN and head-sparse attention ops for contextual sparsity.
 
-Backends, which ``kernels.ops`` dispatches to by device (``CTXSPARSE_KERNELS`` forces one):
+Backends, which ``kernels.ops`` dispatches to by device (``CTXSPARSE_KERNELS`` forces one; ``ops.OPS`` is the
+table of ops, and an op a backend lacks runs the reference):
   Triton     CUDA (``ffn_triton``, ``attn_triton``, ``input_sparse_triton``, ``decode_attn_triton``; the
              device-side top-k ``select_triton``); on the CPU under ``TRITON_INTERPRET=1`` for the tests;
   CPU        ``kernels.cpu``: row kernels that read only the active rows in place (a small C file compiled on
@@ -26,5 +27,6 @@ from .ops import (  # noqa: F401
     sequential_gate_filter,
     sparse_ffn,
     sparse_mlp,
+    topk_select,
     union_active,
 )

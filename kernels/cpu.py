@@ -50,11 +50,6 @@ _LIB_TRIED = False
 _LOCK = threading.Lock()
 _ENV = os.environ
 
-compact = _ref.compact
-union_active = _ref.union_active
-kv_heads_for = _ref.kv_heads_for
-active_mask = _ref.active_mask
-
 
 # ---------------------------------------------------------------------------------------------------------
 # the native library
@@ -313,7 +308,7 @@ def gather_down(h, w_t, idx, count=None, bias=None, group=1, *, out_dtype=None, 
 def sequential_gate_filter(x, w_gate, idx, count=None, act="silu", threshold=0.0, *, config=None):
     a = gather_gemv(x, w_gate, idx, count, act, out_dtype=_cd(x))
     keep = valid_mask(idx, count) & (a.abs() > threshold).any(dim=0)
-    idx2, count2, a2 = compact(keep, idx, a)
+    idx2, count2, a2 = _ref.compact(keep, idx, a)
     return a2, idx2, count2
 
 

@@ -142,7 +142,3 @@ def input_sparse_linear(x, w_t, threshold, bias=None, *, config=None):
     t = threshold.reshape(1, -1) if isinstance(threshold, torch.Tensor) and threshold.numel() > 1 else [threshold]
     return input_sparse_linear_segments(x, w_t, t, [w_t.shape[1]], bias)
 
-
-compact = _ref.compact
-union_active = _ref.union_active
-kv_heads_for = _ref.kv_heads_for

@@ -3,13 +3,15 @@ Ascend NPUs, the torch reference elsewhere.
 
 Every function here has the signature of the op of the same name in kernels.reference; the
 environment variable ``CTXSPARSE_KERNELS`` (triton | cpu | npu | reference) forces a backend (the CPU
-tests use ``triton`` with ``TRITON_INTERPRET=1``). ``sparse_ffn`` / ``sparse_mlp`` fall back to a
-dense cuBLAS FFN (masked to the same active set, so the result is the same function) where
+tests use ``triton`` with ``TRITON_INTERPRET=1``). ``OPS`` is the one op table, and one rule picks the
+function: the backend's own where it has one, else the reference's (``_op``). ``sparse_ffn`` / ``sparse_mlp``
+fall back to a dense cuBLAS FFN (masked to the same active set, so the result is the same function) where
 ``configs.DENSE_FROM_BATCH`` says dense was measured faster (GPU only: on the CPU a masked dense FFN reads
 the same rows as the sparse one). ``dense_ffn`` / ``dense_mlp``: the fastest dense FFN of the backend.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import types
 
@@ -21,20 +23,38 @@ from . import npu as _npu
 from . import reference as _ref
 from .common import MAX_BATCH
 
+# Every op, and the Triton module that has its kernel (None: none; the reference runs there). kernels.cpu and
+# kernels.npu define the ops they have under these names; whatever a backend lacks runs kernels.reference's.
+OPS = {
+    "gated_gather_gemv": "ffn_triton",
+    "gather_gemv": "ffn_triton",
+    "gather_down": "ffn_triton",
+    "compact": "ffn_triton",
+    "union_active": "ffn_triton",
+    "sequential_gate_filter": "ffn_triton",
+    "sparse_ffn": "ffn_triton",
+    "sparse_mlp": "ffn_triton",
+    "dense_ffn": None,
+    "dense_mlp": None,
+    "kv_heads_for": "attn_triton",
+    "head_sparse_qkv": "attn_triton",
+    "head_sparse_out": "attn_triton",
+    "decode_attention": "decode_attn_triton",
+    "rms_norm": None,
+    "add_rms_norm": None,
+    "input_sparse_linear": "input_sparse_triton",
+    "input_sparse_linear_segments": "input_sparse_triton",
+    "topk_select": "select_triton",
+}
 _TRITON = None
 
 
 def _triton_backend():
+    """The Triton ops of OPS in one namespace (their modules imported on first use: importing triton is slow)."""
     global _TRITON
     if _TRITON is None:
-        from . import attn_triton, decode_attn_triton, ffn_triton, input_sparse_triton
-
-        ns = types.SimpleNamespace()
-        for mod in (ffn_triton, attn_triton, input_sparse_triton, decode_attn_triton):
-            for name in dir(mod):
-                if not name.startswith("_"):
-                    setattr(ns, name, getattr(mod, name))
-        _TRITON = ns
+        _TRITON = types.SimpleNamespace(**{name: getattr(importlib.import_module(f"kernels.{mod}"), name)
+                                           for name, mod in OPS.items() if mod is not None})
     return _TRITON
 
 
@@ -60,37 +80,49 @@ def backend(t: torch.Tensor):
     return {"npu": _npu, "cpu": _cpu}.get(name, _ref)
 
 
+def _op(x, name: str):
+    """The one fallback rule: ``x``'s backend's own ``name`` (an op of OPS), else the torch reference's."""
+    return getattr(backend(x), name, None) or getattr(_ref, name)
+
+
 def gated_gather_gemv(x, w_gate, w_up, idx, count=None, act="silu", out_dtype=None):
-    return backend(x).gated_gather_gemv(x, w_gate, w_up, idx, count, act, out_dtype)
+    return _op(x, "gated_gather_gemv")(x, w_gate, w_up, idx, count, act, out_dtype)
 
 
 def gather_gemv(x, w, idx, count=None, act="none", bias=None, scale=None, out_dtype=None):
-    return backend(x).gather_gemv(x, w, idx, count, act, bias, scale, out_dtype)
+    return _op(x, "gather_gemv")(x, w, idx, count, act, bias, scale, out_dtype)
 
 
 def gather_down(h, w_t, idx, count=None, bias=None, group=1, *, out_dtype=None):
-    return backend(h).gather_down(h, w_t, idx, count, bias, group, out_dtype=out_dtype)
+    return _op(h, "gather_down")(h, w_t, idx, count, bias, group, out_dtype=out_dtype)
 
 
 def compact(keep, idx=None, values=None):
-    return backend(keep).compact(keep, idx, values)
+    return _op(keep, "compact")(keep, idx, values)
 
 
 def union_active(mask):
-    return backend(mask).union_active(mask)
+    return _op(mask, "union_active")(mask)
 
 
 def sequential_gate_filter(x, w_gate, idx, count=None, act="silu", threshold=0.0):
-    return backend(x).sequential_gate_filter(x, w_gate, idx, count, act, threshold)
+    return _op(x, "sequential_gate_filter")(x, w_gate, idx, count, act, threshold)
+
+
+def _dense_faster(x, idx, n: int, gated: bool, allow_dense: bool) -> bool:
+    """Whether a sparse FFN of ``x`` over ``idx`` runs the masked dense FFN instead: past MAX_BATCH, or below the
+    measured crossover (``allow_dense``); never on the CPU backend (any batch; a masked dense FFN reads the same
+    rows there)."""
+    if backend_name(x) == "cpu":
+        return False
+    return x.shape[0] > MAX_BATCH or (allow_dense and C.use_dense(x.shape[0], idx.shape[0], n, gated=gated))
 
 
 def sparse_ffn(x, w_gate, w_up, w_down_t, idx, count=None, act="silu", threshold=None, *, allow_dense=True):
-    if backend(x) is _cpu:          # any batch; no dense crossover (a masked dense FFN reads the same rows)
-        return _cpu.sparse_ffn(x, w_gate, w_up, w_down_t, idx, count, act, threshold)
-    if x.shape[0] > MAX_BATCH or (allow_dense and C.use_dense(x.shape[0], idx.shape[0], w_gate.shape[0])):
+    if _dense_faster(x, idx, w_gate.shape[0], True, allow_dense):
         mask = _ref.active_mask(idx, count, w_gate.shape[0])
         return _ref.dense_ffn(x, w_gate, w_up, w_down_t, act, mask)
-    return backend(x).sparse_ffn(x, w_gate, w_up, w_down_t, idx, count, act, threshold)
+    return _op(x, "sparse_ffn")(x, w_gate, w_up, w_down_t, idx, count, act, threshold)
 
 
 def damage_filter_ffn(x, w_gate, w_up, w_down_t, idx, count, act, threshold, weight):
@@ -106,23 +138,15 @@ def damage_filter_ffn(x, w_gate, w_up, w_down_t, idx, count, act, threshold, wei
     keep = (h.abs() * weight.index_select(0, rows)).gt(threshold).any(0)
     if count is not None:
         keep &= valid
-    idx2, count2, h2 = _op(keep, "compact")(keep, idx, h)
+    idx2, count2, h2 = compact(keep, idx, h)
     return gather_down(h2, w_down_t, idx2, count2, out_dtype=x.dtype)
 
 
 def sparse_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count=None, act="relu", *, allow_dense=True):
-    if backend(x) is _cpu:
-        return _cpu.sparse_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count, act)
-    if x.shape[0] > MAX_BATCH or (allow_dense and C.use_dense(x.shape[0], idx.shape[0], w_fc1.shape[0], gated=False)):
+    if _dense_faster(x, idx, w_fc1.shape[0], False, allow_dense):
         mask = _ref.active_mask(idx, count, w_fc1.shape[0])
         return _ref.dense_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, act, mask)
-    return backend(x).sparse_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count, act)
-
-
-def _op(x, name: str):
-    """The backend's own ``name`` op, or the torch reference's where the backend has none (the NPU path has no
-    dense-FFN op of its own)."""
-    return getattr(backend(x), name, None) or getattr(_ref, name)
+    return _op(x, "sparse_mlp")(x, w_fc1, b_fc1, w_fc2_t, b_fc2, idx, count, act)
 
 
 def dense_ffn(x, w_gate, w_up, w_down_t, act="silu", mask=None):
@@ -134,16 +158,16 @@ def dense_mlp(x, w_fc1, b_fc1, w_fc2_t, b_fc2, act="relu", mask=None):
 
 
 def kv_heads_for(q_idx, q_count, n_heads, n_kv_heads):
-    return backend(q_idx).kv_heads_for(q_idx, q_count, n_heads, n_kv_heads)
+    return _op(q_idx, "kv_heads_for")(q_idx, q_count, n_heads, n_kv_heads)
 
 
 def head_sparse_qkv(x, w_qkv, q_idx, q_count, kv_idx, kv_count, n_heads, n_kv_heads, head_dim, bias=None):
-    return backend(x).head_sparse_qkv(x, w_qkv, q_idx, q_count, kv_idx, kv_count, n_heads, n_kv_heads,
-                                      head_dim, bias)
+    return _op(x, "head_sparse_qkv")(x, w_qkv, q_idx, q_count, kv_idx, kv_count, n_heads, n_kv_heads,
+                                     head_dim, bias)
 
 
 def head_sparse_out(attn, w_o_t, q_idx, q_count=None, head_dim=None, bias=None):
-    return backend(attn).head_sparse_out(attn, w_o_t, q_idx, q_count, head_dim, bias)
+    return _op(attn, "head_sparse_out")(attn, w_o_t, q_idx, q_count, head_dim, bias)
 
 
 def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_norm=None, k_norm=None, eps=1e-6,
@@ -188,3 +212,14 @@ def input_sparse_linear(x, w_t, threshold, bias=None, *, path="auto"):
 
 def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, path="auto"):
     return _op(x, "input_sparse_linear_segments")(x, w_t, thresholds, sizes, bias, **_input_path_config(x, path))
+
+
+def topk_select(scores, k, *, multi=None):
+    """Indices of the ``k`` largest scores per row, int32, ascending, ties to the lowest index (the reference's
+    result; kernels.select_triton's radix select where the Triton kernels run). ``multi`` (Triton only): True /
+    False forces the multi-CTA / one-CTA select; None leaves it to the kernel's size rule."""
+    if multi is None:
+        return _op(scores, "topk_select")(scores, k)
+    if backend_name(scores) != "triton":
+        raise ValueError(f"multi={multi!r} is a Triton kernel choice; backend here: {backend_name(scores)}")
+    return _op(scores, "topk_select")(scores, k, multi=multi)

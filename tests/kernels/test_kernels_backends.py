@@ -37,6 +37,40 @@ def test_dispatch_by_device(monkeypatch):
         assert ops.backend_name(torch.zeros(1, device="cuda")) == "triton"
 
 
+def test_op_table_one_rule(monkeypatch):
+    """Every op of ops.OPS is a function of kernels.ops and of the reference, and its Triton module has it; an op
+    runs the backend's own function where the backend has one and the reference's where it has none."""
+    import importlib
+    import inspect
+
+    from kernels import cpu
+
+    public = {n for n, f in vars(ops).items() if inspect.isfunction(f) and f.__module__ == ops.__name__
+              and not n.startswith("_")}
+    assert set(ops.OPS) <= public and set(ops.OPS) <= set(vars(R))
+    for name, mod in ops.OPS.items():
+        if mod is not None:
+            assert callable(getattr(importlib.import_module(f"kernels.{mod}"), name)), name
+    monkeypatch.delenv("CTXSPARSE_KERNELS", raising=False)
+    x = torch.zeros(1)
+    assert ops._op(x, "sparse_ffn") is cpu.sparse_ffn and ops._op(x, "compact") is R.compact
+    assert ops._op(x, "topk_select") is R.topk_select
+    monkeypatch.setenv("CTXSPARSE_KERNELS", "npu")
+    assert ops._op(x, "gather_down") is npu.gather_down and ops._op(x, "decode_attention") is R.decode_attention
+    monkeypatch.setenv("CTXSPARSE_KERNELS", "triton")
+    assert ops._op(x, "dense_ffn") is R.dense_ffn
+    assert ops._op(x, "topk_select") is importlib.import_module("kernels.select_triton").topk_select
+
+
+def test_topk_select_op():
+    """The top-k op: the reference's indices (ascending, ties to the lowest index) on the CPU; ``multi`` is a
+    Triton choice, refused elsewhere."""
+    s = torch.tensor([[0.5, 2.0, -1.0, 2.0, 0.1, 3.0]])
+    assert ops.topk_select(s, 3).tolist() == [[1, 3, 5]] and ops.topk_select(s, 3).dtype == torch.int32
+    with pytest.raises(ValueError, match="Triton kernel choice"):
+        ops.topk_select(s, 3, multi=False)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("s", [0.0, 0.5, 1.0])
 def test_npu_index_path_matches_reference(dtype, s, gen):

@@ -4,10 +4,11 @@
     idx, count = sel.select(pred, x, n)       # kernels.common's (idx, count) convention
 
 Batch-1 top-k: a fixed-size index buffer of the k largest scores (static k; count None). ``impl`` "auto" uses
-the radix select of ``kernels.select_triton`` where the Triton kernels run (indices ascending, ties to the lowest
-index; multi-CTA for 16-bit scores of 4,096 entries or more, else one CTA) and ``torch.topk`` elsewhere;
-"torch" / "triton" force one; "triton-1cta" the one-CTA kernel at every size (what the multi-CTA select is
-measured against). The ``positive`` rule or batch > 1:
+the top-k op ``kernels.ops.topk_select`` where the Triton kernels run (the radix select of
+``kernels.select_triton``: indices ascending, ties to the lowest index; multi-CTA for 16-bit scores of 4,096
+entries or more, else one CTA) and ``torch.topk`` elsewhere; "torch" forces ``torch.topk``, "triton" the op
+(its reference on a backend without the Triton kernels); "triton-1cta" the one-CTA kernel at every size (what
+the multi-CTA select is measured against; Triton backend only). The ``positive`` rule or batch > 1:
 a compaction into (idx, count) (``kernels.ops.compact`` / ``union_active``).
 
 Look-ahead (:class:`Lookahead`, one per decode step): with a side stream (CUDA, ``overlap=True``) every predictor
@@ -46,9 +47,7 @@ class ActiveSetSelector:
     def topk(self, s: torch.Tensor, k: int) -> torch.Tensor:
         """Top-k indices per row of the scores [B, n] (see the module doc for ``impl``)."""
         if self.impl.startswith("triton") or (self.impl == "auto" and ops.backend_name(s) == "triton"):
-            from kernels.select_triton import topk_select
-
-            return topk_select(s, k, multi=False if self.impl == "triton-1cta" else None)
+            return ops.topk_select(s, k, multi=False if self.impl == "triton-1cta" else None)
         return torch.topk(s, k, dim=-1, sorted=False).indices
 
 

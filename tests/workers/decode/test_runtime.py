@@ -423,16 +423,21 @@ def test_select_impl_torch_and_reference_backend():
 
 
 def test_select_impl_triton_variants_pick_the_kernel(monkeypatch):
-    """"triton" leaves the one- / multi-CTA choice to the kernel's size rule, "triton-1cta" forces one CTA."""
-    import kernels.select_triton as st
+    """"triton" is the top-k op (kernels.ops.topk_select), the one- / multi-CTA choice left to the kernel's size
+    rule; "triton-1cta" forces one CTA. Where the Triton kernels do not run, "triton" is the op's reference."""
+    from kernels import ops
+    from kernels.reference import topk_select
     from workers.decode.select import ActiveSetSelector
 
+    s = torch.randn(1, 40, generator=torch.Generator().manual_seed(3))
+    monkeypatch.delenv("CTXSPARSE_KERNELS", raising=False)
+    assert torch.equal(ActiveSetSelector("triton").topk(s, 9), topk_select(s, 9))
+    monkeypatch.setenv("CTXSPARSE_KERNELS", "triton")
     seen = []
-    monkeypatch.setattr(st, "topk_select", lambda s, k, multi=None: seen.append(multi) or torch.zeros(1, k))
-    s = torch.randn(1, 40)
-    for impl in ("triton", "triton-1cta"):
+    monkeypatch.setattr(ops.backend(s), "topk_select", lambda s, k, multi=None: seen.append(multi) or torch.zeros(1, k))
+    for impl in ("auto", "triton", "triton-1cta"):
         ActiveSetSelector(impl).topk(s, 9)
-    assert seen == [None, False]
+    assert seen == [None, None, False]
 
 
 def test_bench_decode_rows():
