@@ -20,11 +20,41 @@ Index-buffer convention (all backends, all ops)
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 ACTS = {"none": 0, "relu": 1, "silu": 2, "gelu_tanh": 3, "gelu": 4}
 MAX_BATCH = 8
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class Prologue(NamedTuple):
+    """What a projection does to its input before the product, fused into the input-sparse kernels where they
+    can (``input_sparse_linear_segments(..., prologue=)``), composed from the reference ops elsewhere: ``kind``
+    "rms" (Llama's RMS norm, ``weight`` [in] in x's dtype), "rms1p" (Gemma's, ``weight`` = 1 + w in fp32),
+    "act_mul" (act(gate) * up of a packed [B, 2 * in] gate|up input, ``act`` a name in ACTS)."""
+    kind: str
+    weight: torch.Tensor | None = None
+    eps: float = 0.0
+    act: str = "none"
+
+
+PROLOGUES = {"rms": 1, "rms1p": 2, "act_mul": 3}   # the Triton kernels' XPRO codes (0: none)
+
+
+def prologue_in(x: torch.Tensor, p: Prologue | None) -> int:
+    """The product's input width for an x of width x.shape[-1] under prologue ``p`` (act_mul halves it);
+    ValueError for an unknown kind or activation."""
+    if p is None:
+        return x.shape[-1]
+    if p.kind not in PROLOGUES:
+        raise ValueError(f"prologue kind must be one of {sorted(PROLOGUES)}, got {p.kind!r}")
+    if p.kind == "act_mul":
+        act_code(p.act)
+        return x.shape[-1] // 2
+    assert p.weight is not None and p.weight.shape == (x.shape[-1],), "an RMS prologue needs a weight [in]"
+    return x.shape[-1]
 
 
 def next_pow2(n: int) -> int:

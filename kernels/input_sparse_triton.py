@@ -49,8 +49,9 @@ import triton.language as tl
 
 from . import common as _c
 from . import configs as C
-from ._tl_common import _accum_rows
-from .common import MAX_BATCH, check_x
+from . import reference as _ref
+from ._tl_common import _accum_rows, _act
+from .common import MAX_BATCH, PROLOGUES, act_code, check_x, prologue_in
 from ._launch import launch_reduce as _launch_reduce
 
 MAX_SEGMENTS = 4
@@ -124,6 +125,42 @@ def _x_row(x_ptr, ks, km, t, b, B):
 
 
 @triton.jit
+def _x_in(x_ptr, offs, ks, m, g_ptr, r, K, XPRO: tl.constexpr, ACT: tl.constexpr):
+    """The projection's input at x offsets ``offs`` (channels ``ks``) in fp32, as the unfused layer hands it
+    over (rounded through x's dtype at the same points): XPRO 0 x itself; 1 Llama's RMS norm g * (x * r).to(dt);
+    2 Gemma's (x * r * g).to(dt) (g = 1 + w in fp32); 3 act(gate) * up of a packed gate|up row (up ``K``
+    further on). ``r`` is the token's 1 / rms (:func:`_rms_r`)."""
+    xv = tl.load(x_ptr + offs, mask=m, other=0.0, eviction_policy="evict_last")
+    if XPRO == 0:
+        return xv.to(tl.float32)
+    dt = x_ptr.dtype.element_ty
+    if XPRO == 3:
+        u = tl.load(x_ptr + offs + K, mask=m, other=0.0)
+        a = _act(xv.to(tl.float32), ACT).to(dt).to(tl.float32)
+        return (a * u.to(tl.float32)).to(dt).to(tl.float32)
+    g = tl.load(g_ptr + ks, mask=m, other=0.0).to(tl.float32)
+    y = xv.to(tl.float32) * r
+    if XPRO == 1:
+        return (y.to(dt).to(tl.float32) * g).to(dt).to(tl.float32)
+    return (y * g).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _rms_r(x_ptr, K, eps, XPRO: tl.constexpr, BLOCK: tl.constexpr):
+    """1 / rms(x[0, :K]) in fp32 for the norm prologues (XPRO 1, 2; every program reads the whole row, a few KB
+    from L2), else 1."""
+    if XPRO == 1 or XPRO == 2:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            ks = k0 + tl.arange(0, BLOCK)
+            v = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+            acc += v * v
+        return tl.rsqrt(tl.sum(acc, axis=0) / K + eps)
+    else:
+        return 1.0
+
+
+@triton.jit
 def _x_rows(x_ptr, stride_xb, k0, k_hi, thr, B, B_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
             THR_VEC: tl.constexpr):
     """Per token b < 4: x[b, k0:k0+BLOCK_K] in fp32 with inactive entries zeroed (zeros past B), and the union
@@ -181,10 +218,11 @@ def _program_tile(thr_ptr, t0, t1, t2, t3, B, K, N, c1, c2, c3, NSEG: tl.constex
 @triton.jit
 def _write_out(out, bs, bm, cols, cm, pid_n, pid_s, nsplit, B, N, ws_ptr, cnt_ptr, y_ptr, stride_yb, bias_ptr,
                HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, TICKET: tl.constexpr, S_PAD: tl.constexpr,
-               B_R: tl.constexpr):
+               B_R: tl.constexpr, res_ptr, HAS_RES: tl.constexpr):
     """A program's [B_PAD, BLOCK_N] sums: into y directly (one K slice), or as an fp32 partial whose column
     block is then summed in a fixed order by its last program (TICKET; ``nsplit`` partials) or by a reduce
-    launch."""
+    launch. HAS_RES: y = residual + (sum (+ bias)).to(dt), the residual laid out as y (the add of the unfused
+    layer, rounded as it rounds)."""
     om = bm[:, None] & cm[None, :]
     if PARTIAL:
         tl.store(ws_ptr + (pid_s * B + bs[:, None]) * N + cols[None, :], out, mask=om)
@@ -202,11 +240,17 @@ def _write_out(out, bs, bm, cols, cm, pid_n, pid_s, nsplit, B, N, ws_ptr, cnt_pt
                     tot = tl.sum(part, axis=0)
                     if HAS_BIAS:
                         tot += tl.load(bias_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+                    if HAS_RES:
+                        tot = tot.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(
+                            res_ptr + b * stride_yb + cols, mask=rb, other=0.0).to(tl.float32)
                     tl.store(y_ptr + b * stride_yb + cols, tot.to(y_ptr.dtype.element_ty), mask=rb)
                 tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
             out += tl.load(bias_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        if HAS_RES:
+            out = out.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(
+                res_ptr + bs[:, None] * stride_yb + cols[None, :], mask=om, other=0.0).to(tl.float32)
         tl.store(y_ptr + bs[:, None] * stride_yb + cols[None, :], out.to(y_ptr.dtype.element_ty), mask=om)
 
 
@@ -296,28 +340,32 @@ def _input_sparse_kernel(
                 out += tl.where(bs[:, None] == 2, tl.sum(a2, axis=0)[None, :], 0.0)
                 out += tl.where(bs[:, None] == 3, tl.sum(a3, axis=0)[None, :], 0.0)
     _write_out(out, bs, bm, cols, cm, pid_n, pid_s, tl.num_programs(1), B, N, ws_ptr, cnt_ptr, y_ptr, stride_yb,
-               bias_ptr, HAS_BIAS, PARTIAL, TICKET, S_PAD, B_R)
+               bias_ptr, HAS_BIAS, PARTIAL, TICKET, S_PAD, B_R, y_ptr, False)
 
 
 @triton.jit
 def _input_sparse_local_kernel(
     x_ptr, stride_xb, w_ptr, thr_ptr, t0, t1, t2, t3, bias_ptr, y_ptr, stride_yb, ws_ptr, cnt_ptr, sidx_ptr, sv_ptr,
+    g_ptr, eps, res_ptr,
     B, K, N, c1, c2, c3,
     NSEG: tl.constexpr, THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
     TICKET: tl.constexpr, S_PAD: tl.constexpr, B_R: tl.constexpr,
     B_PAD: tl.constexpr, PER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    XPRO: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
 ):
     """The same sums with a compaction inside each program: the program lists the channels of its K slice (PER
     of them) active for some token, in order, with each token's masked x, in a scratch row of its (segment,
     slice) -- every column block of that slice writes the same values there -- then loads and multiplies only
-    those rows, BLOCK_R at a time. Instructions and bytes both scale with the active rows."""
+    those rows, BLOCK_R at a time. Instructions and bytes both scale with the active rows. The input through
+    the prologue XPRO (:func:`_x_in`; the norms at batch 1 only), the residual added in the epilogue (HAS_RES)."""
     pid_n, pid_s, seg, thr, cols, cm, bs, bm = _program_tile(thr_ptr, t0, t1, t2, t3, B, K, N, c1, c2, c3, NSEG,
                                                              THR_PTR, THR_VEC, B_PAD, BLOCK_N)
     nsplit = tl.num_programs(1)
     ks = pid_s * PER + tl.arange(0, PER)
     km = ks < K
     xm = bm[:, None] & km[None, :]
-    xv = tl.load(x_ptr + bs[:, None] * stride_xb + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+    r = _rms_r(x_ptr, K, eps, XPRO, PER)
+    xv = _x_in(x_ptr, bs[:, None] * stride_xb + ks[None, :], ks[None, :], xm, g_ptr, r, K, XPRO, ACT)
     t = _thr_at(thr, ks, km, THR_VEC)
     if THR_VEC:
         t = t[None, :]
@@ -350,16 +398,18 @@ def _input_sparse_local_kernel(
     else:
         out = acc
     _write_out(out, bs, bm, cols, cm, pid_n, pid_s, tl.num_programs(1), B, N, ws_ptr, cnt_ptr, y_ptr, stride_yb,
-               bias_ptr, HAS_BIAS, PARTIAL, TICKET, S_PAD, B_R)
+               bias_ptr, HAS_BIAS, PARTIAL, TICKET, S_PAD, B_R, res_ptr, HAS_RES)
 
 
 @triton.jit
-def _active_rows(sidx_row, j0, n_act, x_ptr, BLOCK_R: tl.constexpr):
-    """Entries j0..j0+BLOCK_R of a program's list of active channels, their x (fp32) and the valid mask."""
+def _active_rows(sidx_row, j0, n_act, x_ptr, g_ptr, r, K, XPRO: tl.constexpr, ACT: tl.constexpr,
+                 BLOCK_R: tl.constexpr):
+    """Entries j0..j0+BLOCK_R of a program's list of active channels, their input (fp32, :func:`_x_in`) and the
+    valid mask."""
     j = j0 + tl.arange(0, BLOCK_R)
     rm = j < n_act
     rows = tl.load(sidx_row + j, mask=rm, other=0)
-    xr = tl.load(x_ptr + rows, mask=rm, other=0.0).to(tl.float32)
+    xr = _x_in(x_ptr, rows, rows, rm, g_ptr, r, K, XPRO, ACT)
     return rows.to(tl.int64), xr, rm
 
 
@@ -374,15 +424,16 @@ def _w_rows(w_ptr, rows, rm, N, cols, cm, EVEN_N: tl.constexpr):
 
 
 @triton.jit
-def _masked_tiles(x_ptr, w_ptr, thr, k_lo, K, N, cols, cm, THR_VEC: tl.constexpr, EVEN_N: tl.constexpr,
-                  BLOCK_M: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr):
+def _masked_tiles(x_ptr, w_ptr, thr, k_lo, K, N, cols, cm, g_ptr, r, THR_VEC: tl.constexpr, EVEN_N: tl.constexpr,
+                  BLOCK_M: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, XPRO: tl.constexpr,
+                  ACT: tl.constexpr):
     """sum over the K slice k_lo.. of TILES unrolled [BLOCK_M, BLOCK_N] tiles, each masked by its rows' |x| > t
     in the load (inactive rows not read); the tiles are independent, so their loads are in flight together."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for i in tl.static_range(TILES):
         kt = k_lo + i * BLOCK_M + tl.arange(0, BLOCK_M)
         kmt = kt < K
-        xv = tl.load(x_ptr + kt, mask=kmt, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        xv = _x_in(x_ptr, kt, kt, kmt, g_ptr, r, K, XPRO, ACT)
         ont = (tl.abs(xv) > _thr_at(thr, kt, kmt, THR_VEC)) & kmt
         w = _w_rows(w_ptr, kt.to(tl.int64), ont, N, cols, cm, EVEN_N)
         acc += w.to(tl.float32) * tl.where(ont, xv, 0.0)[:, None]
@@ -390,8 +441,9 @@ def _masked_tiles(x_ptr, w_ptr, thr, k_lo, K, N, cols, cm, THR_VEC: tl.constexpr
 
 
 @triton.jit
-def _compact_rows(x_ptr, w_ptr, srow, ks, on, N, cols, cm, EVEN_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_N: tl.constexpr, DEPTH: tl.constexpr):
+def _compact_rows(x_ptr, w_ptr, srow, ks, on, N, cols, cm, g_ptr, r, K, EVEN_N: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DEPTH: tl.constexpr, XPRO: tl.constexpr,
+                  ACT: tl.constexpr):
     """The same sum over the slice's active channels ``ks[on]`` only: listed in order in the scratch row
     ``srow`` (a prefix sum; every column block of the slice writes the same values there), then their rows
     loaded and multiplied BLOCK_R at a time, the weight rows of the next DEPTH (1 or 2) steps in flight while a
@@ -401,13 +453,13 @@ def _compact_rows(x_ptr, w_ptr, srow, ks, on, N, cols, cm, EVEN_N: tl.constexpr,
     tl.store(srow + tl.cumsum(u, axis=0) - u, ks, mask=on)
     tl.debug_barrier()                                  # the list, written by all threads, read by all
     acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
-    r_0, x_0, m_0 = _active_rows(srow, 0, n_act, x_ptr, BLOCK_R)
+    r_0, x_0, m_0 = _active_rows(srow, 0, n_act, x_ptr, g_ptr, r, K, XPRO, ACT, BLOCK_R)
     w_0 = _w_rows(w_ptr, r_0, m_0, N, cols, cm, EVEN_N)
-    r_1, x_1, m_1 = _active_rows(srow, BLOCK_R, n_act, x_ptr, BLOCK_R)
+    r_1, x_1, m_1 = _active_rows(srow, BLOCK_R, n_act, x_ptr, g_ptr, r, K, XPRO, ACT, BLOCK_R)
     if DEPTH == 1:
         for r0 in range(0, n_act, BLOCK_R):
             w_1 = _w_rows(w_ptr, r_1, m_1, N, cols, cm, EVEN_N)
-            r_2, x_2, m_2 = _active_rows(srow, r0 + 2 * BLOCK_R, n_act, x_ptr, BLOCK_R)
+            r_2, x_2, m_2 = _active_rows(srow, r0 + 2 * BLOCK_R, n_act, x_ptr, g_ptr, r, K, XPRO, ACT, BLOCK_R)
             acc += x_0[:, None] * w_0.to(tl.float32)
             w_0 = w_1
             x_0 = x_1
@@ -416,10 +468,10 @@ def _compact_rows(x_ptr, w_ptr, srow, ks, on, N, cols, cm, EVEN_N: tl.constexpr,
             m_1 = m_2
     else:
         w_1 = _w_rows(w_ptr, r_1, m_1, N, cols, cm, EVEN_N)
-        r_2, x_2, m_2 = _active_rows(srow, 2 * BLOCK_R, n_act, x_ptr, BLOCK_R)
+        r_2, x_2, m_2 = _active_rows(srow, 2 * BLOCK_R, n_act, x_ptr, g_ptr, r, K, XPRO, ACT, BLOCK_R)
         for r0 in range(0, n_act, BLOCK_R):
             w_2 = _w_rows(w_ptr, r_2, m_2, N, cols, cm, EVEN_N)
-            r_3, x_3, m_3 = _active_rows(srow, r0 + 3 * BLOCK_R, n_act, x_ptr, BLOCK_R)
+            r_3, x_3, m_3 = _active_rows(srow, r0 + 3 * BLOCK_R, n_act, x_ptr, g_ptr, r, K, XPRO, ACT, BLOCK_R)
             acc += x_0[:, None] * w_0.to(tl.float32)
             w_0 = w_1
             w_1 = w_2
@@ -433,12 +485,13 @@ def _compact_rows(x_ptr, w_ptr, srow, ks, on, N, cols, cm, EVEN_N: tl.constexpr,
 
 @triton.jit
 def _input_sparse_tile_kernel(
-    x_ptr, w_ptr, thr_ptr, t0, t1, t2, t3, bias_ptr, y_ptr, ws_ptr, cnt_ptr, sidx_ptr,
+    x_ptr, w_ptr, thr_ptr, t0, t1, t2, t3, bias_ptr, y_ptr, ws_ptr, cnt_ptr, sidx_ptr, g_ptr, eps, res_ptr,
     K, N, c1, c2, c3, nsplit, cut,
     NSEG: tl.constexpr, THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
     S_PAD: tl.constexpr, EVEN_N: tl.constexpr, SPLIT_MAJOR: tl.constexpr, COMPACT: tl.constexpr,
     BLOCK_M: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    DEPTH: tl.constexpr, TICKET: tl.constexpr, PRIVATE: tl.constexpr,
+    DEPTH: tl.constexpr, TICKET: tl.constexpr, PRIVATE: tl.constexpr, XPRO: tl.constexpr, ACT: tl.constexpr,
+    HAS_RES: tl.constexpr,
 ):
     """Batch 1. Program (column block, K slice of TILES * BLOCK_M channels) of one 1-D grid, the slices of a
     column block adjacent (SPLIT_MAJOR) or the column blocks of a slice. Inner loops over the slice:
@@ -453,7 +506,8 @@ def _input_sparse_tile_kernel(
     * COMPACT 2: each program picks one of the two by its own active count (compacted iff count <= ``cut``).
 
     The [BLOCK_N] fp32 sum goes to y (one slice) or to the partials, summed in a fixed order by the column
-    block's last program (TICKET) or by a reduce launch: deterministic either way."""
+    block's last program (TICKET) or by a reduce launch: deterministic either way. The input through the
+    prologue XPRO (:func:`_x_in`), the residual added in the epilogue (HAS_RES)."""
     pid = tl.program_id(0)
     if SPLIT_MAJOR:
         pid_n = pid // nsplit
@@ -467,28 +521,32 @@ def _input_sparse_tile_kernel(
     cols = c0 + tl.arange(0, BLOCK_N)
     cm = cols < hi
     k_lo = pid_s * (TILES * BLOCK_M)
+    r = _rms_r(x_ptr, K, eps, XPRO, TILES * BLOCK_M)
     if COMPACT == 0:
-        out = _masked_tiles(x_ptr, w_ptr, thr, k_lo, K, N, cols, cm, THR_VEC, EVEN_N, BLOCK_M, TILES, BLOCK_N)
+        out = _masked_tiles(x_ptr, w_ptr, thr, k_lo, K, N, cols, cm, g_ptr, r, THR_VEC, EVEN_N, BLOCK_M, TILES,
+                            BLOCK_N, XPRO, ACT)
     else:
         ks = k_lo + tl.arange(0, TILES * BLOCK_M)
         km = ks < K
-        xs = tl.load(x_ptr + ks, mask=km, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        xs = _x_in(x_ptr, ks, ks, km, g_ptr, r, K, XPRO, ACT)
         on = (tl.abs(xs) > _thr_at(thr, ks, km, THR_VEC)) & km
         if PRIVATE:     # a scratch row per program: no two programs write the same addresses
             srow = sidx_ptr + pid.to(tl.int64) * (TILES * BLOCK_M)
         else:
             srow = sidx_ptr + (seg * nsplit + pid_s).to(tl.int64) * (TILES * BLOCK_M)
         if COMPACT == 1:
-            out = _compact_rows(x_ptr, w_ptr, srow, ks, on, N, cols, cm, EVEN_N, BLOCK_R, BLOCK_N, DEPTH)
+            out = _compact_rows(x_ptr, w_ptr, srow, ks, on, N, cols, cm, g_ptr, r, K, EVEN_N, BLOCK_R, BLOCK_N,
+                                DEPTH, XPRO, ACT)
         else:
             if tl.sum(on.to(tl.int32), axis=0) <= cut:
-                out = _compact_rows(x_ptr, w_ptr, srow, ks, on, N, cols, cm, EVEN_N, BLOCK_R, BLOCK_N, DEPTH)
+                out = _compact_rows(x_ptr, w_ptr, srow, ks, on, N, cols, cm, g_ptr, r, K, EVEN_N, BLOCK_R,
+                                    BLOCK_N, DEPTH, XPRO, ACT)
             else:
-                out = _masked_tiles(x_ptr, w_ptr, thr, k_lo, K, N, cols, cm, THR_VEC, EVEN_N, BLOCK_M, TILES,
-                                    BLOCK_N)
+                out = _masked_tiles(x_ptr, w_ptr, thr, k_lo, K, N, cols, cm, g_ptr, r, THR_VEC, EVEN_N, BLOCK_M,
+                                    TILES, BLOCK_N, XPRO, ACT)
     bs = tl.arange(0, 1)
     _write_out(out[None, :], bs, bs < 1, cols, cm, pid_n, pid_s, nsplit, 1, N, ws_ptr, cnt_ptr, y_ptr, 0,
-               bias_ptr, HAS_BIAS, PARTIAL, TICKET, S_PAD, 1)
+               bias_ptr, HAS_BIAS, PARTIAL, TICKET, S_PAD, 1, res_ptr, HAS_RES)
 
 
 MASK_BLOCK = 1024
@@ -526,9 +584,19 @@ def _thr_args(x, thresholds):
     return x, tuple(float(t) for t in thresholds) + (0.0,) * (4 - len(thresholds)), False, False
 
 
-def _launch_local(x, w_t, thresholds, sizes, bias, cfg):
+def _fusion_args(x, prologue, residual):
+    """(g, eps, res, XPRO, ACT, HAS_RES) as the tile and local kernels take the prologue and the residual."""
+    xpro = 0 if prologue is None else PROLOGUES[prologue.kind]
+    g = prologue.weight if xpro in (1, 2) else x
+    act = act_code(prologue.act) if xpro == 3 else 0
+    eps = float(prologue.eps) if xpro in (1, 2) else 0.0
+    return g, eps, residual if residual is not None else x, xpro, act, residual is not None
+
+
+def _launch_local(x, w_t, thresholds, sizes, bias, cfg, prologue=None, residual=None):
     """The in-program compaction path: one launch (partials summed by the ticket reduce), no sync."""
-    B, K = x.shape
+    B = x.shape[0]
+    K = w_t.shape[0]
     N = w_t.shape[1]
     nseg = len(sizes)
     dev = x.device
@@ -545,20 +613,22 @@ def _launch_local(x, w_t, thresholds, sizes, bias, cfg):
     sidx = _c.empty((nseg * nsplit, per), dev, torch.int32)
     sv = _c.empty((nseg * nsplit, bp, per), dev, torch.float32)
     thr_ptr, tv, thr_dev, thr_vec = _thr_args(x, thresholds)
+    g, eps, res, xpro, act, has_res = _fusion_args(x, prologue, residual)
     _input_sparse_local_kernel[(n_blocks, nsplit)](
         x, x.stride(0), w_t, thr_ptr, *tv, bias if bias is not None else w_t, y, y.stride(0), ws, cnt, sidx, sv,
-        B, K, N, *c,
+        g, eps, res, B, K, N, *c,
         NSEG=nseg, THR_PTR=thr_dev, THR_VEC=thr_vec, HAS_BIAS=bias is not None,
         PARTIAL=partial, TICKET=True, S_PAD=triton.next_power_of_2(nsplit), B_R=bp, B_PAD=bp, PER=per,
-        BLOCK_R=block_r, BLOCK_N=block_n, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
+        BLOCK_R=block_r, BLOCK_N=block_n, XPRO=xpro, ACT=act, HAS_RES=has_res, num_warps=cfg["num_warps"],
+        num_stages=cfg.get("num_stages", 3),
     )
     return y
 
 
-def _launch_tile(x, w_t, thresholds, sizes, bias, cfg):
+def _launch_tile(x, w_t, thresholds, sizes, bias, cfg, prologue=None, residual=None):
     """The batch-1 tile kernel: one launch (the partials summed by the ticket), or two (a reduce launch); no
     sync. configs.INPUT_SPARSE_TILE says what each key means."""
-    K = x.shape[1]
+    K = w_t.shape[0]
     N = w_t.shape[1]
     nseg = len(sizes)
     dev = x.device
@@ -578,17 +648,21 @@ def _launch_tile(x, w_t, thresholds, sizes, bias, cfg):
     private = bool(cfg.get("private"))
     sidx = _c.empty((n_blocks * nsplit if private else nseg * nsplit, ks), dev, torch.int32) if mode else y
     thr_ptr, tv, thr_dev, thr_vec = _thr_args(x, thresholds)
+    g, eps, res, xpro, act, has_res = _fusion_args(x, prologue, residual)
     _input_sparse_tile_kernel[(n_blocks * nsplit,)](
-        x, w_t, thr_ptr, *tv, bias if bias is not None else w_t, y, ws, cnt, sidx,
+        x, w_t, thr_ptr, *tv, bias if bias is not None else w_t, y, ws, cnt, sidx, g, eps, res,
         K, N, *c, nsplit, int(frac * ks) if mode == 2 else 0,
         NSEG=nseg, THR_PTR=thr_dev, THR_VEC=thr_vec, HAS_BIAS=bias is not None, PARTIAL=partial,
         S_PAD=triton.next_power_of_2(nsplit), EVEN_N=all(sz % block_n == 0 for sz in sizes),
         SPLIT_MAJOR=cfg.get("order", "split") == "split", COMPACT=mode, BLOCK_M=block_m, TILES=tiles,
         BLOCK_N=block_n, BLOCK_R=cfg.get("BLOCK_R", 16), DEPTH=cfg.get("depth", 1), TICKET=ticket,
-        PRIVATE=private, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
+        PRIVATE=private, XPRO=xpro, ACT=act, HAS_RES=has_res and not (partial and not ticket),
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
     )
     if partial and not ticket:
         _launch_reduce(ws, nsplit, bias, y, cfg.get("reduce_block"))
+        if residual is not None:       # the reduce launch has no epilogue: the residual add after it
+            y = residual + y
     return y
 
 
@@ -685,17 +759,23 @@ def _splits(cfg, K, n_blocks, device):
     return triton.cdiv(K, per), per
 
 
-def _launch(x, w_t, thresholds, sizes, bias, config):
-    B, K = x.shape
-    N = w_t.shape[1]
-    nseg = len(sizes)
+def _launch(x, w_t, thresholds, sizes, bias, config, prologue=None, residual=None):
+    B = x.shape[0]
+    K, N = w_t.shape
     cfg = _config(B, K, N, x.device, config)
+    fused = cfg["path"] in ("local", "tile") and (
+        prologue is None or prologue.kind == "act_mul" or B == 1)    # the norms' 1/rms is one token's
+    if (prologue is not None or residual is not None) and not fused:
+        # the other paths take the prologue's output and add the residual after: the layer's own ops
+        y = _launch(_ref.apply_prologue(x, prologue), w_t, thresholds, sizes, bias, cfg)
+        return y if residual is None else residual + y
     if cfg["path"] == "dense":
         return _dense(x, w_t, thresholds, sizes, bias)
     if cfg["path"] == "local":
-        return _launch_local(x, w_t, thresholds, sizes, bias, cfg)
+        return _launch_local(x, w_t, thresholds, sizes, bias, cfg, prologue, residual)
     if cfg["path"] == "tile":
-        return _launch_tile(x, w_t, thresholds, sizes, bias, cfg)
+        return _launch_tile(x, w_t, thresholds, sizes, bias, cfg, prologue, residual)
+    nseg = len(sizes)
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
     bp = C.b_pad(B)
     use_dot = bool(cfg.get("dot", True)) or bp > 4  # the register-prefetched loop keeps up to 4 token vectors
@@ -728,9 +808,18 @@ def _launch(x, w_t, thresholds, sizes, bias, config):
     return y
 
 
-def _check(x, w_t, bias):
+def _check(x, w_t, bias, prologue=None, residual=None):
     assert w_t.dim() == 2, "w_t must be 2-D [in, out]"
-    check_x(x, w_t.shape[0], MAX_BATCH)
+    check_x(x, x.shape[1], MAX_BATCH)
+    assert prologue_in(x, prologue) == w_t.shape[0], \
+        f"x has d={x.shape[1]}, weights have d={w_t.shape[0]}" + (" (after the prologue)" if prologue else "")
+    if prologue is not None and prologue.kind != "act_mul":
+        assert prologue.weight.device == x.device and prologue.weight.is_contiguous(), \
+            "the norm weight must be a contiguous [in] tensor on x's device"
+    if residual is not None:
+        assert residual.shape == (x.shape[0], w_t.shape[1]) and residual.dtype == x.dtype and \
+            residual.device == x.device and residual.is_contiguous(), \
+            f"residual must be a contiguous [{x.shape[0]}, {w_t.shape[1]}] {x.dtype} tensor on x's device"
     assert x.stride(1) == 1, "x must have contiguous rows"
     assert w_t.dtype == x.dtype, f"w_t dtype {w_t.dtype} != x dtype {x.dtype}"
     assert w_t.device == x.device, f"w_t on {w_t.device}, x on {x.device}"
@@ -753,33 +842,39 @@ def _thr_tensor(t, n, k, device):
     return t.reshape(n).contiguous()
 
 
-def input_sparse_linear(x, w_t, threshold, bias=None, *, config=None):
+def input_sparse_linear(x, w_t, threshold, bias=None, *, config=None, prologue=None, residual=None):
     """y = mask(x) @ w_t (+ bias), mask(x)[b, i] = x[b, i] if |x[b, i]| > threshold else 0.
 
     ``threshold``: a float, a one-element float tensor on x's device (read on the device: no sync), or a tensor
-    [in] of one threshold per input channel."""
-    _check(x, w_t, bias)
+    [in] of one threshold per input channel. ``prologue`` (kernels.common.Prologue) and ``residual``: as
+    :func:`input_sparse_linear_segments`."""
+    _check(x, w_t, bias, prologue, residual)
     if isinstance(threshold, torch.Tensor):
-        threshold = _thr_tensor(threshold, 1, x.shape[1], x.device)
+        threshold = _thr_tensor(threshold, 1, w_t.shape[0], x.device)
     else:
         threshold = (float(threshold),)
-    return _launch(x, w_t, threshold, (w_t.shape[1],), bias, config)
+    return _launch(x, w_t, threshold, (w_t.shape[1],), bias, config, prologue, residual)
 
 
-def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, config=None):
+def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, config=None, prologue=None,
+                                 residual=None):
     """Fused projections that share the input x (QKV): ``w_t`` = [W_q^T | W_k^T | W_v^T] ([in, sum(sizes)]),
     output segment j (``sizes[j]`` columns) computed with its own mask |x| > thresholds[j].
 
     ``thresholds``: a float tensor of len(sizes) on x's device, a tensor [len(sizes), in] of one threshold per
-    segment and input channel (WINA: t / ‖W[:, i]‖), or a sequence of floats; at most 4 segments."""
-    _check(x, w_t, bias)
+    segment and input channel (WINA: t / ‖W[:, i]‖), or a sequence of floats; at most 4 segments.
+
+    Fusions (batch-1 tile and local paths; the other paths compose the same ops): ``prologue`` (Prologue)
+    the input is the prologue's output (the RMS norm before QKV and gate|up, act(gate) * up before down), the
+    mask taken on it; ``residual`` [B, out]: y = residual + the product (O and down's residual add)."""
+    _check(x, w_t, bias, prologue, residual)
     sizes = tuple(int(s) for s in sizes)
     assert 1 <= len(sizes) <= MAX_SEGMENTS, f"1..{MAX_SEGMENTS} segments, got {len(sizes)}"
     assert all(s > 0 for s in sizes) and sum(sizes) == w_t.shape[1], \
         f"segment sizes {sizes} must be positive and sum to out = {w_t.shape[1]}"
     if isinstance(thresholds, torch.Tensor):
-        thresholds = _thr_tensor(thresholds, len(sizes), x.shape[1], x.device)
+        thresholds = _thr_tensor(thresholds, len(sizes), w_t.shape[0], x.device)
     else:
         thresholds = tuple(float(t) for t in thresholds)
         assert len(thresholds) == len(sizes), f"{len(sizes)} thresholds expected, got {len(thresholds)}"
-    return _launch(x, w_t, thresholds, sizes, bias, config)
+    return _launch(x, w_t, thresholds, sizes, bias, config, prologue, residual)

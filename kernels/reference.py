@@ -149,9 +149,25 @@ def input_sparse_linear(x, w_t, threshold, bias=None, *, config=None):
     return y.to(x.dtype)
 
 
-def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, config=None):
+def apply_prologue(x, p):
+    """x through the prologue ``p`` (kernels.common.Prologue; None: x itself), as the unfused layer does it."""
+    if p is None:
+        return x
+    if p.kind == "act_mul":
+        d = x.shape[-1] // 2
+        return apply_act(x[..., :d], p.act) * x[..., d:]
+    return rms_norm(x, p.weight, p.eps, one_plus=p.kind == "rms1p")
+
+
+def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, config=None, prologue=None,
+                                 residual=None):
     """Projections sharing x, W^T concatenated along out (fused QKV): segment j (``sizes[j]`` columns) uses
-    its own threshold ``thresholds[j]`` (a float tensor of len(sizes) or a sequence of floats)."""
+    its own threshold ``thresholds[j]`` (a float tensor of len(sizes) or a sequence of floats). ``prologue``
+    (kernels.common.Prologue): the input is ``apply_prologue(x, prologue)``; ``residual``: the result is
+    residual + the product (the layer's residual add)."""
+    if prologue is not None or residual is not None:
+        y = input_sparse_linear_segments(apply_prologue(x, prologue), w_t, thresholds, sizes, bias)
+        return y if residual is None else residual + y.to(residual.dtype)
     sizes = [int(s) for s in sizes]
     assert sum(sizes) == w_t.shape[1], f"segment sizes {sizes} must sum to out = {w_t.shape[1]}"
     outs, lo = [], 0

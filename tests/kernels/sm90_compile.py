@@ -105,14 +105,19 @@ def cases() -> list[Case]:
     out.append(_case("input_sparse_triton", "_input_sparse_kernel", "fp16",
                      dict(isp, NSEG=3, THR_VEC=True, HAS_BIAS=True, B_R=4, B_PAD=16, BLOCK_K=64, BLOCK_N=128,
                           USE_DOT=True, MMA=False), num_stages=5))
+    # the in-program compaction path plain, and with the layer fused around it (Llama's norm prologue + the
+    # residual epilogue; act(gate) * up before down at batch 2)
+    loc = dict(NSEG=1, THR_PTR=True, THR_VEC=False, HAS_BIAS=False, PARTIAL=True, TICKET=True, S_PAD=32, B_R=1,
+               B_PAD=1, PER=512, BLOCK_R=32, BLOCK_N=128, XPRO=0, ACT=0, HAS_RES=False)
+    out.append(_case("input_sparse_triton", "_input_sparse_local_kernel", "bf16", loc))
+    out.append(_case("input_sparse_triton", "_input_sparse_local_kernel", "fp16", dict(loc, XPRO=1, HAS_RES=True)))
     out.append(_case("input_sparse_triton", "_input_sparse_local_kernel", "bf16",
-                     dict(NSEG=1, THR_PTR=True, THR_VEC=False, HAS_BIAS=False, PARTIAL=True, TICKET=True, S_PAD=32,
-                          B_R=1, B_PAD=1, PER=512, BLOCK_R=32, BLOCK_N=128)))
+                     dict(loc, XPRO=3, ACT=2, HAS_RES=True, B_R=2, B_PAD=2)))
     # the batch-1 tile kernel (configs.INPUT_SPARSE_TILE): masked tiles with the ticket, compacted rows two steps
     # ahead in private scratch rows, the per-program choice over three segments with per-channel thresholds and
     # a reduce launch; the dense path's mask launch
     tile = dict(NSEG=1, THR_PTR=True, THR_VEC=False, HAS_BIAS=False, PARTIAL=True, S_PAD=16, EVEN_N=True,
-                SPLIT_MAJOR=False, TICKET=True, PRIVATE=False, DEPTH=1, BLOCK_R=32)
+                SPLIT_MAJOR=False, TICKET=True, PRIVATE=False, DEPTH=1, BLOCK_R=32, XPRO=0, ACT=0, HAS_RES=False)
     out.append(_case("input_sparse_triton", "_input_sparse_tile_kernel", "fp16",
                      dict(tile, COMPACT=0, BLOCK_M=32, TILES=8, BLOCK_N=128)))
     out.append(_case("input_sparse_triton", "_input_sparse_tile_kernel", "bf16",
@@ -120,6 +125,13 @@ def cases() -> list[Case]:
     out.append(_case("input_sparse_triton", "_input_sparse_tile_kernel", "fp16",
                      dict(tile, NSEG=3, THR_VEC=True, HAS_BIAS=True, EVEN_N=False, SPLIT_MAJOR=True, TICKET=False,
                           COMPACT=2, BLOCK_M=64, TILES=4, BLOCK_N=64, BLOCK_R=64)))
+    # the fused layer's prologues and epilogue: Gemma's norm (fp32 weight) on compacted rows, act(gate) * up on
+    # masked tiles with the residual add
+    out.append(_case("input_sparse_triton", "_input_sparse_tile_kernel", "bf16",
+                     dict(tile, COMPACT=1, PRIVATE=True, BLOCK_M=1024, TILES=1, BLOCK_N=128, XPRO=2),
+                     {"g_ptr": "*fp32"}))
+    out.append(_case("input_sparse_triton", "_input_sparse_tile_kernel", "fp16",
+                     dict(tile, COMPACT=0, BLOCK_M=32, TILES=8, BLOCK_N=128, XPRO=3, ACT=2, HAS_RES=True)))
     for dt, vec in (("fp16", False), ("bf16", True)):
         out.append(_case("input_sparse_triton", "_mask_kernel", dt,
                          dict(NSEG=3, THR_PTR=True, THR_VEC=vec, BLOCK=1024)))
