@@ -172,8 +172,7 @@ class DevicePlacement:
     returns the actor, or None when every bundle is full (the unit waits; the driver retires an idle actor).
     Without a group (none reserved in time), ``make({})``: Ray places the actor alone, with no bound of ours."""
 
-    def __init__(self, ray, room: Room, pools: Iterable[int], cpus_per_actor: float,
-                 timeout_s: float = PG_READY_TIMEOUT_S):
+    def __init__(self, ray, room: Room, pools: Iterable[int], cpus_per_actor: float, timeout_s: float | None = None):
         """``pools``: the sizes of the pools on this device type. The group reserves what they can use: enough
         bundles for the largest pool to have one actor per device, and for all of them together (up to every
         device), each with the CPUs of the actors it will hold."""
@@ -187,6 +186,7 @@ class DevicePlacement:
         self.bundle = {**room.bundle, "CPU": self.per_bundle * cpus_per_actor}
         self.device = room.device
         self.pg = placement_group([dict(self.bundle) for _ in range(n)], strategy="PACK")
+        timeout_s = PG_READY_TIMEOUT_S if timeout_s is None else timeout_s
         if not self.pg.wait(timeout_s):
             log.warning("could not reserve %d x %s for the sweep's %s actors within %.0f s (does another job hold "
                         "them?): Ray places them alone, and packs fractional shares on one device first",

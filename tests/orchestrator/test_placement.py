@@ -163,6 +163,20 @@ def _probe() -> dict:
                           for i in infos([pools.take("eval", "npu") for _ in range(2)])]
         finally:
             pools.shutdown()
+        # another job holds one NPU: the group of two is given up, and Ray places the actor alone, on the other
+        import orchestrator.placement
+
+        orchestrator.placement.PG_READY_TIMEOUT_S = 1.0
+        holder = Evaluator.options(**actor_options("npu")).remote(None, "npu")
+        held = infos([holder])[0]["devices"]
+        pools = _Pools(ray, spec, None)
+        try:
+            a = pools.take("eval", "npu")
+            out["npu_busy"] = {"reserved": pools.placements["npu"].reserved, "held": held,
+                               "placed": infos([a])[0]["devices"]}
+        finally:
+            pools.shutdown()
+            ray.kill(holder)
     finally:
         ray.shutdown()
     return out
@@ -215,6 +229,12 @@ def test_npu_actors_spread_over_both_npus(probe):
     for i in npu:
         assert i["env"]["ASCEND_RT_VISIBLE_DEVICES"] == i["devices"][0] and i["env"]["CUDA_VISIBLE_DEVICES"] in (None, "")
         assert i["visible_problem"] is None
+
+
+@pytest.mark.timeout(300)
+def test_devices_another_job_holds_leave_placement_to_ray(probe):
+    busy = probe["npu_busy"]
+    assert busy["reserved"] == 0 and len(busy["placed"]) == 1 and busy["placed"] != busy["held"], busy
 
 
 if __name__ == "__main__":
