@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from db import queries
 from db.engine import get_engine, session_scope, upgrade
 from db.schemas import UnitSpec
-from orchestrator.placement import DEVICE_RESOURCE, DevicePlacement, alive_nodes, pool_sizes
+from orchestrator.placement import DevicePlacement, alive_nodes, pool_sizes
 from orchestrator.plan import PlannedUnit, plan_units
 from orchestrator.spec import SpecError, SweepSpec, check_inputs, load_spec, parse_spec
+from workers.names import RAY_RESOURCE
 
 log = logging.getLogger("ctxsparse.driver")
 
@@ -106,12 +107,7 @@ def _ray():
 
 def cluster_device_types(ray) -> set[str]:
     res = ray.cluster_resources()
-    have = {"cpu"}
-    if res.get("GPU", 0) > 0:
-        have.add("cuda")
-    if res.get("NPU", 0) > 0:
-        have.add("npu")
-    return have
+    return {"cpu"} | {dev for dev, name in RAY_RESOURCE.items() if res.get(name, 0) > 0}
 
 
 class _Pools:
@@ -138,7 +134,7 @@ class _Pools:
     def _placement(self, device: str) -> DevicePlacement | None:
         if device not in self.placements:
             room = self.plan.rooms.get(device)
-            spread = device in DEVICE_RESOURCE and room is not None and room.bundles > 0
+            spread = device in RAY_RESOURCE and room is not None and room.bundles > 0
             self.placements[device] = DevicePlacement(self.ray, room, self.plan.on(device),
                                                       self.spec.resources.cpus_per_actor) if spread else None
             if spread and self.placements[device].reserved:
@@ -265,7 +261,7 @@ def run_sweep(spec: SweepSpec, db_url: str | None = None, submission_id: str | N
     ray = _ray()
     pools = _Pools(ray, spec, db_url if db_url is not None else str(engine.url.render_as_string(hide_password=False)))
     res = ray.cluster_resources()
-    log.info("cluster: %s; pools %s", ", ".join(f"{res[k]:g} {k}" for k in ("GPU", "NPU", "CPU") if res.get(k)),
+    log.info("cluster: %s; pools %s", ", ".join(f"{res[k]:g} {k}" for k in (*RAY_RESOURCE.values(), "CPU") if res.get(k)),
              pools.plan.summary(spec.resources))
     try:
         described = {ref: pools.describe(ref, spec) for ref in spec.models}
@@ -295,7 +291,7 @@ def _execute(ray, engine, pools: _Pools, spec: SweepSpec, sweep_id: int, units: 
     for dev in sorted({by_id[k].device_type for k in unplaceable}):
         n = sum(by_id[k].device_type == dev for k in unplaceable)
         log.warning("no %s resources in this cluster (%s): %d %s units stay pending; no %s rows are written",
-                    dev, "GPU" if dev == "cuda" else "NPU", n, dev, dev)
+                    dev, RAY_RESOURCE[dev], n, dev, dev)
     skip = done | set(unplaceable)
     todo = [u for u in units if u.id not in skip]
     out = SweepOutcome(sweep_id, total=len(units), done=len(done), unplaceable=unplaceable)

@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 from orchestrator.spec import AUTO, ResourcesSpec
+from workers.names import RAY_RESOURCE
 
 log = logging.getLogger("ctxsparse.placement")
 
 ROLES = ("collectors", "fitters", "evaluators", "benchers")
-DEVICE_RESOURCE = {"cuda": "GPU", "npu": "NPU"}     # the Ray resource of each accelerator device type
 ACTOR_HOST_MEMORY = 4 * 2**30       # bytes of host memory per actor (Gemma-3-270M's worker: 3.3 GB RSS)
 PG_READY_TIMEOUT_S = 30.0
 _EPS = 1e-9
@@ -69,7 +69,7 @@ class Room:
     def describe(self, r: ResourcesSpec) -> str:
         if self.device == "cpu":
             return f"{self.slots} at {r.cpus_per_actor:g} CPU each"
-        res, share = DEVICE_RESOURCE[self.device], _share(r, self.device)
+        res, share = RAY_RESOURCE[self.device], _share(r, self.device)
         return (f"{self.slots} on {self.bundles} x {res}:{self.bundle.get(res, 0):g} ({self.per_bundle} each at "
                 f"{share:g} {res} + {r.cpus_per_actor:g} CPU)")
 
@@ -82,7 +82,7 @@ def room(r: ResourcesSpec, nodes: Iterable[Mapping[str, float]], device: str, cp
     mem_cap = [_floor(n["memory"] / ACTOR_HOST_MEMORY) if "memory" in n else math.inf for n in nodes]
     if device == "cpu":
         return Room("cpu", sum(min(_floor(n.get("CPU", 0) / cpus), m) for n, m in zip(nodes, mem_cap)))
-    res, share = DEVICE_RESOURCE[device], _share(r, device)
+    res, share = RAY_RESOURCE[device], _share(r, device)
     per_device = 1 if share >= 1 else _floor(1 / share)
     per_bundle, held = per_device, []        # held: (bundles, memory cap) of each node with devices
     for n, m in zip(nodes, mem_cap):

@@ -25,7 +25,7 @@ from db import queries
 from db.engine import get_engine, session_scope
 from db.provenance import stamp
 from db.schemas import AccuracyRow, ArtifactRow, LatencyRow, LayerRow
-from workers.names import DEVICE_TYPES, UNIT_KINDS
+from workers.names import DEVICE_TYPES, RAY_RESOURCE, UNIT_KINDS
 
 DeviceType = Literal[DEVICE_TYPES]
 
@@ -45,21 +45,20 @@ def actor_options(device_type: DeviceType, *, cpus: float = 1.0, gpus: float = 1
     if device_type == "cuda":
         opts["num_gpus"] = gpus
     elif device_type == "npu":
-        opts["resources"] = {"NPU": npus}
+        opts["resources"] = {RAY_RESOURCE["npu"]: npus}
     elif device_type != "cpu":
         raise ValueError(f"device type must be one of {list(DEVICE_TYPES)}, not {device_type!r}")
     return opts
 
 
 VISIBLE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
-RAY_ACCELERATOR = {"cuda": "GPU", "npu": "NPU"}
 
 
 def assigned_devices(device_type: DeviceType) -> list[str]:
     """The ids of the GPUs / NPUs Ray assigned to this actor (its bundle's device; [] on the CPU)."""
-    if device_type not in RAY_ACCELERATOR:
+    if device_type not in RAY_RESOURCE:
         return []
-    ids = ray.get_runtime_context().get_accelerator_ids().get(RAY_ACCELERATOR[device_type], [])
+    ids = ray.get_runtime_context().get_accelerator_ids().get(RAY_RESOURCE[device_type], [])
     return [str(i) for i in ids]
 
 
@@ -72,9 +71,9 @@ def visible_devices_problem(device_type: DeviceType) -> str | None:
     var, ids = VISIBLE_ENV[device_type], assigned_devices(device_type)
     seen = os.environ.get(var)
     if not ids:
-        return f"actor placed for {device_type} but Ray assigned it no {RAY_ACCELERATOR[device_type]}"
+        return f"actor placed for {device_type} but Ray assigned it no {RAY_RESOURCE[device_type]}"
     if seen is None or seen.split(",") != ids:
-        return f"{var}={seen!r}, but Ray assigned this actor {RAY_ACCELERATOR[device_type]} {','.join(ids)}"
+        return f"{var}={seen!r}, but Ray assigned this actor {RAY_RESOURCE[device_type]} {','.join(ids)}"
     return None
 
 
@@ -139,7 +138,7 @@ class _UnitActor:
                 torch.set_num_threads(self.torch_threads)
             st = stamp()
             assigned = ray.get_runtime_context().get_assigned_resources()
-            share = {"cuda": assigned.get("GPU"), "npu": assigned.get("NPU")}.get(self.device_type) or 1.0
+            share = assigned.get(RAY_RESOURCE.get(self.device_type, "")) or 1.0
             self._units = Units(_torch_device(self.device_type), st["package_versions"], st["git_rev"],
                                 memory_share=min(1.0, share))
             self._engine = get_engine(self.db_url)

@@ -9,6 +9,7 @@ import hashlib
 
 DENSE = "dense"                              # method of the always-present dense setting (an empty plan)
 DEVICE_TYPES = ("cpu", "cuda", "npu")        # where a unit runs (Ray: CPUs, GPUs, the custom resource NPU)
+RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU"}  # the Ray resource of each accelerator device type
 UNIT_KINDS = ("collect", "fit", "eval", "latency")
 # latency rows' runtimes: our decode runtime dense / sparse, the dense half of a paired (interleaved) timing,
 # and Hugging Face generate (the baseline)
