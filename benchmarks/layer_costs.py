@@ -31,6 +31,7 @@ from workers.decode.glue import glue_fns
 from workers.decode.latency import bench_decode, random_plan, shape_model
 from workers.decode.runtime import DecodeRuntime
 from workers.decode.select import ActiveSetSelector
+from workers.decode.timing import pick_cpu_dense
 
 
 def _random_sets(D: int, k: int, n: int, device) -> list[torch.Tensor]:
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
         bw = copy_bandwidth(device=dev) if dev == "cuda" else None
     rt = DecodeRuntime.from_hf(model)
     if dev == "cpu" and rt.cpu_rows is None:
-        rt.pick_cpu_dense()
+        pick_cpu_dense(rt)
     nl = len(rt.layers)
     rows, accel = [], device_name(dev) if dev == "cuda" else "cpu"
     meta = dict(shape="tiny" if a.smoke else a.model or a.shape, prompt=a.prompt, layers=nl,

@@ -249,6 +249,20 @@ def rot_half(t):
     return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
 
 
+def qk_norm_rope(q, k, cos=None, sin=None, q_norm=None, k_norm=None, eps: float = 1e-6):
+    """What attention does to q and k before the scores: the q/k norms (Gemma: ``rms_norm`` with ``one_plus``)
+    and rotate-half RoPE with the table rows ``cos`` / ``sin`` (fp32, cast to q's dtype, broadcast over the
+    leading dims). One definition for the decode step's reference and the prefill."""
+    if q_norm is not None:
+        q = rms_norm(q, q_norm, eps, one_plus=True)
+        k = rms_norm(k, k_norm, eps, one_plus=True)
+    if cos is not None:
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        q = q * cos + rot_half(q) * sin
+        k = k * cos + rot_half(k) * sin
+    return q, k
+
+
 def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_norm=None, k_norm=None,
                      eps: float = 1e-6, window: int | None = None, q_idx=None, q_count=None, n_heads=None,
                      valid=None):
@@ -262,14 +276,8 @@ def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_n
     B, S, hd = q.shape
     KV = k.shape[1]
     query_heads(S, q_idx, n_heads)
-    if q_norm is not None:
-        q = rms_norm(q, q_norm, eps, one_plus=True)
-        k = rms_norm(k, k_norm, eps, one_plus=True)
-    if cos_t is not None:
-        cos = cos_t.index_select(0, pos).to(q.dtype)   # [1, hd]
-        sin = sin_t.index_select(0, pos).to(q.dtype)
-        q = q * cos + rot_half(q) * sin
-        k = k * cos + rot_half(k) * sin
+    rows = (cos_t.index_select(0, pos), sin_t.index_select(0, pos)) if cos_t is not None else (None, None)
+    q, k = qk_norm_rope(q, k, *rows, q_norm, k_norm, eps)          # the position's table rows [1, hd]
     kc, vc = k_cache[:, :KV], v_cache[:, :KV]
     kc.index_copy_(2, pos, k.unsqueeze(2))
     vc.index_copy_(2, pos, v.unsqueeze(2))

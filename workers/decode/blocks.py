@@ -6,7 +6,7 @@ variants, head-sparse attention, the LM head. Stateless apart from five backend 
 ``ffn_dense`` "auto": the dense FFN through the kernels where they are fastest (CPU row kernels with
 ``cpu_rows``; on CUDA, batch <= 8, the fused FFN kernel over every row), "torch": plain matmuls.
 ``cpu_rows`` (CPU backend): dense projections (QKV, O, LM head, dense FFN) through kernels.cpu's row kernels
-(True) or torch matmuls (False/None); which is faster depends on the CPU (``DecodeRuntime.pick_cpu_dense``).
+(True) or torch matmuls (False/None); which is faster depends on the CPU (``workers.decode.timing.pick_cpu_dense``).
 Sparse FFN on the CPU: kernels.cpu reads only the active rows of gate/up and of W_downᵀ, in one pass.
 ``o_proj``: the dense O projection through "torch" (``linear_t``: cuBLAS on CUDA, the row kernels with
 ``cpu_rows``), "kernel" (the down kernel over every head's rows of W_oᵀ, ``kernels.ops.head_sparse_out``) or

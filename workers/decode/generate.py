@@ -8,20 +8,21 @@ or, with a model already loaded (``workers.loading.models.LoadedModel``) and a v
     res = generate_with_plan(lm, load_bundle(path).plan(lm.model), prompt, tokens=32, device="cpu")
 
 The prompt is prefilled dense and ``tokens`` tokens are decoded greedily with the plan (the runtime's
-semantics; see workers.decode.runtime). Timing: a dense and a sparse runtime over the same weights decode the
-same prompt alternately (the order flips every round, one warm-up round first), ``repeats`` timed rounds each;
-tokens/s = decode steps / their wall time (device synchronized), the median over the rounds. On the CPU the
-dense products take the faster of torch matmuls and the row kernels (``pick_cpu_dense``), for both runtimes.
+semantics; see workers.decode.runtime). Timing (workers.decode.timing): a dense and a sparse runtime over the
+same weights decode the same prompt alternately (the order flips every round, one warm-up round first),
+``repeats`` timed rounds each; tokens/s = decode steps / their summed step times, the median over the rounds. On
+the CPU the dense products take the faster of torch matmuls and the row kernels (``pick_cpu_dense``), for both
+runtimes.
 """
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from workers.decode.runtime import DecodeRuntime
+from workers.decode.timing import interleaved, pick_cpu_dense, step_times
 from workers.decode.weights import from_hf
 
 
@@ -108,35 +109,24 @@ def generate_with_plan(lm, plan, prompt: str, *, tokens: int = 32, device: str =
     weights = from_hf(lm.model, dtype=dtype, device=dev)
     dense, sparse = DecodeRuntime(weights), DecodeRuntime(weights)
     if dev.type == "cpu":
-        sparse.configure(cpu_rows=dense.pick_cpu_dense())
+        sparse.configure(cpu_rows=pick_cpu_dense(dense))
     sparse.set_plan(plan)           # after pick_cpu_dense: the runtimes share the weights' layouts
     for rt in (dense, sparse):
         rt.setup(1, ids.shape[1] + tokens)
-    times: dict = {id(dense): [], id(sparse): []}
     out = {}
-    for r in range(repeats + 1):                    # round 0 warms up (compiles, captures the CUDA graphs)
-        for rt in ((dense, sparse) if r % 2 == 0 else (sparse, dense)):
-            rt.prefill(ids)
-            first = rt.tok.clone()
-            _sync(dev)
-            t0 = time.perf_counter()
-            for _ in range(tokens - 1):
-                rt.step()
-            _sync(dev)
-            if r:
-                times[id(rt)].append(time.perf_counter() - t0)
-            out[id(rt)] = torch.cat([first, rt.out_tokens[0, ids.shape[1]: ids.shape[1] + tokens - 1]]).tolist()
+
+    def run(rt, r: int) -> float:   # round 0 warms up (compiles, captures the CUDA graphs)
+        rt.prefill(ids)
+        first = rt.tok.clone()
+        ms = sum(step_times(rt, tokens - 1))
+        out[id(rt)] = torch.cat([first, rt.out_tokens[0, ids.shape[1]: ids.shape[1] + tokens - 1]]).tolist()
+        return ms
+    tps = [(tokens - 1) * 1e3 / statistics.median(ms) for ms in interleaved([dense, sparse], repeats, run)]
     toks = out[id(sparse)]
     eos = lm.tokenizer.eos_token_id
     shown = toks[: toks.index(eos)] if eos is not None and eos in toks else toks
-    tps = {k: (tokens - 1) / statistics.median(v) for k, v in times.items()}
     return GenerateResult(text=lm.tokenizer.decode(shown, skip_special_tokens=True), tokens=toks,
-                          dense_tokens=out[id(dense)], dense_tokens_per_s=tps[id(dense)],
-                          sparse_tokens_per_s=tps[id(sparse)], realized_sparsity=sparse.realized_sparsity(),
+                          dense_tokens=out[id(dense)], dense_tokens_per_s=tps[0],
+                          sparse_tokens_per_s=tps[1], realized_sparsity=sparse.realized_sparsity(),
                           device=dev.type, extra={"accelerator": accelerator_name(dev), "repeats": repeats,
                                                   "prompt_tokens": ids.shape[1], "dtype": str(dtype)})
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize()

@@ -8,9 +8,9 @@ batch, prompt_len, gen_len, p50_ms_per_token, p90_ms_per_token, tokens_per_s, re
 No Ray, no DB imports: the GPU benchmark script runs this module on a machine without either.
 
 Per-token times: our runtime times every decode step with device events around each graph replay (no host
-sync inside the loop; CPU: a host clock); HF ``generate`` with a logits processor that synchronizes and reads
-the clock once per generated token. p50/p90 are over all decode tokens of all repeats; tokens/s =
-batch · 1000 / p50. The first generated token comes from the prefill and is not a decode step.
+sync inside the loop; CPU: a host clock; ``workers.decode.timing.step_times``); HF ``generate`` with a logits
+processor that synchronizes and reads the clock once per generated token. p50/p90 are over all decode tokens of
+all repeats; tokens/s = batch · 1000 / p50. The first generated token comes from the prefill and is not a decode step.
 
 Shape-only models (7B class, random weights of the real shapes; GPU): :func:`shape_model`; a random Deja Vu
 style plan with a given MLP / head sparsity for them: :func:`random_plan` (what sparsity a method realizes comes
@@ -27,8 +27,9 @@ import torch
 
 from workers.sparsity.predictors.base import SparsityPlan, k_for
 from workers.decode.runtime import DecodeRuntime
-from workers.decode.weights import random_hf_model
 from workers.decode.shapes import shape_entry
+from workers.decode.timing import densify_slow_ffn, interleaved, pick_cpu_dense, step_times
+from workers.decode.weights import random_hf_model
 from workers.names import RUNTIME_DENSE, RUNTIME_DENSE_PAIRED, RUNTIME_HF, RUNTIME_SPARSE
 
 
@@ -185,7 +186,7 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
     run minutes apart can drift by more than the difference between settings.
 
     At batch > 1 (unpaired) the warm-up's realized unions decide, per layer, whether the FFN runs dense from then
-    on (:meth:`DecodeRuntime.densify_slow_ffn`; ``dense_ffn_layers`` in the detail lists them).
+    on (``timing.densify_slow_ffn``; ``dense_ffn_layers`` in the detail lists them).
     """
     device = torch.device(device)
     if gen_len < 2:
@@ -202,81 +203,59 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
         raise ValueError("paired timing needs a sparse plan (dense is the other half of the pair)")
     rt = runtime_for(model, device)
     if device.type == "cpu" and rt.cpu_rows is None:
-        rt.pick_cpu_dense()          # the fastest dense path here, for the dense and the sparse runs alike
+        pick_cpu_dense(rt)           # the fastest dense path here, for the dense and the sparse runs alike
     V = vocab or rt.vocab
     plans = [plan, None] if paired else [plan]
-    runs = {id(p): _Run() for p in plans}
+    prompts = [torch.randint(0, V, (batch, prompt_len), generator=g) for _ in range(warmup + repeats)]
+    sparsities: dict = {id(p): [] for p in plans}
     densified: list[int] = []
     # accelerators: the warm-up repeats count active inputs (realized sparsity), the timed ones do not
     counted = device.type != "cuda" or plan is None or not plan.inputs
-    for r in range(warmup + repeats):
-        ids = torch.randint(0, V, (batch, prompt_len), generator=g)
-        order = plans if r % 2 == 0 else plans[::-1]
+
+    def run(p, r: int):
+        """Round r of plan p: prefill one prompt (timed on the host, device synchronized) and decode it."""
         count = counted or r < max(warmup, 1)
         if rt.blocks.count_inputs != count:
             rt.configure(count_inputs=count)
-        for p in order:
-            if paired or r == 0:
-                rt.set_plan(p, overlap=overlap, kv_mode=kv_mode)
-                rt.setup(batch, prompt_len + gen_len)
-            runs[id(p)].decode(rt, ids, gen_len, device, keep=r >= warmup, measure=count)
-            if p is not None and not paired and batch > 1 and r == warmup - 1:
-                densified = rt.densify_slow_ffn()   # layers whose union the warm-up showed faster dense
+        if paired or r == 0:
+            rt.set_plan(p, overlap=overlap, kv_mode=kv_mode)
+            rt.setup(batch, prompt_len + gen_len)
+        _sync(device)
+        t0 = time.perf_counter()
+        rt.prefill(prompts[r])
+        _sync(device)
+        prefill_ms = (time.perf_counter() - t0) * 1e3
+        ts = step_times(rt, gen_len - 1)
+        if count and (r >= warmup or rt.sparse_plan.inputs):   # input plans on accelerators: the warm-up counts
+            sparsities[id(p)].append(rt.realized_sparsity())
+        if p is not None and not paired and batch > 1 and r == warmup - 1:
+            densified.extend(densify_slow_ffn(rt))   # layers whose union the warm-up showed faster dense
+        return prefill_ms, ts
+
+    runs = interleaved(plans, repeats, run, warmup)
     rows = []
-    for p in plans:
-        run = runs[id(p)]
+    for p, run_p in zip(plans, runs):
+        times = [t for _, ts in run_p for t in ts]
         sp = None
         if p is not None:   # input sparsity (alone or with predictors): fraction of decoder weight bytes skipped
             key = "weights" if p.inputs else "mlp"
-            vals = [s[key] for s in run.sparsities if key in s]
+            vals = [s[key] for s in sparsities[id(p)] if key in s]
             sp = float(sum(vals) / len(vals)) if vals else None
         extra = None
         if detail:
-            heads = [s["heads"] for s in run.sparsities if "heads" in s]
-            extra = dict(prefill_ms=_pct(run.prefill_ms, 0.5), mean_ms_per_token=sum(run.times) / len(run.times),
+            heads = [s["heads"] for s in sparsities[id(p)] if "heads" in s]
+            extra = dict(prefill_ms=_pct([ms for ms, _ in run_p], 0.5), mean_ms_per_token=sum(times) / len(times),
                          head_sparsity=(sum(heads) / len(heads)) if heads else None, overlap=overlap,
                          kv_mode=kv_mode, repeats=repeats, weight_bytes=rt.weight_bytes(),
                          dense_ffn_layers=densified if p is not None else None)
         name = RUNTIME_SPARSE if p is not None else RUNTIME_DENSE_PAIRED if paired else RUNTIME_DENSE
-        rows.append(_row(device, batch, prompt_len, gen_len, run.times, name, sp, extra))
+        rows.append(_row(device, batch, prompt_len, gen_len, times, name, sp, extra))
     return rows
 
 
-class _Run:
-    """Per-token decode times of one plan over the repeats (warm-up repeats not kept)."""
-
-    def __init__(self):
-        self.times, self.prefill_ms, self.sparsities = [], [], []
-
-    def decode(self, rt, ids, gen_len, device, keep: bool, measure: bool = True):
-        cuda = device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        rt.prefill(ids)
-        if cuda:
-            torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        steps = gen_len - 1
-        if cuda:
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-            ev[0].record()
-            for i in range(steps):
-                rt.step()
-                ev[i + 1].record()
-            torch.cuda.synchronize()
-            ts = [ev[i].elapsed_time(ev[i + 1]) for i in range(steps)]
-        else:
-            ts = []
-            for _ in range(steps):
-                a = time.perf_counter()
-                rt.step()
-                ts.append((time.perf_counter() - a) * 1e3)
-        if keep:
-            self.times.extend(ts)
-            self.prefill_ms.append((t1 - t0) * 1e3)
-        if measure and (keep or rt.sparse_plan.inputs):   # input plans on accelerators: the warm-up counts
-            self.sparsities.append(rt.realized_sparsity())
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def hf_generate_kwargs(device, cache: str = "dynamic", compile: bool = False) -> dict:

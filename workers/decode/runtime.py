@@ -11,13 +11,15 @@
 The parts, each in its own module of workers/decode: ``weights`` (HF model -> frozen per-layer weight structs),
 ``kv_cache`` (static cache + position counter), ``plan`` (a SparsityPlan compiled for these weights; keep-all
 parts dropped, so a plan at s = 0 runs the dense step), ``select`` (active sets: predictor GEMVs, top-k or
-threshold rule, side-stream look-ahead), ``blocks`` (dense / sparse projections, FFN variants, head-sparse
-attention), ``glue`` (norms, RoPE + attention; compiled on CUDA), ``stats`` (realized sparsity).
+threshold rule, side-stream look-ahead), ``layer`` (the decoder layer, one function for the prefill and the
+step), ``blocks`` (dense / sparse projections, FFN variants, head-sparse attention), ``glue`` (norms, RoPE +
+attention; compiled on CUDA), ``graph`` (the step's CUDA graph), ``stats`` (realized sparsity), ``timing``
+(interleaved timing and the benchmark policy: ``pick_cpu_dense``, ``densify_slow_ffn``).
 
 Every setting a benchmark varies is a keyword of the constructor (and of ``from_hf`` / ``from_config``), and
 :meth:`configure` changes it later: ``ffn_dense`` ("auto" | "torch"), ``compile`` (torch.compile of the glue on
 CUDA), ``use_graph`` (one CUDA graph per step), ``select_impl`` ("auto" | "torch" | "triton"), ``cpu_rows``
-(CPU dense products through the row kernels; None: matmuls until :meth:`pick_cpu_dense` times both),
+(CPU dense products through the row kernels; None: matmuls until ``timing.pick_cpu_dense`` times both),
 ``input_path`` ("auto" | "mask" | "local": the input-sparse kernel, kernels.ops.INPUT_PATHS), ``glue``
 ("torch": the torch norms and decode attention, compiled on CUDA; "kernel": RoPE, the cache write and the
 attention of every (active) head in one kernels.ops call (one Triton launch on CUDA, one native call on the
@@ -29,39 +31,26 @@ entries masked out of later attention -- Deja Vu's saving without its "recompute
 Public handles: ``weights``, ``blocks``, ``selector``, ``sparse_plan``, ``cache``, ``counters``.
 
 Decode step (one token per sequence): embedding -> per layer [norm, QKV, RoPE + cache write + attention over
-the static cache (masked to the filled positions and the sliding window), O, add+norm, FFN, add+norm] -> argmax.
-The step reads the cache's device position counter and writes the next token into its own input buffer, so
-repeated replays need no host sync. On CUDA the whole step is captured in one CUDA graph.
+the static cache (masked to the filled positions and the sliding window), O, add+norm, FFN, add+norm] -> argmax
+(workers.decode.layer). The step reads the cache's device position counter and writes the next token into its
+own input buffer, so repeated replays need no host sync. On CUDA the whole step is captured in one CUDA graph.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
-from kernels.configs import use_dense
-from kernels.reference import rot_half
 from workers.decode import weights as weights_mod
 from workers.decode.blocks import Blocks
-from workers.decode.glue import EAGER, attn_prefill, check_glue, glue_fns, norm, resolve_glue
+from workers.decode.glue import EAGER, check_glue, glue_fns, resolve_glue
+from workers.decode.graph import StepGraph
 from workers.decode.kv_cache import KVCache
+from workers.decode.layer import Prompt, Step, forward
 from workers.decode.plan import RuntimePlan
 from workers.decode.select import ActiveSetSelector, Lookahead
 from workers.decode.stats import Counters, realized_sparsity
 from workers.decode.weights import ModelWeights
 
 KV_MODES = ("exact", "active")
-# At batch > 1 a layer with an FFN predictor pays, besides the FFN on the union, its predictor and one top-k per
-# token; the kernel crossover (kernels.configs.use_dense) counts only the FFN kernels. End to end on an H200
-# (Llama-2-7B, batch 4, random Deja Vu r = 256), sparse against dense: 0.95-0.98x at union sparsity 0.32,
-# 0.99-1.04x at 0.41, 1.10x at 0.52. Below this union sparsity such a layer runs dense.
-SPARSE_FROM_UNION = 0.45
-
-
-def faster_dense_with_predictor(batch: int, kept: int, n: int, gated: bool = True) -> bool:
-    """Whether a predicted FFN layer whose batch union keeps ``kept`` of ``n`` neurons is faster run dense (its
-    predictor dropped): the kernel crossover, and from batch 2 also a union sparsity below SPARSE_FROM_UNION."""
-    return use_dense(batch, kept, n, gated=gated) or (batch > 1 and 1.0 - kept / n < SPARSE_FROM_UNION)
 
 
 class DecodeRuntime:
@@ -78,8 +67,8 @@ class DecodeRuntime:
         self.sparse_plan = RuntimePlan()
         self.cache: KVCache | None = None
         self.counters = Counters(len(weights.layers), weights.device)
-        self._fns = self._graph = self._side = None
-        self._keep: list = []
+        self._fns = None
+        self._graph = StepGraph()
 
     @classmethod
     def from_hf(cls, model, dtype: torch.dtype | None = None, device=None, **options) -> "DecodeRuntime":
@@ -121,7 +110,8 @@ class DecodeRuntime:
             self.blocks.cpu_rows = cpu_rows
         self.compile = self.compile if compile is None else compile
         self.use_graph = self.use_graph if use_graph is None else use_graph
-        self._fns = self._graph = None
+        self._fns = None
+        self._graph.drop()
         return self
 
     # ------------------------------------------------------------------ views
@@ -149,7 +139,7 @@ class DecodeRuntime:
     @cpu_rows.setter
     def cpu_rows(self, value):
         self.blocks.cpu_rows = value
-        self._graph = None
+        self._graph.drop()
 
     @property
     def input_path(self) -> str:
@@ -159,7 +149,7 @@ class DecodeRuntime:
     def input_path(self, value: str):
         """Switch the input-sparse kernel path without dropping the compiled glue (the graph is recaptured)."""
         self.blocks.input_path = value
-        self._graph = None
+        self._graph.drop()
 
     @property
     def select_impl(self) -> str:
@@ -173,31 +163,13 @@ class DecodeRuntime:
         """Mean sparsity over the decode steps so far (workers.decode.stats)."""
         return realized_sparsity(self.sparse_plan, self.weights, self.counters, self.batch)
 
-    def densify_slow_ffn(self, faster_dense=None) -> list[int]:
-        """At batch > 1 the FFN reads the union of the batch's active sets, which can be nearly every neuron.
-        For every layer whose mean union over the decode steps so far is one at which the dense FFN is faster
-        (``faster_dense(batch, kept, D)``; default on CUDA: :func:`faster_dense_with_predictor`, the kernels'
-        crossover and the end-to-end one measured with the predictor; elsewhere nothing is switched), drop the
-        layer's FFN predictor: from the next step that layer runs the dense FFN and skips its predictor. Reads the
-        counters (one host sync). Returns the layers switched; ``set_plan`` restores the plan."""
-        if faster_dense is None:
-            if self.device.type != "cuda":
-                return []
-            gated = self.gated
-
-            def faster_dense(batch, kept, n):
-                return faster_dense_with_predictor(batch, kept, n, gated=gated)
-        rp, steps = self.sparse_plan, self.counters.steps
-        if self.batch <= 1 or steps == 0 or not rp.mlp:
-            return []
-        kept = (self.counters.mlp.cpu() / steps).tolist()
-        D = self.dims.D
-        out = sorted(l for l in rp.mlp if faster_dense(self.batch, max(1, round(kept[l])), D))
-        for l in out:
-            rp.drop_ffn(l)
-        if out:
-            self._graph = None
-        return out
+    def drop_ffn(self, layers) -> None:
+        """The FFN of each of ``layers`` runs dense from the next step on, its predictor skipped (what
+        ``timing.densify_slow_ffn`` decides); ``set_plan`` restores the plan."""
+        for l in layers:
+            self.sparse_plan.drop_ffn(l)
+        if layers:
+            self._graph.drop()
 
     # ------------------------------------------------------------------ plan and cache
     def set_plan(self, plan=None, *, overlap: bool = True, kv_mode: str = "exact") -> "DecodeRuntime":
@@ -211,7 +183,7 @@ class DecodeRuntime:
             self.cache = None                      # the cache layout changes: setup() again
         self.sparse_plan = RuntimePlan.build(plan, self.weights)
         self.overlap, self.kv_mode = overlap, kv_mode
-        self._graph = None
+        self._graph.drop()
         return self
 
     def setup(self, batch: int, max_len: int) -> None:
@@ -222,7 +194,7 @@ class DecodeRuntime:
         self.tok = torch.zeros(batch, dtype=torch.long, device=dev)
         self.out_tokens = torch.zeros(batch, max_len, dtype=torch.long, device=dev)
         self.counters.reset()
-        self._graph = None
+        self._graph.drop()
 
     # ------------------------------------------------------------------ prefill (dense, eager)
     @torch.no_grad()
@@ -233,33 +205,9 @@ class DecodeRuntime:
         cache, w, b = self.cache, self.weights, self.blocks
         assert cache is not None and B == cache.batch and Tn < cache.max_len, \
             "setup(batch, max_len) first; prompt must fit"
-        H, KV, hd = w.dims.n_heads, w.dims.n_kv_heads, w.dims.head_dim
         ids = ids.to(w.device)
         x = b.embed(ids, torch.arange(Tn, device=w.device)[None, :])
-        nk, eps = w.norm_kind, w.eps
-        for l, L in enumerate(w.layers):
-            h = norm(x, L.n1, L.n1b, nk, eps)
-            qkv = b.linear(h, L.w_qkv, L.b_qkv)
-            q = qkv[..., : H * hd].view(B, Tn, H, hd).transpose(1, 2)
-            k = qkv[..., H * hd: (H + KV) * hd].view(B, Tn, KV, hd).transpose(1, 2)
-            v = qkv[..., (H + KV) * hd:].view(B, Tn, KV, hd).transpose(1, 2)
-            if L.qn is not None:
-                q, k = norm(q, L.qn, None, "rms1p", eps), norm(k, L.kn, None, "rms1p", eps)
-            if L.rope is not None:
-                cos, sin = (t[:Tn].to(q.dtype) for t in L.rope)
-                q = q * cos + rot_half(q) * sin
-                k = k * cos + rot_half(k) * sin
-            cache.write_prompt(l, k, v)
-            o = b.linear_t(attn_prefill(q, k, v, L.window), L.w_o_t, L.b_o)
-            if L.post_attn is not None:
-                o = norm(o, L.post_attn, None, nk, eps)
-            x = x + o
-            h = norm(x, L.n2, L.n2b, nk, eps)
-            y = b.ffn_dense_(L, h.reshape(B * Tn, -1), EAGER["act_mul"]).reshape(B, Tn, -1)
-            if L.post_ffn is not None:
-                y = norm(y, L.post_ffn, None, nk, eps)
-            x = x + y
-        logits = b.logits(norm(x[:, -1], w.final_norm, w.final_norm_b, nk, w.final_eps))
+        logits = b.logits(forward(w, x, EAGER, Prompt(b, cache))[:, -1])
         self.tok.copy_(logits.argmax(-1))
         cache.pos.fill_(Tn)
         self.out_tokens.zero_()
@@ -276,35 +224,9 @@ class DecodeRuntime:
     def _step(self, keep_logits: bool = False):
         w, b, rp, cache = self.weights, self.blocks, self.sparse_plan, self.cache
         fns = self._glue()
-        nk, eps, nl = w.norm_kind, w.eps, len(w.layers)
-        side = self._side if (w.device.type == "cuda" and self.overlap and self.sparse) else None
-        sets = Lookahead(self.selector, rp.mlp, rp.heads, w.dims.D, w.dims.n_heads, side, self._keep)
-        x = b.embed(self.tok, cache.pos)
-        prev_x = x
-        h = fns["norm"](x, w.layers[0].n1, w.layers[0].n1b, nk, eps)
-        for l, L in enumerate(w.layers):
-            sets.layer_start(l, nl, x)      # look-ahead for l+1 (from x entering l), residual for l
-            hp = rp.heads.get(l)
-            if hp is None:
-                o = self._attn(l, L, h, rp.in_attn.get(l), fns)
-            else:
-                q_idx, q_count = sets.get("attn", l, x if hp.input_kind == "residual" or l == 0 else prev_x)
-                o = b.sparse_attn(L, l, h, q_idx, q_count, cache, fns["attn"])
-                if q_count is not None:
-                    self.counters.heads[l] += q_count[0]
-            if L.post_attn is not None:
-                o = fns["norm"](o, L.post_attn, None, nk, eps)
-            x_in = x
-            x, h = fns["add_norm"](x, o, L.n2, L.n2b, nk, eps)
-            y = self._ffn(l, L, h, x_in, prev_x, sets, fns)
-            if L.post_ffn is not None:
-                y = fns["norm"](y, L.post_ffn, None, nk, eps)
-            prev_x = x_in
-            if l + 1 < nl:
-                nxt = w.layers[l + 1]
-                x, h = fns["add_norm"](x, y, nxt.n1, nxt.n1b, nk, eps)
-            else:
-                x, h = fns["add_norm"](x, y, w.final_norm, w.final_norm_b, nk, w.final_eps)
+        side = self._graph.side if (w.device.type == "cuda" and self.overlap and self.sparse) else None
+        sets = Lookahead(self.selector, rp.mlp, rp.heads, w.dims.D, w.dims.n_heads, side, self._graph.keep)
+        h = forward(w, b.embed(self.tok, cache.pos), fns, Step(b, rp, cache, self.counters, sets, fns))
         sets.join()
         logits = b.logits(h)
         nxt_tok = logits.argmax(-1)
@@ -313,84 +235,21 @@ class DecodeRuntime:
         cache.pos.add_(1)
         return logits if keep_logits else None
 
-    def _attn(self, l, L, h, ia, fns):
-        """Dense attention of layer ``l`` (input sparsity on QKV / O where the plan has it)."""
-        b, cache, dims = self.blocks, self.cache, self.weights.dims
-        H, KV, hd, B = dims.n_heads, dims.n_kv_heads, dims.head_dim, h.shape[0]
-        ia = ia or {}
-        if "qkv" in ia:
-            qkv = b.in_linear(h, L.w_qkv_t, ia["qkv"], self._counts(l, ia["qkv"]), L.b_qkv)
-        else:
-            qkv = b.linear(h, L.w_qkv, L.b_qkv)
-        q = qkv[:, : H * hd].view(B, H, hd)
-        k = qkv[:, H * hd: (H + KV) * hd].view(B, KV, hd)
-        v = qkv[:, (H + KV) * hd:].view(B, KV, hd)
-        a = fns["attn"](q, k, v, cache.k[l], cache.v[l], cache.pos, *(L.rope or (None, None)), L.qn, L.kn,
-                        self.weights.eps, L.window)
-        if "o" in ia:
-            return b.in_linear(a, L.w_o_t, ia["o"], self._counts(l, ia["o"]), L.b_o)
-        return b.out_dense(L, a)
-
-    def _ffn(self, l, L, h, x_in, prev_x, sets, fns):
-        """Layer ``l``'s FFN: dense, input-sparse, gate-threshold or on the predictor's active set."""
-        b, rp, c = self.blocks, self.sparse_plan, self.counters
-        mp = rp.mlp.get(l)
-        if mp is None:
-            ifn = rp.in_ffn.get(l)
-            if ifn is None:
-                return b.ffn_dense_(L, h, fns["act_mul"])
-            return b.ffn_input_sparse(L, h, ifn, c.inputs[l], fns["act_mul"])
-        if l in rp.thr_ffn:
-            return b.ffn_threshold(L, h, rp.thr_ffn[l], c.mlp[l])
-        kind = mp.input_kind
-        idx, count = sets.get("mlp", l, h if kind == "ffn_in" else (x_in if kind == "residual" or l == 0 else prev_x))
-        if count is not None:
-            c.mlp[l] += count[0]
-        return b.sparse_ffn(L, h, idx, count, rp.seq_thr.get(l), rp.seq_w.get(l))
-
-    def _counts(self, l: int, group):
-        return group.counts(self.counters.inputs[l])
-
     # ------------------------------------------------------------------ driving
-    def _capture(self):
-        """Warm up (Triton compiles, glue compiles) on a side stream, restore the state, capture one step."""
-        self._side = torch.cuda.Stream()
-        pos, tok = self.pos.clone(), self.tok.clone()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                self._keep = []
-                self._step()
-                self.pos.copy_(pos)
-                self.tok.copy_(tok)
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        self._keep = []      # tensors shared across streams stay alive as long as the graph
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            self._step()
-        self._graph, self._graph_keep = g, self._keep
-        self.pos.copy_(pos)
-        self.tok.copy_(tok)
-        self.counters.reset()
-
     @torch.no_grad()
     def step(self, keep_logits: bool = False):
         """One decode token for every sequence (greedy). Returns logits only when ``keep_logits`` (eager)."""
-        if self.device.type == "cuda" and self.use_graph and not keep_logits:
-            if self._graph is None:
+        cuda = self.device.type == "cuda"
+        out = None
+        if cuda and self.use_graph and not keep_logits:
+            if self._graph.graph is None:
                 steps = self.counters.steps
-                self._capture()
+                self._graph.capture(self._step, (self.pos, self.tok))
+                self.counters.reset()
                 self.counters.steps = steps
-            self._graph.replay()
-            out = None
+            self._graph.graph.replay()
         else:
-            if self._side is None and self.device.type == "cuda":
-                self._side = torch.cuda.Stream()
-            self._keep = []
-            out = self._step(keep_logits)
-            self._keep = []
+            out = self._graph.eager(self._step, keep_logits, cuda=cuda)
         self.counters.steps += 1
         return out
 
@@ -410,30 +269,3 @@ class DecodeRuntime:
             self.setup(ids.shape[0], ids.shape[1] + n)
         self.prefill(ids)
         return self.decode(n)
-
-    @torch.no_grad()
-    def pick_cpu_dense(self, steps: int = 4, rounds: int = 3) -> bool:
-        """On the CPU: time dense decode steps through torch matmuls and through the row kernels, alternately,
-        and keep the faster for every dense product (``cpu_rows``). Which one wins depends on the CPU (caches,
-        MKL's GEMV); the dense baseline of a latency row must be the fastest dense we can run. Returns
-        ``cpu_rows``. The plan is restored; the KV cache is dropped (setup() again before decoding)."""
-        if self.device.type != "cpu":
-            return self.cpu_rows
-        plan, overlap, kv_mode = self.plan, self.overlap, self.kv_mode
-        self.set_plan(None)
-        self.setup(1, steps + 2)
-        ids = torch.zeros(1, 1, dtype=torch.long)
-        best = {False: [], True: []}
-        for r in range(rounds + 1):
-            for rows in ((False, True) if r % 2 == 0 else (True, False)):
-                self.cpu_rows = rows
-                self.prefill(ids)
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    self.step()
-                if r:                      # round 0 warms both paths up
-                    best[rows].append(time.perf_counter() - t0)
-        self.cpu_rows = min(best[True]) < min(best[False])
-        self.set_plan(plan, overlap=overlap, kv_mode=kv_mode)
-        self.cache = None
-        return self.cpu_rows

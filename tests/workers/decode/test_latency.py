@@ -3,7 +3,6 @@ import pytest
 import torch
 
 from tests.workers.tiny_model_support import tiny_model
-from workers.decode import latency
 from workers.decode.latency import bench_decode, random_plan
 from workers.names import RUNTIME_DENSE_PAIRED, RUNTIME_SPARSE
 
@@ -17,24 +16,37 @@ def test_sparse_plan_on_the_cpu_is_timed_with_its_paired_dense():
     assert all(r["p50_ms_per_token"] > 0 and r["gen_len"] == 5 for r in rows)
 
 
+def test_interleaved_flips_the_order_every_round_and_drops_the_warm_up():
+    from workers.decode.timing import interleaved
+
+    seen = []
+    kept = interleaved(["a", "b"], 3, lambda arm, r: seen.append((arm, r)) or f"{arm}{r}", warmup=1)
+    assert seen == [("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2), ("b", 3), ("a", 3)]
+    assert kept == [["a1", "a2", "a3"], ["b1", "b2", "b3"]]
+
+
 def test_pairs_alternate_and_decode_the_same_prompts(monkeypatch):
-    """Every repeat decodes one prompt with both plans, the order flipping each repeat (warm-up included)."""
+    """Every repeat decodes one prompt with both plans, the order flipping each repeat (warm-up included); only
+    the timed repeats' steps make the row."""
+    from workers.decode.runtime import DecodeRuntime
+
     m = tiny_model("llama")
     plan = random_plan(m, 0.5, rank=8)
     seen = []
-    real = latency._Run.decode
+    real = DecodeRuntime.prefill
 
-    def spy(self, rt, ids, gen_len, device, keep, measure=True):
-        seen.append(("sparse" if rt.plan is not None else "dense", ids.clone(), keep))
-        return real(self, rt, ids, gen_len, device, keep, measure)
+    def spy(self, ids):
+        seen.append(("sparse" if self.plan is not None else "dense", ids.clone()))
+        return real(self, ids)
 
-    monkeypatch.setattr(latency._Run, "decode", spy)
-    bench_decode(m, plan, batch=1, prompt_len=6, gen_len=3, repeats=2, warmup=1)
-    assert [s[0] for s in seen] == ["sparse", "dense", "dense", "sparse", "sparse", "dense"]
-    assert [s[2] for s in seen] == [False, False, True, True, True, True]
+    monkeypatch.setattr(DecodeRuntime, "prefill", spy)
+    rows = bench_decode(m, plan, batch=1, prompt_len=6, gen_len=3, repeats=2, warmup=1, detail=True)
+    assert [s[0] for s in seen[-6:]] == ["sparse", "dense", "dense", "sparse", "sparse", "dense"]
+    seen = seen[-6:]             # (before them: the dense path's pick on the CPU)
     for i in range(0, 6, 2):
         assert torch.equal(seen[i][1], seen[i + 1][1])       # one prompt per repeat, both plans
     assert not torch.equal(seen[0][1], seen[2][1])
+    assert all(r["repeats"] == 2 and r["mean_ms_per_token"] > 0 for r in rows)
 
 
 def test_paired_needs_a_plan_and_is_off_without_one():
@@ -46,12 +58,13 @@ def test_paired_needs_a_plan_and_is_off_without_one():
 
 def test_cpu_latency_picks_the_faster_dense_path_once_and_keeps_the_plan():
     from workers.decode.runtime import DecodeRuntime
+    from workers.decode.timing import pick_cpu_dense
 
     m = tiny_model("llama")
     plan = random_plan(m, 0.5, rank=8)
     rt = DecodeRuntime.from_hf(m).set_plan(plan)
     assert rt.cpu_rows is None
-    picked = rt.pick_cpu_dense(steps=2, rounds=1)
+    picked = pick_cpu_dense(rt, steps=2, rounds=1)
     assert isinstance(picked, bool) and rt.cpu_rows is picked and rt.plan is plan and rt.sparse
     rows = bench_decode(rt, plan, prompt_len=4, gen_len=3, repeats=1)
     assert rt.cpu_rows is picked and [r["runtime"] for r in rows] == [RUNTIME_SPARSE, RUNTIME_DENSE_PAIRED]

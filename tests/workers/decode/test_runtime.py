@@ -283,6 +283,8 @@ def test_densify_slow_ffn_switches_the_layers_whose_union_is_too_wide():
     rule switches nothing off CUDA (the crossover table was measured on GPUs)."""
     import copy
 
+    from workers.decode.timing import densify_slow_ffn
+
     m = tiny_model("llama")
     ids = torch.randint(0, 128, (3, 8), generator=torch.Generator().manual_seed(5))
     plan = random_plan(m, 0.7, None, rank=8, seed=2)
@@ -291,12 +293,12 @@ def test_densify_slow_ffn_switches_the_layers_whose_union_is_too_wide():
     rt.prefill(ids)
     for _ in range(4):
         rt.step()
-    assert rt.densify_slow_ffn() == []
+    assert densify_slow_ffn(rt) == []
     kept = (rt.counters.mlp / rt.counters.steps).tolist()
     D = rt.dims.D
     want = sorted(l for l in range(len(rt.layers)) if kept[l] > 0.4 * D)
     assert 0 < len(want), kept                  # 3 tokens' unions of 30 % sets: about 66 % of the neurons
-    assert rt.densify_slow_ffn(lambda b, k, n: k > 0.4 * n) == want
+    assert densify_slow_ffn(rt, lambda b, k, n: k > 0.4 * n) == want
     assert all(l not in rt.sparse_plan.mlp for l in want)
     ref_plan = copy.deepcopy(plan)
     for l in want:
@@ -518,7 +520,7 @@ def test_runtime_predictors_are_frozen_and_use_the_row_kernel(monkeypatch):
 def test_default_crossover_counts_the_predictor_at_batch_above_one():
     """The CUDA default of densify_slow_ffn: the kernels' crossover (dense from batch 2 at union sparsity 0,
     sparse from 0.3 up) and, from batch 2, dense below union sparsity SPARSE_FROM_UNION (0.45)."""
-    from workers.decode.runtime import faster_dense_with_predictor as f
+    from workers.decode.timing import faster_dense_with_predictor as f
 
     n = 1000
     assert not f(1, 700, n) and not f(1, 1000, n)          # batch 1: the fused kernel wins even at s = 0

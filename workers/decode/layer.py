@@ -1,0 +1,117 @@
+"""The decoder layer, written once for the prefill and the one-token step.
+
+    h = forward(weights, x, fns, Prompt(blocks, cache))                              # prefill: x [B, T, d]
+    h = forward(weights, x, fns, Step(blocks, plan, cache, counters, sets, fns))     # decode step: x [B, d]
+
+:func:`forward` runs every layer on the embedded tokens ``x`` and returns the final-normed hidden state: per
+layer the attention of its normed input (``impl.attn``), the post-attention norm (Gemma), the residual add and
+the FFN norm, the FFN (``impl.ffn``), the post-FFN norm, the residual add and the next layer's norm (the final
+norm after the last layer). ``fns`` are the glue functions (workers.decode.glue). ``impl`` says how attention and
+the FFN run: :class:`Prompt` (every position of the prompts, dense; K/V written at positions 0..T-1) or
+:class:`Step` (one token; the plan's sparse paths, attention over the static cache). Both take
+``(l, L, h, x_in, x_prev)``: layer index and weights, the normed input, the residual entering the layer and the
+one entering the layer before (the inputs of residual and look-ahead predictors).
+"""
+from __future__ import annotations
+
+from kernels.reference import qk_norm_rope
+from workers.decode.glue import EAGER, attn_prefill
+
+
+def forward(w, x, fns: dict, impl):
+    nk, eps, layers = w.norm_kind, w.eps, w.layers
+    h = fns["norm"](x, layers[0].n1, layers[0].n1b, nk, eps)
+    x_prev = x
+    for l, L in enumerate(layers):
+        x_in = x
+        o = impl.attn(l, L, h, x_in, x_prev)
+        if L.post_attn is not None:
+            o = fns["norm"](o, L.post_attn, None, nk, eps)
+        x, h = fns["add_norm"](x, o, L.n2, L.n2b, nk, eps)
+        y = impl.ffn(l, L, h, x_in, x_prev)
+        if L.post_ffn is not None:
+            y = fns["norm"](y, L.post_ffn, None, nk, eps)
+        if l + 1 < len(layers):
+            x, h = fns["add_norm"](x, y, layers[l + 1].n1, layers[l + 1].n1b, nk, eps)
+        else:
+            x, h = fns["add_norm"](x, y, w.final_norm, w.final_norm_b, nk, w.final_eps)
+        x_prev = x_in
+    return h
+
+
+def split_qkv(qkv, dims):
+    """Views q [..., H, hd], k and v [..., KV, hd] of a packed QKV product [..., (H + 2 KV) · hd]."""
+    H, KV, hd = dims.n_heads, dims.n_kv_heads, dims.head_dim
+    return (qkv[..., : H * hd].unflatten(-1, (H, hd)), qkv[..., H * hd: (H + KV) * hd].unflatten(-1, (KV, hd)),
+            qkv[..., (H + KV) * hd:].unflatten(-1, (KV, hd)))
+
+
+class Prompt:
+    """The prefill's attention and FFN over every position of the prompts (h [B, T, d]), dense and eager."""
+
+    def __init__(self, blocks, cache):
+        self.b, self.cache = blocks, cache
+
+    def attn(self, l, L, h, x_in, x_prev):
+        """Causal (+ window) attention; writes the prompts' K/V at positions 0..T-1."""
+        b, w, T = self.b, self.b.w, h.shape[1]
+        q, k, v = (t.transpose(1, 2) for t in split_qkv(b.linear(h, L.w_qkv, L.b_qkv), w.dims))
+        rows = (L.rope[0][:T], L.rope[1][:T]) if L.rope is not None else (None, None)
+        q, k = qk_norm_rope(q, k, *rows, L.qn, L.kn, w.eps)
+        self.cache.write_prompt(l, k, v)
+        return b.linear_t(attn_prefill(q, k, v, L.window), L.w_o_t, L.b_o)
+
+    def ffn(self, l, L, h, x_in, x_prev):
+        B, T = h.shape[:2]
+        return self.b.ffn_dense_(L, h.reshape(B * T, -1), EAGER["act_mul"]).reshape(B, T, -1)
+
+
+class Step:
+    """One decode token's attention and FFN: the paths of the plan (workers.decode.plan.RuntimePlan), active sets
+    from ``sets`` (workers.decode.select.Lookahead), realized sparsity added to ``counters``."""
+
+    def __init__(self, blocks, plan, cache, counters, sets, fns: dict):
+        self.b, self.rp, self.cache, self.c, self.sets, self.fns = blocks, plan, cache, counters, sets, fns
+
+    def attn(self, l, L, h, x_in, x_prev):
+        """Dense attention (input sparsity on QKV / O where the plan has it) or the active heads only."""
+        self.sets.layer_start(l, len(self.b.w.layers), x_in)   # look-ahead for l+1 (from x entering l), residual for l
+        hp = self.rp.heads.get(l)
+        if hp is None:
+            return self._dense_attn(l, L, h, self.rp.in_attn.get(l) or {})
+        q_idx, q_count = self.sets.get("attn", l, x_in if hp.input_kind == "residual" or l == 0 else x_prev)
+        o = self.b.sparse_attn(L, l, h, q_idx, q_count, self.cache, self.fns["attn"])
+        if q_count is not None:
+            self.c.heads[l] += q_count[0]
+        return o
+
+    def _dense_attn(self, l, L, h, ia: dict):
+        b, cache, w = self.b, self.cache, self.b.w
+        if "qkv" in ia:
+            qkv = b.in_linear(h, L.w_qkv_t, ia["qkv"], ia["qkv"].counts(self.c.inputs[l]), L.b_qkv)
+        else:
+            qkv = b.linear(h, L.w_qkv, L.b_qkv)
+        q, k, v = split_qkv(qkv, w.dims)
+        a = self.fns["attn"](q, k, v, cache.k[l], cache.v[l], cache.pos, *(L.rope or (None, None)), L.qn, L.kn,
+                             w.eps, L.window)
+        if "o" in ia:
+            return b.in_linear(a, L.w_o_t, ia["o"], ia["o"].counts(self.c.inputs[l]), L.b_o)
+        return b.out_dense(L, a)
+
+    def ffn(self, l, L, h, x_in, x_prev):
+        """Dense, input-sparse, gate-threshold, or on the predictor's active set."""
+        b, rp, c = self.b, self.rp, self.c
+        mp = rp.mlp.get(l)
+        if mp is None:
+            ifn = rp.in_ffn.get(l)
+            if ifn is None:
+                return b.ffn_dense_(L, h, self.fns["act_mul"])
+            return b.ffn_input_sparse(L, h, ifn, c.inputs[l], self.fns["act_mul"])
+        if l in rp.thr_ffn:
+            return b.ffn_threshold(L, h, rp.thr_ffn[l], c.mlp[l])
+        kind = mp.input_kind
+        idx, count = self.sets.get("mlp", l, h if kind == "ffn_in" else
+                                   (x_in if kind == "residual" or l == 0 else x_prev))
+        if count is not None:
+            c.mlp[l] += count[0]
+        return b.sparse_ffn(L, h, idx, count, rp.seq_thr.get(l), rp.seq_w.get(l))
