@@ -12,11 +12,18 @@ to what they mean.
   brings the batch's values to the host. Same requests, same order (lm-eval's ``Collator``: longest first, one
   forward per group of requests that share context + continuation[:-1]), same sums; the values equal lm-eval's
   loop to rounding (``tests/workers/evals/test_suites.py`` checks both against a plain forward per request).
+- *Requests given as tokens in their scoring order* (``score_request_set``): the requests of a packaged task as
+  ``workers.evals.request_cache`` keeps them (templated, tokenized and put in the order above once per task and
+  tokenizer) are scored by the same batches and the same forward as lm-eval's requests would be, without lm-eval's
+  per-request objects.
 """
 from __future__ import annotations
 
 import functools
 import inspect
+from typing import Sequence
+
+import numpy as np
 
 BATCHED_FOR = ("0.4.13",)   # lm-eval versions whose HFLM internals (Collator, batch schedule) the batched scorer
                             # was checked against; any other runs lm-eval's own per-request loop
@@ -31,6 +38,41 @@ def budget_batch(length: int, vocab: int, budget_bytes: int, max_batch: int) -> 
     batches (and numbers) do not depend on what else shares the device."""
     per_seq = max(1, length) * vocab * LOGIT_BYTES
     return max(1, min(max_batch, budget_bytes // per_seq))
+
+
+def _sort_key(request):
+    """lm-eval's scoring order (``HFLM._loglikelihood_tokens``): longest context + continuation first, then by
+    tokens."""
+    _, ctx, cont = request
+    return -len(ctx + cont), tuple(ctx + cont)
+
+
+def _group_key(request):
+    """Requests with equal context + continuation[:-1] are answered by one window (lm-eval's ``logits_cache``)."""
+    _, ctx, cont = request
+    return ctx + cont[:-1]
+
+
+def scoring_order(requests: Sequence) -> tuple[np.ndarray, np.ndarray]:
+    """The windows lm-eval scores for ``requests`` ((strings, context tokens, continuation tokens) each), in the
+    order it runs them (its ``Collator`` as ``ScoringLM._loglikelihood_tokens`` uses it), as (``row_off``,
+    ``members``): window ``p`` answers the requests ``members[row_off[p]:row_off[p + 1]]`` (indices into
+    ``requests``), in the order lm-eval hands them out; they share context + continuation[:-1], so any of them
+    gives the window's tokens."""
+    import torch
+    from lm_eval.models.utils import Collator
+
+    collator = Collator(list(requests), sort_fn=_sort_key, group_by="contexts", group_fn=_group_key)
+    reps = [r for chunk in collator.get_batched(n=0) for r in chunk]
+    placeholder = torch.empty(1, 1, 0)
+    counts = []
+    for req_str, ctx, cont in reps:
+        counts.append(sum(1 for _ in collator.get_cache(req_str=req_str, cxt_toks=ctx, cont_toks=cont,
+                                                        logits=placeholder)))
+    members = np.asarray(collator._reorder_indices, dtype=np.int64)     # in get_cache's order (lm-eval 0.4.13)
+    if sorted(members.tolist()) != list(range(len(requests))):
+        raise RuntimeError("lm-eval's Collator did not hand out every request once")
+    return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]), members
 
 
 def _keeps_logits(model) -> bool:
@@ -60,6 +102,7 @@ def scoring_lm():
             self._generating = False
             self._keep = _keeps_logits(self.model)
             self.batched = self.backend == "causal" and lm_eval.__version__ in BATCHED_FOR
+            self._encoded: list | None = None
 
         # ------------------------------------------------------------------------------ batch sizing
         def generate_until(self, requests, disable_tqdm: bool = False):
@@ -84,11 +127,13 @@ def scoring_lm():
 
         # ------------------------------------------------------------------------------ scoring
         def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+            if self._encoded is not None:          # encode(): the requests as lm-eval tokenized them, no scores
+                self._encoded.extend(requests)
+                return [(0.0, False)] * len(requests)
             if not self.batched:
                 return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
-            collator = Collator(
-                requests, sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])),
-                group_by="contexts" if self.logits_cache else None, group_fn=lambda r: r[-2] + r[-1][:-1])
+            collator = Collator(requests, sort_fn=_sort_key, group_by="contexts" if self.logits_cache else None,
+                                group_fn=_group_key)
             batch_fn = (self._batch_scheduler if self.batch_size == "auto" and len(collator) and not override_bs
                         else None)
             if batch_fn is not None:
@@ -106,49 +151,122 @@ def scoring_lm():
         def _score_batch(self, collator, chunk) -> list[tuple[float, bool]]:
             """(sum of log p(continuation), greedy == continuation) for every request of one batch, in the order
             ``collator.get_cache`` hands them out (a group's members after its representative)."""
-            windows, hits = [], []                 # hits: (row, request strings, continuation tokens)
+            windows, hits, strings = [], [], []    # hits: (row, continuation tokens)
             for row, (req_str, ctx, cont) in enumerate(chunk):
-                if not ctx or not cont or len(cont) > self.max_length:
-                    raise ValueError(f"cannot score a request of {len(ctx)} context and {len(cont)} continuation "
-                                     f"tokens (at most {self.max_length})")
+                self._check(ctx, cont)
                 windows.append((ctx + cont)[-(self.max_length + 1):][:-1])
                 placeholder = torch.empty(1, len(cont), 0)
                 for hit_str, hit_cont, _ in collator.get_cache(req_str=req_str, cxt_toks=ctx, cont_toks=cont,
                                                                logits=placeholder):
-                    hits.append((row, hit_str, list(hit_cont)))
-            width = max(len(w) for w in windows)
-            ids = torch.zeros(len(windows), width, dtype=torch.long)
+                    hits.append((row, hit_cont))
+                    strings.append(hit_str)
+            out = self._score_windows(windows, hits)
+            for hit_str, answer in zip(strings, out):
+                if hit_str is not None:           # rolling log-likelihood windows carry no request string
+                    self.cache_hook.add_partial("loglikelihood", hit_str, answer)
+            return out
+
+        def _check(self, ctx, cont) -> None:
+            if not len(ctx) or not len(cont) or len(cont) > self.max_length:
+                raise ValueError(f"cannot score a request of {len(ctx)} context and {len(cont)} continuation "
+                                 f"tokens (at most {self.max_length})")
+
+        def _score_windows(self, windows: list, hits: list) -> list[tuple[float, bool]]:
+            """One forward over ``windows`` (token sequences, right-padded into one batch); for each hit (row,
+            continuation tokens) the sum of log p(continuation) and whether greedy decoding gives it, in order. A
+            continuation of c tokens is predicted by the last c positions of its row's (unpadded) window."""
+            lens = np.fromiter((len(w) for w in windows), dtype=np.int64, count=len(windows))
+            width = int(lens.max())
+            ids = np.zeros((len(windows), width), dtype=np.int64)
             for row, w in enumerate(windows):
-                ids[row, :len(w)] = torch.tensor(w, dtype=torch.long)
-            # a continuation of c tokens is predicted by the last c positions of its (unpadded) window
-            first = min(len(windows[row]) - len(cont) for row, _, cont in hits)
-            rows, cols, toks = [], [], []
-            for row, _, cont in hits:
-                end = len(windows[row])
-                rows += [row] * len(cont)
-                cols += range(end - len(cont) - first, end - first)
-                toks += cont
+                ids[row, :lens[row]] = w
+            hit_rows = np.fromiter((row for row, _ in hits), dtype=np.int64, count=len(hits))
+            n = np.fromiter((len(c) for _, c in hits), dtype=np.int64, count=len(hits))
+            ends = lens[hit_rows]                  # a hit's continuation ends where its row's window ends
+            first = int((ends - n).min())
+            starts = np.repeat(ends - n - first, n)    # column of each continuation token among the kept logits
+            offsets = np.repeat(np.cumsum(n) - n, n)
+            cols = starts + np.arange(len(starts)) - offsets
+            toks = np.concatenate([np.asarray(c, dtype=np.int64) for _, c in hits])
+            index = np.stack([np.repeat(hit_rows, n), cols, toks])
             with torch.no_grad():
-                ids = ids.to(self.device)
+                ids = torch.from_numpy(ids).to(self.device)
                 # no KV cache: a scoring forward is never continued (HF builds one by default, per layer)
                 if self._keep:
                     logits = self.model(ids, logits_to_keep=width - first, use_cache=False).logits
                 else:
                     logits = self.model(ids, use_cache=False).logits[:, first:]
-                index = torch.tensor([rows, cols, toks], dtype=torch.long).to(self.device)
+                index = torch.from_numpy(index).to(self.device)
                 picked = F.log_softmax(logits[index[0], index[1]], dim=-1, dtype=self.softmax_dtype)
                 token_lp = picked.gather(1, index[2][:, None])[:, 0].float()
                 greedy = (picked.argmax(dim=-1) == index[2]).float()
                 values = torch.stack([token_lp, greedy]).cpu()
             token_lp, greedy = values.tolist()
             out, at = [], 0
-            for _, hit_str, cont in hits:
-                n = len(cont)
-                answer = (sum(token_lp[at:at + n]), all(greedy[at:at + n]))
-                at += n
-                if hit_str is not None:       # rolling log-likelihood windows carry no request string
-                    self.cache_hook.add_partial("loglikelihood", hit_str, answer)
-                out.append(answer)
+            for k in n.tolist():
+                out.append((sum(token_lp[at:at + k]), all(greedy[at:at + k])))
+                at += k
             return out
+
+        # ------------------------------------------------------------------------------ requests as tokens
+        def encode(self, instances) -> list:
+            """lm-eval's own tokenization of log-likelihood requests (``loglikelihood`` up to where it would score
+            them): [((context, continuation), context tokens, continuation tokens)], in the order given."""
+            self._encoded = []
+            try:
+                self.loglikelihood(instances, disable_tqdm=True)
+                return self._encoded
+            finally:
+                self._encoded = None
+
+        @property
+        def scores_request_sets(self) -> bool:
+            """Whether ``score_request_set`` gives what ``_loglikelihood_tokens`` would (the batched scorer, with
+            lm-eval's grouping of requests that share a window)."""
+            return self.batched and bool(self.logits_cache)
+
+        def score_request_set(self, rs) -> tuple[np.ndarray, np.ndarray]:
+            """(log-likelihood, greedy) of every request of ``rs`` (a ``request_cache.RequestSet``: tokens and their
+            scoring order, as ``scoring_order`` gives it), by the batches ``_loglikelihood_tokens`` would run for
+            the same requests: same windows, same batch sizes, same forward."""
+            if not self.scores_request_sets:
+                raise RuntimeError("this lm-eval version or configuration scores requests its own way")
+            n_rows = len(rs.row_off) - 1
+            view = _Windows(rs)
+            batch_fn = None
+            if self.batch_size == "auto" and n_rows:
+                self.batch_sizes = {}
+                batch_fn = lambda pos, _rows: self._batch_scheduler(pos, view)     # noqa: E731
+            size = self.batch_size if self.batch_size != "auto" else 0
+            ll = np.zeros(rs.n_requests, dtype=np.float64)
+            greedy = np.zeros(rs.n_requests, dtype=bool)
+            keep = self.max_length + 1
+            row_off, members = rs.row_off.tolist(), rs.members.tolist()
+            for chunk in Collator.get_chunks(range(n_rows), n=size, fn=batch_fn):
+                windows, hits, answered = [], [], []
+                for row, p in enumerate(chunk):
+                    mine = members[row_off[p]:row_off[p + 1]]
+                    ctx, cont = rs.context(mine[0]), rs.continuation(mine[0])
+                    self._check(ctx, cont)
+                    windows.append(np.concatenate([ctx, cont])[-keep:][:-1])
+                    for m in mine:
+                        hits.append((row, rs.continuation(m)))
+                    answered += mine
+                for m, (value, is_greedy) in zip(answered, self._score_windows(windows, hits)):
+                    ll[m], greedy[m] = value, is_greedy
+            return ll, greedy
+
+    class _Windows:
+        """The windows of a request set as ``_detect_batch_size`` reads them: (strings, context, continuation)."""
+
+        def __init__(self, rs):
+            self.rs = rs
+
+        def __len__(self):
+            return len(self.rs.row_off) - 1
+
+        def __getitem__(self, pos):
+            first = int(self.rs.members[self.rs.row_off[pos]])
+            return None, self.rs.context(first).tolist(), self.rs.continuation(first).tolist()
 
     return ScoringLM

@@ -8,20 +8,30 @@ acc_norm, exact_match), bootstrap (1,000 resamples, seeded, in-process) for perp
 Items are deterministic: the first ``limit`` documents of the split in dataset order (lm-eval's ``limit``), so dense
 and sparse runs of one task see the same items; ``items_fingerprint`` (a hash of every scored request and gold)
 proves it. Timings per task: ``BENCHMARKS.md`` and ``python -m benchmarks.suites``.
+
+A packaged task with log-likelihood requests (every one but gsm8k_cot) is scored from its requests as
+``workers.evals.request_cache`` keeps them: templated, tokenized and ordered once per (task config, tokenizer) under
+the shared home, then read by every later call; the rows equal lm-eval's own pass (same requests, batches and
+forwards; same per-item metrics and aggregations, computed by lm-eval's functions). Each such task is scored on its
+own; the other tasks (generation, ``lm_eval:`` and ``yaml:`` tasks, or all with ``request_cache=False``) run in one
+lm-eval pass.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
+import random
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
+from workers.evals import request_cache as rc
 from workers.evals.scoring import BUDGET_SCHEDULE, scoring_lm
 from workers.evals.tasks import (
     LM_EVAL_PREFIX,
@@ -35,6 +45,8 @@ from workers.evals.tasks import (
     task_kind,
     yaml_task_config,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -270,7 +282,8 @@ def _items(task, samples: list[dict], flt: str, subtask: str | None) -> list[Ite
     return items
 
 
-def _fingerprint_items(items: Sequence[ItemScore]) -> str:
+def fingerprint_items(items: Sequence[ItemScore]) -> str:
+    """sha256 over every item's member, doc id, gold and requests (a row's ``items_fingerprint``)."""
     h = hashlib.sha256()
     for it in items:
         h.update(json.dumps([it.subtask, it.doc_id, it.gold, [list(r) for r in it.requests]],
@@ -288,13 +301,15 @@ def _mean_stderr(values: Sequence[float]) -> float | None:
 
 
 def run_suite(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, batch_size: int = 8,
-              seed: int = 0, keep_items: bool = False, logits_budget: int | None = None) -> list[SuiteResult]:
+              seed: int = 0, keep_items: bool = False, logits_budget: int | None = None,
+              request_cache: bool = True) -> list[SuiteResult]:
     """Score ``model`` (any HF causal LM module, dense or sparse) on tasks; one row per (task, metric).
 
     ``tasks``: packaged names, ``lm_eval:NAME`` or ``yaml:PATH`` (see the module doc).
     ``limit``: the first ``limit`` items of each task in dataset order (each group member's: MMLU's subjects);
-    ``None``: every item. All tasks run in one lm-eval pass (requests of every task batched together,
-    ``batch_size`` sequences per forward). ``keep_items``: attach the per-item scores to each row.
+    ``None``: every item. ``batch_size`` sequences per forward. ``keep_items``: attach the per-item scores to each
+    row. ``request_cache``: score packaged log-likelihood tasks from their cached requests, each on its own (see
+    the module doc); the other tasks run in one lm-eval pass (requests of every task batched together).
     ``logits_budget`` (bytes): at most ``batch_size`` sequences per forward, fewer where the longest request of a
     stretch would need more than this for its logits (``budget_batch``: Gemma-3's 262k-entry vocabulary makes a
     32-sequence forward of long requests ask for tens of GiB).
@@ -311,36 +326,126 @@ def run_suite(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, b
     from lm_eval.tasks import TaskManager
 
     t0 = time.time()
-    entries = _entries(names)
     batching = (dict(batch_size=batch_size) if logits_budget is None else
                 dict(batch_size=f"auto:{BUDGET_SCHEDULE}", max_batch_size=batch_size))
     was_training = model.training
     model.eval()
+    by_name: dict[str, list[SuiteResult]] = {}
     with _in_process_bootstrap(), _lean_lm_eval():
         try:
             hflm = scoring_lm()(pretrained=model, tokenizer=tokenizer, budget_bytes=logits_budget, **batching)
-            out = lm_eval.simple_evaluate(
-                model=hflm, tasks=[t for e in entries for t in e.leaves.values()], limit=limit,
-                task_manager=TaskManager(include_defaults=False),   # tasks are given as objects: index nothing
-                bootstrap_iters=1000,        # mean metrics use the closed form; perplexity is bootstrapped
-                log_samples=True, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                fewshot_random_seed=seed,
-            )
+            cached: dict[str, tuple] = {}        # name -> (request set, log-likelihoods, greedy)
+            if request_cache and hflm.scores_request_sets:
+                for n in names:
+                    if not rc.cacheable(n):
+                        continue
+                    try:
+                        rs = rc.load_or_build(n, limit, seed, hflm)
+                    except rc.NotCacheable as ex:
+                        log.info("%s: scored by lm-eval's own pass (%s)", n, ex)
+                        continue
+                    _seed_all(seed)              # as lm-eval's pass does before it scores
+                    cached[n] = (rs, *hflm.score_request_set(rs))
+            entries = _entries([n for n in names if n not in cached])
+            out = None
+            if entries:
+                out = lm_eval.simple_evaluate(
+                    model=hflm, tasks=[t for e in entries for t in e.leaves.values()], limit=limit,
+                    task_manager=TaskManager(include_defaults=False),   # tasks are given as objects: index nothing
+                    bootstrap_iters=rc.BOOTSTRAP_ITERS,   # mean metrics use the closed form; perplexity bootstrapped
+                    log_samples=True, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                    fewshot_random_seed=seed,
+                )
+                if out is None:
+                    raise SuiteError("lm-eval returned no results (not rank 0?)")
         finally:
             model.train(was_training)
         seconds = round(time.time() - t0, 2)
-        if out is None:
-            raise SuiteError("lm-eval returned no results (not rank 0?)")
-        rows: list[SuiteResult] = []
+        for n, (rs, ll, greedy) in cached.items():
+            by_name[n] = _request_set_rows(rs, ll, greedy, limit, seconds, keep_items)
         for e in entries:
+            rows: list[SuiteResult] = []
             if e.spec is None and len(e.leaves) > 1:    # an lm_eval:GROUP: each member's rows, then the group's
                 for leaf, task in e.leaves.items():
-                    rows += _entry_rows(_Entry(f"{e.name}/{leaf}", leaf, {leaf: task}), out, limit, seconds,
-                                        keep_items, in_group=True)
+                    rows += _lm_eval_rows(_Entry(f"{e.name}/{leaf}", leaf, {leaf: task}), out, limit, seconds,
+                                          keep_items, in_group=True)
                 rows += _group_rows(e, out, rows, seconds)
             else:
-                rows += _entry_rows(e, out, limit, seconds, keep_items)
-    return rows
+                rows += _lm_eval_rows(e, out, limit, seconds, keep_items)
+            by_name[e.name] = rows
+    return [r for n in names for r in by_name[n]]
+
+
+def _seed_all(seed: int) -> None:
+    """The seeds lm-eval's ``simple_evaluate`` sets before it evaluates."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class _LeafScores:
+    """One lm-eval task's scores, from either path: its result entry and its items per filter."""
+
+    key: str                          # lm-eval's task name
+    version: str                      # its upstream version
+    n_total: int                      # documents in its split
+    results: dict[str, Any]           # lm-eval's result entry: "metric,filter" -> value, "metric_stderr,filter"
+    items: dict[str, list[ItemScore]]     # filter -> items in doc order
+    directions: dict[str, bool]       # metric -> higher is better
+    mean_metrics: frozenset[str]      # metrics lm-eval aggregates with its ``mean``
+
+
+def _request_set_rows(rs: rc.RequestSet, ll, greedy, limit: int | None, seconds: float,
+                      keep_items: bool) -> list[SuiteResult]:
+    """The rows of a packaged task scored from its cached requests: each item's metrics as lm-eval's
+    ``process_results`` computes them (multiple choice: argmax of the log-likelihoods, and of them over the choice
+    lengths in characters, against gold; LAMBADA: the log-likelihood and whether greedy decoding gives the word),
+    each metric aggregated, and its stderr taken, by lm-eval's own functions."""
+    import numpy as np
+    from lm_eval.api.metrics import stderr_for_metric
+    from lm_eval.api.registry import get_aggregation
+
+    strings = rs.strings()
+    texts = rs.req_text.tolist()
+    doc_off, doc_leaf, doc_id, gold = (a.tolist() for a in (rs.doc_off, rs.doc_leaf, rs.doc_id, rs.gold))
+    items: list[list[ItemScore]] = [[] for _ in rs.leaves]
+    values: list[dict[str, list]] = [{m: [] for m in lf.aggregations} for lf in rs.leaves]
+    for d in range(len(doc_id)):
+        li = doc_leaf[d]
+        leaf = rs.leaves[li]
+        reqs = rs.doc_req[doc_off[d]:doc_off[d + 1]]
+        lls = ll[reqs]
+        if leaf.output_type == "multiple_choice":
+            g = gold[d]
+            v = {"acc": 1.0 if np.argmax(lls) == g else 0.0,
+                 "acc_norm": 1.0 if np.argmax(lls / rs.choice_len[reqs]) == g else 0.0}
+        else:
+            g = 0
+            v = {"perplexity": float(lls[0]), "acc": int(greedy[reqs[0]])}
+        for m, vals in values[li].items():
+            vals.append(v[m])
+        items[li].append(ItemScore(doc_id=doc_id[d], gold=g, loglikelihoods=tuple(lls.tolist()),
+                                   requests=tuple((strings[texts[r][0]], strings[texts[r][1]]) for r in reqs.tolist()),
+                                   metrics={m: float(v[m]) for m in leaf.metrics}, subtask=leaf.subtask))
+    leaves = []
+    for leaf, mine, vals in zip(rs.leaves, items, values):
+        results: dict[str, Any] = {}
+        for m, xs in vals.items():
+            agg = get_aggregation(leaf.aggregations[m])
+            results[f"{m},none"] = agg(xs)
+            stderr = stderr_for_metric(agg, rc.BOOTSTRAP_ITERS)
+            results[f"{m}_stderr,none"] = stderr(xs) if stderr and len(xs) > 1 else "N/A"
+        leaves.append(_LeafScores(key=leaf.key, version=leaf.version, n_total=leaf.n_total, results=results,
+                                  items={"none": mine}, directions=dict(leaf.directions),
+                                  mean_metrics=frozenset(m for m, a in leaf.aggregations.items() if a == "mean")))
+    spec = SUITES[rs.task]
+    e = _Entry(rs.task, spec.lm_eval_task, {lf.key: None for lf in rs.leaves}, spec=spec)
+    return _entry_rows(e, leaves, list(spec.metrics), limit, seconds, keep_items, spec.output_type, spec.split,
+                       items_fingerprint=rs.items_fingerprint)
 
 
 def _group_rows(e: _Entry, out: dict, member_rows: list[SuiteResult], seconds: float) -> list[SuiteResult]:
@@ -369,41 +474,53 @@ def _group_rows(e: _Entry, out: dict, member_rows: list[SuiteResult], seconds: f
     return rows
 
 
-def _entry_rows(e: _Entry, out: dict, limit: int | None, seconds: float, keep_items: bool,
-                in_group: bool = False) -> list[SuiteResult]:
+def _lm_eval_rows(e: _Entry, out: dict, limit: int | None, seconds: float, keep_items: bool,
+                  in_group: bool = False) -> list[SuiteResult]:
+    """The rows of one task of lm-eval's pass (``out``: what ``simple_evaluate`` returned)."""
+    first = next(iter(e.leaves.values()))
+    metrics = list(e.spec.metrics) if e.spec else _result_metrics(out["results"][first.config.task])
+    mean = _lm_eval_mean()
+    leaves = [_LeafScores(
+        key=key, version=str(out["versions"].get(key)), n_total=int(out["n-samples"][key]["original"]),
+        results=out["results"][key],
+        items={flt: _items(task, out["samples"][key], flt, key if len(e.leaves) > 1 else None)
+               for flt in {_split_metric(m)[1] for m in metrics}},
+        directions=dict(task.higher_is_better() or {}),
+        mean_metrics=frozenset(m for m, fn in task.aggregation().items() if fn is mean))
+        for key, task in e.leaves.items()]
+    return _entry_rows(e, leaves, metrics, limit, seconds, keep_items, first.config.output_type,
+                       first.config.test_split or first.config.validation_split or "?", in_group=in_group)
+
+
+def _entry_rows(e: _Entry, leaves: list[_LeafScores], metrics: list[str], limit: int | None, seconds: float,
+                keep_items: bool, output_type: str, split: str, in_group: bool = False,
+                items_fingerprint: str | None = None) -> list[SuiteResult]:
     """The rows of one packaged task (a packaged group: one row per metric over every member's items), or of one
-    lm-eval task (``in_group``: a member of an ``lm_eval:GROUP``)."""
+    lm-eval task (``in_group``: a member of an ``lm_eval:GROUP``), from its leaves' scores (either path).
+    ``items_fingerprint``: the items' fingerprint where it is known already (a cached request set's)."""
     import lm_eval
 
     spec = e.spec
-    first = next(iter(e.leaves.values()))
-    metrics = list(spec.metrics) if spec else _result_metrics(out["results"][first.config.task])
     directions: dict[str, bool] = {}
-    for t in e.leaves.values():
-        directions.update(t.higher_is_better() or {})
-    per_leaf: dict[str, dict[str, list[ItemScore]]] = {}      # leaf -> filter -> items
+    for lf in leaves:
+        directions.update(lf.directions)
     n_total = 0
-    for key, task in e.leaves.items():
-        original = int(out["n-samples"][key]["original"])
-        n_total += original
-        expected_n = min(limit, original) if limit else original
-        per_leaf[key] = {}
-        for flt in {_split_metric(m)[1] for m in metrics}:
-            items = _items(task, out["samples"][key], flt, key if len(e.leaves) > 1 else None)
+    for lf in leaves:
+        n_total += lf.n_total
+        expected_n = min(limit, lf.n_total) if limit else lf.n_total
+        for flt, items in lf.items.items():
             if len(items) != expected_n or [it.doc_id for it in items] != list(range(expected_n)):
-                raise SuiteError(f"{e.name}: lm-eval scored doc ids {[it.doc_id for it in items][:10]}... of "
-                                 f"{key} ({flt}), expected the first {expected_n}")
-            per_leaf[key][flt] = items
+                raise SuiteError(f"{e.name}: scored doc ids {[it.doc_id for it in items][:10]}... of "
+                                 f"{lf.key} ({flt}), expected the first {expected_n}")
     first_flt = _split_metric(metrics[0])[1]
-    all_items = [it for key in e.leaves for it in per_leaf[key][first_flt]]
-    versions = sorted({str(out["versions"].get(k)) for k in e.leaves})
+    all_items = [it for lf in leaves for it in lf.items[first_flt]]
+    versions = sorted({lf.version for lf in leaves})
     common = dict(
-        task=e.name, lm_eval_task=e.lm_eval_task, kind=task_kind(e.name, first.config.output_type, in_group),
-        n=len(all_items), n_total=n_total,
-        split=spec.split if spec else (first.config.test_split or first.config.validation_split or "?"),
+        task=e.name, lm_eval_task=e.lm_eval_task, kind=task_kind(e.name, output_type, in_group),
+        n=len(all_items), n_total=n_total, split=spec.split if spec else split,
         task_version="/".join(versions), suite_version=spec.version if spec else 0,
         lm_eval_version=lm_eval.__version__, data_fingerprint=_data_fingerprint(e),
-        items_fingerprint=_fingerprint_items(all_items),
+        items_fingerprint=items_fingerprint or fingerprint_items(all_items),
         comparable_with_published=spec.comparable_with_published if spec else e.yaml_path is None,
         seconds=seconds, items=tuple(all_items) if keep_items else None,
     )
@@ -413,23 +530,21 @@ def _entry_rows(e: _Entry, out: dict, limit: int | None, seconds: float, keep_it
         if not isinstance(directions.get(metric), bool):
             raise SuiteError(f"{e.name}/{metric}: lm-eval declares no direction for it ({directions})")
         subs = []
-        for key, task in e.leaves.items():
-            res = out["results"][key]
-            value = float(res[f"{metric},{flt}"])
-            items = per_leaf[key][flt]
-            if task.aggregation().get(metric) is _lm_eval_mean() and items and all(metric in it.metrics
-                                                                                  for it in items):
+        for lf in leaves:
+            value = float(lf.results[f"{metric},{flt}"])
+            items = lf.items[flt]
+            if metric in lf.mean_metrics and items and all(metric in it.metrics for it in items):
                 mean = sum(it.metrics[metric] for it in items) / len(items)
                 if abs(mean - value) > 1e-9:    # our per-item view must be lm-eval's
-                    raise SuiteError(f"{e.name}/{key}/{m}: lm-eval says {value}, its samples average {mean}")
-            subs.append((key, len(items), value, _float_or_none(res.get(f"{metric}_stderr,{flt}"))))
+                    raise SuiteError(f"{e.name}/{lf.key}/{m}: lm-eval says {value}, its samples average {mean}")
+            subs.append((lf.key, len(items), value, _float_or_none(lf.results.get(f"{metric}_stderr,{flt}"))))
         if len(subs) == 1:
             value, stderr = subs[0][2], subs[0][3]
             subtasks: tuple = ()
         else:
             # a packaged group (MMLU): micro average over every item, as lm-eval's group with weight_by_size;
             # per-item values of a mean metric give its closed-form stderr over all items
-            vals = [it.metrics[metric] for key in e.leaves for it in per_leaf[key][flt]]
+            vals = [it.metrics[metric] for lf in leaves for it in lf.items[flt]]
             if len(vals) != sum(s[1] for s in subs):
                 raise SuiteError(f"{e.name}/{m}: per-item values missing")
             value, stderr = sum(vals) / len(vals), _mean_stderr(vals)
@@ -445,15 +560,20 @@ def _lm_eval_mean():
     return mean
 
 
+def packaged_data_fingerprint(spec: SuiteTask) -> str:
+    """The shipped data's own fingerprint (``state.json``'s, or the request file's sha256; a group's: of its
+    members')."""
+    if spec.data.startswith("oe_eval:"):
+        return hashlib.sha256((data_dir(spec.name) / "requests.jsonl.gz").read_bytes()).hexdigest()
+    members = spec.members() or [None]
+    fps = [str(json.loads((data_dir(spec.name, m) / "state.json").read_text()).get("_fingerprint", ""))
+           for m in members]
+    return fps[0] if len(fps) == 1 else hashlib.sha256("".join(fps).encode()).hexdigest()
+
+
 def _data_fingerprint(e: _Entry) -> str:
-    spec = e.spec
-    if spec is not None:
-        if spec.data.startswith("oe_eval:"):
-            return hashlib.sha256((data_dir(spec.name) / "requests.jsonl.gz").read_bytes()).hexdigest()
-        members = spec.members() or [None]
-        fps = [str(json.loads((data_dir(spec.name, m) / "state.json").read_text()).get("_fingerprint", ""))
-               for m in members]
-        return fps[0] if len(fps) == 1 else hashlib.sha256("".join(fps).encode()).hexdigest()
+    if e.spec is not None:
+        return packaged_data_fingerprint(e.spec)
     if e.yaml_path is not None:
         return hashlib.sha256(e.yaml_path.read_bytes()).hexdigest()
     fps = []
