@@ -78,16 +78,24 @@ INPUT_SPARSE = {
 # The in-program compaction path ("local", batch 1): channels per K slice (a power of two), column block, active
 # rows per step, one config per projection kind (the H200 tunes in kernels/NOTES.md, "Input sparsity").
 INPUT_PATHS = ("mask", "local", "tile", "dense")   # the input-sparse op's paths (kernels/input_sparse_triton.py)
+# "widest_out" (the decode runtime's gate|up, one launch over both, out >= 16,384): 1,024-channel slices, measured
+# on an H200 (2026-12-02, benchmarks/results/h200_input_sparse_wide_probe2_2026-12-02.json) against the 512 of
+# "wide_out" at s = .4 / .5 / .7: Llama-2 4096 -> 22016 35.5 / 31.8 / 24.6 µs vs 45.0 / 40.9 / 32.6, Llama-3
+# 4096 -> 28672 45.1 / 40.5 / 32.4 vs 53.5 / 47.3 / 37.9, Qwen2 3584 -> 37888 51.1 / 45.1 / 36.4 vs 57.6 / 54.8 /
+# 43.1 (wider column blocks of 512 were as fast on Llama-3 and slower elsewhere; on one 11008-wide projection
+# and the fused QKV the 512-channel slices stay the fastest).
 INPUT_SPARSE_LOCAL = {
     "wide_in": dict(per=1024, BLOCK_N=128, BLOCK_R=64, num_warps=4),    # in >= 8192 (down)
-    "wide_out": dict(per=512, BLOCK_N=256, BLOCK_R=32, num_warps=4),    # out >= 8192 (gate|up, fused QKV)
+    "widest_out": dict(per=1024, BLOCK_N=256, BLOCK_R=32, num_warps=4),  # out >= 16384 (gate|up in one launch)
+    "wide_out": dict(per=512, BLOCK_N=256, BLOCK_R=32, num_warps=4),    # out >= 8192 (gate or up, fused QKV)
     "square": dict(per=512, BLOCK_N=128, BLOCK_R=32, num_warps=4),      # q, o
 }
 
 
 def input_sparse_local(k: int, n: int) -> dict:
     """The local path's launch config for a projection of ``k`` inputs and ``n`` outputs."""
-    return dict(INPUT_SPARSE_LOCAL["wide_in" if k >= 8192 else "wide_out" if n >= 8192 else "square"])
+    kind = ("wide_in" if k >= 8192 else "widest_out" if n >= 16384 else "wide_out" if n >= 8192 else "square")
+    return dict(INPUT_SPARSE_LOCAL[kind])
 
 
 # The batch-1 tile kernel ("tile"): a K slice of BLOCK_M * TILES channels (a power of two) x BLOCK_N columns per

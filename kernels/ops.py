@@ -210,8 +210,18 @@ def input_sparse_linear(x, w_t, threshold, bias=None, *, path="auto"):
     return _op(x, "input_sparse_linear")(x, w_t, threshold, bias, **_input_path_config(x, path))
 
 
-def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, path="auto"):
-    return _op(x, "input_sparse_linear_segments")(x, w_t, thresholds, sizes, bias, **_input_path_config(x, path))
+def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, path="auto", prologue=None,
+                                 residual=None):
+    """The input-sparse product; ``prologue`` (kernels.common.Prologue) and ``residual`` fused where the
+    backend's kernel takes them (Triton, the reference), else the same ops composed around it."""
+    fn = _op(x, "input_sparse_linear_segments")
+    cfg = _input_path_config(x, path)
+    if prologue is None and residual is None:
+        return fn(x, w_t, thresholds, sizes, bias, **cfg)
+    if backend_name(x) in ("triton", "reference"):
+        return fn(x, w_t, thresholds, sizes, bias, prologue=prologue, residual=residual, **cfg)
+    y = fn(_ref.apply_prologue(x, prologue), w_t, thresholds, sizes, bias, **cfg)
+    return y if residual is None else residual + y
 
 
 def topk_select(scores, k, *, multi=None):

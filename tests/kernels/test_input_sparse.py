@@ -256,6 +256,9 @@ def test_path_choice():
     assert T._config(4, 4096, 4096, cuda, {"path": "tile"})["path"] == "mask"
     assert T._config(1, 4096, 4096, cuda, {"path": "local"})["per"] == C.INPUT_SPARSE_LOCAL["square"]["per"]
     assert T._config(1, 11008, 4096, cuda, None)["BLOCK_R"] == C.INPUT_SPARSE_LOCAL["wide_in"]["BLOCK_R"]
+    # gate|up in one launch (out >= 16,384) takes 1,024-channel slices, one of them alone 512
+    assert T._config(1, 4096, 22016, cuda, None)["per"] == C.INPUT_SPARSE_LOCAL["widest_out"]["per"] == 1024
+    assert T._config(1, 4096, 11008, cuda, None)["per"] == C.INPUT_SPARSE_LOCAL["wide_out"]["per"] == 512
     assert T._config(1, 4096, 1024, cuda, None)["BLOCK_M"] == C.INPUT_SPARSE_TILE["narrow_out"]["BLOCK_M"]
     assert {C.tile_kind(4096, 11008), C.tile_kind(11008, 4096), C.tile_kind(4096, 4096),
             C.tile_kind(4096, 1024)} == set(C.INPUT_SPARSE_TILE) == set(C.INPUT_MIN_SPARSITY)

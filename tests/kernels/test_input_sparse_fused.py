@@ -124,3 +124,16 @@ def test_fused_layer_benchmark_smoke(monkeypatch, capsys):
     assert "repeat identical True" in out and "down + act*up prologue + residual" in out
     err = float(out.split("rel err ")[1].split(",")[0])
     assert err < 2e-2, out
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_ops_fuses_or_composes(backend, monkeypatch, device, gen):
+    """kernels.ops hands the prologue and the residual to a backend whose kernel takes them (Triton) and
+    composes the same ops around the others (the CPU row kernels): both equal the composed reference."""
+    from kernels import ops
+
+    monkeypatch.setenv("CTXSPARSE_KERNELS", backend)
+    p, x, w_t, bias, res, h, th = _case("act_mul", 1, F32, "cpu" if backend == "cpu" else device, gen)
+    out = ops.input_sparse_linear_segments(x, w_t, th, SIZES, bias, prologue=p, residual=res)
+    ref = up(res) + R.input_sparse_linear_segments(up(h), up(w_t), th, SIZES, up(bias))
+    assert rel_err(out, ref) <= 2 * TOL[F32]
