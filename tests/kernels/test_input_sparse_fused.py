@@ -137,3 +137,35 @@ def test_ops_fuses_or_composes(backend, monkeypatch, device, gen):
     out = ops.input_sparse_linear_segments(x, w_t, th, SIZES, bias, prologue=p, residual=res)
     ref = up(res) + R.input_sparse_linear_segments(up(h), up(w_t), th, SIZES, up(bias))
     assert rel_err(out, ref) <= 2 * TOL[F32]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_runtime_fused_layer_matches_unfused(family, monkeypatch):
+    """The decode runtime with input sparsity on every projection, through the Triton kernels (interpreted here):
+    each layer runs fused (four launches + attention, counted) and the logits and greedy tokens are those of the
+    same runtime unfused and of the HF model under sparse_exec (Qwen2: the QKV bias with the norm prologue)."""
+    from tests.workers.decode.test_runtime_inputs import (_assert_logits, _hf_sparse_decode, _input_plan,
+                                                          _runtime_decode)
+    from tests.workers.tiny_model_support import tiny_model
+    from workers.decode import layer as layer_mod
+    from workers.decode.runtime import DecodeRuntime
+
+    monkeypatch.setenv("CTXSPARSE_KERNELS", "triton")
+    m = tiny_model(family)
+    g = torch.Generator().manual_seed(5)
+    plan = _input_plan(m, torch.randint(0, 128, (2, 24), generator=g), 0.4)
+    ids = torch.randint(0, 128, (1, 14), generator=g)
+    calls = []
+    real = layer_mod.Step.fused
+    monkeypatch.setattr(layer_mod.Step, "fused", lambda self, l, L, x: calls.append(l) or real(self, l, L, x))
+    runs = {}
+    for fuse in (True, False):
+        rt = DecodeRuntime.from_hf(m, count_inputs=False, fuse=fuse).set_plan(plan)
+        runs[fuse] = _runtime_decode(rt, ids, 10)
+        if fuse:
+            assert calls == [0, 1] * 4, calls        # every layer of every decode step fused, none unfused
+            calls.clear()
+    assert not calls
+    want, _ = _hf_sparse_decode(m, plan, ids, 10)
+    _assert_logits(runs[True], want)
+    _assert_logits(runs[True], runs[False])

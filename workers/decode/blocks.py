@@ -1,7 +1,9 @@
 """The decode runtime's products over :class:`ModelWeights`: embedding, dense / sparse projections, the FFN
-variants, head-sparse attention, the LM head. Stateless apart from five backend options: ``ffn_dense``,
-``cpu_rows``, ``o_proj`` (below), ``input_path`` (the input-sparse kernel path, kernels.ops.INPUT_PATHS) and
-``count_inputs`` (whether accelerators count the active inputs; the CPU kernels count as they go).
+variants, head-sparse attention, the LM head. Stateless apart from six backend options: ``ffn_dense``,
+``cpu_rows``, ``o_proj`` (below), ``input_path`` (the input-sparse kernel path, kernels.ops.INPUT_PATHS),
+``count_inputs`` (whether accelerators count the active inputs; the CPU kernels count as they go) and
+``fuse`` (whether a layer input-sparse on every projection runs with the norms, act(gate)·up and the residual
+adds fused into its kernels: CUDA, batch 1, not while counting inputs; workers.decode.layer).
 
 ``ffn_dense`` "auto": the dense FFN through the kernels where they are fastest (CPU row kernels with
 ``cpu_rows``; on CUDA, batch <= 8, the fused FFN kernel over every row), "torch": plain matmuls.
@@ -31,7 +33,7 @@ O_PROJ = ("auto", "torch", "kernel")
 
 class Blocks:
     def __init__(self, w: ModelWeights, *, ffn_dense: str = "auto", cpu_rows: bool | None = None,
-                 count_inputs: bool = True, input_path: str = "auto", o_proj: str = "auto"):
+                 count_inputs: bool = True, input_path: str = "auto", o_proj: str = "auto", fuse: bool = True):
         if ffn_dense not in FFN_DENSE:
             raise ValueError(f"ffn_dense must be one of {FFN_DENSE}, got {ffn_dense!r}")
         self.o_proj = o_proj
@@ -40,6 +42,7 @@ class Blocks:
         # accelerators: counting active inputs costs a few small kernels per projection (the CPU kernels count
         # as they go); a timed run turns it off and measures realized sparsity in an untimed pass
         self.count_inputs = count_inputs
+        self.fuse = fuse
         self.kv_all = torch.arange(w.dims.n_kv_heads, device=w.device, dtype=torch.int32)
         self.full_idx = torch.arange(w.dims.D, device=w.device, dtype=torch.int32)
         self.q_all = torch.arange(w.dims.n_heads, device=w.device, dtype=torch.int32)
@@ -152,10 +155,15 @@ class Blocks:
                                   allow_dense=count is None)
         return ops.sparse_mlp(h, L.w_up, L.b_up, L.w_down_t, L.b_down, idx, count, w.act, allow_dense=count is None)
 
-    def in_linear(self, x, w_t, group, counts, bias=None):
+    def in_linear(self, x, w_t, group, counts, bias=None, prologue=None, residual=None):
         """x @ w_t (+ bias) over the active inputs only (input sparsity); ``group`` a ``plan.InputGroup``.
-        ``counts`` (its columns of the layer's input counters) get the active entries."""
+        ``counts`` (its columns of the layer's input counters) get the active entries. ``prologue`` /
+        ``residual``: the fused layer's (kernels.ops.input_sparse_linear_segments; counts None then)."""
         thr, sizes = group.thresholds, group.sizes
+        if prologue is not None or residual is not None:
+            assert counts is None, "the fused layer does not count inputs"
+            return ops.input_sparse_linear_segments(x, w_t, thr, sizes, bias, path=self.input_path,
+                                                    prologue=prologue, residual=residual)
         if ops.backend_name(x) == "cpu":
             return cpu_kernels.input_sparse_linear_segments(x, w_t, thr, sizes, bias, counts=counts)
         y = ops.input_sparse_linear_segments(x, w_t, thr, sizes, bias, path=self.input_path)

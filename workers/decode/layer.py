@@ -6,7 +6,11 @@
 :func:`forward` runs every layer on the embedded tokens ``x`` and returns the final-normed hidden state: per
 layer the attention of its normed input (``impl.attn``), the post-attention norm (Gemma), the residual add and
 the FFN norm, the FFN (``impl.ffn``), the post-FFN norm, the residual add and the next layer's norm (the final
-norm after the last layer). ``fns`` are the glue functions (workers.decode.glue). ``impl`` says how attention and
+norm after the last layer). A layer the step fuses (``impl.fuses``: input sparsity on every projection, CUDA,
+batch 1) runs as four kernels and attention instead (``Step.fused``): QKV with the RMS norm in its prologue, O
+with the residual add in its epilogue, gate|up with the FFN norm in its prologue, down with act(gate)·up in its
+prologue and the residual add in its epilogue; the norm of the stream is then taken only where a layer that is
+not fused (or the final norm) needs it. ``fns`` are the glue functions (workers.decode.glue). ``impl`` says how attention and
 the FFN run: :class:`Prompt` (every position of the prompts, dense; K/V written at positions 0..T-1) or
 :class:`Step` (one token; the plan's sparse paths, attention over the static cache). Both take
 ``(l, L, h, x_in, x_prev)``: layer index and weights, the normed input, the residual entering the layer and the
@@ -14,16 +18,27 @@ one entering the layer before (the inputs of residual and look-ahead predictors)
 """
 from __future__ import annotations
 
+from kernels import ops
+from kernels.common import Prologue
 from kernels.reference import qk_norm_rope
 from workers.decode.glue import EAGER, attn_prefill
 
 
 def forward(w, x, fns: dict, impl):
     nk, eps, layers = w.norm_kind, w.eps, w.layers
-    h = fns["norm"](x, layers[0].n1, layers[0].n1b, nk, eps)
+    fused = [impl.fuses(l, L, x) for l, L in enumerate(layers)]
+    h = None if fused[0] else fns["norm"](x, layers[0].n1, layers[0].n1b, nk, eps)
     x_prev = x
     for l, L in enumerate(layers):
         x_in = x
+        if fused[l]:
+            x = impl.fused(l, L, x)
+            if l + 1 == len(layers):
+                h = fns["norm"](x, w.final_norm, w.final_norm_b, nk, w.final_eps)
+            elif not fused[l + 1]:
+                h = fns["norm"](x, layers[l + 1].n1, layers[l + 1].n1b, nk, eps)
+            x_prev = x_in
+            continue
         o = impl.attn(l, L, h, x_in, x_prev)
         if L.post_attn is not None:
             o = fns["norm"](o, L.post_attn, None, nk, eps)
@@ -52,6 +67,9 @@ class Prompt:
     def __init__(self, blocks, cache):
         self.b, self.cache = blocks, cache
 
+    def fuses(self, l, L, x) -> bool:
+        return False
+
     def attn(self, l, L, h, x_in, x_prev):
         """Causal (+ window) attention; writes the prompts' K/V at positions 0..T-1."""
         b, w, T = self.b, self.b.w, h.shape[1]
@@ -72,6 +90,32 @@ class Step:
 
     def __init__(self, blocks, plan, cache, counters, sets, fns: dict):
         self.b, self.rp, self.cache, self.c, self.sets, self.fns = blocks, plan, cache, counters, sets, fns
+
+    def fuses(self, l, L, x) -> bool:
+        """Whether layer ``l`` runs fused (:meth:`fused`): the plan has input sparsity on its QKV, O, gate|up and
+        down and nothing else, a pre-norm gated Llama / Qwen layer (RMS norms, no sandwich norms), the Triton
+        kernels (CUDA; the interpreter in tests), batch 1, and the blocks fuse and do not count inputs."""
+        b, rp, w = self.b, self.rp, self.b.w
+        if not (b.fuse and not b.count_inputs and x.shape[0] == 1 and ops.backend_name(x) == "triton" and w.gated
+                and w.norm_kind in ("rms", "rms1p") and L.post_attn is None and L.post_ffn is None):
+            return False
+        ia, ifn = rp.in_attn.get(l) or {}, rp.in_ffn.get(l) or {}
+        return l not in rp.heads and l not in rp.mlp and {"qkv", "o"} <= ia.keys() and {"gu", "down"} <= ifn.keys()
+
+    def fused(self, l, L, x):
+        """The whole layer on the residual stream ``x`` -> the stream after it (four input-sparse launches and
+        attention)."""
+        b, w, cache = self.b, self.b.w, self.cache
+        ia, ifn = self.rp.in_attn[l], self.rp.in_ffn[l]
+        self.sets.layer_start(l, len(w.layers), x)
+        qkv = b.in_linear(x, L.w_qkv_t, ia["qkv"], None, L.b_qkv, prologue=Prologue(w.norm_kind, L.n1, w.eps))
+        q, k, v = split_qkv(qkv, w.dims)
+        a = self.fns["attn"](q, k, v, cache.k[l], cache.v[l], cache.pos, *(L.rope or (None, None)), L.qn, L.kn,
+                             w.eps, L.window)
+        x = b.in_linear(a, L.w_o_t, ia["o"], None, L.b_o, residual=x)
+        gu = b.in_linear(x, L.w_gu_t, ifn["gu"], None, prologue=Prologue(w.norm_kind, L.n2, w.eps))
+        return b.in_linear(gu, L.w_down_t, ifn["down"], None, L.b_down, prologue=Prologue("act_mul", act=w.act),
+                           residual=x)
 
     def attn(self, l, L, h, x_in, x_prev):
         """Dense attention (input sparsity on QKV / O where the plan has it) or the active heads only."""

@@ -24,7 +24,9 @@ CUDA), ``use_graph`` (one CUDA graph per step), ``select_impl`` ("auto" | "torch
 ("torch": the torch norms and decode attention, compiled on CUDA; "kernel": RoPE, the cache write and the
 attention of every (active) head in one kernels.ops call (one Triton launch on CUDA, one native call on the
 CPU), and on the CPU the norms natively too; "auto": "kernel" on the CPU and CUDA, "torch" elsewhere),
-``o_proj`` ("auto" | "torch" | "kernel": the dense O projection, workers.decode.blocks).
+``o_proj`` ("auto" | "torch" | "kernel": the dense O projection, workers.decode.blocks), ``fuse`` (a layer
+input-sparse on every projection runs with its norms, act(gate)·up and residual adds fused into the kernels:
+CUDA, batch 1, workers.decode.layer).
 ``set_plan`` takes ``overlap`` (side-stream look-ahead on CUDA) and ``kv_mode`` ("exact": K/V of every head,
 the semantics of workers.sparsity.sparse_exec; "active": only the KV heads the active query heads need, skipped
 entries masked out of later attention -- Deja Vu's saving without its "recompute later", an approximation).
@@ -56,10 +58,11 @@ KV_MODES = ("exact", "active")
 class DecodeRuntime:
     def __init__(self, weights: ModelWeights, *, ffn_dense: str = "auto", compile: bool = True,
                  use_graph: bool = True, select_impl: str = "auto", cpu_rows: bool | None = None,
-                 count_inputs: bool = True, input_path: str = "auto", glue: str = "auto", o_proj: str = "auto"):
+                 count_inputs: bool = True, input_path: str = "auto", glue: str = "auto", o_proj: str = "auto",
+                 fuse: bool = True):
         self.weights = weights
         self.glue = check_glue(glue)
-        self.blocks = Blocks(weights, ffn_dense=ffn_dense, cpu_rows=cpu_rows, count_inputs=count_inputs,
+        self.blocks = Blocks(weights, ffn_dense=ffn_dense, cpu_rows=cpu_rows, count_inputs=count_inputs, fuse=fuse,
                              input_path=input_path, o_proj=o_proj)
         self.selector = ActiveSetSelector(select_impl)
         self.compile, self.use_graph = compile, use_graph
@@ -89,7 +92,7 @@ class DecodeRuntime:
 
     def configure(self, *, ffn_dense: str | None = None, compile: bool | None = None, use_graph: bool | None = None,
                   select_impl: str | None = None, cpu_rows: bool | None = None,
-                  count_inputs: bool | None = None, input_path: str | None = None,
+                  count_inputs: bool | None = None, input_path: str | None = None, fuse: bool | None = None,
                   glue: str | None = None, o_proj: str | None = None) -> "DecodeRuntime":
         """Change constructor settings (those given); drops the compiled glue and any captured graph."""
         if glue is not None:
@@ -97,13 +100,16 @@ class DecodeRuntime:
         if ffn_dense is not None:
             b = self.blocks
             self.blocks = Blocks(self.weights, ffn_dense=ffn_dense, cpu_rows=b.cpu_rows,
-                                 count_inputs=b.count_inputs, input_path=b.input_path, o_proj=b.o_proj)
+                                 count_inputs=b.count_inputs, input_path=b.input_path, o_proj=b.o_proj,
+                                 fuse=b.fuse)
         if o_proj is not None:
             self.blocks.o_proj = o_proj
         if input_path is not None:
             self.input_path = input_path
         if count_inputs is not None:
             self.blocks.count_inputs = count_inputs
+        if fuse is not None:
+            self.blocks.fuse = fuse
         if select_impl is not None:
             self.selector = ActiveSetSelector(select_impl)
         if cpu_rows is not None:
