@@ -131,6 +131,9 @@ def save_bundle(plan, lm, out: str | Path, *, method: str, sparsity: float, rank
                 per_layer_sparsity: dict[int, float] | None = None, unit_id: str | None = None,
                 versions: dict[str, str] | None = None, git_rev: str | None = None) -> Path:
     """Write ``plan`` (fitted on ``lm``, a workers.loading.models.LoadedModel) as a bundle folder at ``out``, atomically."""
+    if getattr(plan, "rotated", None) is not None:
+        raise BundleError(f"method {method!r}: bundles do not carry rotated plans (rotations) yet; evaluate it with "
+                          "benchmarks.quality, which applies the fitted plan directly")
     out = Path(out)
     tensors: dict[str, torch.Tensor] = {}
     cfgs: dict[str, dict[str, dict]] = {"mlp": {}, "attn": {}}

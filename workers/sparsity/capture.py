@@ -8,7 +8,13 @@ Components recorded per layer and token (prefix tokens such as BOS are not recor
   ``head_norm``  each attention head's output norm (input of o_proj, per head)  [N, n_heads]
 and, not per token, ``inhist``: per projection (q, k, v, o, gate, up, down) a histogram of its input on the
 fixed grid of :mod:`workers.sparsity.histograms`, int32 [3, bins] per shard: |x| over x > 0, |x| over x <= 0,
-and |x_i|·‖W[:, i]‖₂ (input-sparsity calibration; ``ActivationCache.load_hist`` sums the shards).
+and |x_i|·‖W[:, i]‖₂ (input-sparsity calibration; ``ActivationCache.load_hist`` sums the shards); and ``cov``:
+per layer the uncentred covariances Σ n nᵀ (float32, summed over every recorded token, written once, into the
+last shard) of the rms-normalized block inputs before the norm's gain, n = h / rms(h), at the attention
+(``attn_in`` [d, d]) and at the FFN (``ffn_in`` [d, d]), and of the attention output (o's input) per KV head
+group, Σ over the group's query heads of a_h a_hᵀ (``o`` [n_kv_heads, head_dim, head_dim]): what the rotations
+of :mod:`workers.sparsity.predictors.larosa` are fitted from (``ActivationCache.load_cov``). SmolLM2: 81 MB per
+cache whatever its token count (BENCHMARKS.md, "LaRoSA"); RMSNorm models only.
 
 The cache key is sha256(model fingerprint, data fingerprint, token budget, dtype, components, layers, format).
 Shards hold ``shard_tokens`` tokens each (sized from a memory budget), so memory stays bounded whatever the
@@ -38,11 +44,13 @@ from workers.loading.models import LoadedModel
 from workers.paths import atomic_dir, home, sha256_file
 from workers.sparsity.histograms import N_COUNTS, bin_of_log, signed_histograms
 from workers.sparsity.input_sparse import SHARED_INPUT, column_norms, projection_modules
+from workers.sparsity.rotated import is_rms_norm, rms_normalized
 
 log = logging.getLogger(__name__)
 
 PER_TOKEN = ("residual", "ffn_in", "gate", "inter", "head_norm")   # the components stored [N, dim]
-COMPONENTS = PER_TOKEN + ("inhist",)                                # + the per-shard input histograms
+COMPONENTS = PER_TOKEN + ("inhist", "cov")    # + the per-shard input histograms, the block input covariances
+COV_INPUTS = ("attn_in", "ffn_in", "o")        # the covariances ``cov`` records per layer
 # shard path -> (sha256, size, mtime_ns, ctime_ns, inode) of a file whose digest this process has checked
 _VERIFIED: dict[str, tuple] = {}
 FORMAT_VERSION = 1
@@ -115,6 +123,27 @@ class ActivationCache:
             total = t if total is None else total + t
         return total
 
+    def load_cov(self, layer: int, name: str) -> torch.Tensor:
+        """One of a layer's recorded covariances (``cov``; ``name`` in COV_INPUTS), float64, summed over the shards
+        that hold it, with the number of tokens it sums over: (Σ, n)."""
+        if "cov" not in self.components or layer not in self.layers:
+            raise KeyError(f"cache has no covariances for layer {layer} (components {self.components})")
+        if name not in COV_INPUTS:
+            raise KeyError(f"no covariance {name!r}; recorded: {COV_INPUTS}")
+        key, total = f"{layer}.cov.{name}", None
+        for shard in self.manifest["shards"]:
+            try:
+                with safe_open(self.path / shard["file"], framework="pt") as f:
+                    t = f.get_tensor(key).double() if key in f.keys() else None
+            except Exception as e:  # safetensors raises its own error types for damaged files
+                raise CacheCorruptError(f"{self.path / shard['file']}: cannot read ({e}); "
+                                        "delete the cache folder to collect again") from e
+            if t is not None:
+                total = t if total is None else total + t
+        if total is None:
+            raise KeyError(f"cache has no covariance {name!r} in layer {layer}")
+        return total, self.n_tokens
+
     def verify(self, checksums: bool = True) -> None:
         """Every shard exists with its manifest size; with ``checksums``, also its manifest sha256 (a file already
         checked by this process and unchanged since, same size, mtime, ctime and inode, is not hashed again)."""
@@ -162,6 +191,7 @@ class _Recorder:
                  store_dtype: torch.dtype):
         self.buf: dict[str, list[torch.Tensor]] = {}
         self.hist: dict[str, torch.Tensor] = {}
+        self.cov: dict[str, torch.Tensor] = {}      # summed over the whole capture, stored with the last shard
         self._memo = None
         self.n_tokens = 0
         self.handles = []
@@ -192,6 +222,14 @@ class _Recorder:
                 for p, m in projection_modules(ad, layer).items():
                     self.handles.append(m.register_forward_pre_hook(
                         self._hist(l, p, torch.log10(column_norms(m).clamp_min(1e-30))), with_kwargs=True))
+            norms = [get_path(layer, p) for p in (ad.attn.norm, ad.ffn.norm) if p]
+            if "cov" in want and len(norms) == 2 and all(is_rms_norm(n) for n in norms):   # else not recorded
+                for name, norm in zip(("attn_in", "ffn_in"), norms):
+                    self.handles.append(norm.register_forward_pre_hook(self._cov(f"{l}.cov.{name}", norm),
+                                                                       with_kwargs=True))
+                self.handles.append(o.register_forward_pre_hook(
+                    self._cov(f"{l}.cov.o", None, groups=(dims.n_kv_heads, dims.n_heads // dims.n_kv_heads,
+                                                           dims.head_dim)), with_kwargs=True))
             if l == layers[0]:   # one hook counts the recorded tokens
                 self.handles.append(layer.register_forward_pre_hook(self._count, with_kwargs=True))
 
@@ -216,6 +254,22 @@ class _Recorder:
             self.hist[name] = h if name not in self.hist else self.hist[name] + h
         return hook
 
+    def _cov(self, name: str, norm, groups=None):
+        """Σ n nᵀ of a norm's rms-normalized input (``norm``), or per KV group Σ a_h a_hᵀ of o's input (``groups``:
+        (n_kv_heads, query heads per KV head, head_dim); HF's repeat_kv gives KV head g the query heads
+        g·n_rep .. (g+1)·n_rep - 1). Each batch's sum in float32, the running total in float64."""
+        def hook(module, args, kwargs):
+            x = (args[0] if args else kwargs.get("hidden_states", kwargs.get("input")))[:, self.prefix_len:]
+            if norm is not None:
+                x = rms_normalized(norm, x).reshape(-1, x.shape[-1])
+                c = (x.t() @ x).double()
+            else:
+                g, rep, hd = groups
+                a = x.float().reshape(-1, g, rep, hd).transpose(0, 1).reshape(g, -1, hd)
+                c = (a.transpose(1, 2) @ a).double()
+            self.cov[name] = c if name not in self.cov else self.cov[name] + c
+        return hook
+
     def _keep(self, name: str, x: torch.Tensor, heads=None) -> None:
         x = x[:, self.prefix_len:]
         if heads is not None:
@@ -233,9 +287,13 @@ class _Recorder:
             self._keep(name, output)
         return hook
 
-    def take(self) -> tuple[dict[str, torch.Tensor], int]:
-        """(the tensors of one shard, its number of tokens), and the buffers start again."""
+    def take(self, last: bool = False) -> tuple[dict[str, torch.Tensor], int]:
+        """(the tensors of one shard, its number of tokens), and the buffers start again; the ``last`` shard also
+        gets the covariances of the whole capture."""
         out = {k: torch.cat(v).contiguous() for k, v in self.buf.items()}
+        if last:
+            out.update({k: c.float().cpu().contiguous() for k, c in self.cov.items()})
+            self.cov.clear()
         for k, h in self.hist.items():
             if h.max() > torch.iinfo(torch.int32).max:
                 raise OverflowError(f"{k}: histogram count over int32 in one shard; lower max_buffer_mb")
@@ -266,7 +324,7 @@ def _ordered(components) -> tuple[str, ...]:
 def _bytes_per_token(lm: LoadedModel, components, n_layers: int, elem: int) -> int:
     dims = lm.dims
     width = {"residual": dims.d, "ffn_in": dims.d, "gate": dims.D, "inter": dims.D, "head_norm": dims.n_heads,
-             "inhist": 0}   # histograms are per shard, not per token
+             "inhist": 0, "cov": 0}   # histograms are per shard and covariances per cache, not per token
     return n_layers * elem * sum(width[c] for c in components)
 
 
@@ -327,8 +385,8 @@ def capture_activations(lm: LoadedModel, tokens: TokenSet, components: tuple[str
         with atomic_dir(final) as tmp, torch.inference_mode():
             pending = 0
 
-            def flush():
-                tensors, n = rec.take()
+            def flush(last: bool):
+                tensors, n = rec.take(last)
                 bad_t = [k for k, v in tensors.items() if not torch.isfinite(v).all()]
                 if bad_t:
                     raise OverflowError(f"non-finite activations in {bad_t[:3]} when stored as {dtype}; "
@@ -343,11 +401,10 @@ def capture_activations(lm: LoadedModel, tokens: TokenSet, components: tuple[str
                 lm.model.base_model(input_ids=ids, use_cache=False)
                 pending += ids.shape[0]
                 bar.update(ids.shape[0] * payload)
-                if pending >= windows_per_shard:
-                    flush()
+                last = start + batch >= n_win
+                if pending >= windows_per_shard or last:
+                    flush(last)
                     pending = 0
-            if pending:
-                flush()
             elapsed = time.time() - t0
             manifest = {
                 "format": FORMAT_VERSION, "key": key, "complete": True,

@@ -216,7 +216,8 @@ def decoder_weight_skipped(stats) -> float:
     token, from a ``sparse_exec.SparseStats``: input-sparse projections, the FFN rows a neuron predictor
     skipped (gate or fc1 on the first pass, up and down on the kept set; up on the first pass where
     ``stats.up_on_first``, the damage filter) and the heads skipped in o, less the
-    predictors' own weights (``stats.predictor_numel``), which every token reads."""
+    predictors' own weights (``stats.predictor_numel``), which every token reads, and any other weights every
+    token reads beside the model's (``stats.extra_numel``: rotations, adapters)."""
     inp: InputStats = stats.inputs
     skipped = inp.skipped_numel()
     for l, ls in stats.layers.items():
@@ -232,7 +233,7 @@ def decoder_weight_skipped(stats) -> float:
             skipped += (1 - kept_frac) * sum(inp.numel[(l, p)] for p in rest)
         if ls.head_tokens:
             skipped += (1 - ls.heads_kept / (ls.head_tokens * stats.n_heads)) * inp.numel[(l, "o")]
-    skipped -= getattr(stats, "predictor_numel", 0)
+    skipped -= getattr(stats, "predictor_numel", 0) + getattr(stats, "extra_numel", 0)
     total = inp.total_numel()
     return skipped / total if total else 0.0
 

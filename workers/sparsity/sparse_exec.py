@@ -37,6 +37,7 @@ from workers.sparsity.input_sparse import (
     InputStats, apply_input_sparsity, check_plan_parts, decoder_weight_skipped, model_projection_numel,
 )
 from workers.sparsity.predictors.base import HeadPredictor, MLPPredictor, SparsityPlan, layer_out_norms
+from workers.sparsity.rotated import apply_rotated_sparsity
 from workers.sparsity.swaps import ModuleSwaps
 
 
@@ -85,6 +86,7 @@ class SparseStats:
     layers: dict[int, LayerStats] = field(default_factory=dict)
     inputs: InputStats = field(default_factory=InputStats)   # input-sparse projections (TEAL, WINA)
     predictor_numel: int = 0                # weights of the plan's own predictors, read for every token
+    extra_numel: int = 0                    # other weights every token reads: a rotated plan's rotations
 
     def predictor_frac_ffn(self) -> float:
         """The predictors' weights as a fraction of the FFN weights of the layers that have an FFN predictor."""
@@ -221,8 +223,12 @@ def apply_sparsity(model: nn.Module, plan: SparsityPlan, input_mode: str = "mask
     result's ``mode`` says which ran.
 
     ``plan.inputs`` (input sparsity) swaps projections for ``input_sparse.InputSparseLinear`` in ``input_mode``
-    (``masked`` for accuracy runs, ``kernel`` to skip the work)."""
+    (``masked`` for accuracy runs, ``kernel`` to skip the work). ``plan.rotated`` (rotated input sparsity,
+    :mod:`workers.sparsity.rotated`) runs masked whatever the modes, its rotations counted in
+    ``stats.extra_numel``."""
     check_plan_parts(plan)
+    if plan.rotated is not None and (plan.mlp or plan.attn or plan.inputs):
+        raise ValueError("a rotated plan carries no other part (predictors, input thresholds) beside it")
     ad = adapter_for(model)
     dims = ad.dims(model.config)
     act = ad.act_name(model.config)
@@ -263,6 +269,8 @@ def apply_sparsity(model: nn.Module, plan: SparsityPlan, input_mode: str = "mask
             applied.swap(attn, ad.attn.o, TokenSparseHeadOut(l, orig, pred, dims.head_dim, taps, stats, mode))
         if plan.inputs:
             apply_input_sparsity(model, plan.inputs, plan.input_score, input_mode, stats.inputs, swaps=applied)
+        if plan.rotated is not None:
+            stats.extra_numel = apply_rotated_sparsity(model, plan.rotated, stats.inputs, swaps=applied).extra_numel
     except Exception:
         applied.revert()
         raise

@@ -148,6 +148,8 @@ class SparsityPlan:
     # score |x_i| (``input_score="abs"``) or |x_i|·‖W[:, i]‖₂ ("wina"); see workers.sparsity.input_sparse
     inputs: dict[int, dict[str, float]] = field(default_factory=dict)
     input_score: str = "abs"
+    # rotated input sparsity (LaRoSA): a workers.sparsity.rotated.RotatedPlan (its own swaps; no other part beside it)
+    rotated: object = None
 
     def __post_init__(self):
         if self.mlp_mode not in ("parallel", "sequential"):
