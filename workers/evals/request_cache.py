@@ -31,12 +31,14 @@ import collections
 import functools
 import hashlib
 import inspect
+import io
 import itertools
 import json
 import logging
 import os
 import uuid
 import weakref
+import zipfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -322,8 +324,7 @@ def load_or_build(name: str, limit: int | None, seed: int, hflm) -> RequestSet:
     path = entry_path(name, limit, key)
     if path.exists():
         try:
-            with np.load(path, allow_pickle=False) as z:
-                rs = RequestSet.from_arrays({k: z[k] for k in z.files}, key)
+            rs = RequestSet.from_arrays(read_arrays(path), key)
             counts["read"] += 1
             return rs
         except Exception as e:               # any damage: a short read, a bad CRC, a foreign or partial entry
@@ -332,6 +333,14 @@ def load_or_build(name: str, limit: int | None, seed: int, hflm) -> RequestSet:
     rs = build(name, limit, seed, hflm, key)
     save(rs, path)
     return rs
+
+
+def read_arrays(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of an entry file, each member's CRC checked (``np.load`` alone reads a member without checking
+    it: a flipped byte inside an array would pass)."""
+    with zipfile.ZipFile(path) as zf:
+        return {name.removesuffix(".npy"): np.load(io.BytesIO(zf.read(name)), allow_pickle=False)
+                for name in zf.namelist()}
 
 
 def save(rs: RequestSet, path: Path) -> None:
