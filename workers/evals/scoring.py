@@ -21,12 +21,17 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 from typing import Sequence
 
 import numpy as np
 
 BATCHED_FOR = ("0.4.13",)   # lm-eval versions whose HFLM internals (Collator, batch schedule) the batched scorer
                             # was checked against; any other runs lm-eval's own per-request loop
+# seconds this process spent in scoring forwards, from the batch's upload to its values' download (the forward, the
+# log-softmax of the scored positions, the gather; on a GPU the download waits for the device): what the host waits
+# for, as opposed to what it does (``benchmarks.scoring``)
+device_clock = {"seconds": 0.0, "forwards": 0}
 LOGIT_BYTES = 12        # per (position, vocabulary entry) of a scoring forward: the logits, an fp32 copy and
                         # its log-softmax
 BUDGET_SCHEDULE = 4     # the batch is re-sized this many times along the requests (sorted longest first)
@@ -189,6 +194,7 @@ def scoring_lm():
             cols = starts + np.arange(len(starts)) - offsets
             toks = np.concatenate([np.asarray(c, dtype=np.int64) for _, c in hits])
             index = np.stack([np.repeat(hit_rows, n), cols, toks])
+            t0 = time.perf_counter()
             with torch.no_grad():
                 ids = torch.from_numpy(ids).to(self.device)
                 # no KV cache: a scoring forward is never continued (HF builds one by default, per layer)
@@ -201,6 +207,9 @@ def scoring_lm():
                 token_lp = picked.gather(1, index[2][:, None])[:, 0].float()
                 greedy = (picked.argmax(dim=-1) == index[2]).float()
                 values = torch.stack([token_lp, greedy]).cpu()
+                del logits, picked
+            device_clock["seconds"] += time.perf_counter() - t0
+            device_clock["forwards"] += 1
             token_lp, greedy = values.tolist()
             out, at = [], 0
             for k in n.tolist():

@@ -376,6 +376,26 @@ def run_suite(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, b
     return [r for n in names for r in by_name[n]]
 
 
+def prepare_requests(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, seed: int = 0) -> dict[str, str]:
+    """Build (or check) the cached requests of tasks without scoring them, so that the first evaluation that reads
+    them is not charged their building: {task: "read" | "built" | "lm-eval"} ("lm-eval": not kept in the cache,
+    run by lm-eval's pass)."""
+    names = check_task_names(tasks)
+    out = {}
+    with _lean_lm_eval():
+        hflm = scoring_lm()(pretrained=model, tokenizer=tokenizer, batch_size=1)
+        for n in names:
+            before = rc.counts["built"]
+            try:
+                if not (rc.cacheable(n) and hflm.scores_request_sets):
+                    raise rc.NotCacheable(n)
+                rc.load_or_build(n, limit, seed, hflm)
+                out[n] = "built" if rc.counts["built"] > before else "read"
+            except rc.NotCacheable:
+                out[n] = "lm-eval"
+    return out
+
+
 def _seed_all(seed: int) -> None:
     """The seeds lm-eval's ``simple_evaluate`` sets before it evaluates."""
     import numpy as np

@@ -255,3 +255,14 @@ def test_a_failed_write_leaves_the_old_entry_whole(tiny, home, monkeypatch):
         rc.save(rs, path)
     assert path.read_bytes() == old                                           # readers still see the whole entry
     assert [p.name for p in path.parent.iterdir()] == [path.name]            # and no temporary file is left
+
+
+def test_prepare_requests_builds_what_the_first_evaluation_reads(tiny, home):
+    from workers.evals.suites import prepare_requests
+
+    model, tok = tiny
+    assert prepare_requests(model, tok, ["copa", "gsm8k_cot"], 3) == {"copa": "built", "gsm8k_cot": "lm-eval"}
+    assert prepare_requests(model, tok, "copa", 3) == {"copa": "read"}
+    before = dict(rc.counts)
+    (row,) = run_suite(model, tok, ["copa"], 3)
+    assert rc.counts["built"] == before["built"] and rc.counts["read"] == before["read"] + 1 and row.n == 3
