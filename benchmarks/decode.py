@@ -99,7 +99,10 @@ POINTS = [("dense", None, None, True, "exact"),
           ("mlp.5+h.5 inline", 0.5, 0.5, False, "exact"),
           # input sparsity on all seven projections, thresholds calibrated on a prefill: TEAL's |x| ("in")
           # and WINA's |x_i|·‖W[:, i]‖ (one threshold per input channel in the kernels)
-          ("in.5", None, None, True, "exact"), ("in.7", None, None, True, "exact"),
+          ("in.4", None, None, True, "exact"), ("in.5", None, None, True, "exact"),
+          ("in.7", None, None, True, "exact"),
+          # the same layers unfused (the norms, act·up and residual adds as their own launches)
+          ("in.4 unfused", None, None, True, "exact"), ("in.5 unfused", None, None, True, "exact"),
           ("wina.5", None, None, True, "exact"),
           # the FFN predictors' positive-score rule (a compaction, no top-k): about half the neurons
           ("mlp.5 pos", 0.5, None, True, "exact")]
@@ -214,6 +217,10 @@ def main(argv=None):
             nbytes = None
             base, _, ipath = name.partition("@")
             rt.input_path = ipath or a.input_path
+            unfused = base.endswith(" unfused")
+            base = base.removesuffix(" unfused")
+            if rt.blocks.fuse == unfused:
+                rt.configure(fuse=not unfused)
             try:
                 score = "wina" if base.startswith("wina.") else "abs"
                 ins = float("0." + base.split(".")[1]) if base.startswith(("in.", "wina.")) else 0.0  # in.5: 0.5

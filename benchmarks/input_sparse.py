@@ -79,7 +79,8 @@ def log(*a):
 def projections(model, only=None):
     """(name, in, out, segment sizes or None); ``only``: names, bare or "model:name", to keep."""
     d, D, q, kv = MODELS[model]
-    out = [("gate_up", d, D, None), ("down", D, d, None)]
+    # gate_up: one of gate and up; gate|up: both in one launch sharing the mask (the decode runtime's)
+    out = [("gate_up", d, D, None), ("gate|up", d, 2 * D, (D, D)), ("down", D, d, None)]
     out.append(("q_k_v_o" if kv == d else "q_o", d, d, None))
     if kv != d:
         out.append(("k_v", d, kv, None))
@@ -474,7 +475,7 @@ def determinism(n_runs, dev, cfgs):
                         if sizes is None:
                             f = lambda: IS.input_sparse_linear(x, w_t, thr, config=cfg)  # noqa: E731
                         else:
-                            ths = torch.stack([thr] * 3)
+                            ths = torch.stack([thr] * len(sizes))
                             f = lambda: IS.input_sparse_linear_segments(x, w_t, ths, sizes, config=cfg)  # noqa: E731
                         first = f()
                         same = sum(bool(torch.equal(f(), first)) for _ in range(n_runs - 1)) + 1
