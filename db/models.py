@@ -211,8 +211,14 @@ class LatencyResult(Base):
     p90_ms_per_token: Mapped[float] = mapped_column(Double)
     tokens_per_s: Mapped[float] = mapped_column(Double)
     realized_sparsity: Mapped[float | None] = mapped_column(Double)
-    # ctxsparse-dense / ctxsparse-sparse (our decode runtime), hf-generate (the baseline), kernel:<variant>
+    # ctxsparse-dense / ctxsparse-sparse (our decode runtime), hf-generate and llama.cpp (the baselines),
+    # kernel:<variant>
     runtime: Mapped[str] = mapped_column(String(64))
+    threads: Mapped[int | None] = mapped_column(Integer)       # the host thread count it was measured at
+    # a row timed alternately with our dense decode in one process (a paired sparse row, the llama.cpp row): the
+    # lowest and highest per-repeat speedup over that dense (dense time / this row's), the spread of the ratio
+    speedup_min: Mapped[float | None] = mapped_column(Double)
+    speedup_max: Mapped[float | None] = mapped_column(Double)
     package_versions: Mapped[dict[str, str]] = mapped_column(JSON)
     git_rev: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = _created_at()

@@ -511,12 +511,14 @@ def latency_table(
     runtime: str | None = None,
     batch: int | None = None,
 ) -> list[LatencyRecord]:
-    """Latency rows joined with their unit's coordinates."""
+    """Latency rows joined with their unit's coordinates. ``threads``: the row's own, else the ``threads`` of its
+    unit's config (rows written before they carried it, rows loaded from an older result set)."""
     r = LatencyResult
+    threads = func.coalesce(r.threads, WorkUnit.config["threads"].as_integer()).label("threads")
     stmt = (
         select(*_UNIT_COLUMNS, r.device_type, r.accelerator_name, r.batch, r.prompt_len, r.gen_len,
                r.p50_ms_per_token, r.p90_ms_per_token, r.tokens_per_s, r.realized_sparsity,
-               r.runtime, r.git_rev, r.package_versions, r.created_at)
+               r.runtime, threads, r.speedup_min, r.speedup_max, r.git_rev, r.package_versions, r.created_at)
         .join(WorkUnit, WorkUnit.id == r.unit_id)
         .join(Model, Model.id == WorkUnit.model_id)
     )

@@ -89,6 +89,9 @@ class LatencyRow(_Provenance):
     tokens_per_s: Annotated[Real, Field(ge=0.0)]
     realized_sparsity: Fraction | None = None
     runtime: Annotated[str, Field(min_length=1, max_length=64)]
+    threads: Annotated[int, Field(ge=1)] | None = None
+    speedup_min: Annotated[Real, Field(gt=0.0)] | None = None
+    speedup_max: Annotated[Real, Field(gt=0.0)] | None = None
 
 
 class LayerRow(_In):
@@ -194,6 +197,9 @@ class LatencyRecord(_UnitColumns):
     tokens_per_s: float
     realized_sparsity: float | None
     runtime: str
+    threads: int | None = None          # the row's own, else its unit config's (rows written before the column)
+    speedup_min: float | None = None
+    speedup_max: float | None = None
     git_rev: str
     package_versions: dict[str, str]
     created_at: UtcDatetime

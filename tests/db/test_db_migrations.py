@@ -21,7 +21,7 @@ def test_upgrade_head_from_empty(db_url):
         assert current_revision(engine) is None
         assert not set(inspect(engine).get_table_names()) & TABLES
         upgrade(engine)
-        assert current_revision(engine) == head_revision() == "0002"
+        assert current_revision(engine) == head_revision() == "0003"
         assert set(inspect(engine).get_table_names()) == TABLES | {"alembic_version"}
         upgrade(db_url)  # again, by URL: a no-op
         assert current_revision(db_url) == head_revision()
@@ -84,7 +84,7 @@ def test_0002_backfills_metric_direction_and_downgrades(db_url):
         upgrade(engine, "0001")
         with engine.begin() as conn:
             _rows_before_0002(conn)
-        upgrade(engine)
+        upgrade(engine, "0002")
         assert current_revision(engine) == "0002"
         with engine.connect() as conn:
             got = dict(conn.execute(sa.text("SELECT metric, higher_is_better FROM accuracy_results")).all())
@@ -99,5 +99,51 @@ def test_0002_backfills_metric_direction_and_downgrades(db_url):
         assert "higher_is_better" not in {c["name"] for c in inspect(engine).get_columns("accuracy_results")}
         with engine.connect() as conn:      # the rows themselves survive the downgrade
             assert conn.execute(sa.text("SELECT count(*) FROM accuracy_results")).scalar() == 5
+    finally:
+        engine.dispose()
+
+
+def test_0003_backfills_latency_threads_from_the_unit_config(db_url):
+    """Rows written before 0003 get the ``threads`` of their unit's config; a unit config without it leaves NULL,
+    which latency_table reads through to the config again (still nothing there: None)."""
+    from db import queries
+    from db.engine import session_scope
+
+    engine = get_engine(db_url)
+    try:
+        upgrade(engine, "0002")
+        now = sa.literal_column("CURRENT_TIMESTAMP")
+        with engine.begin() as conn:
+            models = sa.table("models", sa.column("id"), sa.column("name"), sa.column("fingerprint"),
+                              sa.column("config", sa.JSON), sa.column("created_at"))
+            conn.execute(models.insert().values(id=1, name="m", fingerprint="fp", config={}, created_at=now))
+            units = sa.table("work_units", sa.column("id"), sa.column("model_id"), sa.column("kind"),
+                             sa.column("config", sa.JSON), sa.column("status"), sa.column("attempts"),
+                             sa.column("code_version"), sa.column("created_at"))
+            lat = sa.table("latency_results", *(sa.column(c) for c in (
+                "unit_id", "device_type", "accelerator_name", "batch", "prompt_len", "gen_len", "p50_ms_per_token",
+                "p90_ms_per_token", "tokens_per_s", "runtime", "git_rev", "created_at")),
+                sa.column("package_versions", sa.JSON))
+            for uid, config in (("c1" * 8, {"threads": 2, "fit_unit": "x"}), ("c2" * 8, {"fit_unit": "x"})):
+                conn.execute(units.insert().values(id=uid, model_id=1, kind="latency", config=config, status="done",
+                                                   attempts=1, code_version="1", created_at=now))
+                conn.execute(lat.insert().values(unit_id=uid, device_type="cpu", accelerator_name="x", batch=1,
+                                                 prompt_len=8, gen_len=4, p50_ms_per_token=2.0, p90_ms_per_token=3.0,
+                                                 tokens_per_s=500.0, runtime="ctxsparse-dense", git_rev="r",
+                                                 package_versions={}, created_at=now))
+        upgrade(engine)
+        assert current_revision(engine) == "0003"
+        with engine.connect() as conn:
+            got = dict(conn.execute(sa.text("SELECT unit_id, threads FROM latency_results")).all())
+            spread = conn.execute(sa.text("SELECT speedup_min, speedup_max FROM latency_results")).all()
+        assert got == {"c1" * 8: 2, "c2" * 8: None} and set(spread) == {(None, None)}
+        with session_scope(engine) as s:
+            assert {r.unit_id: r.threads for r in queries.latency_table(s)} == got
+        with engine.connect() as conn:
+            command.downgrade(_alembic_config(conn), "0002")
+            conn.commit()
+        assert "threads" not in {c["name"] for c in inspect(engine).get_columns("latency_results")}
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM latency_results")).scalar() == 2
     finally:
         engine.dispose()
