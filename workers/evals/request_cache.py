@@ -210,6 +210,11 @@ def _source_hash(module_file: str) -> str:
     return hashlib.sha256(Path(module_file).read_bytes()).hexdigest()
 
 
+@functools.cache
+def _function_hash(fn) -> str:
+    return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()
+
+
 def _declaration(spec) -> str:
     """Hash of a packaged task's declaration and of its members' upstream configs (as lm-eval loads the YAML;
     memoized per declaration: MMLU's 57 YAML files take most of a second to load)."""
@@ -237,8 +242,7 @@ def task_fingerprint(name: str, limit: int | None, seed: int) -> str:
 
     spec = tasks.SUITES[name]
     data = suites.packaged_data_fingerprint(spec)
-    code = [_source_hash(__file__), _source_hash(tasks.__file__),
-            hashlib.sha256(inspect.getsource(suites.gold_index).encode()).hexdigest()]
+    code = [_source_hash(__file__), _source_hash(tasks.__file__), _function_hash(suites.gold_index)]
     return hashlib.sha256(json.dumps({"declaration": _declaration(spec), "data": data, "limit": limit,
                                       "seed": seed, "code": code, "lm_eval": lm_eval.__version__},
                                      sort_keys=True).encode()).hexdigest()

@@ -80,6 +80,12 @@ def scoring_order(requests: Sequence) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]), members
 
 
+def _check(ctx, cont, max_length: int) -> None:
+    if not len(ctx) or not len(cont) or len(cont) > max_length:
+        raise ValueError(f"cannot score a request of {len(ctx)} context and {len(cont)} continuation tokens (at "
+                         f"most {max_length})")
+
+
 def _keeps_logits(model) -> bool:
     """Whether the model's forward takes ``logits_to_keep`` (the HF causal LMs of transformers ≥ 4.50 do)."""
     try:
@@ -157,9 +163,10 @@ def scoring_lm():
             """(sum of log p(continuation), greedy == continuation) for every request of one batch, in the order
             ``collator.get_cache`` hands them out (a group's members after its representative)."""
             windows, hits, strings = [], [], []    # hits: (row, continuation tokens)
+            max_length = self.max_length          # a property that reads the model config on every call
             for row, (req_str, ctx, cont) in enumerate(chunk):
-                self._check(ctx, cont)
-                windows.append((ctx + cont)[-(self.max_length + 1):][:-1])
+                _check(ctx, cont, max_length)
+                windows.append((ctx + cont)[-(max_length + 1):][:-1])
                 placeholder = torch.empty(1, len(cont), 0)
                 for hit_str, hit_cont, _ in collator.get_cache(req_str=req_str, cxt_toks=ctx, cont_toks=cont,
                                                                logits=placeholder):
@@ -170,11 +177,6 @@ def scoring_lm():
                 if hit_str is not None:           # rolling log-likelihood windows carry no request string
                     self.cache_hook.add_partial("loglikelihood", hit_str, answer)
             return out
-
-        def _check(self, ctx, cont) -> None:
-            if not len(ctx) or not len(cont) or len(cont) > self.max_length:
-                raise ValueError(f"cannot score a request of {len(ctx)} context and {len(cont)} continuation "
-                                 f"tokens (at most {self.max_length})")
 
         def _score_windows(self, windows: list, hits: list) -> list[tuple[float, bool]]:
             """One forward over ``windows`` (token sequences, right-padded into one batch); for each hit (row,
@@ -249,14 +251,15 @@ def scoring_lm():
             size = self.batch_size if self.batch_size != "auto" else 0
             ll = np.zeros(rs.n_requests, dtype=np.float64)
             greedy = np.zeros(rs.n_requests, dtype=bool)
-            keep = self.max_length + 1
+            max_length = self.max_length
+            keep = max_length + 1
             row_off, members = rs.row_off.tolist(), rs.members.tolist()
             for chunk in Collator.get_chunks(range(n_rows), n=size, fn=batch_fn):
                 windows, hits, answered = [], [], []
                 for row, p in enumerate(chunk):
                     mine = members[row_off[p]:row_off[p + 1]]
                     ctx, cont = rs.context(mine[0]), rs.continuation(mine[0])
-                    self._check(ctx, cont)
+                    _check(ctx, cont, max_length)
                     windows.append(np.concatenate([ctx, cont])[-keep:][:-1])
                     for m in mine:
                         hits.append((row, rs.continuation(m)))
