@@ -7,9 +7,9 @@
 Runners, each decoding ``--gen`` tokens after the same prompt (the first ``--prompt`` tokens of a held-out
 LAMBADA passage, token ids shared by all runners):
 
-* ``llama.cpp``            llama-cpp-python on the GGUF file (its own quantized kernels: the activations are
-                           quantized to 8 bits per block and multiplied in integers); per token one ``eval`` of
-                           the previous token and an argmax over the logits, as our runtime does
+* ``llama.cpp``            llama-cpp-python on the GGUF file (``workers.decode.llama_cpp.LlamaCppRunner``, the
+                           runner of the sweep's ``llama.cpp`` baseline row too); per token one ``eval`` of the
+                           previous token and an argmax over the logits, as our runtime does
 * ``ours fp32``            DecodeRuntime over the dequantized fp32 weights (the CPU row kernels, native glue)
 * ``ours quant``           DecodeRuntime.from_gguf: the GGUF's blocks, fp32 activations (kernels.cpu_quant)
 * ``ours quant q8``        the same with 8-bit activations (llama.cpp's arithmetic; approximate)
@@ -34,60 +34,11 @@ import numpy as np
 import torch
 
 from benchmarks.harness import Row, Timing, command_line, write_results
+from workers.decode.llama_cpp import LlamaCppRunner, llama_cpp_missing
 
 
 def _ints(s: str) -> list[int]:
     return [int(v) for v in s.split(",") if v.strip()]
-
-
-class LlamaCppRunner:
-    """llama.cpp's greedy decode through llama-cpp-python, one context per thread count."""
-
-    def __init__(self, gguf, threads: int, n_ctx: int):
-        import llama_cpp
-
-        self.lib = llama_cpp
-        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
-                                   n_threads_batch=threads, logits_all=False, verbose=False)
-        self.n_vocab = self.llm.n_vocab()
-
-    def _argmax(self) -> int:
-        logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.n_vocab,))
-        return int(logits.argmax())
-
-    def nll(self, ids: list[int], prompt: int) -> float:
-        """Mean negative log-likelihood of ids[prompt:], each predicted by one decode step."""
-        llm = self.llm
-        llm.reset()
-        llm.eval(ids[:prompt])
-        tot = 0.0
-        for t in range(prompt, len(ids)):
-            if t > prompt:
-                llm.eval([ids[t - 1]])
-            logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(llm.ctx, -1), shape=(self.n_vocab,))
-            tot += _nll(torch.from_numpy(logits.copy()), ids[t])
-        return tot / (len(ids) - prompt)
-
-    def run(self, ids: list[int], gen: int) -> tuple[float, list[int], float | None]:
-        """(seconds for ``gen`` decode steps, the greedy tokens (the prompt's argmax first), llama.cpp's own
-        eval ms per token or None)."""
-        llm = self.llm
-        llm.reset()
-        llm.eval(ids)
-        toks = [self._argmax()]
-        perf = getattr(self.lib, "llama_perf_context_reset", None)
-        if perf is not None:
-            perf(llm.ctx)
-        t0 = time.perf_counter()
-        for _ in range(gen):
-            llm.eval([toks[-1]])
-            toks.append(self._argmax())
-        dt = time.perf_counter() - t0
-        own = None
-        if perf is not None:
-            p = self.lib.llama_perf_context(llm.ctx)
-            own = p.t_eval_ms / p.n_eval if p.n_eval else None
-        return dt, toks, own
 
 
 class OursRunner:
@@ -155,11 +106,8 @@ def main(argv=None) -> int:
     from workers.loading.data import token_windows
     from workers.loading.models import load_model
 
-    if not args.no_llama:
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
-            raise SystemExit("llama-cpp-python is not installed: `make llama-cpp` (or --no-llama)") from None
+    if not args.no_llama and (why := llama_cpp_missing()):
+        raise SystemExit(f"{why} (or --no-llama)")
     load0 = os.getloadavg()
     lm = load_model(args.model)
     gguf = lm.source
@@ -233,7 +181,7 @@ def main(argv=None) -> int:
                          meta={"model": args.model, "gguf": os.path.basename(str(gguf))})
     print(f"wrote {path}")
     for r in runners.get("llama.cpp", {}).values():
-        r.llm.close()                # before interpreter shutdown (llama-cpp-python's __del__ fails there)
+        r.close()
     return 0
 
 

@@ -12,9 +12,9 @@ DEVICE_TYPES = ("cpu", "cuda", "npu")        # where a unit runs (Ray: CPUs, GPU
 RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU"}  # the Ray resource of each accelerator device type
 UNIT_KINDS = ("collect", "fit", "eval", "latency")
 # latency rows' runtimes: our decode runtime dense / sparse, the dense half of a paired (interleaved) timing,
-# and Hugging Face generate (the baseline)
-RUNTIME_DENSE, RUNTIME_SPARSE, RUNTIME_DENSE_PAIRED, RUNTIME_HF = (
-    "ctxsparse-dense", "ctxsparse-sparse", "ctxsparse-dense-paired", "hf-generate")
+# Hugging Face generate and llama.cpp on the model's GGUF (the baselines)
+RUNTIME_DENSE, RUNTIME_SPARSE, RUNTIME_DENSE_PAIRED, RUNTIME_HF, RUNTIME_LLAMA_CPP = (
+    "ctxsparse-dense", "ctxsparse-sparse", "ctxsparse-dense-paired", "hf-generate", "llama.cpp")
 SHAPE_PREFIX = "shape:"                      # "shape:llama2-7b": the real shapes with random weights (GPU latency)
 # the ``suite`` of a task's accuracy rows, the kind of task (workers.evals.tasks.task_kind): one multiple-choice
 # task (the only ones the mean task accuracy averages), MMLU, LAMBADA, generation, other log-likelihood tasks,

@@ -9,12 +9,15 @@ A unit's ``config`` (built by the orchestrator, hashed into its id) says everyth
                                         -> accuracy rows (perplexity, realized sparsity, or task accuracy:
                                            ``task_rows``)
   latency   + fit_unit, device_type, batch, prompt_len, gen_len, repeats, runtime, threads
-                                        -> latency rows from a real decode loop
+                                        -> latency rows from a real decode loop (runtime ``llama.cpp``: llama.cpp on
+                                           the model's GGUF, interleaved with our dense decode), each row
+                                           recording the thread count it was timed at
 
 ``threads`` is torch's intra-op thread count, set before the unit computes: GEMM summation order depends on it,
 and a threshold method's |act(gate)| > t flips boundary neurons when it changes (+0.75 % perplexity seen from 1
-to 2 threads), so rows measured under different counts belong to different units. The fit itself is
-``workers.sparsity.fit`` (shared with the points runner ``benchmarks.quality``).
+to 2 threads), so rows measured under different counts belong to different units; a latency measured at one count
+holds only at that count (CPU latency units default to every core of the node: ``orchestrator.plan``). The fit
+itself is ``workers.sparsity.fit`` (shared with the points runner ``benchmarks.quality``).
 
 Fitted methods reach the evaluators only through the bundle on disk (``$CTXSPARSE_HOME/bundles``), and
 activations only through the activation cache: nothing large travels through Ray's object store.
@@ -29,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from workers.names import DENSE, UNIT_KINDS, is_shape, shape_name
+from workers.host import available_cores
+from workers.names import DENSE, RUNTIME_LLAMA_CPP, UNIT_KINDS, is_shape, shape_name
 from workers.names import shape_identity as _shape_identity
 from workers.paths import home, sha256_file
 
@@ -136,14 +140,14 @@ class Units:
             store_name, fp = shape_identity(name)
             dims = adapter_for(cfg).dims(cfg)
             return {"fingerprint": fp, "family": adapter_for(cfg).family, "ref": ref, "name": store_name,
-                    "n_params": None, "dims": asdict(dims),
+                    "n_params": None, "dims": asdict(dims), "gguf": False,
                     "calib_fp": None, "calib_n_tokens": 0, "heldout_fp": None}
 
         lm = self.lm(ref)
         calib = token_windows(lm.tokenizer, data["source"], "calib", data["calib_tokens"], data["seq_len"])
         out = {"fingerprint": lm.fingerprint, "family": lm.family, "ref": lm.ref, "name": lm.ref,
                "n_params": sum(p.numel() for p in lm.model.parameters()),
-               "dims": asdict(lm.dims),
+               "dims": asdict(lm.dims), "gguf": lm.meta.get("kind") == "gguf",   # llama.cpp can run its file
                "calib_fp": calib.fingerprint, "calib_n_tokens": calib.n_tokens, "heldout_fp": None}
         if ppl is not None:
             held = token_windows(lm.tokenizer, data["source"], "heldout", ppl["tokens"], ppl["seq_len"])
@@ -293,8 +297,22 @@ class Units:
         return None if total is None else int(total * self.memory_share * LOGITS_SHARE)
 
     def latency(self, unit_id: str, cfg: dict) -> UnitOutput:
-        from workers.decode.latency import bench_decode, random_plan
+        from workers.decode.latency import bench_decode, bench_llama_cpp, random_plan
 
+        threads = torch.get_num_threads()      # set by run() from the config: what the rows record
+        cores = available_cores()
+        if self.device == "cpu" and threads > cores:
+            log.warning("latency unit %s: %d threads on %d cores of this host (the sweep planned the count from "
+                        "the cluster's nodes): its times are oversubscribed", unit_id[:12], threads, cores)
+        if cfg["runtime"] == RUNTIME_LLAMA_CPP:     # the dense setting's baseline: llama.cpp on the model's GGUF
+            lm = self.lm(cfg["model"], cfg["model_fp"])
+            if lm.meta.get("kind") != "gguf":
+                raise ValueError(f"model {cfg['model']} was not loaded from a GGUF file: llama.cpp has nothing to run")
+            rows = bench_llama_cpp(lm.model, lm.source, prompt_len=cfg["prompt_len"], gen_len=cfg["gen_len"],
+                                   repeats=cfg["repeats"])
+            return UnitOutput(latency=rows, summary={
+                "p50_ms": round(rows[0]["p50_ms_per_token"], 2), "threads": threads,
+                "speedup_vs_paired_dense": round(rows[1]["p50_ms_per_token"] / rows[0]["p50_ms_per_token"], 3)})
         if is_shape(cfg["model"]):
             lm = self.lm(cfg["model"], cfg["model_fp"])
             st = cfg["setting"]
@@ -307,7 +325,7 @@ class Units:
                             batch=cfg["batch"], prompt_len=cfg["prompt_len"], gen_len=cfg["gen_len"],
                             repeats=cfg["repeats"], runtime=cfg["runtime"],
                             paired=bool(cfg.get("paired")) and plan is not None)
-        summary = {"p50_ms": round(rows[0]["p50_ms_per_token"], 2)} if rows else {}
+        summary = {"p50_ms": round(rows[0]["p50_ms_per_token"], 2), "threads": threads} if rows else {}
         if len(rows) == 2:      # sparse and its paired dense
             summary["speedup_vs_paired_dense"] = round(rows[1]["p50_ms_per_token"] / rows[0]["p50_ms_per_token"], 3)
         return UnitOutput(latency=rows, summary=summary)

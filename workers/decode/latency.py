@@ -1,9 +1,12 @@
-"""Decode latency rows: our runtime (dense / sparse) and Hugging Face ``generate``, as plain dicts.
+"""Decode latency rows: our runtime (dense / sparse), Hugging Face ``generate`` and llama.cpp, as plain dicts.
 
     rows = bench_decode(model, plan, device="cuda", batch=1, prompt_len=128, gen_len=64)
+    rows = bench_llama_cpp(model, gguf, prompt_len=64, gen_len=16)     # CPU; llama-cpp-python installed
 
 Each row has exactly the fields of ``db.schemas.LatencyRow`` that a worker fills (device_type, accelerator_name,
-batch, prompt_len, gen_len, p50_ms_per_token, p90_ms_per_token, tokens_per_s, realized_sparsity, runtime);
+batch, prompt_len, gen_len, p50_ms_per_token, p90_ms_per_token, tokens_per_s, realized_sparsity, runtime, threads:
+torch's thread count while timing, and for a row timed alternately with our dense decode speedup_min /
+speedup_max, the lowest and highest per-repeat speedup over it);
 ``detail=True`` adds measurement details under keys the store does not take (strip them before a LatencyRow).
 No Ray, no DB imports: the GPU benchmark script runs this module on a machine without either.
 
@@ -30,7 +33,7 @@ from workers.decode.runtime import DecodeRuntime
 from workers.decode.shapes import shape_entry
 from workers.decode.timing import densify_slow_ffn, interleaved, pick_cpu_dense, step_times
 from workers.decode.weights import random_hf_model
-from workers.names import RUNTIME_DENSE, RUNTIME_DENSE_PAIRED, RUNTIME_HF, RUNTIME_SPARSE
+from workers.names import RUNTIME_DENSE, RUNTIME_DENSE_PAIRED, RUNTIME_HF, RUNTIME_LLAMA_CPP, RUNTIME_SPARSE
 
 
 def shape_config(name: str):
@@ -140,14 +143,28 @@ def _pct(xs, q):
     return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
 
 
-def _row(device, batch, prompt_len, gen_len, times_ms, runtime, sparsity, extra):
+def _row(device, batch, prompt_len, gen_len, times_ms, runtime, sparsity, extra, spread=None):
     p50 = _pct(times_ms, 0.5)
     row = dict(device_type=torch.device(device).type, accelerator_name=accelerator_name(device), batch=batch,
                prompt_len=prompt_len, gen_len=gen_len, p50_ms_per_token=p50, p90_ms_per_token=_pct(times_ms, 0.9),
-               tokens_per_s=batch * 1000.0 / p50 if p50 > 0 else 0.0, realized_sparsity=sparsity, runtime=runtime)
+               tokens_per_s=batch * 1000.0 / p50 if p50 > 0 else 0.0, realized_sparsity=sparsity, runtime=runtime,
+               threads=torch.get_num_threads())
+    if spread is not None:
+        row.update(speedup_min=spread[0], speedup_max=spread[1])
     if extra is not None:
         row.update(extra)
     return row
+
+
+def speedup_spread(dense_runs: list[list[float]], runs: list[list[float]]) -> tuple[float, float] | None:
+    """(lowest, highest) per-repeat speedup of ``runs`` over ``dense_runs``, timed alternately with them: repeat i's
+    median dense step over its own median step (each run a list of per-step ms). None without repeats."""
+    ratios = []
+    for d, x in zip(dense_runs, runs):
+        if not d or not x or _pct(x, 0.5) <= 0:
+            return None
+        ratios.append(_pct(d, 0.5) / _pct(x, 0.5))
+    return (min(ratios), max(ratios)) if ratios else None
 
 
 _RUNTIMES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -181,7 +198,9 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
     on CUDA by itself). With ``detail`` the row says which (``hf_cache``, ``hf_compile``).
 
     ``paired`` (default: on the CPU, with a plan): dense and sparse decode the same prompts alternately in this
-    process (the order flips every repeat), and a second row ``ctxsparse-dense-paired`` carries the dense times.
+    process (the order flips every repeat), and a second row ``ctxsparse-dense-paired`` carries the dense times;
+    the sparse row's ``speedup_min`` / ``speedup_max`` are the lowest and highest per-repeat speedup
+    (:func:`speedup_spread`).
     The ratio of the two rows is what to trust on a shared machine, where the absolute times of two latency units
     run minutes apart can drift by more than the difference between settings.
 
@@ -234,7 +253,7 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
 
     runs = interleaved(plans, repeats, run, warmup)
     rows = []
-    for p, run_p in zip(plans, runs):
+    for i, (p, run_p) in enumerate(zip(plans, runs)):
         times = [t for _, ts in run_p for t in ts]
         sp = None
         if p is not None:   # input sparsity (alone or with predictors): fraction of decoder weight bytes skipped
@@ -249,7 +268,56 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
                          kv_mode=kv_mode, repeats=repeats, weight_bytes=rt.weight_bytes(),
                          dense_ffn_layers=densified if p is not None else None)
         name = RUNTIME_SPARSE if p is not None else RUNTIME_DENSE_PAIRED if paired else RUNTIME_DENSE
-        rows.append(_row(device, batch, prompt_len, gen_len, times, name, sp, extra))
+        spread = (speedup_spread([ts for _, ts in runs[1]], [ts for _, ts in run_p])
+                  if paired and i == 0 else None)
+        rows.append(_row(device, batch, prompt_len, gen_len, times, name, sp, extra, spread))
+    return rows
+
+
+@torch.no_grad()
+def bench_llama_cpp(model, gguf, *, prompt_len: int = 128, gen_len: int = 32, repeats: int = 3, warmup: int = 1,
+                    seed: int = 0, detail: bool = False) -> list[dict]:
+    """llama.cpp on ``gguf`` (the file ``model`` was loaded from) and our dense decode of ``model``, alternately on
+    the same random prompts in this process (batch 1, on the CPU, both at torch's thread count; the order flips every
+    repeat): a ``llama.cpp`` row, whose ``speedup_min`` / ``speedup_max`` are the spread of its per-repeat speedup
+    over our dense, and the ``ctxsparse-dense-paired`` row of that dense. Both decode ``gen_len - 1`` greedy steps
+    after the prompt's prefill. Without llama-cpp-python: RuntimeError with the one line of
+    ``workers.decode.llama_cpp.llama_cpp_missing``."""
+    from workers.decode.llama_cpp import LlamaCppRunner, llama_cpp_missing
+
+    why = llama_cpp_missing()
+    if why:
+        raise RuntimeError(why)
+    if gen_len < 2:
+        raise ValueError("gen_len must be >= 2 (the first token comes from the prefill)")
+    device = torch.device("cpu")
+    rt = runtime_for(model, device)
+    if rt.cpu_rows is None:
+        pick_cpu_dense(rt)           # our dense baseline is the fastest dense we can run here
+    rt.set_plan(None)
+    rt.setup(1, prompt_len + gen_len)
+    llama = LlamaCppRunner(gguf, torch.get_num_threads(), prompt_len + gen_len + 8)
+    try:
+        g = torch.Generator().manual_seed(seed)
+        V = min(rt.vocab, llama.n_vocab)
+        prompts = [torch.randint(0, V, (1, prompt_len), generator=g) for _ in range(warmup + repeats)]
+
+        def run(arm: str, r: int) -> list[float]:
+            if arm == RUNTIME_LLAMA_CPP:
+                return llama.step_times(prompts[r][0].tolist(), gen_len - 1)[0]
+            rt.prefill(prompts[r])
+            return step_times(rt, gen_len - 1)
+        llama_runs, dense_runs = interleaved([RUNTIME_LLAMA_CPP, RUNTIME_DENSE_PAIRED], repeats, run, warmup)
+    finally:
+        llama.close()
+    rows = []
+    for name, runs in ((RUNTIME_LLAMA_CPP, llama_runs), (RUNTIME_DENSE_PAIRED, dense_runs)):
+        times = [t for ts in runs for t in ts]
+        extra = dict(mean_ms_per_token=sum(times) / len(times), repeats=repeats) if detail else None
+        if detail and name == RUNTIME_LLAMA_CPP:
+            extra["gguf"] = str(gguf)
+        spread = speedup_spread(dense_runs, runs) if name == RUNTIME_LLAMA_CPP else None
+        rows.append(_row(device, 1, prompt_len, gen_len, times, name, None, extra, spread))
     return rows
 
 
