@@ -29,7 +29,7 @@ from db import queries
 from db.engine import get_engine, session_scope, upgrade
 from db.schemas import UnitSpec
 from orchestrator.placement import DevicePlacement, alive_nodes, pool_sizes
-from orchestrator.plan import PlannedUnit, plan_units
+from orchestrator.plan import PlannedUnit, node_cores, plan_units
 from orchestrator.spec import SpecError, SweepSpec, check_inputs, load_spec, parse_spec
 from workers.names import RAY_RESOURCE
 
@@ -269,7 +269,7 @@ def run_sweep(spec: SweepSpec, db_url: str | None = None, submission_id: str | N
             data = (f"calibration data {d['calib_fp'][:12]} ({d['calib_n_tokens']} tokens)" if d["calib_fp"]
                     else "random weights: latency only")
             log.info("model %s: %s, fingerprint %s; %s", ref, d["family"], d["fingerprint"][:12], data)
-        units = plan_units(spec, described)
+        units = plan_units(spec, described, cpu_cores=node_cores(alive_nodes(ray)))
         sweep_id = register(engine, spec, described, units, submission_id)
         out = _execute(ray, engine, pools, spec, sweep_id, units, heartbeat_s)
         out.model_names = [described[m]["name"] for m in spec.models]

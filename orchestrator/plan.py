@@ -11,18 +11,26 @@ canonical config (model and data fingerprints included) and ``CODE_VERSION``: th
 same id, whichever sweep asks for it, so finished units are reused and never run twice.
 
 Fit, eval and latency configs carry ``threads``, the torch thread count the worker sets before computing
-(:func:`torch_threads`): results depend on it (summation order), so rows measured under different counts
-never share a unit.
+(:func:`torch_threads`, :func:`latency_threads`): results depend on it (summation order), so rows measured under
+different counts never share a unit. CPU latency units default to every core of a node (what a user's decode
+runs on, and what the bencher has to itself while latency is timed alone); ``resources.torch_threads`` overrides
+it. On a CPU, the dense setting also gets a ``llama.cpp`` latency unit when llama-cpp-python is installed and the
+model was loaded from a GGUF file (llama.cpp on that file, interleaved with our dense decode); when it is not
+installed the plan logs why, once.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 
 from orchestrator.settings import setting_label
 from orchestrator.spec import SweepSpec
-from workers.names import DENSE, RUNTIME_HF, is_shape
+from workers.host import available_cores
+from workers.names import DENSE, RUNTIME_HF, RUNTIME_LLAMA_CPP, is_shape
+
+log = logging.getLogger("ctxsparse.plan")
 
 CODE_VERSION = "sweep-2"      # bump when a unit's computation changes meaning (old rows then stop matching)
 
@@ -61,10 +69,39 @@ def _unit(kind: str, model: str, device: str, config: dict, deps=(), label="", *
 
 
 def torch_threads(spec: SweepSpec) -> int:
-    """The torch thread count of the sweep's fit / eval / latency units: ``resources.torch_threads``, else one
-    per CPU the spec gives each actor (what Ray sets OMP_NUM_THREADS to)."""
+    """The torch thread count of the sweep's fit / eval units and GPU / NPU latency units:
+    ``resources.torch_threads``, else one per CPU the spec gives each actor (what Ray sets OMP_NUM_THREADS to)."""
     r = spec.resources
     return r.torch_threads or max(1, int(r.cpus_per_actor))
+
+
+def latency_threads(spec: SweepSpec, device: str, cpu_cores: int) -> int:
+    """The thread count of the sweep's latency units on ``device``: ``resources.torch_threads`` where the spec
+    gives it; else, on the CPU, ``cpu_cores`` (every core of a node: a user decodes on all of them, and latency is
+    timed alone, ``latency.exclusive``); on GPUs / NPUs the fit / eval count (:func:`torch_threads`)."""
+    if spec.resources.torch_threads:
+        return spec.resources.torch_threads
+    return max(1, int(cpu_cores)) if device == "cpu" else torch_threads(spec)
+
+
+def node_cores(nodes) -> int | None:
+    """The CPUs of the largest of ``nodes`` (each a node's resources as Ray reports them): where CPU latency is
+    timed, the default thread count of its units; None without a node that has CPUs."""
+    return max((int(n.get("CPU", 0)) for n in nodes), default=0) or None
+
+
+def llama_cpp_plan(spec: SweepSpec, described: dict[str, dict]) -> tuple[bool, str | None]:
+    """(whether the sweep times the ``llama.cpp`` baseline, why not where it is asked for but cannot be): on the
+    CPU, for models loaded from a GGUF file, when llama-cpp-python imports (here, where the plan is made: the
+    driver runs in the workers' environment)."""
+    if spec.latency is None or "cpu" not in spec.latency.devices or 1 not in spec.latency.batch:
+        return False, None
+    if not any(d.get("gguf") for d in described.values()):
+        return False, None
+    from workers.decode.llama_cpp import llama_cpp_missing
+
+    why = llama_cpp_missing()
+    return why is None, why
 
 
 def settings(spec: SweepSpec) -> list[dict]:
@@ -80,11 +117,20 @@ def settings(spec: SweepSpec) -> list[dict]:
     return out
 
 
-def plan_units(spec: SweepSpec, described: dict[str, dict]) -> list[PlannedUnit]:
-    """All units of the sweep, in dependency order. ``described[model]`` comes from Units.describe."""
+def plan_units(spec: SweepSpec, described: dict[str, dict], cpu_cores: int | None = None) -> list[PlannedUnit]:
+    """All units of the sweep, in dependency order. ``described[model]`` comes from Units.describe; ``cpu_cores``:
+    the CPUs of the node CPU latency is timed on (the driver: the largest node's, as Ray counts them; default: the
+    cores of this process)."""
     acc = spec.resources.accelerator
     data = spec.data.model_dump()
     threads = torch_threads(spec)
+    cores = available_cores() if cpu_cores is None else cpu_cores
+    llama, why = llama_cpp_plan(spec, described)
+    if why:
+        log.warning("no llama.cpp baseline row on the CPU front: %s", why)
+    if spec.latency is not None and "cpu" in spec.latency.devices:
+        log.info("CPU latency timed at %d threads (%s)", latency_threads(spec, "cpu", cores),
+                 "resources.torch_threads" if spec.resources.torch_threads else "every core of a node")
     units: list[PlannedUnit] = []
     for ref in spec.models:
         d = described[ref]
@@ -124,17 +170,22 @@ def plan_units(spec: SweepSpec, described: dict[str, dict]) -> list[PlannedUnit]
             if spec.latency is None:
                 continue
             lat = spec.latency
-            runtimes = ["ctxsparse"] + ([RUNTIME_HF] if st["method"] == DENSE and lat.hf_generate_baseline
-                                        else [])
+            dense = st["method"] == DENSE
             for dev in lat.devices:
+                runtimes = ["ctxsparse"] + ([RUNTIME_HF] if dense and lat.hf_generate_baseline else [])
+                if dense and dev == "cpu" and llama and d.get("gguf"):
+                    runtimes.append(RUNTIME_LLAMA_CPP)      # batch 1 only (one sequence)
                 for b in lat.batch:
                     for pl in lat.prompt_len:
                         for rt in runtimes:
+                            if rt == RUNTIME_LLAMA_CPP and b != 1:
+                                continue
                             cfg = {"model": ref, "model_fp": d["fingerprint"], "fit_unit": fit.id,
                                    "device_type": dev, "batch": b, "prompt_len": pl, "gen_len": lat.gen_len,
-                                   "repeats": lat.repeats, "runtime": rt, "threads": threads,
+                                   "repeats": lat.repeats, "runtime": rt,
+                                   "threads": latency_threads(spec, dev, cores),
                                    # a sparse setting on the CPU is timed side by side with dense (one process)
-                                   "paired": dev == "cpu" and rt == "ctxsparse" and st["method"] != DENSE}
+                                   "paired": dev == "cpu" and rt == "ctxsparse" and not dense}
                             if shape:
                                 cfg["setting"] = st
                             units.append(_unit("latency", ref, dev, cfg, [fit.id],

@@ -16,13 +16,13 @@ from sqlalchemy.orm import Session
 
 from db import queries
 from db.schemas import LatencyRecord
-from workers.names import DENSE, RUNTIME_DENSE_PAIRED, RUNTIME_HF, SUITE_MC
+from workers.names import DENSE, RUNTIME_DENSE_PAIRED, RUNTIME_HF, RUNTIME_LLAMA_CPP, SUITE_MC
 
 MEAN_TASKS = f"{SUITE_MC}/mean/acc"               # mean accuracy over the multiple-choice tasks
 # measured with each eval, not accuracy metrics
 SPARSITY_METRICS = ("mlp_sparsity", "head_sparsity", "input_sparsity", "weight_skipped")
-# timed for reference, never a setting's own latency: HF generate, and the dense half of a paired timing
-BASELINE_RUNTIMES = (RUNTIME_HF, RUNTIME_DENSE_PAIRED)
+# timed for reference, never a setting's own latency: HF generate, llama.cpp, and the dense half of a paired timing
+BASELINE_RUNTIMES = (RUNTIME_HF, RUNTIME_LLAMA_CPP, RUNTIME_DENSE_PAIRED)
 
 
 def setting_label(method: str, sparsity: float, rank: int | None, attn_sparsity: float | None,

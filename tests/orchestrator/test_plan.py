@@ -76,3 +76,95 @@ def test_every_config_field_is_part_of_the_unit_id():
             ("fit", "rank"), ("fit", "sparsity"), ("fit", "threads"), ("eval", "limit"), ("eval", "fit_unit"),
             ("eval", "heldout_fp"), ("eval", "exec_mode"), ("latency", "prompt_len"), ("latency", "paired"),
             ("latency", "runtime")} <= fields
+
+
+LATENCY = {"devices": ["cpu", "cuda"], "prompt_len": [16, 32], "gen_len": 4, "repeats": 1}
+
+
+def _latency_plan(cpu_cores, described=DESCRIBED, **resources):
+    spec = parse_spec({**SPEC, "latency": LATENCY, "resources": resources})
+    return plan_units(spec, described, cpu_cores=cpu_cores)
+
+
+def test_cpu_latency_defaults_to_every_core_and_torch_threads_overrides():
+    """CPU latency units run at every core of a node unless the spec sets torch_threads; fit / eval units and GPU
+    latency units keep the actor's count. The count is in the config, so CPU latency under another core count is
+    another unit, while every other unit keeps its id (a sweep stored before resumes with only its CPU latency
+    units to run)."""
+    from orchestrator.plan import latency_threads
+
+    four, two = _latency_plan(4), _latency_plan(2)
+    assert [u.kind for u in four] == [u.kind for u in two]
+    for a, b in zip(four, two):
+        cpu_latency = a.kind == "latency" and a.device_type == "cpu"
+        if cpu_latency:
+            assert (a.config["threads"], b.config["threads"]) == (4, 2) and a.id != b.id
+        else:
+            assert a.id == b.id and a.config.get("threads") in (None, 1)      # one CPU per actor
+    assert {u.device_type for u in four if u.kind == "latency"} == {"cpu", "cuda"}
+    for u in _latency_plan(4, torch_threads=3):                              # the spec's count wins everywhere
+        assert u.kind == "collect" or u.config["threads"] == 3
+    spec = parse_spec(SPEC)
+    assert latency_threads(spec, "cpu", 16) == 16 and latency_threads(spec, "cuda", 16) == 1
+    assert latency_threads(parse_spec({**SPEC, "resources": {"torch_threads": 2}}), "cpu", 16) == 2
+
+
+def test_cpu_latency_without_a_count_uses_this_process_cores():
+    from workers.host import available_cores
+
+    lat = [u for u in _latency_plan(None) if u.kind == "latency" and u.device_type == "cpu"]
+    assert lat and {u.config["threads"] for u in lat} == {available_cores()}
+
+
+GGUF = {"smollm2-135m": {**DESCRIBED["smollm2-135m"], "gguf": True}}
+
+
+def _llama_units(units):
+    return [u for u in units if u.config.get("runtime") == "llama.cpp"]
+
+
+def test_llama_cpp_row_is_planned_when_the_package_imports_else_the_plan_says_why(caplog):
+    """With llama-cpp-python importable here (``make llama-cpp``) the dense setting of a GGUF model gets one
+    llama.cpp unit per CPU prompt length, at the CPU latency's thread count; without it none, and one warning says
+    why and how to get it. A model not loaded from a GGUF never gets one, and no warning."""
+    from workers.decode.llama_cpp import llama_cpp_missing
+
+    why = llama_cpp_missing()
+    with caplog.at_level("WARNING", logger="ctxsparse.plan"):
+        units = _latency_plan(2, GGUF)
+    warned = [r.getMessage() for r in caplog.records if "llama.cpp" in r.getMessage()]
+    llama = _llama_units(units)
+    if why is None:
+        dense_fit = next(u.id for u in units if u.kind == "fit" and u.method == "dense")
+        assert warned == [] and len(llama) == len(LATENCY["prompt_len"])
+        assert {(u.device_type, u.config["fit_unit"], u.config["batch"], u.config["threads"]) for u in llama} == \
+            {("cpu", dense_fit, 1, 2)}
+        assert sorted(u.config["prompt_len"] for u in llama) == LATENCY["prompt_len"]
+        assert len({u.id for u in llama}) == len(llama)
+    else:
+        assert llama == [] and len(warned) == 1 and "make llama-cpp" in warned[0], warned
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ctxsparse.plan"):
+        assert _llama_units(_latency_plan(2)) == []               # no GGUF: nothing for llama.cpp to run
+    assert not [r for r in caplog.records if "llama.cpp" in r.getMessage()]
+
+
+def test_llama_cpp_row_is_absent_and_explained_where_the_package_does_not_import(monkeypatch, caplog):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)           # `import llama_cpp` raises ImportError
+    with caplog.at_level("WARNING", logger="ctxsparse.plan"):
+        units = _latency_plan(2, GGUF)
+    assert _llama_units(units) == []
+    warned = [r.getMessage() for r in caplog.records if "llama.cpp" in r.getMessage()]
+    assert warned == ["no llama.cpp baseline row on the CPU front: llama-cpp-python is not installed: "
+                      "`make llama-cpp` builds it (llama-cpp-python, about 6 minutes)"]
+    # the rest of the plan is the same as with the package
+    assert [u.id for u in units] == [u.id for u in _latency_plan(2) if u.config.get("runtime") != "llama.cpp"]
+
+
+def test_the_driver_plans_cpu_latency_on_the_largest_nodes_cores():
+    from orchestrator.plan import node_cores
+
+    assert node_cores([{"CPU": 4.0, "memory": 1e9}, {"CPU": 16.0, "GPU": 1.0}, {"GPU": 8.0}]) == 16
+    assert node_cores([{"GPU": 1.0}]) is None and node_cores([]) is None

@@ -17,6 +17,7 @@ from orchestrator.pareto import pareto
 from orchestrator.settings import settings_for_model
 from tests.sweep_support import (FAILING_ERROR, FAILING_METHOD, PERPLEXITY_METRICS, SHARED_METHOD, SHARED_OVERRIDES,
                                  copy_store, home_set_to, run_tiny_sweep, tiny_spec)
+from workers.decode.llama_cpp import llama_cpp_missing
 
 
 def _counts(url: str) -> dict:
@@ -40,8 +41,10 @@ def test_tiny_sweep_writes_every_row_once(tiny_sweep):
     spec = tiny_spec(**SHARED_OVERRIDES)
     n_settings = 1 + sum(len(m.sparsity) for m in spec.methods)                # dense + 2 (one of them fails)
     n_devices = len(spec.latency.devices)                                       # cpu, and cuda (not here)
-    # collect; per setting a fit, 2 evals and a latency unit per device type; the HF baseline per device type
-    assert outcome.total == 1 + n_settings * (1 + 2 + n_devices) + n_devices
+    llama = llama_cpp_missing() is None          # llama-cpp-python installed here: SmolLM2's GGUF gets a CPU row
+    # collect; per setting a fit, 2 evals and a latency unit per device type; the HF baseline per device type;
+    # llama.cpp on the CPU where it is installed
+    assert outcome.total == 1 + n_settings * (1 + 2 + n_devices) + n_devices + llama
     units = _all_units(url)
     assert len(units) == outcome.total
     # the failing fit and what depends on it (its 2 evals, its cpu latency unit) failed, with the reason
@@ -65,8 +68,8 @@ def test_tiny_sweep_writes_every_row_once(tiny_sweep):
     assert len(c["acc"]) == len(set(c["acc"]))                  # no duplicate rows
     assert not {k[0] for k in c["acc"] + c["lat"]} & (chain | cuda)
     n_ok = n_settings - 1
-    # each sparse setting's CPU latency unit also stores the dense timed beside it
-    assert len(c["lat"]) == len(set(c["lat"])) == n_ok + 1 + (n_ok - 1)
+    # each sparse setting's CPU latency unit also stores the dense timed beside it, and so does llama.cpp's
+    assert len(c["lat"]) == len(set(c["lat"])) == n_ok + 1 + (n_ok - 1) + 2 * llama
     with session_scope(get_engine(url)) as s:
         assert [sw.status for sw in queries.list_sweeps(s)] == ["failed"]
         assert queries.latency_table(s, device_type="cuda") == []
@@ -86,8 +89,15 @@ def test_tiny_sweep_writes_every_row_once(tiny_sweep):
         for st in ok:
             assert st.accuracy["perplexity/lambada-heldout/ppl"] > 1
             assert 0 <= st.accuracy["mc/copa/acc"] <= 1
-            assert sorted(r.runtime for r in st.latency if r.runtime != "hf-generate") == \
-                   (["ctxsparse-dense"] if st.is_dense else ["ctxsparse-dense-paired", "ctxsparse-sparse"])
+            assert sorted(r.runtime for r in st.latency if r.runtime != "hf-generate") == (
+                (["ctxsparse-dense"] + ["ctxsparse-dense-paired", "llama.cpp"] * llama) if st.is_dense
+                else ["ctxsparse-dense-paired", "ctxsparse-sparse"])
+            # every row at the spec's torch_threads (it overrides CPU latency's default of every core), and every
+            # row timed beside our dense carries the spread of its speedup over it
+            assert {r.threads for r in st.latency} == {spec.resources.torch_threads}
+            for r in st.latency:
+                paired = r.runtime in ("ctxsparse-sparse", "llama.cpp")
+                assert (r.speedup_min is not None and 0 < r.speedup_min <= r.speedup_max) == paired, r
         dense = next(st for st in ok if st.is_dense)
         assert dense.realized_sparsity == 0.0
         for st in ok:
@@ -103,7 +113,7 @@ def test_tiny_sweep_writes_every_row_once(tiny_sweep):
         layers = queries.layer_metrics_for(s, fit.fit_unit)
         assert len(layers) == 30 and all(0 <= r.recall <= 1 for r in layers)
         front = pareto(settings, "perplexity/lambada-heldout/ppl", "cpu")
-        assert front.message is None and front.front
+        assert front.message is None and front.front and front.threads == spec.resources.torch_threads
         assert failed.fit_unit not in {r.setting.fit_unit for r in front.front}
         best_ppl = min(st.accuracy["perplexity/lambada-heldout/ppl"] for st in ok)
         assert any(r.accuracy == best_ppl for r in front.front)    # the most accurate setting is never dominated
