@@ -32,7 +32,8 @@ from db import queries
 from db.engine import default_url, get_engine, session_scope
 from db.schemas import (AccuracyRecord, ArtifactRecord, DeviceType, LatencyRecord, LayerRecord, ModelInfo, SweepInfo,
                         UnitInfo)
-from orchestrator.pareto import LATENCY_TIE, Front, pareto  # noqa: F401  (LATENCY_TIE: for the views)
+from orchestrator.pareto import (LATENCY_TIE, Front, default_threads, pareto, spread_label,  # noqa: F401
+                                 threads_label)   # (LATENCY_TIE, threads_label: for the views)
 from orchestrator.settings import (BASELINE_RUNTIMES, Setting, accuracy_metrics, is_sparsity_metric,
                                   settings_for_model)
 from workers.names import DENSE
@@ -174,12 +175,22 @@ def device_types_with_rows(url: str, model_id: int) -> list[str]:
     return [d for d in DEVICE_TYPES if d in have] + sorted(have - set(DEVICE_TYPES))
 
 
-def front(url: str, model_id: int, metric: str, device_type: str) -> Front:
-    return pareto(settings(url, model_id), metric, device_type)
+def thread_counts(url: str, model_id: int, device_type: str) -> list[int]:
+    """The thread counts the settings' own latency rows on ``device_type`` were measured at, the front's default
+    (the largest) first."""
+    have = {r.threads for s in settings(url, model_id) for r in s.latency
+            if r.device_type == device_type and r.runtime not in BASELINE_RUNTIMES and r.threads is not None}
+    return sorted(have, reverse=True)
+
+
+def front(url: str, model_id: int, metric: str, device_type: str, threads: int | None = None) -> Front:
+    """The front on ``device_type`` at ``threads`` (default: the largest count with rows)."""
+    return pareto(settings(url, model_id), metric, device_type, threads=threads)
 
 
 def front_records(fr: Front) -> list[dict]:
-    """One flat row per setting of ``fr`` (what the chart and the table show)."""
+    """One flat row per setting of ``fr`` (what the chart and the table show); ``spread``: the lowest and highest
+    per-repeat paired speedup; ``note``: why a setting is slower than expected (``FrontRow.note``)."""
     dense = next((r for r in fr.rows if r.setting.is_dense), None)
     out = []
     for r in fr.rows:
@@ -189,11 +200,20 @@ def front_records(fr: Front) -> list[dict]:
         out.append({
             "setting": s.label, "method": s.method, "s": s.sparsity, "r": s.rank,
             "heads": s.attn_sparsity, "accuracy": r.accuracy, "latency_ms": r.latency_ms,
-            "speedup": speedup, "realized_sparsity": s.realized_sparsity, "on_front": r.on_front,
-            "dense": s.is_dense, "accelerator": r.accelerator, "fit_unit": s.fit_unit,
+            "speedup": speedup, "spread": spread_label(r.speedup_min, r.speedup_max),
+            "realized_sparsity": s.realized_sparsity, "on_front": r.on_front, "dense": s.is_dense,
+            "accelerator": r.accelerator, "threads": r.threads, "note": r.note or "", "fit_unit": s.fit_unit,
         })
     return sorted(out, key=lambda d: (not d["on_front"], d["latency_ms"] if d["latency_ms"] is not None else 1e30,
                                       d["setting"]))
+
+
+def baseline_records(fr: Front) -> list[dict]:
+    """The front's baselines (llama.cpp, hf-generate), one flat row each, fastest first."""
+    return [{"runtime": b.runtime, "latency_ms": b.latency_ms, "speedup": b.speedup,
+             "spread": spread_label(b.speedup_min, b.speedup_max),
+             "timed": "beside our dense decode" if b.paired else "alone", "threads": fr.threads}
+            for b in fr.baselines]
 
 
 def setting_for(url: str, model_id: int, fit_unit: str) -> Setting | None:

@@ -5,8 +5,11 @@
     ctxsparse bundle download SRC --out DIR        (SRC: a .tar.gz file or an http(s) URL to one)
 
 Export reads the fit unit's ``bundle_file`` artifacts, checks each file's sha256 against both the store and the
-bundle's own manifest, then copies the folder (or packs it). Download unpacks only the bundle's two files and
-verifies them the same way. Nothing is unpickled anywhere.
+bundle's own manifest, then copies the folder (or packs it). The copy's manifest records where the sweep timed the
+setting (``measured``: device type, accelerator, thread count, ms per token, speedup over dense and its spread,
+from the front of ``--device`` at its thread count: ``orchestrator.pareto.measurement``), so ``ctxsparse generate``
+decodes at that thread count by default. Download unpacks only the bundle's two files and verifies them the same
+way. Nothing is unpickled anywhere.
 """
 from __future__ import annotations
 
@@ -17,8 +20,9 @@ from pathlib import Path
 
 from db import queries
 from db.engine import session_scope
-from orchestrator.pareto import choose, choose_sparsest, front_for
-from workers.sparsity.bundle import BundleError, extract_bundle, load_bundle, pack_bundle
+from orchestrator.pareto import choose, choose_sparsest, front_for, measurement
+from orchestrator.settings import settings_for_model
+from workers.sparsity.bundle import BundleError, extract_bundle, load_bundle, pack_bundle, with_measurement
 from workers.paths import sha256_file
 
 
@@ -31,12 +35,14 @@ def resolve_unit(session, ref: str) -> str:
     return ids[0]
 
 
-def best_unit(session, model: str, metric: str | None, device: str, max_loss: float, by: str = "latency") -> str:
-    """The fit unit ``bundle export --best`` ships: ``orchestrator.pareto.choose`` (by latency on ``device``)
-    or ``choose_sparsest`` (by realized sparsity, any device); see there for the rules."""
+def best_unit(session, model: str, metric: str | None, device: str, max_loss: float, by: str = "latency",
+              threads: int | None = None) -> str:
+    """The fit unit ``bundle export --best`` ships: ``orchestrator.pareto.choose`` (by latency on ``device``, at
+    ``threads``: default the front's largest count) or ``choose_sparsest`` (by realized sparsity, any device); see
+    there for the rules."""
     if by not in ("latency", "sparsity"):
         raise BundleError(f"--by must be latency or sparsity, not {by!r}")
-    _, front = front_for(session, model, metric, device)
+    _, front = front_for(session, model, metric, device, threads=threads)
     if by == "sparsity":
         row = choose_sparsest(front, max_loss)
         if row is None:
@@ -73,23 +79,37 @@ def bundle_folder(session, unit_id: str) -> Path:
     return folders.pop()
 
 
-def export(session, unit_id: str, out: str | Path) -> tuple[Path, dict]:
+def measured(session, unit_id: str, device: str = "cpu", threads: int | None = None) -> dict | None:
+    """Where the sweep timed the fit unit's setting on ``device`` (``orchestrator.pareto.measurement``: the front's
+    point, at ``threads`` if given), or None when it has no latency row there."""
+    unit = queries.get_unit(session, unit_id)
+    if unit is None:
+        return None
+    return measurement(settings_for_model(session, unit.model_id), unit_id, device, threads=threads)
+
+
+def export(session, unit_id: str, out: str | Path, measured: dict | None = None) -> tuple[Path, dict]:
+    """Copy (or pack, for ``.tar.gz``) the fit unit's verified bundle to ``out``; ``measured`` goes into the copy's
+    manifest (``workers.sparsity.bundle.with_measurement``). Returns (out, the copy's manifest)."""
     src = bundle_folder(session, unit_id)
-    b = load_bundle(src)
+    load_bundle(src)
     out = Path(out)
     if out.exists():
         raise BundleError(f"{out}: already exists")
-    if out.name.endswith(".tar.gz"):
-        pack_bundle(src, out)
-    else:
-        tmp = Path(tempfile.mkdtemp(dir=out.parent if out.parent.exists() else None, prefix=".export-"))
-        try:
-            for name in ("manifest.json", "predictors.safetensors"):
-                shutil.copy2(src / name, tmp / name)
-            load_bundle(tmp)
-            tmp.rename(out)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    packed = out.name.endswith(".tar.gz")
+    tmp = Path(tempfile.mkdtemp(dir=out.parent if out.parent.exists() else None, prefix=".export-"))
+    try:
+        folder = tmp / (out.name[: -len(".tar.gz")] if packed else out.name)     # the archive's top folder
+        folder.mkdir()
+        for name in ("manifest.json", "predictors.safetensors"):
+            shutil.copy2(src / name, folder / name)
+        b = with_measurement(folder, measured) if measured is not None else load_bundle(folder)
+        if packed:
+            pack_bundle(folder, out)
+        else:
+            folder.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out, b.manifest
 
 

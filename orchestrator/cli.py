@@ -5,12 +5,13 @@ Sweeps (a thin layer over Ray's job API and the store):
   ctxsparse status [SWEEP] [--db URL] [--address URL]           sweeps, progress, failures, Ray job state
   ctxsparse logs SWEEP|SUBMISSION_ID [--address URL] [--follow] the driver's log
   ctxsparse resume SWEEP [--address URL]                        submit a stored sweep again (finished units skipped)
-  ctxsparse pareto MODEL [--metric M] [--device cpu|cuda|npu]   the Pareto front from the store
+  ctxsparse pareto MODEL [--metric M] [--device cpu|cuda|npu] [--threads N]   the Pareto front from the store
   ctxsparse bundle export UNIT|--best MODEL --out PATH          a setting's predictor bundle (folder or .tar.gz)
   ctxsparse bundle download SRC --out DIR                       unpack + verify a bundle archive (file or URL)
-  ctxsparse generate --model REF --bundle DIR --prompt TEXT [--tokens N] [--device cpu|cuda]
+  ctxsparse generate --model REF --bundle DIR --prompt TEXT [--tokens N] [--device cpu|cuda] [--threads N]
                                                                 greedy continuation with the bundle; tokens/s
-                                                                dense vs sparse on that device
+                                                                dense vs sparse on that device, at the thread
+                                                                count the sweep timed the setting at
 Single steps:
   ctxsparse ppl     [--model REF] [--source SRC] [--tokens N] [--seq-len L] [--dtype D]
   ctxsparse capture [--model REF] [--source SRC] [--tokens N] [--store-dtype D]
@@ -270,7 +271,7 @@ def cmd_pareto(args) -> int:
     from orchestrator.pareto import format_front, front_for
 
     with session_scope(_engine(args)) as s:
-        _, front = front_for(s, args.model, args.metric, args.device, args.batch)
+        _, front = front_for(s, args.model, args.metric, args.device, args.batch, args.threads)
     print(format_front(front, args.model))
     return 0
 
@@ -278,6 +279,7 @@ def cmd_pareto(args) -> int:
 def cmd_bundle(args) -> int:
     from db.engine import session_scope
     from orchestrator import bundles
+    from workers.sparsity.bundle import MEASURED
 
     if args.action == "download":
         out, m = bundles.download(args.src, args.out)
@@ -286,11 +288,15 @@ def cmd_bundle(args) -> int:
             raise ValueError("bundle export: give a fit unit id or --best MODEL (one of them)")
         with session_scope(_engine(args)) as s:
             unit = (bundles.resolve_unit(s, args.unit) if args.unit else
-                    bundles.best_unit(s, args.best, args.metric, args.device, args.max_loss, args.by))
-            out, m = bundles.export(s, unit, args.out)
+                    bundles.best_unit(s, args.best, args.metric, args.device, args.max_loss, args.by, args.threads))
+            out, m = bundles.export(s, unit, args.out, bundles.measured(s, unit, args.device, args.threads))
+    measured = m.get(MEASURED) or {}
     print(json.dumps({"bundle": str(out), "model": m["model"]["ref"], "fingerprint": m["model"]["fingerprint"][:12],
                       "method": m["method"], "sparsity": m["sparsity"], "rank": m["rank"],
-                      "attn_sparsity": m["attn_sparsity"], "unit": (m.get("unit_id") or "")[:12]}))
+                      "attn_sparsity": m["attn_sparsity"], "unit": (m.get("unit_id") or "")[:12],
+                      "measured_on": measured.get("device_type"), "threads": measured.get("threads"),
+                      "speedup_vs_dense": measured.get("speedup_vs_dense"),
+                      "speedup_spread": [measured.get("speedup_min"), measured.get("speedup_max")]}))
     return 0
 
 
@@ -298,10 +304,20 @@ def cmd_generate(args) -> int:
     from workers.decode.generate import run_bundle
 
     res = run_bundle(args.model, args.bundle, args.prompt, tokens=args.tokens, device=args.device,
-                     repeats=args.repeats)
+                     repeats=args.repeats, threads=args.threads)
     print(res.text)
     print(res.summary())
     return 0
+
+
+def _threads(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a thread count >= 1, not {v!r}")
+    return n
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -357,6 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--metric", default=None, help="e.g. perplexity/lambada-heldout/ppl, mc/mean/acc")
     sp.add_argument("--device", default="cpu", choices=list(DEVICE_TYPES))
     sp.add_argument("--batch", type=int, default=1)
+    sp.add_argument("--threads", type=_threads, default=None,
+                    help="the thread count the latencies were measured at (default: the largest with rows)")
     sp.add_argument("--db", default=None)
     sp.set_defaults(fn=cmd_pareto)
     sp = sub.add_parser("bundle", help="export or download a predictor bundle")
@@ -369,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--metric", default=None)
     be.add_argument("--device", default="cpu", choices=list(DEVICE_TYPES))
     be.add_argument("--max-loss", type=float, default=0.05, help="relative accuracy loss allowed (0.05 = 5%%)")
+    be.add_argument("--threads", type=_threads, default=None,
+                    help="choose on the front timed at this thread count (default: the largest with rows); the "
+                         "bundle records it for `generate`")
     be.add_argument("--out", required=True)
     be.add_argument("--db", default=None)
     be.set_defaults(fn=cmd_bundle)
@@ -383,6 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--tokens", type=int, default=32, help="tokens to generate (default: 32)")
     sp.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     sp.add_argument("--repeats", type=int, default=3, help="timed rounds of dense and sparse (default: 3)")
+    sp.add_argument("--threads", type=_threads, default=None,
+                    help="CPU threads (default: the count the bundle's setting was timed at in the sweep, which "
+                         "`bundle export` records; else every core)")
     sp.set_defaults(fn=cmd_generate)
     sp = sub.add_parser("ingest-kernels", help="load `benchmarks.kernels --json` results into the SQL store")
     sp.add_argument("file")

@@ -18,7 +18,16 @@ The metric's direction is the one stored with its rows (``higher_is_better``). R
   never keeps a deployable setting from being chosen;
 * a sparse setting timed together with dense (a ``ctxsparse-dense-paired`` row: both decoded alternately in one
   process) is placed at dense's own time divided by that paired speedup, so its speedup is the one measured side
-  by side, not the ratio of two units timed minutes apart.
+  by side, not the ratio of two units timed minutes apart; the lowest and highest per-repeat speedup come with it
+  (``speedup_min`` / ``speedup_max`` of its row);
+* every point of one front was timed at one thread count (``Front.threads``, said in its header): by default
+  the largest count with rows (every core of the node, the sweep's default for CPU latency), so rows of an older
+  sweep at another count neither mix in nor hide the new ones;
+* the baselines timed on the dense setting (``llama.cpp`` on the model's GGUF, interleaved with our dense decode
+  and placed like a paired setting; Hugging Face ``generate``) are listed under the front (``Front.baselines``),
+  never on it and never chosen;
+* a setting slower than another of the same method (and rank, options) that skips fewer decoder weights, beyond
+  the noise (outside both paired spreads, else by more than ``LATENCY_TIE``), says so (``FrontRow.note``).
 
 Loss against dense is relative: a lower-is-better metric (ppl) may rise by that fraction of dense's value, a
 higher-is-better one (accuracy) may fall by it. ``choose`` and ``choose_sparsest`` are pure functions of a
@@ -27,17 +36,18 @@ higher-is-better one (accuracy) may fall by it. ``choose`` and ``choose_sparsest
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from db import queries
 from db.engine import session_scope
 from db.schemas import LatencyRecord
 from orchestrator.settings import BASELINE_RUNTIMES, Setting, accuracy_metrics, settings_for_model
-from workers.names import DEVICE_TYPES, RUNTIME_DENSE_PAIRED
+from workers.names import DEVICE_TYPES, RUNTIME_DENSE_PAIRED, RUNTIME_LLAMA_CPP
 
 NOT_DEPLOYABLE = ("oracle",)   # upper bounds: they read the dense activations they are meant to skip
 LOSS_TOLERANCE = 1e-9          # a loss exactly at --max-loss qualifies, whatever the float rounding of a/b - 1
 LATENCY_TIE = 0.02             # p50 latencies closer than this (relative) are equal: measurement noise
+PAIRED_BASELINES = (RUNTIME_LLAMA_CPP,)   # baselines timed alternately with our dense decode in one process
 
 
 def _faster(t2: float, t: float) -> bool:
@@ -65,6 +75,21 @@ class FrontRow:
     accelerator: str | None
     on_front: bool
     paired_speedup: float | None = None    # dense / sparse p50 timed side by side in one process
+    speedup_min: float | None = None       # the lowest and highest per-repeat paired speedup
+    speedup_max: float | None = None
+    threads: int | None = None             # of its latency row
+    note: str | None = None                # slower than a setting of its method that skips fewer weights
+
+
+@dataclass
+class Baseline:
+    """A reference runtime timed on the dense setting: ``llama.cpp``, ``hf-generate``."""
+    runtime: str
+    latency_ms: float                      # placed like a paired setting where timed beside our dense
+    speedup: float | None                  # our dense / its time (> 1: faster than our dense)
+    paired: bool                           # speedup measured side by side in one process
+    speedup_min: float | None = None
+    speedup_max: float | None = None
 
 
 @dataclass
@@ -77,6 +102,8 @@ class Front:
     batch: int | None = None
     prompt_len: int | None = None
     message: str | None = None         # why there is no front (no latency rows for this device, no accuracy)
+    threads: int | None = None         # the thread count every point was timed at (None: rows that do not say)
+    baselines: list[Baseline] = field(default_factory=list)
 
     @property
     def direction(self) -> str:
@@ -120,64 +147,182 @@ def _nondominated(points: list[tuple[str, float, float]], higher_better: bool) -
     return front
 
 
+def _at(r: LatencyRecord, device_type: str, accelerator: str | None, batch: int, prompt_len: int | None,
+        threads: int | None) -> bool:
+    return (r.device_type == device_type and r.batch == batch and r.threads == threads
+            and (accelerator is None or r.accelerator_name == accelerator)
+            and (prompt_len is None or r.prompt_len == prompt_len))
+
+
 def pick_latency(s: Setting, device_type: str, accelerator: str | None, batch: int,
-                 prompt_len: int | None) -> LatencyRecord | None:
-    """The setting's own latency row on (device type, accelerator, batch, prompt length); the shortest prompt
-    when ``prompt_len`` is None. Hugging Face baseline rows never count."""
-    rows = [r for r in s.latency if r.device_type == device_type and r.batch == batch
-            and r.runtime not in BASELINE_RUNTIMES and (accelerator is None or r.accelerator_name == accelerator)
-            and (prompt_len is None or r.prompt_len == prompt_len)]
+                 prompt_len: int | None, threads: int | None = None) -> LatencyRecord | None:
+    """The setting's own latency row on (device type, accelerator, batch, prompt length, thread count); the
+    shortest prompt when ``prompt_len`` is None. Baseline rows (Hugging Face, llama.cpp, a paired dense) never
+    count."""
+    rows = [r for r in s.latency if r.runtime not in BASELINE_RUNTIMES
+            and _at(r, device_type, accelerator, batch, prompt_len, threads)]
     return min(rows, key=lambda r: (r.prompt_len, r.accelerator_name), default=None)
 
 
 def paired_dense(s: Setting, own: LatencyRecord) -> LatencyRecord | None:
-    """The dense row timed alongside the setting's own row ``own`` (same device, accelerator, batch, prompt)."""
-    return next((r for r in s.latency if r.runtime == RUNTIME_DENSE_PAIRED and r.device_type == own.device_type
-                 and r.accelerator_name == own.accelerator_name and r.batch == own.batch
-                 and r.prompt_len == own.prompt_len and r.p50_ms_per_token > 0), None)
+    """The dense row timed alongside the setting's own row ``own`` (same device, accelerator, batch, prompt,
+    threads)."""
+    return next((r for r in s.latency if r.runtime == RUNTIME_DENSE_PAIRED and r.p50_ms_per_token > 0
+                 and _at(r, own.device_type, own.accelerator_name, own.batch, own.prompt_len, own.threads)), None)
+
+
+def default_threads(rows: list[LatencyRecord]) -> int | None:
+    """The thread count a front is drawn at when none is asked for: the largest with rows (None if no row says)."""
+    return max((r.threads for r in rows if r.threads is not None), default=None)
+
+
+@dataclass(frozen=True)
+class Point:
+    """Where every latency of one front was measured."""
+    device_type: str
+    accelerator: str | None
+    batch: int
+    prompt_len: int | None
+    threads: int | None
+
+
+def front_point(settings: list[Setting], device_type: str, *, accelerator: str | None = None, batch: int = 1,
+                prompt_len: int | None = None, threads: int | None = None) -> Point:
+    """The point of a front: without ``accelerator`` / ``threads`` / ``prompt_len``, the first accelerator name
+    (sorted), its largest thread count (:func:`default_threads`) and its shortest prompt there."""
+    rows = [r for s in settings for r in s.latency if r.device_type == device_type and r.batch == batch
+            and r.runtime not in BASELINE_RUNTIMES]
+    if accelerator is None and rows:
+        accelerator = sorted({r.accelerator_name for r in rows})[0]
+    if threads is None:
+        threads = default_threads([r for r in rows if r.accelerator_name == accelerator])
+    if prompt_len is None:
+        prompt_len = min((r.prompt_len for r in rows if r.accelerator_name == accelerator and r.threads == threads),
+                         default=None)
+    return Point(device_type, accelerator, batch, prompt_len, threads)
+
+
+def timing(s: Setting, dense_lr: LatencyRecord | None, at: Point) -> tuple[LatencyRecord | None, FrontRow]:
+    """The setting's own row at ``at`` and its timing as a front row (accuracy left 0): ms per token (a paired
+    setting at dense's own time ``dense_lr`` over its side-by-side speedup), the paired speedup and its spread."""
+    lr = pick_latency(s, at.device_type, at.accelerator, at.batch, at.prompt_len, at.threads)
+    row = FrontRow(s, 0.0, lr.p50_ms_per_token if lr else None, lr.accelerator_name if lr else None, False,
+                   threads=lr.threads if lr else None)
+    pair = lr and not s.is_dense and paired_dense(s, lr)
+    if pair and lr.p50_ms_per_token > 0:
+        row.paired_speedup = pair.p50_ms_per_token / lr.p50_ms_per_token
+        row.speedup_min, row.speedup_max = lr.speedup_min, lr.speedup_max
+        if dense_lr is not None:
+            row.latency_ms = dense_lr.p50_ms_per_token / row.paired_speedup
+    return lr, row
 
 
 def pareto(settings: list[Setting], metric: str, device_type: str, *, accelerator: str | None = None,
-           batch: int = 1, prompt_len: int | None = None) -> Front:
-    """The front of ``settings`` on (``metric``, p50 ms per token on ``device_type``).
-
-    Without ``accelerator`` / ``prompt_len`` the first accelerator name (sorted) and its shortest prompt are used,
-    so every point of one front was timed on the same thing."""
+           batch: int = 1, prompt_len: int | None = None, threads: int | None = None) -> Front:
+    """The front of ``settings`` on (``metric``, p50 ms per token on ``device_type``), at :func:`front_point`:
+    every point of one front was timed on the same thing at the same thread count."""
     higher = metric_direction(settings, metric)
     with_acc = [s for s in settings if metric in s.accuracy]
-    lat_rows = [r for s in settings for r in s.latency if r.device_type == device_type and r.batch == batch
-                and r.runtime not in BASELINE_RUNTIMES]
-    if accelerator is None and lat_rows:
-        accelerator = sorted({r.accelerator_name for r in lat_rows})[0]
-    if prompt_len is None and lat_rows:
-        prompt_len = min(r.prompt_len for r in lat_rows if r.accelerator_name == accelerator)
-    front = Front(metric, device_type, higher, [], accelerator, batch, prompt_len)
+    at = front_point(settings, device_type, accelerator=accelerator, batch=batch, prompt_len=prompt_len,
+                     threads=threads)
+    front = Front(metric, device_type, higher, [], at.accelerator, batch, at.prompt_len, threads=at.threads)
     if not with_acc:
         front.message = f"no setting has a {metric!r} row yet"
         return front
-    if not lat_rows:
+    if at.accelerator is None:
         front.message = (f"no latency rows for device type {device_type!r} (batch {batch}) yet: "
                          "accuracy only, no front")
         front.rows = [FrontRow(s, s.accuracy[metric], None, None, False) for s in with_acc]
         return front
     dense = next((s for s in settings if s.is_dense), None)
-    dense_lr = dense and pick_latency(dense, device_type, accelerator, batch, prompt_len)
+    dense_lr = dense and pick_latency(dense, device_type, at.accelerator, batch, at.prompt_len, at.threads)
     pts = []
     for s in with_acc:
-        lr = pick_latency(s, device_type, accelerator, batch, prompt_len)
-        ms, speedup = (lr.p50_ms_per_token if lr else None), None
-        pair = lr and not s.is_dense and paired_dense(s, lr)
-        if pair and lr.p50_ms_per_token > 0:
-            speedup = pair.p50_ms_per_token / lr.p50_ms_per_token
-            if dense_lr is not None:
-                ms = dense_lr.p50_ms_per_token / speedup
-        front.rows.append(FrontRow(s, s.accuracy[metric], ms, lr.accelerator_name if lr else None, False, speedup))
+        lr, row = timing(s, dense_lr, at)
+        row.accuracy = s.accuracy[metric]
+        front.rows.append(row)
         if lr is not None:
-            pts.append((s.fit_unit, s.accuracy[metric], ms))
+            pts.append((s.fit_unit, row.accuracy, row.latency_ms))
+    if not pts:
+        front.message = (f"no setting has a latency row on {at.accelerator} at {threads_label(at.threads)} "
+                         f"(batch {batch}, prompt {at.prompt_len})")
     on = _nondominated(pts, bool(higher))
     for r in front.rows:
         r.on_front = r.setting.fit_unit in on
+    _note_slower_with_more_skipped(front.rows)
+    if dense is not None and dense_lr is not None:
+        front.baselines = baselines(dense, dense_lr)
     return front
+
+
+def measurement(settings: list[Setting], fit_unit: str, device_type: str = "cpu", *, batch: int = 1,
+                threads: int | None = None) -> dict | None:
+    """Where and how fast the setting ``fit_unit`` was timed on the front of ``device_type`` (its default point,
+    or at ``threads``): what ``bundle export`` writes into the bundle's manifest (``measured``), so that
+    ``ctxsparse generate`` runs at the same thread count. None when the setting has no latency there."""
+    at = front_point(settings, device_type, batch=batch, threads=threads)
+    s = next((x for x in settings if x.fit_unit == fit_unit), None)
+    if s is None or at.accelerator is None:
+        return None
+    dense = next((x for x in settings if x.is_dense), None)
+    dense_lr = dense and pick_latency(dense, device_type, at.accelerator, batch, at.prompt_len, at.threads)
+    lr, row = timing(s, dense_lr, at)
+    if lr is None:
+        return None
+    speedup = row.paired_speedup or (dense_lr.p50_ms_per_token / row.latency_ms if dense_lr and row.latency_ms
+                                     else None)
+    return {"device_type": device_type, "accelerator": at.accelerator, "threads": at.threads, "batch": batch,
+            "prompt_len": at.prompt_len, "gen_len": lr.gen_len, "p50_ms_per_token": row.latency_ms,
+            "speedup_vs_dense": speedup, "speedup_min": row.speedup_min, "speedup_max": row.speedup_max,
+            "paired": row.paired_speedup is not None}
+
+
+def baselines(dense: Setting, dense_lr: LatencyRecord) -> list[Baseline]:
+    """The reference runtimes timed on the dense setting at the point of its own row ``dense_lr`` (device,
+    accelerator, batch, prompt, threads): one timed beside our dense decode (llama.cpp) is placed at dense's own
+    time over that side-by-side speedup, like a paired setting; one timed alone (HF generate) at its own time.
+    Fastest first."""
+    out = []
+    for r in dense.latency:
+        if r.runtime not in BASELINE_RUNTIMES or r.runtime == RUNTIME_DENSE_PAIRED or r.p50_ms_per_token <= 0 \
+                or not _at(r, dense_lr.device_type, dense_lr.accelerator_name, dense_lr.batch, dense_lr.prompt_len,
+                           dense_lr.threads):
+            continue
+        pair = paired_dense(dense, r) if r.runtime in PAIRED_BASELINES else None
+        if pair is not None:
+            speedup = pair.p50_ms_per_token / r.p50_ms_per_token
+            out.append(Baseline(r.runtime, dense_lr.p50_ms_per_token / speedup, speedup, True,
+                                r.speedup_min, r.speedup_max))
+        else:
+            out.append(Baseline(r.runtime, r.p50_ms_per_token, dense_lr.p50_ms_per_token / r.p50_ms_per_token,
+                                False))
+    return sorted(out, key=lambda b: (b.latency_ms, b.runtime))
+
+
+def _family(s: Setting) -> tuple:
+    return (s.method, s.rank, s.attn_sparsity, s.allocation, tuple(sorted((k, str(v)) for k, v in s.options.items())))
+
+
+def _clearly_slower(a: FrontRow, b: FrontRow) -> bool:
+    """``a`` is slower than ``b`` beyond the noise: outside both paired spreads where both have one, else by more
+    than LATENCY_TIE."""
+    if None not in (a.speedup_max, b.speedup_min):
+        return a.speedup_max < b.speedup_min
+    return _faster(b.latency_ms, a.latency_ms)
+
+
+def _note_slower_with_more_skipped(rows: list[FrontRow]) -> None:
+    """Mark each timed sparse setting that is slower than a setting of its family (method, rank, options) skipping
+    fewer decoder weights: more bytes skipped should not cost time, so the table says where it did."""
+    timed = [r for r in rows if r.latency_ms is not None and not r.setting.is_dense
+             and r.setting.realized_sparsity is not None]
+    for a in timed:
+        fewer = [b for b in timed if b is not a and _family(b.setting) == _family(a.setting)
+                 and b.setting.realized_sparsity < a.setting.realized_sparsity and _clearly_slower(a, b)]
+        if fewer:
+            b = min(fewer, key=lambda b: b.latency_ms)
+            a.note = (f"slower than {b.setting.label}, which skips fewer weights "
+                      f"({b.setting.realized_sparsity:.3f} < {a.setting.realized_sparsity:.3f})")
 
 
 # ---------------------------------------------------------------- from the store
@@ -196,8 +341,9 @@ def model_id_for(session, name: str) -> int:
 
 
 def front_for(session, model: str, metric: str | None = None, device_type: str = "cpu",
-              batch: int = 1) -> tuple[list[Setting], Front]:
-    """The model's settings and their front on ``metric`` (default: the first of ``accuracy_metrics``)."""
+              batch: int = 1, threads: int | None = None) -> tuple[list[Setting], Front]:
+    """The model's settings and their front on ``metric`` (default: the first of ``accuracy_metrics``), at
+    ``threads`` (default: the largest count with rows)."""
     settings = settings_for_model(session, model_id_for(session, model))
     metrics = accuracy_metrics(settings)
     if metric is None:
@@ -206,7 +352,7 @@ def front_for(session, model: str, metric: str | None = None, device_type: str =
         metric = metrics[0]
     elif metric not in metrics:
         raise ParetoError(f"model {model!r} has no metric {metric!r}; it has: {', '.join(metrics) or 'none'}")
-    return settings, pareto(settings, metric, device_type, batch=batch)
+    return settings, pareto(settings, metric, device_type, batch=batch, threads=threads)
 
 
 # ---------------------------------------------------------------- the choice
@@ -273,15 +419,26 @@ def choose_sparsest(front: Front, max_loss: float) -> FrontRow | None:
 # ---------------------------------------------------------------- printing
 
 
+def threads_label(threads: int | None) -> str:
+    """``2 threads``, ``1 thread``; ``threads not recorded`` for rows that do not say."""
+    return "threads not recorded" if threads is None else f"{threads} thread{'' if threads == 1 else 's'}"
+
+
+def spread_label(lo: float | None, hi: float | None) -> str:
+    """``1.09-1.15x``: the lowest and highest per-repeat paired speedup ('' without them)."""
+    return "" if lo is None or hi is None else f"{lo:.2f}-{hi:.2f}x"
+
+
 def format_front(front: Front, model: str) -> str:
+    where = (f" [{front.accelerator}, batch {front.batch}, prompt {front.prompt_len}, {threads_label(front.threads)}]"
+             if front.accelerator else "")
     head = (f"Pareto front: {model}, {front.metric} ({front.direction} is better) vs p50 ms/token on "
-            f"{front.device_type}" + (f" [{front.accelerator}, batch {front.batch}, prompt {front.prompt_len}]"
-                                       if front.accelerator else ""))
+            f"{front.device_type}{where}")
     lines = [head]
     if front.message:
         lines.append(f"  note: {front.message}")
     lines.append(f"  {'':2}{'setting':<40} {'accuracy':>10} {'Δ vs dense':>10} {'ms/token':>9} {'speedup':>8} "
-                 f"{'skipped':>7}  fit unit")
+                 f"{'spread':>11} {'skipped':>7}  fit unit")
     dense = front.dense
     rows = sorted(front.rows, key=lambda r: (not r.on_front, r.latency_ms if r.latency_ms is not None else 1e30,
                                              r.setting.label))
@@ -290,15 +447,25 @@ def format_front(front: Front, model: str) -> str:
         spd = r.paired_speedup or ((dense.latency_ms / r.latency_ms) if dense and dense.latency_ms and r.latency_ms
                                    else None)
         rs = r.setting.realized_sparsity
-        lines.append(f"  {'*' if r.on_front else ' ':2}{r.setting.label:<40} {r.accuracy:>10.4g} "
-                     f"{'' if change is None else f'{100 * change:+.1f}%':>10} "
+        lines.append(f"  {'*' if r.on_front else ' ':1}{'!' if r.note else ' ':1}{r.setting.label:<40} "
+                     f"{r.accuracy:>10.4g} {'' if change is None else f'{100 * change:+.1f}%':>10} "
                      f"{'-' if r.latency_ms is None else f'{r.latency_ms:.2f}':>9} "
-                     f"{'' if spd is None else f'{spd:.2f}x':>8} {'' if rs is None else f'{rs:.3f}':>7}  "
-                     f"{r.setting.fit_unit[:12]}")
+                     f"{'' if spd is None else f'{spd:.2f}x':>8} {spread_label(r.speedup_min, r.speedup_max):>11} "
+                     f"{'' if rs is None else f'{rs:.3f}':>7}  {r.setting.fit_unit[:12]}")
+    if front.baselines:
+        lines.append("  baselines timed on the dense setting (never on the front, never chosen):")
+    for b in front.baselines:
+        lines.append(f"  {'':2}{b.runtime:<40} {'':>10} {'':>10} {b.latency_ms:>9.2f} "
+                     f"{'' if b.speedup is None else f'{b.speedup:.2f}x':>8} "
+                     f"{spread_label(b.speedup_min, b.speedup_max):>11}")
+    for r in rows:
+        if r.note:
+            lines.append(f"  ! {r.setting.label}: {r.note}")
     lines.append("  (* = on the front; Δ = the metric's relative change; the oracle is a bound, never chosen;")
     lines.append("   speedup: dense / sparse timed side by side in one process where the unit did so, and ms/token")
-    lines.append("   is then dense's own time divided by it; skipped: the fraction of decoder weights a token does not")
-    lines.append("   read, realized on the held-out run)")
+    lines.append("   is then dense's own time divided by it; spread: the lowest and highest speedup of the repeats;")
+    lines.append("   skipped: the fraction of decoder weights a token does not read, realized on the held-out run;")
+    lines.append("   llama.cpp: the model's GGUF timed beside our dense decode; hf-generate: timed alone)")
     return "\n".join(lines)
 
 

@@ -12,7 +12,7 @@ url = data.db_url()
 st.title("Pareto front")
 require_store(url)
 
-c1, c2, c3 = st.columns([2, 2, 1])
+c1, c2, c3, c4 = st.columns([2, 2, 1, 1])
 with c1:
     model = model_picker(url, key="pareto_model")
 if model is None:
@@ -29,13 +29,17 @@ with c3:
     device = st.selectbox("Device type", devices, key="pareto_device",
                           format_func=lambda d: d if d in with_rows else f"{d} (no latency rows)")
 
-fr = data.front(url, model.id, metric, device)
+counts = data.thread_counts(url, model.id, device)
+with c4:      # every point of a front was timed at one thread count: the largest by default (every core)
+    threads = st.selectbox("Threads", counts, key="pareto_threads") if len(counts) > 1 else None
+
+fr = data.front(url, model.id, metric, device, threads)
 df = pd.DataFrame(data.front_records(fr))
 y_title = f"{metric} ({fr.direction} is better)"      # the direction stored with the metric's rows
 if fr.accelerator:
     st.caption(f"p50 ms per token on {fr.device_type} · {fr.accelerator} · batch {fr.batch} · "
-               f"prompt {fr.prompt_len} tokens; the front: settings no other setting beats on both axes "
-               f"(latencies within {data.LATENCY_TIE:.0%} count as equal).")
+               f"prompt {fr.prompt_len} tokens · timed at {data.threads_label(fr.threads)}; the front: settings "
+               f"no other setting beats on both axes (latencies within {data.LATENCY_TIE:.0%} count as equal).")
 if fr.message:
     st.warning(f"No Pareto front for {model.name} on {device}: {fr.message}.")
 
@@ -43,7 +47,8 @@ tooltip = [alt.Tooltip("setting:N"), alt.Tooltip("method:N"), alt.Tooltip("s:Q",
            alt.Tooltip("r:Q"), alt.Tooltip("accuracy:Q", title=metric, format=".4g"),
            alt.Tooltip("latency_ms:Q", title="p50 ms/token", format=".3f"),
            alt.Tooltip("realized_sparsity:Q", title="decoder weights skipped", format=".3f"),
-           alt.Tooltip("speedup:Q", format=".2f"), alt.Tooltip("on_front:N", title="on front")]
+           alt.Tooltip("speedup:Q", format=".2f"), alt.Tooltip("spread:N", title="speedup spread"),
+           alt.Tooltip("on_front:N", title="on front")]
 y = alt.Y("accuracy:Q", title=y_title, scale=alt.Scale(zero=False, padding=24, reverse=fr.direction == "lower"))
 color = alt.Color("method:N", title="method", scale=alt.Scale(scheme="tableau10"))
 timed = df[df["latency_ms"].notna()] if not df.empty else df
@@ -70,11 +75,12 @@ elif not df.empty:
         color=color, tooltip=tooltip)
     st.altair_chart(bars.properties(height=330), width="stretch")
 
-columns = ["setting", "method", "s", "r", "accuracy", "latency_ms", "speedup", "realized_sparsity", "accelerator",
-           "fit_unit"]
+columns = ["setting", "method", "s", "r", "accuracy", "latency_ms", "speedup", "spread", "realized_sparsity",
+           "accelerator", "threads", "note", "fit_unit"]
 config = {"accuracy": st.column_config.NumberColumn(metric, format="%.4g"),
           "latency_ms": st.column_config.NumberColumn("p50 ms/token", format="%.3f"),
           "speedup": st.column_config.NumberColumn("speedup vs dense", format="%.2fx"),
+          "spread": st.column_config.TextColumn("speedup spread (repeats)"),
           "realized_sparsity": st.column_config.NumberColumn("weights skipped", format="%.3f"),
           "s": st.column_config.NumberColumn("s", format="%.2f")}
 st.subheader("Front")
@@ -83,6 +89,14 @@ if front.empty:
     st.info("No setting is on a front here (no latency rows for this device type).")
 else:
     st.dataframe(front[columns], hide_index=True, width="stretch", column_config=config, key="front_table")
+
+baselines = data.baseline_records(fr)
+if baselines:
+    st.subheader("Baselines")
+    st.caption("Timed on the dense setting at the front's point, never on the front: llama.cpp on the model's GGUF "
+               "(beside our dense decode, placed at dense's time over that speedup), Hugging Face generate (alone).")
+    st.dataframe(pd.DataFrame(baselines), hide_index=True, width="stretch", key="baselines_table",
+                 column_config={"latency_ms": config["latency_ms"], "speedup": config["speedup"]})
 
 st.subheader("All settings")
 picked = st.dataframe(df[columns + ["on_front"]], hide_index=True, width="stretch", column_config=config,

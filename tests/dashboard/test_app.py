@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import tarfile
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 
 from dashboard import data
 from tests.sweep_support import FAILING_ERROR
+from workers.decode.llama_cpp import llama_cpp_missing
 
 PAGES = ("views/overview.py", "views/pareto.py", "views/unit.py", "views/bundle.py")
 
@@ -40,7 +42,12 @@ def _all_table(at):
 
 
 def _front_table(at):
-    (df,) = [d.value for d in at.dataframe if "on_front" not in d.value.columns]
+    (df,) = [d.value for d in at.dataframe if "on_front" not in d.value.columns and "runtime" not in d.value.columns]
+    return df
+
+
+def _baselines_table(at):
+    (df,) = [d.value for d in at.dataframe if "runtime" in d.value.columns]
     return df
 
 
@@ -160,6 +167,20 @@ def test_pareto_cpu(app, tiny_sweep):
     assert all_rows["latency_ms"].notna().all()
     expected = data.front(url, mid, metric, "cpu")
     assert set(front["fit_unit"]) == {r.setting.fit_unit for r in expected.front}
+    # the thread count every point was timed at (the tiny sweep's torch_threads overrides every core), and the
+    # baselines timed on the dense setting: HF generate, and llama.cpp where llama-cpp-python is installed
+    assert "timed at 1 thread;" in _texts(at.caption) and set(all_rows["threads"]) == {1}
+    assert data.thread_counts(url, mid, "cpu") == [1]
+    assert "pareto_threads" not in [sb.key for sb in at.selectbox]        # one count: nothing to pick
+    sparse = all_rows[all_rows["method"] == "threshold"]
+    assert re.fullmatch(r"\d+\.\d\d-\d+\.\d\dx", sparse["spread"].iloc[0])
+    base = _baselines_table(at)
+    llama = llama_cpp_missing() is None
+    assert sorted(base["runtime"]) == sorted(["hf-generate"] + ["llama.cpp"] * llama)
+    assert list(base["runtime"]) == [b.runtime for b in expected.baselines]
+    if llama:
+        row = base[base["runtime"] == "llama.cpp"].iloc[0]
+        assert row["timed"] == "beside our dense decode" and re.fullmatch(r"\d+\.\d\d-\d+\.\d\dx", row["spread"])
 
 
 def test_pareto_other_metric(app, tiny_sweep):
@@ -220,7 +241,12 @@ def test_unit_page(app, tiny_sweep):
     assert "dense · hf-generate" in series                                   # the Hugging Face baseline
     assert any(x.startswith("this setting · ") for x in series)
     assert any(x.startswith("dense · ") and x != "dense · hf-generate" for x in series)
-    assert set(lat["device"]) == {f"cpu · {a}" for a in lat["device"].str.split(" · ").str[1]}
+    # one panel per device · accelerator · thread count: the tiny sweep's rows all at its torch_threads (1)
+    assert set(lat["device"]) == {f"cpu · {a} · 1 thread" for a in lat["device"].str.split(" · ").str[1]}
+    assert set(lat["threads"]) == {1}
+    paired = lat[lat["runtime"] == "ctxsparse-sparse"]
+    assert len(paired) == 1 and re.fullmatch(r"\d+\.\d\d-\d+\.\d\dx", paired["speedup_spread"].iloc[0])
+    assert (lat[lat["runtime"] == "hf-generate"]["speedup_spread"] == "").all()
     config = json.loads(at.json[0].value)                     # the unit config that produced the setting
     assert config == data.unit(url, fit).config and config["method"] == "threshold" and config["sparsity"] == 0.5
     # and the spec of every sweep the setting belongs to

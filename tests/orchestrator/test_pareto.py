@@ -25,6 +25,7 @@ from orchestrator.pareto import (
     ParetoError,
     choose,
     choose_sparsest,
+    format_front,
     loss_vs_dense,
     metric_direction,
     pareto,
@@ -40,12 +41,15 @@ def _uid(label: str) -> str:
 
 
 def _lat(unit: str, ms: float, device: str = "cpu", accelerator: str = "cpu-a", batch: int = 1,
-         prompt_len: int = 16, runtime: str = "ctxsparse-sparse") -> LatencyRecord:
+         prompt_len: int = 16, runtime: str = "ctxsparse-sparse", threads: int | None = None,
+         spread: tuple[float, float] | None = None) -> LatencyRecord:
+    lo, hi = spread or (None, None)
     return LatencyRecord(unit_id=unit, model_id=1, model_name="m", method=None, sparsity=None, rank=None,
                          attn_sparsity=None, device_type=device, accelerator_name=accelerator, batch=batch,
                          prompt_len=prompt_len, gen_len=8, p50_ms_per_token=ms, p90_ms_per_token=ms,
-                         tokens_per_s=1000.0 / ms, realized_sparsity=None, runtime=runtime, git_rev="r",
-                         package_versions={}, created_at=datetime.now(timezone.utc))
+                         tokens_per_s=1000.0 / ms, realized_sparsity=None, runtime=runtime, threads=threads,
+                         speedup_min=lo, speedup_max=hi, git_rev="r", package_versions={},
+                         created_at=datetime.now(timezone.utc))
 
 
 def setting(method: str, s: float = 0.5, *, ppl: float | None = None, acc: float | None = None,
@@ -158,6 +162,101 @@ def test_paired_timing_places_a_setting_at_dense_over_its_side_by_side_speedup(g
     # without the pair the 12 ms of its own unit would put it behind dense: off the front
     a.latency = a.latency[:1]
     assert "dejavu s=0.5" not in _labels(pareto(list(grid.values()), PPL, "cpu").front)
+
+
+def _paired(st: Setting, sparse_ms: float, dense_ms: float, spread=None, threads: int | None = 2, **kw) -> None:
+    st.latency += [_lat(st.fit_unit, sparse_ms, threads=threads, spread=spread, **kw),
+                   _lat(st.fit_unit, dense_ms, runtime="ctxsparse-dense-paired", threads=threads, **kw)]
+
+
+def test_the_front_is_drawn_at_one_thread_count_the_largest_by_default():
+    """An older sweep timed every setting at 1 thread, the new one at 2 (every core): by default the front is the
+    2-thread one (its rows only; a setting timed only at 1 thread has no latency there), and asked for 1 thread
+    the old one; the header says which."""
+    dense = setting("dense", ppl=40.0)
+    dense.latency += [_lat(dense.fit_unit, 10.0, runtime="ctxsparse-dense", threads=1),
+                      _lat(dense.fit_unit, 6.0, runtime="ctxsparse-dense", threads=2)]
+    teal = setting("teal", 0.35, ppl=41.0)
+    _paired(teal, 9.0, 10.0, (1.09, 1.13), threads=1)       # 1.11x at 1 thread
+    _paired(teal, 6.5, 6.0, (0.90, 0.95), threads=2)        # 0.92x at 2
+    old = setting("svd", ppl=45.0)
+    _paired(old, 5.0, 10.0, (1.9, 2.1), threads=1)          # timed only at 1 thread
+    fr = pareto([dense, teal, old], PPL, "cpu")
+    assert fr.threads == 2 and "2 threads]" in format_front(fr, "m").splitlines()[0]
+    rows = {r.setting.label: r for r in fr.rows}
+    assert rows["dense"].latency_ms == 6.0 and rows["dense"].threads == 2
+    assert rows["teal s=0.35"].paired_speedup == pytest.approx(6.0 / 6.5)
+    assert (rows["teal s=0.35"].speedup_min, rows["teal s=0.35"].speedup_max) == (0.90, 0.95)
+    assert rows["svd s=0.5"].latency_ms is None and not rows["svd s=0.5"].on_front
+    fr1 = pareto([dense, teal, old], PPL, "cpu", threads=1)
+    assert fr1.threads == 1 and "1 thread]" in format_front(fr1, "m").splitlines()[0]
+    rows = {r.setting.label: r for r in fr1.rows}
+    assert rows["teal s=0.35"].latency_ms == pytest.approx(10.0 / (10.0 / 9.0)) and rows["svd s=0.5"].on_front
+    # rows of a store from before the thread count was recorded: one front of theirs, said so
+    legacy = setting("dense", ppl=40.0, ms=10.0)
+    assert pareto([legacy], PPL, "cpu").threads is None
+    assert "threads not recorded" in format_front(pareto([legacy], PPL, "cpu"), "m")
+
+
+def test_the_paired_speedups_spread_is_on_the_front_and_printed():
+    dense = setting("dense", ppl=40.0)
+    dense.latency.append(_lat(dense.fit_unit, 10.0, runtime="ctxsparse-dense", threads=2))
+    teal = setting("teal", 0.35, ppl=41.0)
+    _paired(teal, 8.0, 9.6, (1.17, 1.23))
+    fr = pareto([dense, teal], PPL, "cpu")
+    row = next(r for r in fr.rows if r.setting.method == "teal")
+    assert row.paired_speedup == pytest.approx(1.2) and row.latency_ms == pytest.approx(10.0 / 1.2)
+    line = next(ln for ln in format_front(fr, "m").splitlines() if "teal s=0.35" in ln)
+    assert "1.20x" in line and "1.17-1.23x" in line
+
+
+def test_baselines_are_listed_under_the_front_never_on_it():
+    """llama.cpp, timed beside our dense in its own unit (dense 12 ms there, llama.cpp 5 ms: 2.4x), is placed at
+    dense's own 10 ms / 2.4; HF generate, timed alone, at its own time. Neither is a setting: not on the front, not
+    chosen, and the dense setting's own latency is still its ctxsparse-dense row."""
+    dense = setting("dense", ppl=40.0)
+    dense.latency += [_lat(dense.fit_unit, 10.0, runtime="ctxsparse-dense", threads=2),
+                      _lat(dense.fit_unit, 5.0, runtime="llama.cpp", threads=2, spread=(2.3, 2.5)),
+                      _lat(dense.fit_unit, 12.0, runtime="ctxsparse-dense-paired", threads=2),
+                      _lat(dense.fit_unit, 40.0, runtime="hf-generate", threads=2),
+                      _lat(dense.fit_unit, 1.0, runtime="llama.cpp", threads=1, spread=(9.0, 9.0))]  # other count
+    svd = setting("svd", ppl=41.0)
+    _paired(svd, 8.0, 12.0)
+    fr = pareto([dense, svd], PPL, "cpu")
+    assert fr.dense.latency_ms == 10.0 and {r.setting.label for r in fr.front} == {"dense", "svd s=0.5"}
+    llama, hf = fr.baselines
+    assert (llama.runtime, llama.paired, llama.speedup_min, llama.speedup_max) == ("llama.cpp", True, 2.3, 2.5)
+    assert llama.speedup == pytest.approx(2.4) and llama.latency_ms == pytest.approx(10.0 / 2.4)
+    assert (hf.runtime, hf.paired, hf.latency_ms, hf.speedup) == ("hf-generate", False, 40.0, 0.25)
+    assert choose(fr, 0.05).setting.method == "svd"
+    text = format_front(fr, "m")
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("llama.cpp"))
+    assert "4.17" in line and "2.40x" in line and "2.30-2.50x" in line
+    assert not any(ln.startswith("  * ") and "llama.cpp" in ln for ln in text.splitlines())
+    assert pareto([dense, svd], PPL, "cpu", threads=1).baselines == []      # no dense row of its own at 1 thread
+
+
+def test_a_setting_slower_than_its_method_at_fewer_bytes_skipped_says_so():
+    """teal s=0.4 skips more weights than s=0.35 but is slower beyond both spreads: its row says so. Overlapping
+    spreads (noise), or another method, say nothing."""
+    dense = setting("dense", ppl=40.0)
+    dense.latency.append(_lat(dense.fit_unit, 10.0, runtime="ctxsparse-dense", threads=2))
+    sts = [dense]
+    for s_, speed, spread, skipped in ((0.35, 1.12, (1.10, 1.14), 0.30), (0.4, 1.05, (1.03, 1.07), 0.34),
+                                       (0.45, 1.11, (1.08, 1.13), 0.38)):
+        st = setting("teal", s_, ppl=41.0 + s_, extra={"perplexity/lambada-heldout/weight_skipped": (skipped, True)})
+        _paired(st, 10.0 / speed, 10.0, spread)
+        sts.append(st)
+    thr = setting("threshold", 0.3, ppl=41.0, extra={"perplexity/lambada-heldout/weight_skipped": (0.1, True)})
+    _paired(thr, 10.0 / 1.5, 10.0, (1.45, 1.55))        # much faster, fewer bytes: another method, no note
+    sts.append(thr)
+    fr = pareto(sts, PPL, "cpu")
+    notes = {r.setting.label: r.note for r in fr.rows}
+    assert notes["teal s=0.4"] == "slower than teal s=0.35, which skips fewer weights (0.300 < 0.340)"
+    assert notes["teal s=0.45"] is None          # 1.08-1.13 overlaps s=0.35's 1.10-1.14: within the noise
+    assert notes["teal s=0.35"] is None and notes["threshold s=0.3"] is None and notes["dense"] is None
+    text = format_front(fr, "m")
+    assert "  ! teal s=0.4: slower than teal s=0.35" in text
 
 
 def test_direction_is_the_stored_one_not_the_name():
@@ -331,7 +430,8 @@ def store(tmp_path):
                 dict(id=fit, kind="fit", config={"allocation": "uniform"}, **common),
                 dict(id=ev, kind="eval", config={"fit_unit": fit, "suite": "perplexity"}, **common),
                 dict(id=mc, kind="eval", config={"fit_unit": fit, "suite": "piqa"}, **common),
-                dict(id=lat, kind="latency", device_type="cpu", config={"fit_unit": fit}, **common),
+                # rows written without a thread count of their own: read through to their unit's config
+                dict(id=lat, kind="latency", device_type="cpu", config={"fit_unit": fit, "threads": 2}, **common),
             ])
             if status == "failed":
                 for u in (fit, ev, mc, lat):
@@ -396,6 +496,33 @@ def test_cli_bundle_export_best(store, capsys):
     assert _export(store, capsys, "--by", "sparsity", "--max-loss", "0.05") == (0, f["dejavu"])   # 2.5 % < 5 %
 
 
+def test_exported_bundle_records_where_and_at_which_thread_count_it_was_timed(store, capsys):
+    """The copy's manifest carries the front's measurement of the setting (ctxsparse generate's default thread
+    count); the folder and the .tar.gz alike, the store's own bundle untouched; an untimed setting gets none."""
+    from workers.sparsity.bundle import extract_bundle, load_bundle, measured_threads
+
+    out = store.tmp / "best"
+    assert cli(["bundle", "export", "--best", "tiny", "--db", store.url, "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (printed["unit"], printed["threads"], printed["measured_on"]) == (store.fits["svd"][:12], 2, "cpu")
+    m = load_bundle(out).manifest
+    assert m["measured"] == {"device_type": "cpu", "accelerator": "cpu-a", "threads": 2, "batch": 1,
+                             "prompt_len": 16, "gen_len": 8, "p50_ms_per_token": 7.0, "speedup_vs_dense": 10 / 7,
+                             "speedup_min": None, "speedup_max": None, "paired": False}
+    assert measured_threads(m) == 2 and printed["speedup_vs_dense"] == pytest.approx(10 / 7)
+    assert "measured" not in load_bundle(store.tmp / "bundles" / store.fits["svd"]).manifest
+    assert cli(["bundle", "export", store.fits["svd"], "--db", store.url, "--out", str(store.tmp / "b.tar.gz")]) == 0
+    capsys.readouterr()
+    assert measured_threads(extract_bundle(store.tmp / "b.tar.gz", store.tmp / "unpacked").manifest) == 2
+    assert cli(["bundle", "export", store.fits["threshold"], "--db", store.url, "--out", str(store.tmp / "t")]) == 0
+    assert json.loads(capsys.readouterr().out)["threads"] is None
+    assert "measured" not in load_bundle(store.tmp / "t").manifest               # its latency unit failed
+    # a front asked for at a thread count without rows: said so, and nothing is chosen there
+    assert cli(["bundle", "export", "--best", "tiny", "--threads", "1", "--db", store.url,
+                "--out", str(store.tmp / "none")]) == 2
+    assert "no setting has a latency row on cpu-a at 1 thread" in capsys.readouterr().err
+
+
 def test_cli_bundle_export_best_errors(store, capsys):
     rc, err = _export(store, capsys, "--device", "cuda")
     assert rc == 2 and "no latency rows for device type 'cuda'" in err
@@ -414,7 +541,8 @@ def test_cli_pareto_prints_the_direction_and_the_front(store, capsys):
     starred = {line.split()[1] for line in text.splitlines() if line.startswith("  * ")}
     assert starred == {"oracle", "dense"}                 # svd and dejavu are beaten by the oracle bound
     assert cli(["pareto", "tiny", "--db", store.url, "--metric", MEAN_TASKS]) == 0
-    assert "(higher is better)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "(higher is better)" in out and "[cpu-a, batch 1, prompt 16, 2 threads]" in out
 
 
 def test_front_modules_import_no_ray_or_torch():

@@ -13,6 +13,11 @@ same weights decode the same prompt alternately (the order flips every round, on
 ``repeats`` timed rounds each; tokens/s = decode steps / their summed step times, the median over the rounds. On
 the CPU the dense products take the faster of torch matmuls and the row kernels (``pick_cpu_dense``), for both
 runtimes.
+
+Threads: ``threads`` if given; else, for a bundle, the count its setting was timed at in the sweep (the manifest's
+``measured`` record, written by ``bundle export``), so the sweep's latency row and this run measure the same thing;
+else every core of this process (``workers.host.available_cores``). The count is set for the run, restored after,
+and reported (``extra["threads"]``, ``extra["threads_from"]``, the summary).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import torch
 from workers.decode.runtime import DecodeRuntime
 from workers.decode.timing import interleaved, pick_cpu_dense, step_times
 from workers.decode.weights import from_hf
+from workers.host import available_cores
 
 
 @dataclass
@@ -46,7 +52,9 @@ class GenerateResult:
         same = next((i for i, (a, b) in enumerate(zip(self.tokens, self.dense_tokens)) if a != b), None)
         agree = "same tokens as dense" if same is None else f"first differs from dense at token {same}"
         sp = ", ".join(f"{k} {v:.3f}" for k, v in sorted(self.realized_sparsity.items())) or "none"
-        return (f"tokens/s on {self.device} ({self.extra.get('accelerator', '')}): dense "
+        t = self.extra.get("threads")
+        at = f" at {t} thread{'' if t == 1 else 's'} ({self.extra.get('threads_from')})" if t else ""
+        return (f"tokens/s on {self.device} ({self.extra.get('accelerator', '')}){at}: dense "
                 f"{self.dense_tokens_per_s:.1f}, sparse {self.sparse_tokens_per_s:.1f} ({self.speedup:.2f}x), "
                 f"median of {self.extra.get('repeats')} interleaved rounds of {len(self.tokens) - 1} decode steps\n"
                 f"realized sparsity: {sp}; {agree}")
@@ -62,42 +70,63 @@ def _device(device: str) -> torch.device:
 
 
 def run_bundle(model: str, bundle, prompt: str, *, tokens: int = 32, device: str = "cpu", repeats: int = 3,
-               dtype: torch.dtype | None = None) -> GenerateResult:
+               dtype: torch.dtype | None = None, threads: int | None = None) -> GenerateResult:
     """Load the model ``model`` (a workers.loading ref) and the bundle folder ``bundle`` (it must have been fitted
-    on that model: same fingerprint), then :func:`generate_with_plan`. Bad input (empty prompt, a missing or
-    damaged bundle, a bundle of another model, no such device) raises ValueError (BundleError is one) with one
-    line saying what is wrong, before the model is loaded where it can."""
+    on that model: same fingerprint), then :func:`generate_with_plan` at ``threads`` (default: the count the
+    bundle's setting was timed at, else every core; module docstring). Bad input (empty prompt, a missing or
+    damaged bundle, a bundle of another model, no such device, a thread count below 1) raises ValueError
+    (BundleError is one) with one line saying what is wrong, before the model is loaded where it can."""
     from workers.loading.models import load_model
-    from workers.sparsity.bundle import BundleError, load_bundle
+    from workers.sparsity.bundle import BundleError, load_bundle, measured_threads
 
-    _check_prompt(prompt, tokens, repeats)
-    _device(device)
+    _check_prompt(prompt, tokens, repeats, threads)
+    dev = _device(device)
     b = load_bundle(bundle)
+    source = "given"
+    if threads is None and (threads := measured_threads(b.manifest, dev.type)) is not None:
+        source = "the count the sweep timed this setting at"
     lm = load_model(model)
     if lm.fingerprint != b.fingerprint:
         raise BundleError(f"{b.path}: fitted on model {b.manifest['model']['ref']} (fingerprint "
                           f"{b.fingerprint[:12]}), model {model} has fingerprint {lm.fingerprint[:12]}")
     return generate_with_plan(lm, b.plan(lm.model), prompt, tokens=tokens, device=device, repeats=repeats,
-                              dtype=dtype)
+                              dtype=dtype, threads=threads, threads_from=source if threads is not None else None)
 
 
-def _check_prompt(prompt: str, tokens: int, repeats: int) -> None:
+def _check_prompt(prompt: str, tokens: int, repeats: int, threads: int | None = None) -> None:
     if not prompt or not prompt.strip():
         raise ValueError("empty prompt: give the text to continue")
     if tokens < 2:
         raise ValueError(f"tokens must be >= 2 (the first comes from the prefill), got {tokens}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a count >= 1, got {threads!r}")
+
+
+def generate_with_plan(lm, plan, prompt: str, *, tokens: int = 32, device: str = "cpu", repeats: int = 3,
+                       dtype: torch.dtype | None = None, threads: int | None = None,
+                       threads_from: str | None = None) -> GenerateResult:
+    """Greedy continuation of ``prompt`` with ``plan`` on the decode runtime, and tokens/s dense vs sparse, at
+    ``threads`` torch threads (default: every core; ``threads_from`` says where the count came from, for the
+    summary). ``dtype``: the runtime's (default float32 on the CPU, float16 on CUDA)."""
+    _check_prompt(prompt, tokens, repeats, threads)
+    if threads is None:
+        threads, threads_from = available_cores(), "every core"
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        res = _generate(lm, plan, prompt, tokens, device, repeats, dtype)
+    finally:
+        torch.set_num_threads(before)
+    res.extra.update(threads=threads, threads_from=threads_from or "given")
+    return res
 
 
 @torch.no_grad()
-def generate_with_plan(lm, plan, prompt: str, *, tokens: int = 32, device: str = "cpu", repeats: int = 3,
-                       dtype: torch.dtype | None = None) -> GenerateResult:
-    """Greedy continuation of ``prompt`` with ``plan`` on the decode runtime, and tokens/s dense vs sparse.
-    ``dtype``: the runtime's (default float32 on the CPU, float16 on CUDA)."""
+def _generate(lm, plan, prompt: str, tokens: int, device: str, repeats: int, dtype) -> GenerateResult:
     from workers.decode.latency import accelerator_name
 
-    _check_prompt(prompt, tokens, repeats)
     dev = _device(device)
     ids = torch.tensor([lm.tokenizer(prompt)["input_ids"]], dtype=torch.long)
     if ids.shape[1] == 0:

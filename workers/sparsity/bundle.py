@@ -6,7 +6,9 @@ A bundle is a folder of two files, never a pickle:
                              allocation, options, per-layer budgets, the plan (mode, sequential filters, every
                              predictor's JSON config, input-sparsity thresholds {layer: {projection: t}} and
                              their score), versions, git revision, the unit it came from, the
-                             sha256 and size of every data file, and ``manifest_sha256`` over the rest of itself
+                             sha256 and size of every data file, and ``manifest_sha256`` over the rest of itself;
+                             an exported copy also ``measured``: where, at which thread count and how fast
+                             the sweep timed the setting (``with_measurement``; older bundles lack it)
     predictors.safetensors   every predictor tensor, keyed ``mlp.<layer>.<name>`` / ``attn.<layer>.<name>``
 
 ``load_bundle`` checks all of it (a truncated tensor file, an edited manifest, a foreign file name all fail
@@ -36,6 +38,7 @@ from workers.paths import atomic_dir, sha256_file
 FORMAT = "ctxsparse-bundle"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+MEASURED = "measured"       # manifest key of an exported bundle: where and at which thread count it was timed
 TENSORS = "predictors.safetensors"
 _DATA_FILES = (TENSORS,)
 _KEY = re.compile(r"^(mlp|attn)\.(\d+)\.([A-Za-z0-9_.]+)$")
@@ -171,6 +174,37 @@ def save_bundle(plan, lm, out: str | Path, *, method: str, sparsity: float, rank
             raise BundleError(f"plan info is not plain JSON ({e})") from None
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return out
+
+
+def with_measurement(path: str | Path, measured: dict) -> Bundle:
+    """Record in the bundle folder ``path`` where, at which thread count and how fast the sweep timed its setting
+    (``measured``: plain JSON; ``threads`` a count >= 1 or None), re-digest the manifest and return the verified
+    bundle. ``bundle export`` does it on its copy, so ``ctxsparse generate`` runs at the thread count the setting
+    was chosen at (:func:`measured_threads`)."""
+    b = load_bundle(path)
+    threads = measured.get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise BundleError(f"measured threads must be a count >= 1 or None, not {threads!r}")
+    manifest = {k: v for k, v in b.manifest.items() if k != "manifest_sha256"}
+    manifest[MEASURED] = dict(measured)
+    try:
+        manifest["manifest_sha256"] = _manifest_digest(manifest)
+    except (TypeError, ValueError) as e:
+        raise BundleError(f"measurement is not plain JSON ({e})") from None
+    tmp = b.path / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    tmp.replace(b.path / MANIFEST)
+    return load_bundle(b.path)
+
+
+def measured_threads(manifest: dict, device_type: str = "cpu") -> int | None:
+    """The thread count the bundle's setting was timed at on ``device_type`` (its ``measured`` record), or None
+    (a bundle exported before it was recorded, or timed on another device type)."""
+    m = manifest.get(MEASURED)
+    if not isinstance(m, dict) or m.get("device_type") != device_type:
+        return None
+    t = m.get("threads")
+    return t if isinstance(t, int) and not isinstance(t, bool) and t >= 1 else None
 
 
 def load_bundle(path: str | Path) -> Bundle:

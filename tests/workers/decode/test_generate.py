@@ -125,3 +125,73 @@ def test_smollm2_teal_bundle(smollm2, tmp_path):
     assert res.tokens == _hf_greedy(smollm2.model, path, ids, 8)
     assert 0.2 < res.realized_sparsity["weights"] < 0.6 and res.text.strip()
     print(f"smollm2 generate test {time.time() - t0:.1f}s: {res.text!r}\n{res.summary()}")
+
+
+def _set_threads_spy(monkeypatch) -> list[int]:
+    """The counts ``torch.set_num_threads`` is called with (it still sets them)."""
+    calls, real = [], torch.set_num_threads
+
+    def spy(n):
+        calls.append(n)
+        real(n)
+    monkeypatch.setattr(torch, "set_num_threads", spy)
+    return calls
+
+
+def test_generate_runs_at_the_count_the_sweep_timed_the_setting_at(tiny, tmp_path, monkeypatch):
+    """A bundle without a measurement (exported before it was recorded) runs on every core; one whose manifest
+    says it was timed at 1 thread on the CPU runs at 1; ``threads`` given wins; a measurement on another device
+    type does not count for the CPU. The count is restored after and said in the summary."""
+    from workers.host import available_cores
+    from workers.sparsity.bundle import measured_threads, with_measurement
+
+    ref, lm, root = tiny
+    path = _bundle(lm, tmp_path, "threshold", 0.5)
+    assert "measured" not in load_bundle(path).manifest
+    calls = _set_threads_spy(monkeypatch)
+    res = run_bundle(ref, path, PROMPT, tokens=4, repeats=1)
+    cores = available_cores()
+    assert res.extra["threads"] == cores and calls[0] == cores and torch.get_num_threads() == 1    # restored
+    assert f"at {cores} thread" in res.summary() and "(every core)" in res.summary()
+    b = with_measurement(path, {"device_type": "cpu", "threads": 1, "p50_ms_per_token": 2.0})
+    assert measured_threads(b.manifest) == 1 and measured_threads(b.manifest, "cuda") is None
+    assert load_bundle(path).manifest["measured"]["threads"] == 1           # digest re-made: still verifies
+    calls.clear()
+    res = run_bundle(ref, path, PROMPT, tokens=4, repeats=1)
+    assert res.extra["threads"] == 1 and calls[0] == 1
+    assert "at 1 thread (the count the sweep timed this setting at)" in res.summary()
+    calls.clear()
+    res = run_bundle(ref, path, PROMPT, tokens=4, repeats=1, threads=3)
+    assert res.extra["threads"] == 3 and calls[0] == 3 and "at 3 threads (given)" in res.summary()
+    with_measurement(path, {"device_type": "cuda", "threads": 1})
+    assert run_bundle(ref, path, PROMPT, tokens=4, repeats=1).extra["threads"] == cores
+
+
+def test_bundle_measurement_is_checked(tiny, tmp_path):
+    from workers.sparsity.bundle import BundleError, with_measurement
+
+    _, lm, _ = tiny
+    path = _bundle(lm, tmp_path, "threshold", 0.5)
+    for bad in (0, 1.5, True, "2"):
+        with pytest.raises(BundleError, match="measured threads"):
+            with_measurement(path, {"device_type": "cpu", "threads": bad})
+    with pytest.raises(BundleError, match="not plain JSON"):
+        with_measurement(path, {"device_type": "cpu", "threads": 1, "x": float("nan")})
+    assert "measured" not in load_bundle(path).manifest                        # nothing written
+
+
+def test_cli_generate_prints_the_thread_count(tiny, tmp_path, capsys):
+    from orchestrator.cli import main
+    from workers.sparsity.bundle import with_measurement
+
+    ref, lm, _ = tiny
+    path = _bundle(lm, tmp_path, "threshold", 0.5)
+    with_measurement(path, {"device_type": "cpu", "threads": 1})
+    argv = ["generate", "--model", ref, "--bundle", str(path), "--prompt", PROMPT, "--tokens", "4", "--repeats", "1"]
+    assert main(argv) == 0
+    assert "at 1 thread (the count the sweep timed this setting at)" in capsys.readouterr().out
+    assert main(argv + ["--threads", "2"]) == 0
+    assert "at 2 threads (given)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--threads", "0"])
+    assert e.value.code == 2 and "a thread count >= 1" in capsys.readouterr().err
