@@ -21,8 +21,8 @@
 #include <omp.h>
 
 #include "cpu_act.h"
+#include "cpu_glue.h"
 
-#define LANES 32
 #ifndef PF_DIST
 #define PF_DIST 4        /* software prefetch: rows this many active rows ahead (random rows defeat the */
 #endif                   /* hardware prefetcher at every row start) */
@@ -41,34 +41,6 @@ static inline void pf_row(const float *p, int64_t n) {
     (void)n;
     __builtin_prefetch(p, 0, PF_ROW_LOC);
 #endif
-}
-
-static inline float dot_f(const float *a, const float *b, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) {
-#pragma omp simd
-        for (int l = 0; l < LANES; ++l) acc[l] += a[i + l] * b[i + l];
-    }
-#ifndef DOT_FOLD
-#define DOT_FOLD 1
-#endif
-#if DOT_FOLD            /* fold the lanes as a vector tree, not a chain of LANES dependent scalar adds */
-    for (int l = 0; l < LANES / 2; ++l) acc[l] += acc[l + LANES / 2];
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int l = 0; l < LANES / 2; ++l) s += acc[l];
-#else
-    float s = 0.f;
-    for (int l = 0; l < LANES; ++l) s += acc[l];
-#endif
-    for (; i < n; ++i) s += a[i] * b[i];
-    return s;
-}
-
-static inline void axpy_f(float *y, const float *row, float w, int64_t n) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) y[i] += w * row[i];
 }
 
 /* Sum nt partial vectors of length tot (+ bias of length n, repeated) into y. */
@@ -417,83 +389,12 @@ int64_t cs_ffn_thr(const float *z, int64_t D, float t, int act, const float *b_a
 }
 
 /* ------------------------------------------------------------------------------------ decode-step glue */
-/* Residual add + RMS norm: xo = x + y (y NULL: no add, xo unused), h = norm(xo). one_plus 0 (Llama):
- * h = w * (xo * r); 1 (Gemma, w already 1 + w): h = (xo * r) * w; r = 1 / sqrt(mean(xo^2) + eps). */
+/* Residual add + RMS norm of B rows (cpu_glue.h's add_rmsnorm_row): xo = x + y (y NULL: no add, xo unused),
+ * h = norm(xo). */
 void cs_add_rmsnorm(const float *x, const float *y, float *xo, const float *w, float *h, int64_t B, int64_t d,
                     float eps, int one_plus) {
-    for (int64_t b = 0; b < B; ++b) {
-        const float *xb = x + b * d;
-        float *src = (float *)xb;
-        if (y) {
-            const float *yb = y + b * d;
-            src = xo + b * d;
-            for (int64_t i = 0; i < d; ++i) src[i] = xb[i] + yb[i];
-        }
-        const float r = 1.f / sqrtf(dot_f(src, src, d) / (float)d + eps);
-        float *hb = h + b * d;
-        if (one_plus)
-            for (int64_t i = 0; i < d; ++i) hb[i] = (src[i] * r) * w[i];
-        else
-            for (int64_t i = 0; i < d; ++i) hb[i] = w[i] * (src[i] * r);
-    }
-}
-
-/* One row of a query or key head: the Gemma q/k norm (w != NULL; w is 1 + w, times the attention scale for q),
- * then rotate-half RoPE (cs != NULL: cos = cs[0:hd], sin = sn[0:hd]), into o[0:hd]. */
-static void prep_row(const float *x, const float *w, float eps, const float *cs, const float *sn, int64_t hd,
-                     float *o) {
-    float r = 1.f;
-    if (w) r = 1.f / sqrtf(dot_f(x, x, hd) / (float)hd + eps);
-    for (int64_t i = 0; i < hd; ++i) o[i] = w ? (x[i] * r) * w[i] : x[i];
-    if (!cs) return;
-    const int64_t half = hd / 2;
-    for (int64_t i = 0; i < half; ++i) {      /* rot_half(x) = (-x[half:], x[:half]) */
-        const float a = o[i], b = o[i + half];
-        o[i] = a * cs[i] - b * sn[i];
-        o[i + half] = b * cs[i + half] + a * sn[i + half];
-    }
-}
-
-/* Attention of one query slot over the positions [lo, pos] of its KV head (two-pass softmax, as the reference:
- * scores, max, exp, sum, then the weighted sum of the value rows). sc: pos + 1 floats of scratch. */
-static void attn_slot(const float *qx, const float *kh, const float *vh, int64_t sc_l, int64_t lo, int64_t pos,
-                      int64_t hd, float *sc, float *o) {
-    float m = -INFINITY;
-    for (int64_t n = lo; n <= pos; ++n) {
-        const float s = dot_f(qx, kh + n * sc_l, hd);
-        sc[n] = s;
-        if (s > m) m = s;
-    }
-    float sum = 0.f;
-    for (int64_t n = lo; n <= pos; ++n) {
-        sc[n] = expf(sc[n] - m);
-        sum += sc[n];
-    }
-    for (int64_t i = 0; i < hd; ++i) o[i] = 0.f;
-    const float inv = 1.f / sum;
-    for (int64_t n = lo; n <= pos; ++n) axpy_f(o, vh + n * sc_l, sc[n] * inv, hd);
-}
-
-/* Query slots t in [t0, t1) of the flattened (batch, slot) grid. */
-static void decode_attn_body(const float *q, int64_t sq_b, int64_t sq_h, const float *kc, const float *vc,
-                             int64_t sc_b, int64_t sc_h, int64_t sc_l, int64_t pos, int64_t lo, const float *cs,
-                             const float *sn, const float *qn, float eps, const int64_t *qidx, int64_t n_active,
-                             float *out, int64_t so_b, int64_t S, int64_t group, int64_t hd, int64_t t0,
-                             int64_t t1) {
-    float *sc = malloc((size_t)(pos + 1 + hd) * sizeof(float));
-    float *qx = sc + pos + 1;
-    for (int64_t t = t0; t < t1; ++t) {
-        const int64_t b = t / S, j = t % S;
-        float *o = out + b * so_b + j * hd;
-        if (j >= n_active) {
-            for (int64_t i = 0; i < hd; ++i) o[i] = 0.f;
-            continue;
-        }
-        const int64_t g = (qidx ? qidx[j] : j) / group;
-        prep_row(q + b * sq_b + j * sq_h, qn, eps, cs, sn, hd, qx);
-        attn_slot(qx, kc + b * sc_b + g * sc_h, vc + b * sc_b + g * sc_h, sc_l, lo, pos, hd, sc, o);
-    }
-    free(sc);
+    for (int64_t b = 0; b < B; ++b)
+        add_rmsnorm_row(x + b * d, y ? y + b * d : NULL, y ? xo + b * d : NULL, w, h + b * d, d, eps, one_plus);
 }
 
 /* One decode position (kernels.reference.decode_attention, fp32): the KV heads' normed, rotated keys and their
@@ -512,22 +413,25 @@ int cs_decode_attn(const float *q, int64_t sq_b, int64_t sq_h, const float *k, i
             if (qidx[j] < 0 || qidx[j] >= H) return -1;
     const float *cs = cos_t ? cos_t + pos * hd : NULL, *sn = sin_t ? sin_t + pos * hd : NULL;
     for (int64_t b = 0; b < B; ++b)
-        for (int64_t g = 0; g < KV; ++g) {
-            prep_row(k + b * sk_b + g * sk_h, kn, eps, cs, sn, hd, kc + b * sc_b + g * sc_h + pos * sc_l);
-            memcpy(vc + b * sc_b + g * sc_h + pos * sc_l, v + b * sv_b + g * sv_h, (size_t)hd * sizeof(float));
-        }
+        for (int64_t g = 0; g < KV; ++g)
+            write_kv_row(k + b * sk_b + g * sk_h, v + b * sv_b + g * sv_h, kn, eps, cs, sn, hd,
+                         kc + b * sc_b + g * sc_h + pos * sc_l, vc + b * sc_b + g * sc_h + pos * sc_l);
     const int64_t group = H / KV, lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
     const int64_t tasks = B * S;
     if (nt <= 1 || tasks < 2) {
+        float *sc = malloc((size_t)(pos + 1 + hd) * sizeof(float));
         decode_attn_body(q, sq_b, sq_h, kc, vc, sc_b, sc_h, sc_l, pos, lo, cs, sn, qn, eps, qidx, n_active, out,
-                         so_b, S, group, hd, 0, tasks);
+                         so_b, S, group, hd, 0, tasks, sc);
+        free(sc);
         return 0;
     }
 #pragma omp parallel num_threads(nt)
     {
         const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+        float *sc = malloc((size_t)(pos + 1 + hd) * sizeof(float));
         decode_attn_body(q, sq_b, sq_h, kc, vc, sc_b, sc_h, sc_l, pos, lo, cs, sn, qn, eps, qidx, n_active, out,
-                         so_b, S, group, hd, tasks * t / T, tasks * (t + 1) / T);
+                         so_b, S, group, hd, tasks * t / T, tasks * (t + 1) / T, sc);
+        free(sc);
     }
     return 0;
 }

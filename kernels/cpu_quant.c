@@ -10,6 +10,9 @@
  *   (both with an option q8: activations quantized to 8 bits per 32 and integer products, llama.cpp's way)
  *   cs_qt_axpy     y_b = sum_j w[b, j] * Wt[r_j, :] over the exact transposed layout (rows of W^T: the down
  *                  projection over active neurons, input sparsity)
+ *   cs_q_layers    whole decoder layers of one token (batch 1) in one call and one parallel region: norm, QKV,
+ *                  RoPE + cache write + attention (cpu_glue.h, the glue cpu_native.c runs), O, residual add,
+ *                  norm, the FFN, residual add; the same products and glue as the per-op path, so the same bits
  *
  * A row dot works block by block: the block's integer codes times x in fp32 (FMA), times the block's scale, and
  * for formats with an offset (Q4_1, Q5_1, K-quants' mins) offset * sum(x over the block), with the block sums of x
@@ -25,6 +28,11 @@
 #include <omp.h>
 
 #include "cpu_act.h"
+/* the decode glue (norms, RoPE, attention) with contraction on, as cpu_native.c compiles it: same bits */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+#include "cpu_glue.h"
+#pragma GCC pop_options
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -1134,6 +1142,236 @@ int cs_qt_axpy(const uint8_t *codes, int bits, int cbias, const void *scale, con
         }
     }
     return rc ? -1 : 0;
+}
+
+/* ------------------------------------------------------------------------------- whole decoder layers */
+/* One token (batch 1) through decoder layers l0..l1-1 in one call, the ops of workers/decode/layer.py's step
+ * with the quantized weights and the native glue, in the same order on the same values (so the same bits):
+ *     h = norm(x, n1); qkv = W_qkv h + b_qkv; K/V of every KV head normed, rotated and written at pos;
+ *     every query head normed, rotated, attends over the cache -> a; o = W_o a + b_o; (o = norm(o, post_attn));
+ *     x += o; h = norm(x, n2); f = act(W_gate h) * (W_up h) (non-gated: act(W_up h + b_up));
+ *     y = W_down f + b_down; (y = norm(y, post_ffn)); x += y
+ * Threads (nt > 1): one parallel region for all the layers. Each projection's rows go in chunks of about
+ * QCHUNK_BYTES (32 rows for gate/up: their outputs' 32-blocks) handed out dynamically, so a thread slowed by
+ * another process takes fewer; the norms are computed by every thread into its own buffer (no hand-off), the
+ * residual stream is written by slices; six barriers a layer. One thread: no OpenMP region. */
+typedef struct {             /* one layer (workers/decode/native_layer.py packs these; all fields 8 bytes) */
+    const qpart *qkv, *o, *gate, *up, *down;   /* gate NULL: non-gated */
+    int64_t nqkv, no, ngate, nup, ndown;       /* parts of each */
+    const float *b_qkv, *b_o, *b_up, *b_down;  /* NULL: none */
+    const float *n1, *n2, *post_attn, *post_ffn;   /* norms (post_*: Gemma's sandwich norms, NULL: none) */
+    const float *qn, *kn;                      /* q/k norms (NULL: none) */
+    const float *cos_t, *sin_t;                /* RoPE tables [positions, hd] (NULL: none) */
+    float *kc, *vc;                            /* this layer's cache [KV, L, hd] */
+    int64_t window;                            /* sliding window (0: none) */
+} qlayer;
+
+typedef struct {             /* the model's shapes */
+    int64_t d, D, H, KV, hd, L;                /* L: the cache's positions */
+    int64_t one_plus, act, q8;                 /* norm kind (1: Gemma's (x r) w), activation code, 8-bit x */
+    double eps;
+} qdims;
+
+#ifndef QCHUNK_BYTES
+#define QCHUNK_BYTES 16384
+#endif
+#define QALIGN 64
+
+typedef struct {             /* one thread's own buffers */
+    float *h, *xo, *o2, *sc;
+    xbuf hx;
+} qpriv;
+
+typedef struct {             /* shared buffers */
+    float *qkv, *att, *o, *ff, *y, *xmid;
+    xbuf ax, fx;
+} qshared;
+
+/* the scratch's layout: a running byte offset, each buffer 64-byte aligned; base NULL only measures */
+static void *carve(uint8_t *base, int64_t *off, int64_t bytes) {
+    void *p = base ? base + *off : NULL;
+    *off += (bytes + QALIGN - 1) / QALIGN * QALIGN;
+    return p;
+}
+
+static void xbuf_carve(xbuf *a, uint8_t *base, int64_t *off, const float *x, int64_t n, int q8) {
+    a->n = n;
+    a->x = x;
+    a->xs = (float *)carve(base, off, n / 32 * 4);
+    a->q = q8 ? (int8_t *)carve(base, off, n) : NULL;
+    a->d = q8 ? (float *)carve(base, off, n / 32 * 4) : NULL;
+    a->q16 = q8 ? (float *)carve(base, off, n / 16 * 4) : NULL;
+}
+
+static int64_t layer_scratch(const qdims *M, int nt, uint8_t *base, qshared *S, qpriv *P) {
+    const int64_t d = M->d, D = M->D, qd = M->H * M->hd, nqkv = (M->H + 2 * M->KV) * M->hd;
+    const int q8 = (int)M->q8;
+    int64_t off = 0;
+    qshared s;
+    s.qkv = carve(base, &off, nqkv * 4);
+    s.att = carve(base, &off, qd * 4);
+    s.o = carve(base, &off, d * 4);
+    s.ff = carve(base, &off, D * 4);
+    s.y = carve(base, &off, d * 4);
+    s.xmid = carve(base, &off, d * 4);
+    xbuf_carve(&s.ax, base, &off, s.att, qd, q8);
+    xbuf_carve(&s.fx, base, &off, s.ff, D, q8);
+    if (S) *S = s;
+    for (int t = 0; t < nt; ++t) {
+        qpriv p;
+        p.h = carve(base, &off, d * 4);
+        p.xo = carve(base, &off, d * 4);
+        p.o2 = carve(base, &off, d * 4);
+        p.sc = carve(base, &off, (M->L + M->hd) * 4);
+        xbuf_carve(&p.hx, base, &off, p.h, d, q8);
+        if (P) P[t] = p;
+    }
+    return off;
+}
+
+/* bytes of scratch cs_q_layers needs for nt threads */
+int64_t cs_q_layers_scratch(const qdims *M, int nt) {
+    return layer_scratch(M, nt < 1 ? 1 : nt, NULL, NULL, NULL) + QALIGN;
+}
+
+static int64_t row_bytes_of(const qpart *P, int np) {
+    int64_t b = 0;
+    for (int p = 0; p < np; ++p) b = P[p].row_bytes > b ? P[p].row_bytes : b;
+    return b;
+}
+
+/* rows per chunk: about QCHUNK_BYTES, at least 4 chunks a thread, a multiple of align */
+static int64_t chunk_rows(int64_t R, int64_t row_bytes, int T, int64_t align) {
+    int64_t c = QCHUNK_BYTES / (row_bytes > 0 ? row_bytes : 1);
+    const int64_t fair = R / (4 * (int64_t)T);
+    if (c > fair) c = fair;
+    c = c / align * align;
+    return c < align ? align : c;
+}
+
+#define QBARRIER(T)                  \
+    do {                             \
+        if ((T) > 1) {               \
+            _Pragma("omp barrier")   \
+        }                            \
+    } while (0)
+
+/* rows [lo, hi) of R in chunks of c, dynamically among the team (T > 1; the loop ends with a barrier) */
+#define QFOR_CHUNKS(T, R, c, lo, hi, BODY)                                               \
+    do {                                                                                 \
+        if ((T) <= 1) {                                                                  \
+            const int64_t lo = 0, hi = (R);                                              \
+            BODY;                                                                        \
+        } else {                                                                         \
+            const int64_t nch_ = ((R) + (c) - 1) / (c);                                  \
+            _Pragma("omp for schedule(dynamic, 1)")                                      \
+            for (int64_t ci_ = 0; ci_ < nch_; ++ci_) {                                   \
+                const int64_t lo = ci_ * (c), hi = lo + (c) < (R) ? lo + (c) : (R);      \
+                BODY;                                                                    \
+            }                                                                            \
+        }                                                                                \
+    } while (0)
+
+static void layer_run(const qlayer *Y, const qdims *M, float *x, int64_t pos, const qshared *S, qpriv *P, int t,
+                      int T) {
+    const int64_t d = M->d, D = M->D, H = M->H, KV = M->KV, hd = M->hd, L = M->L, nqkv = (H + 2 * KV) * hd;
+    const float eps = (float)M->eps;
+    const int one_plus = (int)M->one_plus;
+    const float *cs = Y->cos_t ? Y->cos_t + pos * hd : NULL, *sn = Y->sin_t ? Y->sin_t + pos * hd : NULL;
+    /* the attention norm, by every thread into its own buffer */
+    add_rmsnorm_row(x, NULL, NULL, Y->n1, P->h, d, eps, one_plus);
+    xbuf_fill(&P->hx, 0, 0, d / 32);
+    const int64_t cq = chunk_rows(nqkv, row_bytes_of(Y->qkv, (int)Y->nqkv), T, 1);
+    QFOR_CHUNKS(T, nqkv, cq, lo, hi,
+                q_rows_body(Y->qkv, (int)Y->nqkv, NULL, 0, d, Y->b_qkv, NULL, lo, hi, nqkv, nqkv, &P->hx, 1, 0,
+                            S->qkv));
+    /* K/V at pos (a few rows: one thread), then the query heads split among the threads */
+    if (t == 0)
+        for (int64_t g = 0; g < KV; ++g)
+            write_kv_row(S->qkv + (H + g) * hd, S->qkv + (H + KV + g) * hd, Y->kn, eps, cs, sn, hd,
+                         Y->kc + g * L * hd + pos * hd, Y->vc + g * L * hd + pos * hd);
+    QBARRIER(T);
+    const int64_t lo_pos = Y->window > 0 && pos - Y->window + 1 > 0 ? pos - Y->window + 1 : 0;
+    const int64_t h0 = H * t / T, h1 = H * (t + 1) / T;
+    decode_attn_body(S->qkv, 0, hd, Y->kc, Y->vc, 0, L * hd, hd, pos, lo_pos, cs, sn, Y->qn, eps, NULL, H, S->att,
+                     0, H, H / KV, hd, h0, h1, P->sc);
+    if (hd % 32 == 0)
+        xbuf_fill((xbuf *)&S->ax, 0, h0 * hd / 32, h1 * hd / 32);
+    QBARRIER(T);
+    if (hd % 32 != 0) {
+        if (t == 0) xbuf_fill((xbuf *)&S->ax, 0, 0, H * hd / 32);
+        QBARRIER(T);
+    }
+    const int64_t co = chunk_rows(d, row_bytes_of(Y->o, (int)Y->no), T, 1);
+    QFOR_CHUNKS(T, d, co, lo, hi,
+                q_rows_body(Y->o, (int)Y->no, NULL, 0, H * hd, Y->b_o, NULL, lo, hi, d, d, &S->ax, 1, 0, S->o));
+    /* the residual add and the FFN norm, by every thread; the stream's slices written once */
+    const float *o = S->o;
+    if (Y->post_attn) {
+        add_rmsnorm_row(S->o, NULL, NULL, Y->post_attn, P->o2, d, eps, one_plus);
+        o = P->o2;
+    }
+    add_rmsnorm_row(x, o, P->xo, Y->n2, P->h, d, eps, one_plus);
+    xbuf_fill(&P->hx, 0, 0, d / 32);
+    const int64_t s0 = d * t / T, s1 = d * (t + 1) / T;
+    memcpy(S->xmid + s0, P->xo + s0, (size_t)(s1 - s0) * sizeof(float));
+    const int64_t cf = chunk_rows(D, row_bytes_of(Y->up, (int)Y->nup) + (Y->gate ? row_bytes_of(Y->gate,
+                                  (int)Y->ngate) : 0), T, 32);
+    QFOR_CHUNKS(T, D, cf, lo, hi,
+                ffn_up_body(Y->gate, (int)Y->ngate, Y->up, (int)Y->nup, Y->gate ? NULL : Y->b_up, &P->hx,
+                            (xbuf *)&S->fx, 1, (int)M->act, lo, hi));
+    const int64_t cd = chunk_rows(d, row_bytes_of(Y->down, (int)Y->ndown), T, 1);
+    if (!Y->post_ffn) {           /* x = xmid + y, row by row as the down rows come */
+        QFOR_CHUNKS(T, d, cd, lo, hi, {
+            ffn_down_body(Y->down, (int)Y->ndown, Y->b_down, d, &S->fx, 1, lo, hi, S->y);
+            for (int64_t i = lo; i < hi; ++i) x[i] = S->xmid[i] + S->y[i];
+        });
+    } else {
+        QFOR_CHUNKS(T, d, cd, lo, hi, ffn_down_body(Y->down, (int)Y->ndown, Y->b_down, d, &S->fx, 1, lo, hi, S->y));
+        add_rmsnorm_row(S->y, NULL, NULL, Y->post_ffn, P->o2, d, eps, one_plus);
+        for (int64_t i = s0; i < s1; ++i) x[i] = S->xmid[i] + P->o2[i];
+        QBARRIER(T);
+    }
+}
+
+static int layer_check(const qlayer *Y, const qdims *M) {
+    const int64_t d = M->d, D = M->D, qd = M->H * M->hd, nqkv = (M->H + 2 * M->KV) * M->hd;
+    if (check_parts(Y->qkv, (int)Y->nqkv, d) || total_rows(Y->qkv, (int)Y->nqkv) != nqkv ||
+        check_parts(Y->o, (int)Y->no, qd) || total_rows(Y->o, (int)Y->no) != d ||
+        check_parts(Y->up, (int)Y->nup, d) || total_rows(Y->up, (int)Y->nup) != D ||
+        (Y->gate && (check_parts(Y->gate, (int)Y->ngate, d) || total_rows(Y->gate, (int)Y->ngate) != D)) ||
+        check_parts(Y->down, (int)Y->ndown, D) || total_rows(Y->down, (int)Y->ndown) != d ||
+        !Y->n1 || !Y->n2 || !Y->kc || !Y->vc)
+        return -1;
+    return 0;
+}
+
+/* Layers l0..l1-1 of Ls on one token: xout = the stream after them, from x (xout may be x). pos: the position
+ * written and attended to (< L). scratch: cs_q_layers_scratch(M, nt) bytes. Returns -1 (xout unwritten) for
+ * shapes or layouts the kernels do not take: d, D, H * hd multiples of 32, H a multiple of KV. */
+int cs_q_layers(const qlayer *Ls, int64_t l0, int64_t l1, const qdims *M, const float *x, float *xout, int64_t pos,
+                void *scratch, int64_t scratch_bytes, int nt) {
+    const int T = nt < 1 ? 1 : nt;
+    if (pos < 0 || pos >= M->L || M->KV <= 0 || M->H % M->KV || M->d % 32 || M->D % 32 || (M->H * M->hd) % 32 ||
+        scratch_bytes < cs_q_layers_scratch(M, T))
+        return -1;
+    for (int64_t l = l0; l < l1; ++l)
+        if (layer_check(Ls + l, M)) return -1;
+    uint8_t *base = (uint8_t *)(((uintptr_t)scratch + QALIGN - 1) / QALIGN * QALIGN);
+    qshared S;
+    qpriv P[T];
+    layer_scratch(M, T, base, &S, P);
+    if (xout != x) memcpy(xout, x, (size_t)M->d * sizeof(float));
+    if (T == 1) {
+        for (int64_t l = l0; l < l1; ++l) layer_run(Ls + l, M, xout, pos, &S, P, 0, 1);
+        return 0;
+    }
+#pragma omp parallel num_threads(T)
+    {
+        const int t = omp_get_thread_num(), TT = omp_get_num_threads();
+        for (int64_t l = l0; l < l1; ++l) layer_run(Ls + l, M, xout, pos, &S, P + t, t, TT);
+    }
+    return 0;
 }
 
 /* 1 when the SIMD paths are compiled in (AVX2 + FMA), 0 for the scalar fallback */

@@ -5,6 +5,7 @@
     y = dense_ffn(x, w_gate, w_up, w_down, act)         # the dense FFN in one parallel region
     y = rows_axpy_t(weights, wt, rows)     # rows of Wᵀ (exact transposed layout): down over active neurons
     W = dequantize(w) ; E = embedding(ids, w)           # bit for bit the model loader's fp32 values
+    st = LayerStack(layers, shapes) ; x = st.run(l0, l1, x, pos)   # whole decoder layers, one native call
 
 The weights are dequantized inside the kernels (``cpu_quant.c``, AVX2/FMA where the compiler targets them, a
 scalar fallback elsewhere) and multiplied with the fp32 activations in fp32: results equal the products over the
@@ -14,13 +15,15 @@ multiplied llama.cpp's way instead: the few-token kernels quantize the activatio
 integer products (W x̂, not W x); the dequantize + matmul path of many tokens stays fp32.
 Thread count: torch's (one thread: no OpenMP region). Where the
 native library cannot be built these ops fall back to the numpy reference dequantizer and torch (slow, but the
-same values), and ``native_available()`` says so.
+same values), and ``native_available()`` says so; :class:`LayerStack` has no fallback (its caller keeps the
+per-op path: workers.decode.native_layer).
 """
 from __future__ import annotations
 
 import ctypes
 import threading
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -59,7 +62,11 @@ def load_library(extra_flags=()) -> ctypes.CDLL | None:
                 lib.cs_q_ffn.argtypes = [P, I, P, I, P, I, I64, I64, P, P, P, I64, I, I, P, P, I]
                 lib.cs_qt_axpy.argtypes = [P, I, I, P, P, I, I64, I64, I64, P, I64, P, I64, I64, P, P, I]
                 lib.cs_q_simd.argtypes = []
-                for f in (lib.cs_q_dequant, lib.cs_q_rows, lib.cs_q_ffn, lib.cs_qt_axpy, lib.cs_q_simd):
+                lib.cs_q_layers.argtypes = [P, I64, I64, P, P, P, I64, P, I64, I]
+                lib.cs_q_layers_scratch.argtypes = [P, I]
+                lib.cs_q_layers_scratch.restype = I64
+                for f in (lib.cs_q_dequant, lib.cs_q_rows, lib.cs_q_ffn, lib.cs_qt_axpy, lib.cs_q_simd,
+                          lib.cs_q_layers):
                     f.restype = I
             _LIBS[key] = lib
         return _LIBS[key]
@@ -226,3 +233,126 @@ def rows_axpy_t(weights, wt: QuantWeightT, rows, *, bias=None, lib=None):
                           wt.scale.dtype == torch.float16, wt.group, wt.rows, wt.cols, _p(idx), k, w.data_ptr(), K, B,
                           _p(bias), y.data_ptr(), _threads()), "rows_axpy_t")
     return y
+
+
+# ---------------------------------------------------------------------------------------------------------
+# whole decoder layers in one native call (cs_q_layers)
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class QLayer(ctypes.Structure):
+    """cpu_quant.c's ``qlayer`` (every field 8 bytes)."""
+    _fields_ = ([(n, _P) for n in ("qkv", "o", "gate", "up", "down")]
+                + [(n, _I64) for n in ("nqkv", "no", "ngate", "nup", "ndown")]
+                + [(n, _P) for n in ("b_qkv", "b_o", "b_up", "b_down", "n1", "n2", "post_attn", "post_ffn", "qn",
+                                     "kn", "cos_t", "sin_t", "kc", "vc")]
+                + [("window", _I64)])
+
+
+class QDims(ctypes.Structure):
+    """cpu_quant.c's ``qdims``."""
+    _fields_ = [(n, _I64) for n in ("d", "D", "H", "KV", "hd", "L", "one_plus", "act", "q8")] + [("eps", ctypes.c_double)]
+
+
+@dataclass(frozen=True, eq=False)
+class LayerSpec:
+    """One decoder layer for :class:`LayerStack`: the quantized projections (W [out, in], the file's layout;
+    ``qkv`` the query, key and value rows stacked), fp32 vectors (None where the model has none), its KV cache
+    [1, KV, L, hd] (fp32, contiguous; written at the step's position) and its RoPE tables [positions, hd]."""
+    qkv: QuantWeight
+    o: QuantWeight
+    gate: QuantWeight | None
+    up: QuantWeight
+    down: QuantWeight
+    n1: torch.Tensor
+    n2: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    b_qkv: torch.Tensor | None = None
+    b_o: torch.Tensor | None = None
+    b_up: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
+    post_attn: torch.Tensor | None = None
+    post_ffn: torch.Tensor | None = None
+    qn: torch.Tensor | None = None
+    kn: torch.Tensor | None = None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    window: int | None = None
+
+
+class LayerStack:
+    """Decoder layers of one token (batch 1) over quantized weights, packed once (pointers, scratch) for
+    ``cs_q_layers``: :meth:`run` takes layers l0..l1-1 in one native call and one parallel region, with the same
+    products and glue (norms, RoPE, cache write, attention) as the per-op step, so the same values bit for bit.
+    ``n_heads``, ``n_kv_heads``, ``head_dim`` as the model's; ``norm`` "rms" (Llama) or "rms1p" (Gemma: the
+    norm weights already hold 1 + w); ``act`` a name in kernels.common.ACTS; ``activations`` "fp32" or "q8" (every
+    projection must use it). Raises ValueError for what the kernels do not take (then keep the per-op path)."""
+
+    def __init__(self, layers: list[LayerSpec], *, n_heads: int, n_kv_heads: int, head_dim: int, eps: float,
+                 norm: str, act: str, activations: str = "fp32", lib=None):
+        self.lib = lib or load_library()
+        if self.lib is None:
+            raise ValueError("the quantized kernels are not built here (no C compiler, or the build failed)")
+        if norm not in ("rms", "rms1p"):
+            raise ValueError(f"norm must be 'rms' or 'rms1p', got {norm!r}")
+        L0 = layers[0]
+        d, D, hd = L0.qkv.cols, L0.up.rows, head_dim
+        H, KV, L = n_heads, n_kv_heads, L0.k_cache.shape[2]
+        if d % 32 or D % 32 or (H * hd) % 32 or H % KV:
+            raise ValueError(f"shapes d={d}, D={D}, H*hd={H * hd}: multiples of 32 (and H of KV) only")
+        self.dims = QDims(d, D, H, KV, hd, L, int(norm == "rms1p"), act_code(act), int(activations == "q8"), eps)
+        self.d, self._keep, self._parts = d, [], []        # what the pointers point into stays alive
+        arr = (QLayer * len(layers))()
+        for i, s in enumerate(layers):
+            ws = (s.qkv, s.o, s.gate, s.up, s.down)
+            if any(w is not None and w.activations != activations for w in ws):
+                raise ValueError(f"layer {i}: every projection must use activations {activations!r}")
+            for c in (s.k_cache, s.v_cache):
+                if c.dtype is not _F32 or not c.is_contiguous() or tuple(c.shape) != (1, KV, L, hd):
+                    raise ValueError(f"layer {i}: the KV cache must be fp32 [1, {KV}, {L}, {hd}], contiguous")
+            vec = {}
+            for name in ("b_qkv", "b_o", "b_up", "b_down", "n1", "n2", "post_attn", "post_ffn", "qn", "kn", "cos",
+                         "sin"):
+                t = getattr(s, name)
+                vec[name] = None if t is None else t.to(_F32).contiguous()
+            if vec["cos"] is not None and (vec["cos"].shape[0] < L or vec["cos"].shape[1] != hd):
+                raise ValueError(f"layer {i}: RoPE tables must be [>= {L}, {hd}]")
+            self._keep.append((ws, vec, s.k_cache, s.v_cache))
+            qp = {}
+            for name, w in zip(("qkv", "o", "gate", "up", "down"), ws):
+                qp[name] = _cached_parts(w) if w is not None else (None, 0)
+            self._parts.append(qp)
+            arr[i] = QLayer(*(ctypes.addressof(qp[n][0]) if qp[n][0] is not None else None
+                              for n in ("qkv", "o", "gate", "up", "down")),
+                            *(qp[n][1] for n in ("qkv", "o", "gate", "up", "down")),
+                            *(_p(vec[n]) for n in ("b_qkv", "b_o", "b_up", "b_down", "n1", "n2", "post_attn",
+                                                   "post_ffn", "qn", "kn", "cos", "sin")),
+                            s.k_cache.data_ptr(), s.v_cache.data_ptr(), int(s.window or 0))
+        self.layers, self.n = arr, len(layers)
+        self._scratch: dict[int, torch.Tensor] = {}
+
+    def _scratch_for(self, nt: int) -> torch.Tensor:
+        t = self._scratch.get(nt)
+        if t is None:
+            t = self._scratch[nt] = torch.empty(int(self.lib.cs_q_layers_scratch(ctypes.byref(self.dims), nt)),
+                                                dtype=torch.uint8)
+        return t
+
+    def run(self, l0: int, l1: int, x: torch.Tensor, pos: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The stream [1, d] after layers l0..l1-1 on the stream ``x`` [1, d] (fp32) entering layer l0, each
+        writing its K/V at position ``pos`` (the caches given at packing) and attending over 0..pos; into ``out``
+        (a new tensor when None; may be ``x``)."""
+        if not 0 <= l0 < l1 <= self.n:
+            raise IndexError(f"layers {l0}..{l1 - 1} outside 0..{self.n - 1}")
+        if x.dtype is not _F32 or not x.is_contiguous() or x.numel() != self.d:
+            x = x.to(_F32).contiguous().reshape(1, self.d)
+        out = torch.empty(1, self.d, dtype=_F32) if out is None else out
+        nt = _threads()
+        sc = self._scratch_for(nt)
+        rc = self.lib.cs_q_layers(self.layers, l0, l1, ctypes.byref(self.dims), x.data_ptr(), out.data_ptr(),
+                                  int(pos), sc.data_ptr(), sc.numel(), nt)
+        if rc != 0:
+            raise ValueError(f"cs_q_layers: position {pos} outside the cache ({self.dims.L}), or a layer's layout "
+                             "is invalid")
+        return out

@@ -294,3 +294,145 @@ def test_q8_dense_ffn_close_to_fp32(gen):
     y8 = CQ.dense_ffn(x, *[w.with_activations("q8") for w in ws], "silu")
     rel = ((y8 - y32).norm() / y32.norm()).item()
     assert 1e-5 < rel < 2e-2, rel
+
+
+# ---------------------------------------------------------------------------------------------------------
+# whole decoder layers in one native call (LayerStack / cs_q_layers)
+def _rope(L: int, hd: int):
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+    ang = torch.arange(L).float()[:, None] * inv[None, :]
+    ang = torch.cat([ang, ang], 1)
+    return ang.cos().contiguous(), ang.sin().contiguous()
+
+
+def _layer_specs(rng, gen, *, gemma: bool, bias: bool, fmts, d: int, D: int, H: int, KV: int, hd: int, L: int,
+                 n: int = 2):
+    """``n`` random layers: QKV stacked from three formats (the query part scaled as the runtime folds the
+    attention scale), O / gate / up / down of their own formats; Gemma-style q/k norms, sandwich norms and a
+    sliding window on layer 0 when ``gemma``; Qwen2-style QKV biases when ``bias``; caches already filled."""
+    fq, fk, fv, fo, fg, fu, fd = fmts
+    cos, sin = _rope(L, hd)
+
+    def vec(m, base=1.0):
+        return (base + 0.3 * torch.randn(m, generator=gen)).contiguous()
+
+    specs = []
+    for l in range(n):
+        specs.append(CQ.LayerSpec(
+            qkv=QuantWeight.stack([random_weight(fq, H * hd, d, rng, scale=0.25), random_weight(fk, KV * hd, d, rng),
+                                   random_weight(fv, KV * hd, d, rng)]),
+            o=random_weight(fo, d, H * hd, rng), gate=random_weight(fg, D, d, rng), up=random_weight(fu, D, d, rng),
+            down=random_weight(fd, d, D, rng), n1=vec(d), n2=vec(d),
+            k_cache=torch.randn(1, KV, L, hd, generator=gen), v_cache=torch.randn(1, KV, L, hd, generator=gen),
+            b_qkv=0.1 * torch.randn((H + 2 * KV) * hd, generator=gen) if bias else None,
+            post_attn=vec(d) if gemma else None, post_ffn=vec(d) if gemma else None,
+            qn=vec(hd) if gemma else None, kn=vec(hd) if gemma else None, cos=cos, sin=sin,
+            window=4 if gemma and l == 0 else None))
+    return specs
+
+
+def _per_op_layer(s, x, pos: int, *, H, KV, hd, eps, norm, act):
+    """One layer through the per-op kernels (the runtime's step with the native glue), caches written."""
+    from kernels import cpu as C
+
+    one_plus = norm == "rms1p"
+    h = C.rms_norm(x, s.n1, eps, one_plus)
+    qkv = CQ.linear(h, s.qkv, s.b_qkv)
+    q = qkv[:, : H * hd].unflatten(-1, (H, hd))
+    k = qkv[:, H * hd: (H + KV) * hd].unflatten(-1, (KV, hd))
+    v = qkv[:, (H + KV) * hd:].unflatten(-1, (KV, hd))
+    a = C.decode_attention(q, k, v, s.k_cache, s.v_cache, torch.tensor([pos]), s.cos, s.sin, s.qn, s.kn, eps,
+                           s.window)
+    o = CQ.linear(a, s.o, s.b_o)
+    if s.post_attn is not None:
+        o = C.rms_norm(o, s.post_attn, eps, one_plus)
+    x, h = C.add_rms_norm(x, o, s.n2, eps, one_plus)
+    y = CQ.dense_ffn(h, s.gate, s.up, s.down, act, b_up=s.b_up, b_down=s.b_down)
+    if s.post_ffn is not None:
+        y = C.rms_norm(y, s.post_ffn, eps, one_plus)
+    return x + y
+
+
+def _copy_caches(specs):
+    import dataclasses
+
+    return [dataclasses.replace(s, k_cache=s.k_cache.clone(), v_cache=s.v_cache.clone()) for s in specs]
+
+
+LAYER_CASES = {   # name: (gemma, bias, formats q, k, v, o, gate, up, down, d, D, H, KV, hd, act, norm)
+    "llama": (False, False, ("Q4_1",) * 7, 64, 96, 4, 2, 16, "silu", "rms"),
+    "qwen2-mixed": (False, True, ("Q5_0", "Q5_0", "Q8_0", "Q4_0", "Q5_1", "Q4_1", "Q8_0"), 64, 128, 4, 1, 16,
+                    "silu", "rms"),
+    "gemma3-kquants": (True, False, ("Q5_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q5_0", "Q6_K"), 256, 512, 4, 1, 64,
+                       "gelu_tanh", "rms1p"),
+}
+
+
+@pytest.mark.parametrize("activations", ["fp32", "q8"])
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+def test_layer_stack_equals_the_per_op_layer_bit_for_bit(case, activations, gen):
+    """Whole layers in one native call give the per-op kernels' stream and caches BIT FOR BIT (the same row
+    products on the same values in any thread split, and the same glue code, compiled with the same contraction):
+    per layer and for both layers in one call, at 1 and 2 threads, at a position inside and at the end of the
+    cache, with Llama, Qwen2 (QKV bias, a fused QKV of two formats) and Gemma-3 (q/k norms, sandwich norms, a
+    sliding window, K-quants) layers; fp32 and 8-bit activations."""
+    gemma, bias, fmts, d, D, H, KV, hd, act, norm = LAYER_CASES[case]
+    rng = np.random.default_rng(sum(map(ord, case)))
+    L, eps = 12, 1e-6
+    specs = _layer_specs(rng, gen, gemma=gemma, bias=bias, fmts=fmts, d=d, D=D, H=H, KV=KV, hd=hd, L=L)
+    if activations == "q8":
+        import dataclasses
+
+        specs = [dataclasses.replace(s, **{f: getattr(s, f).with_activations("q8")
+                                           for f in ("qkv", "o", "gate", "up", "down")}) for s in specs]
+    x0 = torch.randn(1, d, generator=gen)
+    prev = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for pos in (7, L - 1):
+                ref_specs, nat_specs = _copy_caches(specs), _copy_caches(specs)
+                st = CQ.LayerStack(nat_specs, n_heads=H, n_kv_heads=KV, head_dim=hd, eps=eps, norm=norm, act=act,
+                                   activations=activations)
+                x_ref, x_nat = x0, x0
+                for l, s in enumerate(ref_specs):
+                    x_ref = _per_op_layer(s, x_ref, pos, H=H, KV=KV, hd=hd, eps=eps, norm=norm, act=act)
+                    x_nat = st.run(l, l + 1, x_nat, pos)
+                    assert torch.equal(x_nat.view(torch.int32), x_ref.view(torch.int32)), (threads, pos, l)
+                for s, t in zip(ref_specs, nat_specs):
+                    assert torch.equal(s.k_cache, t.k_cache) and torch.equal(s.v_cache, t.v_cache)
+                both = CQ.LayerStack(_copy_caches(specs), n_heads=H, n_kv_heads=KV, head_dim=hd, eps=eps, norm=norm,
+                                     act=act, activations=activations).run(0, len(specs), x0, pos)
+                assert torch.equal(both.view(torch.int32), x_ref.view(torch.int32))
+                assert x_ref.abs().max() < 1e4 and not torch.equal(x_ref, x0)    # it computed something finite
+    finally:
+        torch.set_num_threads(prev)
+
+
+def test_layer_stack_other_builds_and_refusals(gen):
+    """The AVX2-only and scalar builds run the same layer (their glue is vectorized differently: equal to the
+    per-op layer within fp32 rounding); positions outside the cache, shapes the kernels do not take and mixed
+    activation modes are refused with a clear error."""
+    rng = np.random.default_rng(13)
+    d, D, H, KV, hd, L, eps = 64, 96, 4, 2, 16, 8, 1e-5
+    specs = _layer_specs(rng, gen, gemma=False, bias=True, fmts=("Q4_1",) * 3 + ("Q8_0",) * 4, d=d, D=D, H=H,
+                         KV=KV, hd=hd, L=L, n=1)
+    x = torch.randn(1, d, generator=gen)
+    want = _per_op_layer(_copy_caches(specs)[0], x, 5, H=H, KV=KV, hd=hd, eps=eps, norm="rms", act="silu")
+    kw = dict(n_heads=H, n_kv_heads=KV, head_dim=hd, eps=eps, norm="rms", act="silu")
+    for name, lib in _libs().items():
+        y = CQ.LayerStack(_copy_caches(specs), lib=lib, **kw).run(0, 1, x, 5)
+        assert torch.allclose(y, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), name
+    st = CQ.LayerStack(_copy_caches(specs), **kw)
+    with pytest.raises(ValueError, match="position 8 outside"):
+        st.run(0, 1, x, L)
+    with pytest.raises(IndexError):
+        st.run(0, 2, x, 0)
+    import dataclasses
+
+    odd = dataclasses.replace(specs[0], o=QuantWeight.of("F32", torch.randn(d, 48).view(torch.uint8).numpy(), 48))
+    with pytest.raises(ValueError, match="multiples of 32"):
+        CQ.LayerStack([odd], **dict(kw, head_dim=12))
+    mixed = dataclasses.replace(specs[0], up=specs[0].up.with_activations("q8"))
+    with pytest.raises(ValueError, match="activations"):
+        CQ.LayerStack([mixed], **kw)
