@@ -21,6 +21,7 @@ from __future__ import annotations
 from kernels import ops
 from kernels.common import Prologue
 from kernels.reference import qk_norm_rope
+from workers.decode import native_layer
 from workers.decode.glue import EAGER, attn_prefill
 
 
@@ -90,11 +91,15 @@ class Step:
 
     def __init__(self, blocks, plan, cache, counters, sets, fns: dict):
         self.b, self.rp, self.cache, self.c, self.sets, self.fns = blocks, plan, cache, counters, sets, fns
+        self.native = native_layer.for_step(blocks, plan, cache, fns)    # quantized CPU layers in one call
 
     def fuses(self, l, L, x) -> bool:
         """Whether layer ``l`` runs fused (:meth:`fused`): the plan has input sparsity on its QKV, O, gate|up and
         down and nothing else, a pre-norm gated Llama / Qwen layer (RMS norms, no sandwich norms), the Triton
-        kernels (CUDA; the interpreter in tests), batch 1, and the blocks fuse and do not count inputs."""
+        kernels (CUDA; the interpreter in tests), batch 1, and the blocks fuse and do not count inputs. Or the
+        whole layer runs in one native call (workers.decode.native_layer: quantized weights on the CPU)."""
+        if self.native is not None:
+            return self.native.covers(l)
         b, rp, w = self.b, self.rp, self.b.w
         if not (b.fuse and not b.count_inputs and x.shape[0] == 1 and ops.backend_name(x) == "triton" and w.gated
                 and w.norm_kind in ("rms", "rms1p") and L.post_attn is None and L.post_ffn is None):
@@ -104,7 +109,10 @@ class Step:
 
     def fused(self, l, L, x):
         """The whole layer on the residual stream ``x`` -> the stream after it (four input-sparse launches and
-        attention)."""
+        attention; or one native call)."""
+        if self.native is not None:
+            self.sets.layer_start(l, len(self.b.w.layers), x)
+            return self.native.run(l, x)
         b, w, cache = self.b, self.b.w, self.cache
         ia, ifn = self.rp.in_attn[l], self.rp.in_ffn[l]
         self.sets.layer_start(l, len(w.layers), x)

@@ -1,0 +1,171 @@
+"""The quantized CPU step's decoder layers in one native call each (workers.decode.native_layer): the logits and
+caches equal the per-op step's (``fuse=False``) BIT FOR BIT -- the same row products and the same glue code on the
+same values -- on real SmolLM2-135M weights (Q4_1, its GGUF) at 1 and 2 threads, with the greedy tokens of the
+fp32 runtime, and on tiny random Llama, Qwen2 and Gemma-3 layers over mixed GGUF formats; where the layer
+cannot run natively the per-op step runs and says so; the runtime's options choose the path. About 15 s."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.quant import FORMATS, QuantWeight
+from workers.decode import native_layer
+from workers.decode.glue import glue_fns
+from workers.decode.plan import RuntimePlan
+from workers.decode.runtime import DecodeRuntime
+from workers.decode.weights import from_hf
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _decode_logits(rt: DecodeRuntime, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    rt.setup(ids.shape[0], ids.shape[1] + steps + 1)
+    return torch.stack([rt.prefill(ids)] + [rt.step(keep_logits=True) for _ in range(steps)])
+
+
+def _engaged(rt: DecodeRuntime):
+    """What the next step would run natively (None: the per-op step)."""
+    return native_layer.for_step(rt.blocks, rt.sparse_plan, rt.cache, glue_fns(False, "kernel"))
+
+
+@pytest.fixture(scope="module")
+def smollm2_quant(smollm2):
+    return DecodeRuntime.from_gguf(smollm2.model, smollm2.source)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_smollm2_native_layers_equal_the_per_op_step_and_fp32_tokens(smollm2, smollm2_quant, threads):
+    rq = smollm2_quant
+    ids = smollm2.tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rq.configure(fuse=False)
+        per_op = _decode_logits(rq, ids, 6)
+        k_per_op = rq.cache.k[17].clone()
+        assert _engaged(rq) is None
+        rq.configure(fuse=True)
+        native = _decode_logits(rq, ids, 6)
+        assert _engaged(rq) is not None and _engaged(rq).covers(29)
+        assert torch.equal(_bits(native), _bits(per_op))
+        assert torch.equal(rq.cache.k[17], k_per_op)
+        if threads > 1:
+            return        # the tokens follow from the logits; 2 threads on a loaded 2-core machine are slow
+        # greedy tokens: the fp32 runtime's (the existing quantized-decode pattern)
+        rf = DecodeRuntime.from_hf(smollm2.model, torch.float32, "cpu", cpu_rows=True)
+        tq, tf = rq.generate(ids, 16), rf.generate(ids, 16)
+        assert tq.tolist() == tf.tolist() and "Paris" in smollm2.tokenizer.decode(tq[0])
+    finally:
+        torch.set_num_threads(prev)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# tiny random models, every projection in random GGUF blocks of a family's formats
+FORMATS_OF = {   # q, k, v, o, gate, up, down, LM head
+    "llama": ("Q4_1", "Q4_1", "Q4_1", "Q4_1", "Q4_1", "Q4_1", "Q4_1", "Q8_0"),
+    "qwen2": ("Q5_0", "Q5_0", "Q8_0", "Q4_0", "Q5_1", "Q4_1", "Q8_0", "Q8_0"),
+    "gemma3": ("Q5_0", "Q5_0", "Q8_0", "Q8_0", "Q5_0", "Q5_0", "Q8_0", "Q8_0"),
+}
+
+
+def _tiny(family: str, head_dim: int = 16):
+    import transformers as tf
+
+    from tests.workers.tiny_model_support import randomize_norms_and_biases
+
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+                  max_position_embeddings=64, head_dim=head_dim)
+    cfg = {"llama": lambda: tf.LlamaConfig(num_key_value_heads=2, **common),
+           "qwen2": lambda: tf.Qwen2Config(num_key_value_heads=2, **common),
+           "gemma3": lambda: tf.Gemma3TextConfig(num_key_value_heads=1, sliding_window=4,
+                                                 layer_types=["sliding_attention", "full_attention"], **common)}[family]()
+    torch.manual_seed(0)
+    return randomize_norms_and_biases(tf.AutoModelForCausalLM.from_config(cfg).eval())
+
+
+def _blocks(fmt: str, rows: int, cols: int, rng, scale: float = 1.0) -> QuantWeight:
+    """Random codes and small fp16 scales (a block format), or small fp16 values (F16)."""
+    f = FORMATS[fmt]
+    if f.block == 1:
+        data = torch.from_numpy((rng.standard_normal((rows, cols)) * 0.1).astype(np.float16).view(np.uint8))
+        return QuantWeight.of(fmt, data, cols, scale)
+    from tests.kernels.test_quant import random_blocks
+
+    return QuantWeight.of(fmt, random_blocks(fmt, rows, cols, rng), cols, scale)
+
+
+def _quantized(model, family: str, seed: int = 0, formats=None):
+    """The runtime weights of ``model`` with every projection and the LM head replaced by random blocks (the
+    query part scaled by the folded attention scale, as from_gguf does)."""
+    w = from_hf(model, torch.float32, "cpu")
+    fq, fk, fv, fo, fg, fu, fd, fh = formats or FORMATS_OF[family]
+    dims, rng = w.dims, np.random.default_rng(seed)
+    d, D, H, KV, hd = dims.d, dims.D, dims.n_heads, dims.n_kv_heads, dims.head_dim
+    layers = [dataclasses.replace(
+        L, w_qkv=QuantWeight.stack([_blocks(fq, H * hd, d, rng, w.q_fold), _blocks(fk, KV * hd, d, rng),
+                                    _blocks(fv, KV * hd, d, rng)]),
+        w_o_t=_blocks(fo, d, H * hd, rng), w_gate=_blocks(fg, D, d, rng), w_up=_blocks(fu, D, d, rng),
+        w_down_t=_blocks(fd, d, D, rng)) for L in w.layers]
+    head = _blocks(fh, w.vocab, d, rng)
+    return dataclasses.replace(w, layers=tuple(layers), lm_head=head, embed=head)
+
+
+@pytest.mark.parametrize("family", list(FORMATS_OF))
+def test_tiny_families_native_layers_equal_the_per_op_step(family):
+    """Llama; Qwen2 (QKV biases, a fused QKV of two formats); Gemma-3 (q/k norms, sandwich norms, GeLU-tanh, a
+    sliding window of 4 that the 10 positions pass): native and per-op logits bit for bit, 1 and 2 threads."""
+    w = _quantized(_tiny(family), family)
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(1))
+    native, per_op = DecodeRuntime(w), DecodeRuntime(w, fuse=False)
+    prev = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            a, b = _decode_logits(native, ids, 5), _decode_logits(per_op, ids, 5)
+            assert _engaged(native) is not None and _engaged(per_op) is None
+            assert torch.equal(_bits(a), _bits(b)), family
+            assert bool(torch.isfinite(a).all()) and a[1:].std() > 0
+    finally:
+        torch.set_num_threads(prev)
+
+
+def test_a_layer_the_kernels_do_not_take_runs_per_op_and_says_so():
+    """Heads of 12 (H * hd = 48, not a multiple of 32; the O projection in F16): the one-call layer refuses, a
+    RuntimeWarning says the per-op step runs, and the logits are that step's."""
+    formats = ("Q8_0", "Q8_0", "Q8_0", "F16", "Q8_0", "Q8_0", "F16", "Q8_0")
+    w = _quantized(_tiny("llama", head_dim=12), "llama", formats=formats)
+    ids = torch.randint(0, 128, (1, 4), generator=torch.Generator().manual_seed(2))
+    rt = DecodeRuntime(w)
+    with pytest.warns(RuntimeWarning, match="per-op step runs"):
+        a = _decode_logits(rt, ids, 3)
+    assert _engaged(rt) is None
+    b = _decode_logits(DecodeRuntime(w, fuse=False), ids, 3)
+    assert torch.equal(_bits(a), _bits(b))
+
+
+def test_the_runtime_options_choose_the_path():
+    """Native only for the quantized weights, ``fuse`` on, the kernel glue, batch 1, the exact cache, and the
+    layers a plan leaves dense."""
+    m = _tiny("llama")
+    w = _quantized(m, "llama")
+    rt = DecodeRuntime(w)
+    rt.setup(1, 16)
+    kernel_glue = glue_fns(False, "kernel")
+    assert native_layer.for_step(rt.blocks, rt.sparse_plan, rt.cache, kernel_glue) is not None
+    assert native_layer.for_step(rt.blocks, rt.sparse_plan, rt.cache, glue_fns(False, "torch")) is None
+    rt.setup(2, 16)
+    assert native_layer.for_step(rt.blocks, rt.sparse_plan, rt.cache, kernel_glue) is None
+    rt.setup(1, 16)
+    part = native_layer.for_step(rt.blocks, RuntimePlan(mlp={1: object()}), rt.cache, kernel_glue)
+    assert part.covers(0) and not part.covers(1)
+    assert native_layer.for_step(rt.blocks, RuntimePlan(in_ffn={0: {}, 1: {}}), rt.cache, kernel_glue) is None
+    fp32 = DecodeRuntime.from_hf(m, torch.float32, "cpu")
+    fp32.setup(1, 16)
+    assert native_layer.for_step(fp32.blocks, fp32.sparse_plan, fp32.cache, kernel_glue) is None
+    rt.configure(fuse=False)
+    assert native_layer.for_step(rt.blocks, rt.sparse_plan, rt.cache, kernel_glue) is None

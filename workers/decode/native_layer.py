@@ -1,0 +1,104 @@
+"""The quantized CPU decode step's decoder layers, each in one native call (kernels.cpu_quant.LayerStack).
+
+    nat = for_step(blocks, plan, cache, fns)    # at the start of a step: None where the per-op path runs
+    nat.covers(l)                               # whether layer l runs in one call
+    x = nat.run(l, x)                           # the stream after layer l
+
+A step over GGUF blocks (``DecodeRuntime.from_gguf``) otherwise makes about eight native calls a layer (norm,
+QKV, attention, O, add + norm, FFN) with Python between them: about 2 ms a token on SmolLM2-135M, a quarter of
+its step. Here one call runs the whole layer, with the same products and glue on the same values, so the
+logits are the per-op step's bit for bit. It runs where the per-op step would run those same native kernels:
+quantized weights on the CPU, the native glue (``glue`` "kernel", kernels.cpu built), batch 1, the exact KV
+cache (kv_mode "exact"), RMS norms, ``fuse`` on (``DecodeRuntime(fuse=False)`` keeps the per-op step), and
+only on the layers the plan leaves dense (a sparse layer runs its own path). Where it should run but cannot
+(the quantized kernels did not build, a shape they do not take) the per-op step runs and a RuntimeWarning
+says why, once per weights.
+
+The packed layers (pointers to the weights, norms, RoPE tables and each layer's cache, scratch) are made once
+per (weights, cache) and reused every step; a new cache (``setup``) packs again.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+
+from kernels import cpu as cpu_kernels
+from kernels import cpu_quant, ops
+from kernels.quant import QuantWeight
+
+_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # cache -> (weights, LayerStack or None)
+_WARNED: weakref.WeakSet = weakref.WeakSet()                         # weights whose fallback was reported
+
+
+class StepLayers:
+    """One step's view of the packed layers: which layers run natively, at which position."""
+
+    __slots__ = ("stack", "pos", "dense")
+
+    def __init__(self, stack: cpu_quant.LayerStack, pos: int, dense):
+        self.stack, self.pos, self.dense = stack, pos, dense
+
+    def covers(self, l: int) -> bool:
+        return self.dense is None or l in self.dense
+
+    def run(self, l: int, x: torch.Tensor) -> torch.Tensor:
+        return self.stack.run(l, l + 1, x, self.pos)
+
+
+def layer_specs(w, cache) -> list[cpu_quant.LayerSpec]:
+    """The runtime's layers (workers.decode.weights / quant_weights) and a batch-1 cache as LayerStack input."""
+    return [cpu_quant.LayerSpec(
+        qkv=L.w_qkv, o=L.w_o_t, gate=L.w_gate, up=L.w_up, down=L.w_down_t, n1=L.n1, n2=L.n2,
+        k_cache=cache.k[l], v_cache=cache.v[l], b_qkv=L.b_qkv, b_o=L.b_o, b_up=L.b_up, b_down=L.b_down,
+        post_attn=L.post_attn, post_ffn=L.post_ffn, qn=L.qn, kn=L.kn,
+        cos=L.rope[0] if L.rope is not None else None, sin=L.rope[1] if L.rope is not None else None,
+        window=L.window) for l, L in enumerate(w.layers)]
+
+
+def build(w, cache) -> cpu_quant.LayerStack:
+    """The packed layers of quantized weights ``w`` over ``cache`` (ValueError where they cannot run)."""
+    if not all(isinstance(getattr(L, f), QuantWeight) for L in w.layers for f in ("w_qkv", "w_o_t", "w_up",
+                                                                                  "w_down_t")):
+        raise ValueError("not every projection is quantized")
+    if w.norm_kind not in ("rms", "rms1p") or any(L.n1b is not None or L.n2b is not None for L in w.layers):
+        raise ValueError(f"norm {w.norm_kind!r}: RMS norms only")
+    acts = w.layers[0].w_up.activations
+    return cpu_quant.LayerStack(layer_specs(w, cache), n_heads=w.dims.n_heads, n_kv_heads=w.dims.n_kv_heads,
+                                head_dim=w.dims.head_dim, eps=w.eps, norm=w.norm_kind, act=w.act, activations=acts)
+
+
+def _stack(w, cache):
+    hit = _STACKS.get(cache)
+    if hit is not None and hit[0] is w:
+        return hit[1]
+    try:
+        st = build(w, cache)
+    except ValueError as e:
+        st = None
+        if w not in _WARNED:
+            _WARNED.add(w)
+            warnings.warn(f"quantized decode: the one-call native layer cannot run ({e}); the per-op step runs "
+                          "instead (same values, slower)", RuntimeWarning, stacklevel=3)
+    _STACKS[cache] = (w, st)
+    return st
+
+
+def for_step(blocks, rp, cache, fns: dict) -> StepLayers | None:
+    """The native layers of this step, or None where the per-op step runs: not quantized, ``fuse`` off, not
+    the native glue, batch > 1, kv_mode "active", or no layer left dense by the plan ``rp``."""
+    w = blocks.w
+    if not (w.quantized and blocks.fuse and cache is not None and cache.batch == 1 and cache.valid is None
+            and fns.get("attn") is ops.decode_attention and w.device.type == "cpu"):
+        return None
+    if ops.backend_name(cache.pos) != "cpu" or not cpu_kernels.native_available():
+        return None                      # the glue itself is not native here (forced reference / no kernels)
+    dense = None
+    if not rp.dense or rp.thr_ffn:
+        sparse = set(rp.mlp) | set(rp.heads) | set(rp.in_attn) | set(rp.in_ffn) | set(rp.thr_ffn)
+        dense = frozenset(range(len(w.layers))) - sparse
+        if not dense:
+            return None
+    st = _stack(w, cache)
+    return None if st is None else StepLayers(st, int(cache.pos), dense)
