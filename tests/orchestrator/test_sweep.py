@@ -212,7 +212,11 @@ def test_exported_bundle_on_a_fresh_model_reproduces_the_sweep_perplexity(tiny_s
                   if x.method == "threshold" and x.status == "done")
     out = tmp_path / "bundle"
     assert cli(["bundle", "export", st.fit_unit[:12], "--out", str(out), "--db", url]) == 0
-    assert f'"unit": "{st.fit_unit[:12]}"' in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f'"unit": "{st.fit_unit[:12]}"' in printed and '"threads": 1' in printed
+    # the copy records the thread count its CPU latency row was timed at: what ctxsparse generate then runs at
+    from workers.sparsity.bundle import load_bundle, measured_threads
+    assert measured_threads(load_bundle(out).manifest) == spec.resources.torch_threads == 1
     lm = smollm2                                          # the session's model object, not the workers'
     toks = token_windows(lm.tokenizer, spec.data.source, "heldout", spec.suites.perplexity.tokens,
                          spec.suites.perplexity.seq_len)

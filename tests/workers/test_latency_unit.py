@@ -49,10 +49,11 @@ def _cfg(lm, fit_unit, threads, repeats, runtime="ctxsparse"):
             "paired": runtime == "ctxsparse"}
 
 
-@pytest.mark.parametrize("repeats", [1, 3])
-def test_rows_record_the_units_thread_count_and_the_paired_speedups_spread(tmp_path, threads_restored, repeats):
+@pytest.mark.parametrize("repeats, want", [(1, 1), (3, 2)])
+def test_rows_record_the_units_thread_count_and_the_paired_speedups_spread(tmp_path, threads_restored, repeats,
+                                                                           want):
     lm, fit_unit = _tiny_setting(tmp_path)
-    want = 2 if torch.get_num_threads() != 2 else 1
+    torch.set_num_threads(3)                # neither: the unit sets its own
     out = _units_with(lm).run("latency", uuid.uuid4().hex, _cfg(lm, fit_unit, want, repeats))
     sparse, dense = out.latency
     assert (sparse["runtime"], dense["runtime"]) == (RUNTIME_SPARSE, RUNTIME_DENSE_PAIRED)
@@ -88,6 +89,11 @@ def test_llama_cpp_unit_times_the_models_gguf_beside_our_dense_or_says_it_is_not
     assert llama["speedup_min"] == llama["speedup_max"] == dense["p50_ms_per_token"] / llama["p50_ms_per_token"]
     assert llama["realized_sparsity"] is None and all(r["p50_ms_per_token"] > 0 for r in out.latency)
     assert out.summary["speedup_vs_paired_dense"] == round(dense["p50_ms_per_token"] / llama["p50_ms_per_token"], 3)
+    # llama.cpp really decoded every step of the row: its own counter, warm-up and 2 repeats of 3 steps
+    from workers.decode.latency import bench_llama_cpp
+
+    rows = bench_llama_cpp(smollm2.model, smollm2.source, prompt_len=4, gen_len=4, repeats=2, detail=True)
+    assert rows[0]["llama_decode_evals"] == (1 + 2) * 3 and rows[0]["gguf"] == smollm2.source
 
 
 def test_llama_cpp_unit_refuses_a_model_without_a_gguf(tmp_path, threads_restored):

@@ -308,6 +308,7 @@ def bench_llama_cpp(model, gguf, *, prompt_len: int = 128, gen_len: int = 32, re
             rt.prefill(prompts[r])
             return step_times(rt, gen_len - 1)
         llama_runs, dense_runs = interleaved([RUNTIME_LLAMA_CPP, RUNTIME_DENSE_PAIRED], repeats, run, warmup)
+        evals = llama.decode_evals()
     finally:
         llama.close()
     rows = []
@@ -315,7 +316,7 @@ def bench_llama_cpp(model, gguf, *, prompt_len: int = 128, gen_len: int = 32, re
         times = [t for ts in runs for t in ts]
         extra = dict(mean_ms_per_token=sum(times) / len(times), repeats=repeats) if detail else None
         if detail and name == RUNTIME_LLAMA_CPP:
-            extra["gguf"] = str(gguf)
+            extra.update(gguf=str(gguf), llama_decode_evals=evals)     # llama.cpp's own count of its steps
         spread = speedup_spread(dense_runs, runs) if name == RUNTIME_LLAMA_CPP else None
         rows.append(_row(device, 1, prompt_len, gen_len, times, name, None, extra, spread))
     return rows

@@ -95,6 +95,12 @@ class LlamaCppRunner:
             own = p.t_eval_ms / p.n_eval if p.n_eval else None
         return dt, toks, own
 
+    def decode_evals(self) -> int | None:
+        """One-token evals (decode steps) llama.cpp itself has counted on this context (``llama_perf``), or None
+        where the binding lacks the counter."""
+        perf = getattr(self.lib, "llama_perf_context", None)
+        return None if perf is None else int(perf(self.llm.ctx).n_eval)
+
     def close(self) -> None:
         """Free the model (before interpreter shutdown: llama-cpp-python's ``__del__`` fails there)."""
         self.llm.close()
