@@ -28,7 +28,9 @@ Q_lᵀ Q_{l+1}); the first basis folds into (an untied copy of) the embeddings a
 extra bytes per token. So: one d² per change between consecutive rotated inputs (a rotation per layer: L - 1;
 one per block input: 2L - 1; one for the whole model: 0). Where a block output passes a norm with a gain before
 the residual add (Gemma-3's post-norms), the residual stream cannot be rotated (the gain is diagonal in the
-original basis): every rotated input is an explicit d×d product per token, d² each.
+original basis): every rotated input is an explicit d×d product per token, d² each. The reference code rotates
+the norm's output g ⊙ n instead (``RotatedPlan.scaled``: PCA of g ⊙ n, W' = W Q); the residual stream never
+carries that basis, so it is charged d² per rotated input on every model.
 
 Masked mode only (the exact function, dense products with the dropped entries zeroed): the pre-norm is swapped
 for a :class:`RotatedTopKNorm` that emits the masked r, the consumers for plain ``nn.Linear`` with the folded
@@ -59,10 +61,13 @@ SCORES = ("abs", "wina")
 class RotatedPlan:
     """{layer: {group: s}} (groups of ``GROUPS``; absent = dense) and {layer: {group: rotation}}: ``attn_in`` /
     ``ffn_in`` an orthogonal Q [d, d] (columns the basis), ``o`` R [n_kv_heads, head_dim, head_dim]. A sparse
-    block input without a rotation keeps its top-k entries of the norm's own output (no rotation)."""
+    block input without a rotation keeps its top-k entries of the norm's own output (no rotation). ``scaled``:
+    the block-input rotations act on the norm's output x = g ⊙ n (r = Qᵀ x, W' = W Q: the reference code's form)
+    instead of on n; the residual stream cannot carry that basis, so each is an explicit d×d product."""
     sparsity: dict[int, dict[str, float]] = field(default_factory=dict)
     rotations: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     score: str = "abs"
+    scaled: bool = False
 
     def __post_init__(self):
         if self.score not in SCORES:
@@ -118,10 +123,10 @@ class RotatedTopKNorm(nn.Module):
     consumers carry) or of the norm's own output (``q`` None), the other entries zero."""
 
     def __init__(self, orig: nn.Module, q: torch.Tensor | None, k: int, scale: torch.Tensor | None, layer: int,
-                 projections: tuple[str, ...], stats: InputStats):
+                 projections: tuple[str, ...], stats: InputStats, scaled: bool = False):
         super().__init__()
         self.orig = orig                       # kept so revert and state_dict see the same parameters
-        self.k, self.layer, self.projections, self._stats = k, layer, projections, stats
+        self.k, self.layer, self.projections, self._stats, self.scaled = k, layer, projections, stats, scaled
         self.register_buffer("q", None if q is None else q.detach().clone(), persistent=False)
         self.register_buffer("scale", None if scale is None else scale.detach().float(), persistent=False)
 
@@ -129,7 +134,8 @@ class RotatedTopKNorm(nn.Module):
         if self.q is None:
             r = self.orig(h)
         else:
-            n = rms_normalized(self.orig, h)
+            n = self.orig(h) if self.scaled else rms_normalized(self.orig, h)
+            n = n.to(torch.promote_types(n.dtype, torch.float32))
             r = n @ self.q.to(n.dtype)
         score = r.abs() if self.scale is None else r.abs() * self.scale.to(r.dtype)
         keep = topk_keep(score.reshape(-1, r.shape[-1]), self.k).reshape(r.shape)
@@ -139,7 +145,7 @@ class RotatedTopKNorm(nn.Module):
         return (r * keep).to(h.dtype)
 
     def extra_repr(self) -> str:
-        return f"layer={self.layer}, k={self.k}, rotated={self.q is not None}, " \
+        return f"layer={self.layer}, k={self.k}, rotated={self.q is not None}, scaled={self.scaled}, " \
                f"score={'wina' if self.scale is not None else 'abs'}, feeds={','.join(self.projections)}"
 
 
@@ -226,7 +232,7 @@ def rotation_numel(model: nn.Module, plan: RotatedPlan) -> int:
     rotated block input. o's rotations fold into v and o: none."""
     d = adapter_for(model).dims(model.config).d
     seq = [plan.rotations[l][g] for l in sorted(plan.rotations) for g in BLOCK_INPUTS if g in plan.rotations[l]]
-    if residual_foldable(model):
+    if residual_foldable(model) and not plan.scaled:
         changes = sum(1 for a, b in zip(seq, seq[1:]) if not (a is b or torch.equal(a, b)))
     else:
         changes = len(seq)
@@ -283,12 +289,12 @@ def apply_rotated_sparsity(model: nn.Module, plan: RotatedPlan, stats: InputStat
                     if tuple(q.shape) != (dims.d, dims.d):
                         raise ValueError(f"layer {l}: {group} rotation of shape {tuple(q.shape)}, expected "
                                          f"{(dims.d, dims.d)}")
-                    gain = norm_gain(norm)
+                    gain = None if plan.scaled else norm_gain(norm)
                     for p in consumers:
                         new[p] = folded_linear(mods[p], gain, q, row_rot=r_o if p == "v" else None)
                 scale = _col_norms(*(new.get(p, mods[p]) for p in consumers)) if plan.score == "wina" else None
                 log.swap(layer, norm_path, RotatedTopKNorm(norm, q, keep_count(s, dims.d), scale, l, consumers,
-                                                           stats))
+                                                           stats, plan.scaled))
             if r_o is not None:
                 if "v" not in new:
                     new["v"] = folded_linear(mods["v"], row_rot=r_o)

@@ -83,14 +83,17 @@ def test_pca_rotation_known_answer():
 
 
 # ---------------------------------------------------------------- the rotation is exact, the top-k exact
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
-@pytest.mark.parametrize("rotation", ["layer", "block", "model"])
-def test_rotation_is_exact_at_zero_sparsity(tmp_path, family, rotation):
-    """Every rotation folded in (norm gains, q/k/v and gate/up on Qᵀn, v and o per KV group, Qwen2's biases,
-    Gemma-3's (1 + w) gains and post-norms), nothing dropped: the logits are the dense model's to float32 rounding."""
+@pytest.mark.parametrize("family,rotation,basis", [
+    *[(f, r, "normed") for f in ("llama", "qwen2", "gemma3") for r in ("layer", "block", "model")],
+    ("llama", "layer", "scaled"), ("gemma3", "block", "scaled"),
+])
+def test_rotation_is_exact_at_zero_sparsity(tmp_path, family, rotation, basis):
+    """Every rotation folded in (norm gains, q/k/v and gate/up on Qᵀn -- or on Qᵀ(g ⊙ n), basis "scaled" --, v and
+    o per KV group, Qwen2's biases, Gemma-3's (1 + w) gains and post-norms), nothing dropped: the logits are the
+    dense model's to float32 rounding."""
     model = tiny_model(family)
     ctx = _ctx(model, tmp_path)
-    plan = _zero_sparsity(fit_method("larosa", ctx, 0.4, rotation=rotation))
+    plan = _zero_sparsity(fit_method("larosa", ctx, 0.4, rotation=rotation, basis=basis))
     assert set(plan.rotated.rotations[0]) == {"attn_in", "ffn_in", "o"}
     ids = _tokens(7, 2, 24).windows
     with torch.no_grad():
@@ -140,19 +143,20 @@ def test_topk_keeps_exactly_k_entries_per_token(tmp_path):
 
 
 # ---------------------------------------------------------------- bytes
-@pytest.mark.parametrize("family,rotation,changes", [
-    ("llama", "layer", 1),     # one basis per layer, 2 layers: one adapter (the ends fold into embeddings / head)
-    ("llama", "block", 3),     # a basis per block input: attn0 -> ffn0 -> attn1 -> ffn1
-    ("llama", "model", 0),     # one basis for all: nothing per token
-    ("llama", "none", 0),
-    ("gemma3", "layer", 4),    # post-norms: the residual stream cannot carry a basis, each rotated input pays d²
-    ("gemma3", "model", 4),
+@pytest.mark.parametrize("family,rotation,basis,changes", [
+    ("llama", "layer", "normed", 1),   # one basis per layer, 2 layers: one adapter (the ends fold into embeddings, head)
+    ("llama", "block", "normed", 3),   # a basis per block input: attn0 -> ffn0 -> attn1 -> ffn1
+    ("llama", "model", "normed", 0),   # one basis for all: nothing per token
+    ("llama", "none", "normed", 0),
+    ("llama", "model", "scaled", 4),   # a basis of g ⊙ n is never the residual stream's: d² per rotated input
+    ("gemma3", "layer", "normed", 4),  # post-norms: the residual stream cannot carry a basis, each input pays d²
+    ("gemma3", "model", "normed", 4),
 ])
-def test_bytes_skipped_charge_the_rotations(tmp_path, family, rotation, changes):
+def test_bytes_skipped_charge_the_rotations(tmp_path, family, rotation, basis, changes):
     model = tiny_model(family)
     ctx = _ctx(model, tmp_path)
     s = 0.5
-    plan = fit_method("larosa", ctx, s, rotation=rotation)
+    plan = fit_method("larosa", ctx, s, rotation=rotation, basis=basis)
     ad = adapter_for(model)
     numel = {(l, p): linear_weight(m).numel() for l, layer in ad.iter_layers(model)
              for p, m in projection_modules(ad, layer).items()}
@@ -176,8 +180,16 @@ def test_options_and_refusals(tmp_path):
         fit_method("larosa", ctx, 0.5, bogus=1)
     with pytest.raises(ValueError, match="rotation must be"):
         fit_method("larosa", ctx, 0.5, rotation="global")
+    with pytest.raises(ValueError, match="basis must be"):
+        fit_method("larosa", ctx, 0.5, basis="gain")
     with pytest.raises(ValueError, match="read one input"):
         fit_method("larosa", ctx, 0.5, projections=["q", "k"])
+    c, _ = ctx.cache.load_cov(1, "ffn_in")                     # basis "scaled": the PCA of g ⊙ n
+    g = ctx.lm.model.model.layers[1].post_attention_layernorm.weight.detach().double()
+    scaled = fit_method("larosa", ctx, 0.5, rotation="block", basis="scaled")
+    assert scaled.rotated.scaled and torch.equal(scaled.rotated.rotations[1]["ffn_in"],
+                                                 pca_rotation(g[:, None] * c * g[None, :])[0])
+    assert not torch.equal(scaled.rotated.rotations[1]["ffn_in"], pca_rotation(c)[0])
     plan = fit_method("larosa", ctx, 0.5, projections=["gate", "up", "down"])
     assert plan.rotated.sparsity[0] == {"ffn_in": 0.5, "down": 0.5} and set(plan.rotated.rotations[0]) == {"ffn_in"}
     with pytest.raises(BundleError, match="rotated plans"):

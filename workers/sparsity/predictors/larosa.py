@@ -21,6 +21,9 @@ Options:
                    ``"model"`` (one Q for every layer: no adapter at all where the residual stream carries it),
                    ``"none"`` (no rotation: a per-token top-k of the plain input, TEAL's rule with exact counts)
   ``rotate_o``     rotate o's input per KV head group, folded into v and o (free at run time; default true)
+  ``basis``        ``"normed"`` (default: Q from the covariance of n, the norm's gain folded into the consumers;
+                   the residual stream can carry it) or ``"scaled"`` (the reference code's: Q from the covariance of
+                   the norm's output g ⊙ n, i.e. diag(g) Σ n nᵀ diag(g); an explicit d×d product per rotated input)
   ``score``        ``"abs"`` (default: |r_j|) or ``"wina"`` (|r_j|·‖W'[:, j]‖₂ over the input's consumers)
   ``projections``  the projections to sparsify (default all; q/k/v and gate/up only together: they share an input)
 """
@@ -28,12 +31,14 @@ from __future__ import annotations
 
 import torch
 
+from workers.loading.adapters import get_path, norm_gain
 from workers.sparsity.input_sparse import projection_paths
 from workers.sparsity.predictors.base import FitContext, SparsityPlan, register
 from workers.sparsity.rotated import BLOCK_INPUTS, GROUP_PROJECTIONS, GROUPS, SCORES, RotatedPlan, check_model, \
     keep_count
 
 ROTATIONS = ("layer", "block", "model", "none")
+BASES = ("normed", "scaled")
 DAMP = 0.01        # added to the covariance's diagonal, times its mean diagonal (the reference's)
 
 
@@ -74,13 +79,16 @@ def _kept_variance(ev: torch.Tensor, s: float) -> float:
 
 @register("larosa")
 def fit_larosa(ctx: FitContext, sparsity: dict[int, float], rank=None, rotation: str = "layer",
-               rotate_o: bool = True, score: str = "abs", projections=None, **unknown) -> SparsityPlan:
+               rotate_o: bool = True, score: str = "abs", projections=None, basis: str = "normed",
+               **unknown) -> SparsityPlan:
     if unknown:
         raise ValueError(f"larosa: unknown options {sorted(unknown)}")
     if rotation not in ROTATIONS:
         raise ValueError(f"larosa: rotation must be one of {ROTATIONS}, got {rotation!r}")
     if score not in SCORES:
         raise ValueError(f"larosa: score must be one of {SCORES}, got {score!r}")
+    if basis not in BASES:
+        raise ValueError(f"larosa: basis must be one of {BASES}, got {basis!r}")
     check_model(ctx.lm.model)
     groups = _groups(ctx.lm.adapter, projections)
     layers = [l for l, s in sorted(sparsity.items()) if s > 0]
@@ -88,11 +96,18 @@ def fit_larosa(ctx: FitContext, sparsity: dict[int, float], rank=None, rotation:
     if (rotated_inputs or (rotate_o and "o" in groups)) and layers and "cov" not in ctx.cache.components:
         raise ValueError("larosa: the activation cache has no covariances: collect it with the 'cov' component")
 
+    ad = ctx.lm.adapter
+    decoder = ad.decoder_layers(ctx.lm.model)
+
     def cov(l, g):
-        return ctx.cache.load_cov(l, g)[0]
+        c = ctx.cache.load_cov(l, g)[0]
+        if basis == "scaled" and g in BLOCK_INPUTS:       # Σ x xᵀ of x = g ⊙ n
+            gain = norm_gain(get_path(decoder[l], ad.attn.norm if g == "attn_in" else ad.ffn.norm)).double()
+            c = gain[:, None] * c * gain[None, :]
+        return c
 
     covs = {(l, g): cov(l, g) for l in layers for g in rotated_inputs}
-    plan = RotatedPlan(score=score)
+    plan = RotatedPlan(score=score, scaled=basis == "scaled")
     out = SparsityPlan(rotated=plan)
     shared = None
     if rotation == "model" and layers and rotated_inputs:
@@ -116,5 +131,5 @@ def fit_larosa(ctx: FitContext, sparsity: dict[int, float], rank=None, rotation:
         if rot:
             plan.rotations[l] = rot
         out.info[l] = {"larosa": {"target_sparsity": s, "rotation": rotation, "rotate_o": bool(rotate_o),
-                                  "score": score, "groups": list(groups), "pca_kept_variance": kept}}
+                                  "score": score, "basis": basis, "groups": list(groups), "pca_kept_variance": kept}}
     return out
