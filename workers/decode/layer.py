@@ -27,6 +27,8 @@ from workers.decode.glue import EAGER, attn_prefill
 
 def forward(w, x, fns: dict, impl):
     nk, eps, layers = w.norm_kind, w.eps, w.layers
+    if (out := getattr(impl, "whole", _none)(x)) is not None:    # every layer in one native call (Step)
+        return fns["norm"](out, w.final_norm, w.final_norm_b, nk, w.final_eps)
     fused = [impl.fuses(l, L, x) for l, L in enumerate(layers)]
     h = None if fused[0] else fns["norm"](x, layers[0].n1, layers[0].n1b, nk, eps)
     x_prev = x
@@ -53,6 +55,10 @@ def forward(w, x, fns: dict, impl):
             x, h = fns["add_norm"](x, y, w.final_norm, w.final_norm_b, nk, w.final_eps)
         x_prev = x_in
     return h
+
+
+def _none(x):
+    return None
 
 
 def split_qkv(qkv, dims):
@@ -106,6 +112,10 @@ class Step:
             return False
         ia, ifn = rp.in_attn.get(l) or {}, rp.in_ffn.get(l) or {}
         return l not in rp.heads and l not in rp.mlp and {"qkv", "o"} <= ia.keys() and {"gu", "down"} <= ifn.keys()
+
+    def whole(self, x):
+        """The stream after every layer in one native call, where every layer runs natively (else None)."""
+        return self.native.run_all(x) if self.native is not None and self.native.dense is None else None
 
     def fused(self, l, L, x):
         """The whole layer on the residual stream ``x`` -> the stream after it (four input-sparse launches and
