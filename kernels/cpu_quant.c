@@ -1151,10 +1151,24 @@ int cs_qt_axpy(const uint8_t *codes, int bits, int cbias, const void *scale, con
  *     every query head normed, rotated, attends over the cache -> a; o = W_o a + b_o; (o = norm(o, post_attn));
  *     x += o; h = norm(x, n2); f = act(W_gate h) * (W_up h) (non-gated: act(W_up h + b_up));
  *     y = W_down f + b_down; (y = norm(y, post_ffn)); x += y
- * Threads (nt > 1): one parallel region for all the layers. Each projection's rows go in chunks of about
- * QCHUNK_BYTES (32 rows for gate/up: their outputs' 32-blocks) handed out dynamically, so a thread slowed by
- * another process takes fewer; the norms are computed by every thread into its own buffer (no hand-off), the
- * residual stream is written by slices; six barriers a layer. One thread: no OpenMP region. */
+ * Threads (nt > 1): one parallel region for all the layers, six phases a layer (QKV, K/V write, attention, O,
+ * gate/up, down), each a list of tasks that the threads take from a shared counter (a projection's rows in
+ * chunks of about QCHUNK_BYTES, 32 rows at least for gate/up: their outputs' 32-blocks; a KV head; a query
+ * head), then a barrier. A thread that another process slows takes fewer tasks, and the barrier spins only
+ * QSPIN_NS before it sleeps (futex), so a thread waiting for a preempted one gives the core back instead of
+ * spinning on it (OpenMP's own barriers spin for a long time first: on a loaded 2-core machine that made the
+ * step several times slower than at one thread). The norms are computed by every thread into its own buffer
+ * (no hand-off), the residual stream is written by slices. One thread: no OpenMP region, no atomics. */
+#include <stdatomic.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#include <sched.h>
+#endif
+#include <time.h>
+
 typedef struct {             /* one layer (workers/decode/native_layer.py packs these; all fields 8 bytes) */
     const qpart *qkv, *o, *gate, *up, *down;   /* gate NULL: non-gated */
     int64_t nqkv, no, ngate, nup, ndown;       /* parts of each */
@@ -1175,7 +1189,17 @@ typedef struct {             /* the model's shapes */
 #ifndef QCHUNK_BYTES
 #define QCHUNK_BYTES 16384
 #endif
+#ifndef QSPIN_NS
+#define QSPIN_NS 20000       /* a barrier spins this long, then sleeps */
+#endif
 #define QALIGN 64
+#define QPHASES 6            /* task phases a layer */
+
+typedef struct {             /* the team's barrier and task counters (zeroed per call) */
+    atomic_int count, gen, sleepers;
+    char pad[QALIGN - 3 * sizeof(atomic_int)];
+    atomic_llong tasks[];    /* QPHASES per layer of the call */
+} qsync;
 
 typedef struct {             /* one thread's own buffers */
     float *h, *xo, *o2, *sc;
@@ -1185,7 +1209,67 @@ typedef struct {             /* one thread's own buffers */
 typedef struct {             /* shared buffers */
     float *qkv, *att, *o, *ff, *y, *xmid;
     xbuf ax, fx;
+    qsync *sync;
 } qshared;
+
+static inline void cpu_relax(void) {
+#if QSIMD
+    _mm_pause();
+#endif
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* all T threads meet: spin up to QSPIN_NS, then sleep until the last one arrives */
+static void qbarrier(qsync *s, int T) {
+    if (T <= 1) return;
+    const int g = atomic_load(&s->gen);
+    if (atomic_fetch_add(&s->count, 1) == T - 1) {
+        atomic_store(&s->count, 0);
+        atomic_store(&s->gen, g + 1);
+        if (atomic_load(&s->sleepers) > 0) {
+#if defined(__linux__)
+            syscall(SYS_futex, (int *)&s->gen, FUTEX_WAKE_PRIVATE, T, NULL, NULL, 0);
+#endif
+        }
+        return;
+    }
+    const int64_t t0 = now_ns();
+    for (int i = 1;; ++i) {
+        if (atomic_load_explicit(&s->gen, memory_order_acquire) != g) return;
+        cpu_relax();
+        if ((i & 63) == 0 && now_ns() - t0 > QSPIN_NS) break;
+    }
+    atomic_fetch_add(&s->sleepers, 1);
+    while (atomic_load(&s->gen) == g) {
+#if defined(__linux__)
+        syscall(SYS_futex, (int *)&s->gen, FUTEX_WAIT_PRIVATE, g, NULL, NULL, 0);
+#else
+        sched_yield();
+#endif
+    }
+    atomic_fetch_sub(&s->sleepers, 1);
+}
+
+/* the next task of a phase (T == 1: the tasks in order, no atomics) */
+static inline int64_t next_task(qsync *s, int64_t phase, int T, int64_t *mine) {
+    if (T <= 1) return (*mine)++;
+    return atomic_fetch_add_explicit(&s->tasks[phase], 1, memory_order_relaxed);
+}
+
+/* tasks i = 0..n-1 of phase ph among the team, then the barrier */
+#define QTASKS(S, ph, T, n, i, BODY)                                            \
+    do {                                                                        \
+        int64_t mine_ = 0;                                                      \
+        for (int64_t i; (i = next_task((S)->sync, (ph), (T), &mine_)) < (n);) { \
+            BODY;                                                               \
+        }                                                                       \
+        qbarrier((S)->sync, (T));                                               \
+    } while (0)
 
 /* the scratch's layout: a running byte offset, each buffer 64-byte aligned; base NULL only measures */
 static void *carve(uint8_t *base, int64_t *off, int64_t bytes) {
@@ -1203,11 +1287,12 @@ static void xbuf_carve(xbuf *a, uint8_t *base, int64_t *off, const float *x, int
     a->q16 = q8 ? (float *)carve(base, off, n / 16 * 4) : NULL;
 }
 
-static int64_t layer_scratch(const qdims *M, int nt, uint8_t *base, qshared *S, qpriv *P) {
+static int64_t layer_scratch(const qdims *M, int nt, int64_t nl, uint8_t *base, qshared *S, qpriv *P) {
     const int64_t d = M->d, D = M->D, qd = M->H * M->hd, nqkv = (M->H + 2 * M->KV) * M->hd;
     const int q8 = (int)M->q8;
     int64_t off = 0;
     qshared s;
+    s.sync = carve(base, &off, (int64_t)sizeof(qsync) + QPHASES * nl * (int64_t)sizeof(atomic_llong));
     s.qkv = carve(base, &off, nqkv * 4);
     s.att = carve(base, &off, qd * 4);
     s.o = carve(base, &off, d * 4);
@@ -1229,9 +1314,9 @@ static int64_t layer_scratch(const qdims *M, int nt, uint8_t *base, qshared *S, 
     return off;
 }
 
-/* bytes of scratch cs_q_layers needs for nt threads */
-int64_t cs_q_layers_scratch(const qdims *M, int nt) {
-    return layer_scratch(M, nt < 1 ? 1 : nt, NULL, NULL, NULL) + QALIGN;
+/* bytes of scratch cs_q_layers needs for nt threads and calls of up to nl layers */
+int64_t cs_q_layers_scratch(const qdims *M, int nt, int64_t nl) {
+    return layer_scratch(M, nt < 1 ? 1 : nt, nl < 1 ? 1 : nl, NULL, NULL, NULL) + QALIGN;
 }
 
 static int64_t row_bytes_of(const qpart *P, int np) {
@@ -1249,62 +1334,43 @@ static int64_t chunk_rows(int64_t R, int64_t row_bytes, int T, int64_t align) {
     return c < align ? align : c;
 }
 
-#define QBARRIER(T)                  \
-    do {                             \
-        if ((T) > 1) {               \
-            _Pragma("omp barrier")   \
-        }                            \
-    } while (0)
+#define CHUNK(i, c, R, lo, hi) const int64_t lo = (i) * (c), hi = lo + (c) < (R) ? lo + (c) : (R)
 
-/* rows [lo, hi) of R in chunks of c, dynamically among the team (T > 1; the loop ends with a barrier) */
-#define QFOR_CHUNKS(T, R, c, lo, hi, BODY)                                               \
-    do {                                                                                 \
-        if ((T) <= 1) {                                                                  \
-            const int64_t lo = 0, hi = (R);                                              \
-            BODY;                                                                        \
-        } else {                                                                         \
-            const int64_t nch_ = ((R) + (c) - 1) / (c);                                  \
-            _Pragma("omp for schedule(dynamic, 1)")                                      \
-            for (int64_t ci_ = 0; ci_ < nch_; ++ci_) {                                   \
-                const int64_t lo = ci_ * (c), hi = lo + (c) < (R) ? lo + (c) : (R);      \
-                BODY;                                                                    \
-            }                                                                            \
-        }                                                                                \
-    } while (0)
-
-static void layer_run(const qlayer *Y, const qdims *M, float *x, int64_t pos, const qshared *S, qpriv *P, int t,
-                      int T) {
+/* layer Y on the stream x (in place); ph: this layer's first task phase */
+static void layer_run(const qlayer *Y, const qdims *M, float *x, int64_t pos, const qshared *S, qpriv *P,
+                      int64_t ph, int t, int T) {
     const int64_t d = M->d, D = M->D, H = M->H, KV = M->KV, hd = M->hd, L = M->L, nqkv = (H + 2 * KV) * hd;
     const float eps = (float)M->eps;
     const int one_plus = (int)M->one_plus;
     const float *cs = Y->cos_t ? Y->cos_t + pos * hd : NULL, *sn = Y->sin_t ? Y->sin_t + pos * hd : NULL;
+    xbuf *ax = (xbuf *)&S->ax, *fx = (xbuf *)&S->fx;
     /* the attention norm, by every thread into its own buffer */
     add_rmsnorm_row(x, NULL, NULL, Y->n1, P->h, d, eps, one_plus);
     xbuf_fill(&P->hx, 0, 0, d / 32);
     const int64_t cq = chunk_rows(nqkv, row_bytes_of(Y->qkv, (int)Y->nqkv), T, 1);
-    QFOR_CHUNKS(T, nqkv, cq, lo, hi,
-                q_rows_body(Y->qkv, (int)Y->nqkv, NULL, 0, d, Y->b_qkv, NULL, lo, hi, nqkv, nqkv, &P->hx, 1, 0,
-                            S->qkv));
-    /* K/V at pos (a few rows: one thread), then the query heads split among the threads */
-    if (t == 0)
-        for (int64_t g = 0; g < KV; ++g)
-            write_kv_row(S->qkv + (H + g) * hd, S->qkv + (H + KV + g) * hd, Y->kn, eps, cs, sn, hd,
-                         Y->kc + g * L * hd + pos * hd, Y->vc + g * L * hd + pos * hd);
-    QBARRIER(T);
+    QTASKS(S, ph, T, (nqkv + cq - 1) / cq, i, {
+        CHUNK(i, cq, nqkv, lo, hi);
+        q_rows_body(Y->qkv, (int)Y->nqkv, NULL, 0, d, Y->b_qkv, NULL, lo, hi, nqkv, nqkv, &P->hx, 1, 0, S->qkv);
+    });
+    /* K/V at pos, a KV head a task; then the query heads, a head a task (its 32-blocks' sums with it) */
+    QTASKS(S, ph + 1, T, KV, g,
+           write_kv_row(S->qkv + (H + g) * hd, S->qkv + (H + KV + g) * hd, Y->kn, eps, cs, sn, hd,
+                        Y->kc + g * L * hd + pos * hd, Y->vc + g * L * hd + pos * hd));
     const int64_t lo_pos = Y->window > 0 && pos - Y->window + 1 > 0 ? pos - Y->window + 1 : 0;
-    const int64_t h0 = H * t / T, h1 = H * (t + 1) / T;
-    decode_attn_body(S->qkv, 0, hd, Y->kc, Y->vc, 0, L * hd, hd, pos, lo_pos, cs, sn, Y->qn, eps, NULL, H, S->att,
-                     0, H, H / KV, hd, h0, h1, P->sc);
-    if (hd % 32 == 0)
-        xbuf_fill((xbuf *)&S->ax, 0, h0 * hd / 32, h1 * hd / 32);
-    QBARRIER(T);
+    QTASKS(S, ph + 2, T, H, j, {
+        decode_attn_body(S->qkv, 0, hd, Y->kc, Y->vc, 0, L * hd, hd, pos, lo_pos, cs, sn, Y->qn, eps, NULL, H,
+                         S->att, 0, H, H / KV, hd, j, j + 1, P->sc);
+        if (hd % 32 == 0) xbuf_fill(ax, 0, j * hd / 32, (j + 1) * hd / 32);
+    });
     if (hd % 32 != 0) {
-        if (t == 0) xbuf_fill((xbuf *)&S->ax, 0, 0, H * hd / 32);
-        QBARRIER(T);
+        if (t == 0) xbuf_fill(ax, 0, 0, H * hd / 32);
+        qbarrier(S->sync, T);
     }
     const int64_t co = chunk_rows(d, row_bytes_of(Y->o, (int)Y->no), T, 1);
-    QFOR_CHUNKS(T, d, co, lo, hi,
-                q_rows_body(Y->o, (int)Y->no, NULL, 0, H * hd, Y->b_o, NULL, lo, hi, d, d, &S->ax, 1, 0, S->o));
+    QTASKS(S, ph + 3, T, (d + co - 1) / co, i, {
+        CHUNK(i, co, d, lo, hi);
+        q_rows_body(Y->o, (int)Y->no, NULL, 0, H * hd, Y->b_o, NULL, lo, hi, d, d, ax, 1, 0, S->o);
+    });
     /* the residual add and the FFN norm, by every thread; the stream's slices written once */
     const float *o = S->o;
     if (Y->post_attn) {
@@ -1317,20 +1383,22 @@ static void layer_run(const qlayer *Y, const qdims *M, float *x, int64_t pos, co
     memcpy(S->xmid + s0, P->xo + s0, (size_t)(s1 - s0) * sizeof(float));
     const int64_t cf = chunk_rows(D, row_bytes_of(Y->up, (int)Y->nup) + (Y->gate ? row_bytes_of(Y->gate,
                                   (int)Y->ngate) : 0), T, 32);
-    QFOR_CHUNKS(T, D, cf, lo, hi,
-                ffn_up_body(Y->gate, (int)Y->ngate, Y->up, (int)Y->nup, Y->gate ? NULL : Y->b_up, &P->hx,
-                            (xbuf *)&S->fx, 1, (int)M->act, lo, hi));
+    QTASKS(S, ph + 4, T, (D + cf - 1) / cf, i, {
+        CHUNK(i, cf, D, lo, hi);
+        ffn_up_body(Y->gate, (int)Y->ngate, Y->up, (int)Y->nup, Y->gate ? NULL : Y->b_up, &P->hx, fx, 1,
+                    (int)M->act, lo, hi);
+    });
     const int64_t cd = chunk_rows(d, row_bytes_of(Y->down, (int)Y->ndown), T, 1);
-    if (!Y->post_ffn) {           /* x = xmid + y, row by row as the down rows come */
-        QFOR_CHUNKS(T, d, cd, lo, hi, {
-            ffn_down_body(Y->down, (int)Y->ndown, Y->b_down, d, &S->fx, 1, lo, hi, S->y);
-            for (int64_t i = lo; i < hi; ++i) x[i] = S->xmid[i] + S->y[i];
-        });
-    } else {
-        QFOR_CHUNKS(T, d, cd, lo, hi, ffn_down_body(Y->down, (int)Y->ndown, Y->b_down, d, &S->fx, 1, lo, hi, S->y));
+    QTASKS(S, ph + 5, T, (d + cd - 1) / cd, i, {
+        CHUNK(i, cd, d, lo, hi);
+        ffn_down_body(Y->down, (int)Y->ndown, Y->b_down, d, fx, 1, lo, hi, S->y);
+        if (!Y->post_ffn)          /* x = xmid + y, row by row as the down rows come */
+            for (int64_t r = lo; r < hi; ++r) x[r] = S->xmid[r] + S->y[r];
+    });
+    if (Y->post_ffn) {
         add_rmsnorm_row(S->y, NULL, NULL, Y->post_ffn, P->o2, d, eps, one_plus);
-        for (int64_t i = s0; i < s1; ++i) x[i] = S->xmid[i] + P->o2[i];
-        QBARRIER(T);
+        for (int64_t r = s0; r < s1; ++r) x[r] = S->xmid[r] + P->o2[r];
+        qbarrier(S->sync, T);
     }
 }
 
@@ -1347,29 +1415,33 @@ static int layer_check(const qlayer *Y, const qdims *M) {
 }
 
 /* Layers l0..l1-1 of Ls on one token: xout = the stream after them, from x (xout may be x). pos: the position
- * written and attended to (< L). scratch: cs_q_layers_scratch(M, nt) bytes. Returns -1 (xout unwritten) for
- * shapes or layouts the kernels do not take: d, D, H * hd multiples of 32, H a multiple of KV. */
+ * written and attended to (< L). scratch: cs_q_layers_scratch(M, nt, l1 - l0) bytes. Returns -1 (xout
+ * unwritten) for shapes or layouts the kernels do not take: d, D, H * hd multiples of 32, H a multiple of KV. */
 int cs_q_layers(const qlayer *Ls, int64_t l0, int64_t l1, const qdims *M, const float *x, float *xout, int64_t pos,
                 void *scratch, int64_t scratch_bytes, int nt) {
     const int T = nt < 1 ? 1 : nt;
-    if (pos < 0 || pos >= M->L || M->KV <= 0 || M->H % M->KV || M->d % 32 || M->D % 32 || (M->H * M->hd) % 32 ||
-        scratch_bytes < cs_q_layers_scratch(M, T))
+    if (l1 <= l0 || pos < 0 || pos >= M->L || M->KV <= 0 || M->H % M->KV || M->d % 32 || M->D % 32 ||
+        (M->H * M->hd) % 32 || scratch_bytes < cs_q_layers_scratch(M, T, l1 - l0))
         return -1;
     for (int64_t l = l0; l < l1; ++l)
         if (layer_check(Ls + l, M)) return -1;
     uint8_t *base = (uint8_t *)(((uintptr_t)scratch + QALIGN - 1) / QALIGN * QALIGN);
     qshared S;
     qpriv P[T];
-    layer_scratch(M, T, base, &S, P);
+    layer_scratch(M, T, l1 - l0, base, &S, P);
+    memset(S.sync, 0, sizeof(qsync) + QPHASES * (size_t)(l1 - l0) * sizeof(atomic_llong));
     if (xout != x) memcpy(xout, x, (size_t)M->d * sizeof(float));
     if (T == 1) {
-        for (int64_t l = l0; l < l1; ++l) layer_run(Ls + l, M, xout, pos, &S, P, 0, 1);
+        for (int64_t l = l0; l < l1; ++l) layer_run(Ls + l, M, xout, pos, &S, P, 0, 0, 1);
         return 0;
     }
 #pragma omp parallel num_threads(T)
     {
         const int t = omp_get_thread_num(), TT = omp_get_num_threads();
-        for (int64_t l = l0; l < l1; ++l) layer_run(Ls + l, M, xout, pos, &S, P + t, t, TT);
+        if (TT == T)
+            for (int64_t l = l0; l < l1; ++l) layer_run(Ls + l, M, xout, pos, &S, P + t, QPHASES * (l - l0), t, T);
+        else if (t == 0)        /* fewer threads than asked (nested region, limits): the serial path */
+            for (int64_t l = l0; l < l1; ++l) layer_run(Ls + l, M, xout, pos, &S, P, 0, 0, 1);
     }
     return 0;
 }

@@ -63,7 +63,7 @@ def load_library(extra_flags=()) -> ctypes.CDLL | None:
                 lib.cs_qt_axpy.argtypes = [P, I, I, P, P, I, I64, I64, I64, P, I64, P, I64, I64, P, P, I]
                 lib.cs_q_simd.argtypes = []
                 lib.cs_q_layers.argtypes = [P, I64, I64, P, P, P, I64, P, I64, I]
-                lib.cs_q_layers_scratch.argtypes = [P, I]
+                lib.cs_q_layers_scratch.argtypes = [P, I, I64]
                 lib.cs_q_layers_scratch.restype = I64
                 for f in (lib.cs_q_dequant, lib.cs_q_rows, lib.cs_q_ffn, lib.cs_qt_axpy, lib.cs_q_simd,
                           lib.cs_q_layers):
@@ -251,7 +251,8 @@ class QLayer(ctypes.Structure):
 
 class QDims(ctypes.Structure):
     """cpu_quant.c's ``qdims``."""
-    _fields_ = [(n, _I64) for n in ("d", "D", "H", "KV", "hd", "L", "one_plus", "act", "q8")] + [("eps", ctypes.c_double)]
+    _fields_ = ([(n, _I64) for n in ("d", "D", "H", "KV", "hd", "L", "one_plus", "act", "q8")]
+                + [("eps", ctypes.c_double)])
 
 
 @dataclass(frozen=True, eq=False)
@@ -335,8 +336,8 @@ class LayerStack:
     def _scratch_for(self, nt: int) -> torch.Tensor:
         t = self._scratch.get(nt)
         if t is None:
-            t = self._scratch[nt] = torch.empty(int(self.lib.cs_q_layers_scratch(ctypes.byref(self.dims), nt)),
-                                                dtype=torch.uint8)
+            n = int(self.lib.cs_q_layers_scratch(ctypes.byref(self.dims), nt, self.n))
+            t = self._scratch[nt] = torch.empty(n, dtype=torch.uint8)
         return t
 
     def run(self, l0: int, l1: int, x: torch.Tensor, pos: int, out: torch.Tensor | None = None) -> torch.Tensor:
