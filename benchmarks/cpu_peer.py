@@ -11,7 +11,9 @@ LAMBADA passage, token ids shared by all runners):
                            runner of the sweep's ``llama.cpp`` baseline row too); per token one ``eval`` of the
                            previous token and an argmax over the logits, as our runtime does
 * ``ours fp32``            DecodeRuntime over the dequantized fp32 weights (the CPU row kernels, native glue)
-* ``ours quant``           DecodeRuntime.from_gguf: the GGUF's blocks, fp32 activations (kernels.cpu_quant)
+* ``ours quant``           DecodeRuntime.from_gguf: the GGUF's blocks, fp32 activations (kernels.cpu_quant), every
+                           decoder layer in one native call (workers.decode.native_layer)
+* ``ours quant per-op``    the same blocks with ``fuse=False``: a native call per op, Python between them
 * ``ours quant q8``        the same with 8-bit activations (llama.cpp's arithmetic; approximate)
 * ``ours fp32 METHOD s=S`` with ``--sparse``: a plan fitted on ``--calib-tokens`` calibration tokens (as
                            benchmarks.cpu_ops --methods), over the fp32 weights
@@ -121,6 +123,7 @@ def main(argv=None) -> int:
     runners["ours fp32"] = OursRunner(fp32)
     quant = DecodeRuntime.from_gguf(lm.model, gguf)
     runners["ours quant"] = OursRunner(quant)
+    runners["ours quant per-op"] = OursRunner(DecodeRuntime(quant.weights, fuse=False))          # same blocks
     runners["ours quant q8"] = OursRunner(DecodeRuntime(with_activations(quant.weights, "q8")))   # same blocks
     if args.sparse:
         plans = fitted_plans(lm, _methods(args.sparse), args.calib_tokens)
@@ -174,7 +177,8 @@ def main(argv=None) -> int:
                 extra["llama_perf_eval_ms"] = round(float(np.median(own[(n, t)])), 3)
             ratio = f"{base.median / tm.median:8.2f}x {base.p10 / tm.p10:8.2f}x" if base else f"{'-':>19}"
             print(f"  {n:<22}{tm.median:>8.2f}{tm.iqr:>7.2f}{tm.p10:>7.2f}   {ratio}              {same}/{len(ref)}")
-            dtype = {"llama.cpp": "gguf, q8 act", "ours quant": "gguf, fp32 act", "ours quant q8": "gguf, q8 act"
+            dtype = {"llama.cpp": "gguf, q8 act", "ours quant": "gguf, fp32 act",
+                     "ours quant per-op": "gguf, fp32 act", "ours quant q8": "gguf, q8 act"
                      }.get(n, "fp32")
             rows.append(Row.measured("cpu_peer", n, tm, shape=args.model, dtype=dtype, device="cpu", extra=extra))
     path = write_results(args.json, rows, command=command_line("benchmarks.cpu_peer"), device="cpu",

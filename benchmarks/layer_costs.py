@@ -3,6 +3,7 @@ bytes take at the measured copy bandwidth; and the whole step beside their sum.
 
     python -m benchmarks.layer_costs [--shape llama2-7b] [--prompt 128] [--reps 30] [--json NAME]
     python -m benchmarks.layer_costs --device cpu --model smollm2-135m [--threads 1]   # real weights, the CPU
+    python -m benchmarks.layer_costs --device cpu --model smollm2-135m --gguf [--activations q8]   # its GGUF blocks
     python -m benchmarks.layer_costs --smoke      # CPU, a tiny random Llama: checks the script runs
 
 Every part runs on the runtime's own weights of every layer in turn (so no part is served from L2), the calls
@@ -16,22 +17,34 @@ launch), the Deja Vu predictor GEMVs + top-k of one layer's set, the O projectio
 head, on CUDA in several launch configs; cuBLAS and the gather-GEMV kernel over a W_o [out, in] copy; QKV through
 the gather-GEMV kernel), and the LM head + argmax once per step. The
 step itself is ``bench_decode``'s p50 for the dense runtime with each glue. "unexplained" is the step per
-layer minus the dense parts' sum: launch gaps and what the graph cannot overlap. Writes
+layer minus the dense parts' sum: launch gaps and what the graph cannot overlap (on the CPU: the Python between
+the native calls). ``--gguf`` (CPU, a packaged GGUF model): the runtime over the file's quantized blocks
+(``DecodeRuntime.from_gguf``, ``--activations`` fp32 or q8); the parts are then the glue, the three quantized
+projections, the whole layer in one native call and every layer in one call (workers.decode.native_layer), and
+the step is timed per op (``fuse`` off) and with the one call (what the runtime makes); the sparse parts are left
+out (dense plans only). Writes
 ``benchmarks/results/<--json>`` (default ``layer_costs_<shape>.json``).
 """
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
 from benchmarks.harness import Row, command_line, copy_bandwidth, device_name, time_graph, write_results
 from kernels import ops
+from kernels.quant import QuantWeight
 from workers.decode.glue import glue_fns
 from workers.decode.latency import bench_decode, random_plan, shape_model
 from workers.decode.runtime import DecodeRuntime
 from workers.decode.select import ActiveSetSelector
 from workers.decode.timing import pick_cpu_dense
+
+
+def _nbytes(t) -> int:
+    """Bytes a product reads of a weight (a tensor, or GGUF blocks)."""
+    return t.nbytes if isinstance(t, QuantWeight) else t.numel() * t.element_size()
 
 
 def _random_sets(D: int, k: int, n: int, device) -> list[torch.Tensor]:
@@ -41,10 +54,12 @@ def _random_sets(D: int, k: int, n: int, device) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def layer_parts(rt: DecodeRuntime, model, prompt: int) -> dict[str, tuple[list, float]]:
-    """{part: (one call per layer, bytes each call must read)} on ``rt``'s weights (``model``: the HF model they
-    came from, for the random predictors); the cache filled to ``prompt`` positions."""
+    """{part: (calls, bytes each layer must read[, layers the calls cover, when not one each])} on ``rt``'s
+    weights (``model``: the HF model they came from, for the random predictors); the cache filled to ``prompt``
+    positions."""
     w, b, dims = rt.weights, rt.blocks, rt.dims
-    dev, dt, es = w.device, w.dtype, w.lm_head.element_size()
+    dev, dt = w.device, w.dtype
+    es = 1 if w.quantized else w.lm_head.element_size()      # quantized: nbytes() counts the blocks' bytes
     d, D, H, KV, hd = dims.d, dims.D, dims.n_heads, dims.n_kv_heads, dims.head_dim
     nk, eps, layers = w.norm_kind, w.eps, w.layers
     rt.set_plan(None)
@@ -71,12 +86,27 @@ def layer_parts(rt: DecodeRuntime, model, prompt: int) -> dict[str, tuple[list, 
         parts[f"add + norm, glue {g}"] = ([lambda L=L, f=fns["add_norm"]: f(x, y, L.n2, L.n2b, nk, eps)
                                            for L in layers], 0.0)
         parts[f"attention, glue {g}"] = (attn(fns["attn"]), kv_bytes)
+    L0 = layers[0]
     parts.update({
-        "qkv": ([lambda L=L: b.linear(h, L.w_qkv, L.b_qkv) for L in layers], layers[0].w_qkv.numel() * es),
-        "o": ([lambda L=L: b.linear_t(a, L.w_o_t, L.b_o) for L in layers], layers[0].w_o_t.numel() * es),
+        "qkv": ([lambda L=L: b.linear(h, L.w_qkv, L.b_qkv) for L in layers], _nbytes(L0.w_qkv)),
+        "o": ([lambda L=L: b.linear_t(a, L.w_o_t, L.b_o) for L in layers], _nbytes(L0.w_o_t)),
         "ffn dense": ([lambda L=L: b.ffn_dense_(L, h, compiled["act_mul"]) for L in layers],
-                      (3 if w.gated else 2) * d * D * es),
+                      sum(_nbytes(t) for t in (L0.w_gate, L0.w_up, L0.w_down_t) if t is not None)),
     })
+    if w.quantized:            # dense plans only: the whole layer in one native call instead of the sparse parts
+        from workers.decode import native_layer
+
+        try:
+            nat = native_layer.build(w, cache)
+        except ValueError as e:
+            print(f"no one-call layer here: {e}")
+        else:
+            nl = len(layers)
+            parts["layer, one native call"] = ([lambda l=l: nat.run(l, l + 1, x, prompt) for l in range(nl)],
+                                               L0.nbytes() + kv_bytes)
+            # every layer in one call (what the step makes), per layer
+            parts["every layer, one native call"] = ([lambda: nat.run(0, nl, x, prompt)], L0.nbytes() + kv_bytes, nl)
+        return parts
     # the O projection's candidates: the down kernel over every head (the runtime's o_proj "kernel"; on CUDA also
     # other launch configs: BLOCK_D x BLOCK_R x K splits x warps), and cuBLAS over a W_o [out, in] copy
     o_bytes = layers[0].w_o_t.numel() * es
@@ -136,8 +166,13 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--gen", type=int, default=32, help="tokens of the whole-step timing")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--gguf", action="store_true", help="CPU: the runtime over the model's GGUF blocks")
+    ap.add_argument("--activations", default="fp32", choices=("fp32", "q8"), help="with --gguf")
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny random Llama: checks the script runs")
     a = ap.parse_args(argv)
+    if a.gguf and (a.device != "cpu" or not a.model or a.smoke):
+        print("--gguf needs --device cpu and --model (a packaged GGUF model)")
+        return 2
     if a.smoke:
         import transformers as tf
 
@@ -156,27 +191,33 @@ def main(argv=None) -> int:
         dev = a.device
         if a.threads:
             torch.set_num_threads(a.threads)
+        lm = None
         if a.model:
             from workers.loading.models import load_model
 
-            model = load_model(a.model, dtype="float16" if dev == "cuda" else "float32", device=dev).model
+            lm = load_model(a.model, dtype="float16" if dev == "cuda" else "float32", device=dev)
+            model = lm.model
         else:
             model = shape_model(a.shape, device=dev)
         bw = copy_bandwidth(device=dev) if dev == "cuda" else None
-    rt = DecodeRuntime.from_hf(model)
+    if a.gguf:
+        rt = DecodeRuntime.from_gguf(model, lm.source, activations=a.activations, cpu_rows=True)
+    else:
+        rt = DecodeRuntime.from_hf(model)
     if dev == "cpu" and rt.cpu_rows is None:
         pick_cpu_dense(rt)
     nl = len(rt.layers)
     rows, accel = [], device_name(dev) if dev == "cuda" else "cpu"
     meta = dict(shape="tiny" if a.smoke else a.model or a.shape, prompt=a.prompt, layers=nl,
                 copy_bw_gbps=None if bw is None else round(bw, 1), threads=torch.get_num_threads(),
-                cpu_rows=rt.cpu_rows)
-    out = a.json or f"layer_costs_{meta['shape']}.json"
+                cpu_rows=rt.cpu_rows, gguf=a.gguf, activations=a.activations if a.gguf else None,
+                load_avg=round(os.getloadavg()[0], 2))
+    out = a.json or f"layer_costs_{meta['shape']}{'_gguf' if a.gguf else ''}.json"
     us: dict[str, float] = {}
-    for name, (calls, nbytes) in layer_parts(rt, model, a.prompt).items():
+    for name, (calls, nbytes, *per) in layer_parts(rt, model, a.prompt).items():
         with torch.no_grad():     # as in the decode step
-            t = time_graph(lambda calls=calls: [c() for c in calls], reps=a.reps, per_replay=len(calls),
-                           device=dev)
+            t = time_graph(lambda calls=calls: [c() for c in calls], reps=a.reps,
+                           per_replay=(per or [len(calls)])[0], device=dev)
         us[name] = t.median
         rows.append(Row.measured("layer_costs", name, t, nbytes=nbytes or None, copy_bw_gbps=bw,
                                  shape=meta["shape"], device=accel,
@@ -185,23 +226,29 @@ def main(argv=None) -> int:
         print(f"{name:<28} {t.median:8.2f} us/layer   bytes at copy bw {floor} us", flush=True)
     h = torch.randn(1, rt.dims.d, device=dev, dtype=rt.dtype)
     head = time_graph(lambda: rt.blocks.logits(h).argmax(-1), reps=a.reps, device=dev)
-    rows.append(Row.measured("layer_costs", "lm head + argmax (per step)", head,
-                             nbytes=rt.lm_head.numel() * rt.lm_head.element_size(), copy_bw_gbps=bw,
-                             shape=meta["shape"], device=accel))
+    rows.append(Row.measured("layer_costs", "lm head + argmax (per step)", head, nbytes=_nbytes(rt.lm_head),
+                             copy_bw_gbps=bw, shape=meta["shape"], device=accel))
     print(f"{'lm head + argmax (per step)':<28} {head.median:8.2f} us", flush=True)
-    for glue, o in (("torch", "torch"), ("kernel", "torch"), ("kernel", "kernel")):
-        rt.configure(glue=glue, o_proj=o)
+    # (glue, o_proj, fuse): quantized, fuse runs each layer in one native call (where it builds)
+    steps = ([("torch", "torch", False), ("kernel", "torch", False)]
+             + ([("kernel", "torch", True)] if "every layer, one native call" in us else []) if a.gguf else
+             [("torch", "torch", True), ("kernel", "torch", True), ("kernel", "kernel", True)])
+    for glue, o, fuse in steps:
+        rt.configure(glue=glue, o_proj=o, fuse=fuse)
         r = bench_decode(rt, None, device=dev, batch=1, prompt_len=a.prompt, gen_len=a.gen,
                          repeats=2 if a.smoke else 3)[0]
         step_us = r["p50_ms_per_token"] * 1e3
-        parts = [f"add + norm, glue {glue}", f"add + norm, glue {glue}", "qkv", f"attention, glue {glue}",
-                 "o" if o == "torch" else "o, down kernel", "ffn dense"]
+        native = a.gguf and fuse
+        parts = (["every layer, one native call"] if native else
+                 [f"add + norm, glue {glue}", f"add + norm, glue {glue}", "qkv", f"attention, glue {glue}",
+                  "o" if o == "torch" else "o, down kernel", "ffn dense"])
         summed = sum(us[p] for p in parts)
         per_layer = (step_us - head.median) / nl
-        key = f"glue_{glue}_o_{o}"
+        key = f"glue_{glue}_o_{o}" + ("_native_layer" if native else "")
         meta[f"step_us_{key}"] = step_us
         meta[f"unexplained_us_per_layer_{key}"] = per_layer - summed
-        print(f"dense step, glue {glue}, o {o}: {step_us:8.1f} us = {nl} x {per_layer:.2f} us/layer + head; "
+        print(f"dense step, glue {glue}, o {o}{', native layers' if native else ''}: {step_us:8.1f} us = "
+              f"{nl} x {per_layer:.2f} us/layer + head; "
               f"parts sum {summed:.2f} us/layer; unexplained {per_layer - summed:+.2f} us/layer", flush=True)
     path = write_results(out, rows, command=command_line("benchmarks.layer_costs"), device=dev, meta=meta)
     print(f"wrote {len(rows)} rows to {path}")
