@@ -9,10 +9,10 @@ A step over GGUF blocks (``DecodeRuntime.from_gguf``) otherwise makes about eigh
 QKV, attention, O, add + norm, FFN) with Python between them: about 2 ms a token on SmolLM2-135M, a quarter of
 its step. Here one call runs the whole layer, with the same products and glue on the same values, so the
 logits are the per-op step's bit for bit; when every layer runs natively, one call runs them all (one parallel
-region a step; about 3 % less per token than a call per layer on SmolLM2 at one thread). It runs where the per-op step would run those same native kernels:
-quantized weights on the CPU, the native glue (``glue`` "kernel", kernels.cpu built), batch 1, the exact KV
-cache (kv_mode "exact"), RMS norms, ``fuse`` on (``DecodeRuntime(fuse=False)`` keeps the per-op step), and
-only on the layers the plan leaves dense (a sparse layer runs its own path). Where it should run but cannot
+region a step; about 3 % less per token than a call per layer on SmolLM2 at one thread). It runs where the
+per-op step would run those same native kernels: quantized weights on the CPU, the native glue (``glue``
+"kernel", kernels.cpu built), batch 1, the exact KV cache (kv_mode "exact"), RMS norms, ``fuse`` on
+(``DecodeRuntime(fuse=False)`` keeps the per-op step), and only on the layers the plan leaves dense (a sparse layer runs its own path). Where it should run but cannot
 (the quantized kernels did not build, a shape they do not take) the per-op step runs and a RuntimeWarning
 says why, once per weights.
 

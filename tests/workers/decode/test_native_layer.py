@@ -80,10 +80,11 @@ def _tiny(family: str, head_dim: int = 16):
 
     common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
                   max_position_embeddings=64, head_dim=head_dim)
-    cfg = {"llama": lambda: tf.LlamaConfig(num_key_value_heads=2, **common),
-           "qwen2": lambda: tf.Qwen2Config(num_key_value_heads=2, **common),
-           "gemma3": lambda: tf.Gemma3TextConfig(num_key_value_heads=1, sliding_window=4,
-                                                 layer_types=["sliding_attention", "full_attention"], **common)}[family]()
+    if family == "gemma3":
+        cfg = tf.Gemma3TextConfig(num_key_value_heads=1, sliding_window=4,
+                                  layer_types=["sliding_attention", "full_attention"], **common)
+    else:
+        cfg = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config}[family](num_key_value_heads=2, **common)
     torch.manual_seed(0)
     return randomize_norms_and_biases(tf.AutoModelForCausalLM.from_config(cfg).eval())
 
