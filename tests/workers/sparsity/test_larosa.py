@@ -224,3 +224,15 @@ def test_wina_score_ranks_by_the_folded_weights(tmp_path):
     assert torch.equal(out.reshape(-1, 48) != 0, want)
     assert not torch.equal(want, torch.zeros_like(want).scatter_(1, r.reshape(-1, 48).abs().topk(
         keep_count(s, 48), dim=1).indices, True))        # the column norms changed the choice somewhere
+
+
+def test_registered_and_accepted_by_a_sweep_spec():
+    from orchestrator.spec import parse_spec
+
+    spec = parse_spec({"name": "rotated", "models": ["smollm2-135m"],
+                       "methods": [{"name": "larosa", "sparsity": [0.3, 0.4],
+                                    "options": {"rotation": "none", "basis": "scaled", "score": "wina"}}]})
+    assert [m.name for m in spec.methods] == ["larosa"]
+    with pytest.raises(ValueError, match="unknown option"):
+        parse_spec({"name": "rotated", "models": ["smollm2-135m"],
+                    "methods": [{"name": "larosa", "sparsity": [0.3], "options": {"threshold": 0.1}}]})
