@@ -18,8 +18,9 @@
  * for formats with an offset (Q4_1, Q5_1, K-quants' mins) offset * sum(x over the block), with the block sums of x
  * computed once per call. AVX2 + FMA where the compiler targets them (-march=native; AVX-512 for the fp32-activation
  * rows where the CPU has it: about 20 % faster on a Zen 4 core), else a scalar path that dequantizes each block and
- * takes a plain dot. Threads split rows by bytes (dense) or by count (an index); one
- * thread runs with no OpenMP region. Errors (an index out of range, a bad format) return -1.
+ * takes a plain dot. Threads: cs_q_rows and cs_q_layers run on the team of "the team" below (our own workers on
+ * Linux; chunks of rows taken from a shared counter), cs_q_ffn and cs_qt_axpy in OpenMP regions (rows split by
+ * bytes, columns by count); one thread runs with neither. Errors (an index out of range, a bad format) return -1.
  */
 #include <math.h>
 #include <stdint.h>
@@ -809,6 +810,183 @@ static inline void pf_bytes(const uint8_t *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(p + i, 0, 1);
 }
 
+/* ------------------------------------------------------------------------------------------ the team */
+/* The threads of cs_q_layers and of the dense / gathered row products (cs_q_rows): on Linux our own pool of
+ * workers, not an OpenMP team. A waiting thread (a worker between jobs, a thread at a barrier) spins a few tens
+ * of microseconds, then sleeps on a futex. OpenMP's threads spin for milliseconds first: with another process
+ * on the cores, a spinning thread that the scheduler preempts stays preempted for the other's time slice
+ * (it is runnable, not woken: no wake-up preemption), and the team waits for it at every fork and barrier --
+ * measured on a loaded 2-core VM, a 2-thread OpenMP region around one projection cost milliseconds, and two
+ * threads were several times slower than one. Elsewhere (no futex) the same code runs in OpenMP regions. */
+#include <stdatomic.h>
+#include <time.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define QPOOL 1
+#else
+#define QPOOL 0
+#endif
+
+#define QALIGN 64
+#ifndef QSPIN_NS
+#define QSPIN_NS 20000       /* a barrier spins this long, then sleeps */
+#endif
+#ifndef QIDLE_SPIN_NS
+#define QIDLE_SPIN_NS 50000  /* a worker waits this long for the next job, then sleeps */
+#endif
+
+static inline void cpu_relax(void) {
+#if QSIMD
+    _mm_pause();
+#endif
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static inline void futex_wait(atomic_int *v, int old) {
+#if QPOOL
+    syscall(SYS_futex, (int *)v, FUTEX_WAIT_PRIVATE, old, NULL, NULL, 0);
+#else
+    (void)v;
+    (void)old;
+#endif
+}
+
+static inline void futex_wake(atomic_int *v) {
+#if QPOOL
+    syscall(SYS_futex, (int *)v, FUTEX_WAKE_PRIVATE, 1 << 30, NULL, NULL, 0);
+#else
+    (void)v;
+#endif
+}
+
+/* until *v != old: spin up to spin_ns, then sleep (sleepers counts the sleeping, so a waker without sleepers
+ * makes no system call) */
+static void wait_change(atomic_int *v, int old, atomic_int *sleepers, int64_t spin_ns) {
+    const int64_t t0 = now_ns();
+    for (int i = 1;; ++i) {
+        if (atomic_load_explicit(v, memory_order_acquire) != old) return;
+        cpu_relax();
+        if ((i & 63) == 0 && now_ns() - t0 > spin_ns) break;
+    }
+    atomic_fetch_add(sleepers, 1);
+    while (atomic_load(v) == old) futex_wait(v, old);
+    atomic_fetch_sub(sleepers, 1);
+}
+
+static void notify(atomic_int *v, atomic_int *sleepers) {
+    if (atomic_load(sleepers) > 0) futex_wake(v);
+}
+
+typedef struct {             /* a barrier of T threads */
+    atomic_int count, gen, sleepers;
+} qbar;
+
+static void qbarrier(qbar *s, int T) {
+    if (T <= 1) return;
+    const int g = atomic_load(&s->gen);
+    if (atomic_fetch_add(&s->count, 1) == T - 1) {
+        atomic_store(&s->count, 0);
+        atomic_store(&s->gen, g + 1);
+        notify(&s->gen, &s->sleepers);
+        return;
+    }
+    wait_change(&s->gen, g, &s->sleepers, QSPIN_NS);
+}
+
+typedef void (*qjob_fn)(void *arg, int t, int T);
+
+#if QPOOL
+#define QPOOL_MAX 256
+static struct {
+    pthread_mutex_t lock;    /* one job at a time (another caller meanwhile runs its own OpenMP region) */
+    int nworkers;            /* workers 1..nworkers started */
+    qjob_fn fn;
+    void *arg;
+    int T;
+    atomic_int gen, gen_sleepers, done, done_sleepers;
+    int seen0[QPOOL_MAX];    /* a new worker's first generation */
+} QP = {.lock = PTHREAD_MUTEX_INITIALIZER};
+static pthread_once_t QP_ONCE = PTHREAD_ONCE_INIT;
+
+static void *qpool_worker(void *p) {
+    const int id = (int)(intptr_t)p;
+    int seen = QP.seen0[id];
+    for (;;) {
+        wait_change(&QP.gen, seen, &QP.gen_sleepers, QIDLE_SPIN_NS);
+        seen = atomic_load(&QP.gen);
+        if (id < QP.T) {
+            QP.fn(QP.arg, id, QP.T);
+            atomic_fetch_add(&QP.done, 1);
+            notify(&QP.done, &QP.done_sleepers);
+        }
+    }
+    return NULL;
+}
+
+static void qpool_child(void) {      /* after fork(): the child has no workers */
+    pthread_mutex_init(&QP.lock, NULL);
+    QP.nworkers = 0;
+    atomic_store(&QP.gen, 0);
+    atomic_store(&QP.gen_sleepers, 0);
+    atomic_store(&QP.done, 0);
+    atomic_store(&QP.done_sleepers, 0);
+}
+
+static void qpool_init(void) { pthread_atfork(NULL, NULL, qpool_child); }
+#endif
+
+/* fn(arg, t, T) for t = 0..T-1 on T threads (the caller is thread 0), returning when all are done */
+static void qteam_run(qjob_fn fn, void *arg, int T) {
+    if (T <= 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+#if QPOOL
+    pthread_once(&QP_ONCE, qpool_init);
+    if (T <= QPOOL_MAX && pthread_mutex_trylock(&QP.lock) == 0) {
+        while (QP.nworkers < T - 1) {
+            const int id = QP.nworkers + 1;
+            pthread_t th;
+            pthread_attr_t at;
+            pthread_attr_init(&at);
+            pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+            QP.seen0[id] = atomic_load(&QP.gen);
+            const int rc = pthread_create(&th, &at, qpool_worker, (void *)(intptr_t)id);
+            pthread_attr_destroy(&at);
+            if (rc != 0) break;
+            QP.nworkers = id;
+        }
+        if (QP.nworkers >= T - 1) {
+            QP.fn = fn;
+            QP.arg = arg;
+            QP.T = T;
+            atomic_store(&QP.done, 0);
+            atomic_fetch_add(&QP.gen, 1);
+            notify(&QP.gen, &QP.gen_sleepers);
+            fn(arg, 0, T);
+            for (int d; (d = atomic_load(&QP.done)) < T - 1;) wait_change(&QP.done, d, &QP.done_sleepers, QSPIN_NS);
+            pthread_mutex_unlock(&QP.lock);
+            return;
+        }
+        pthread_mutex_unlock(&QP.lock);
+    }
+#endif
+#pragma omp parallel num_threads(T)
+    {
+        const int t = omp_get_thread_num(), TT = omp_get_num_threads();
+        if (TT == T) fn(arg, t, T);
+        else if (t == 0) fn(arg, 0, 1);     /* fewer threads than asked: serial */
+    }
+}
+
 /* rows j in [lo, hi) of cs_q_rows */
 static void q_rows_body(const qpart *P, int np, const qpart *P2, int np2, int64_t n, const float *bias,
                         const int64_t *idx, int64_t lo, int64_t hi, int64_t k, int64_t kpad, const xbuf *xa,
@@ -877,6 +1055,46 @@ static void byte_range(const qpart *P, int np, const qpart *P2, int np2, int64_t
     *hi = bounds[1];
 }
 
+/* rows per chunk: about QCHUNK_BYTES, at least 4 chunks a thread, a multiple of align */
+#ifndef QCHUNK_BYTES
+#define QCHUNK_BYTES 16384
+#endif
+static int64_t chunk_rows(int64_t R, int64_t row_bytes, int T, int64_t align) {
+    int64_t c = QCHUNK_BYTES / (row_bytes > 0 ? row_bytes : 1);
+    const int64_t fair = R / (4 * (int64_t)T);
+    if (c > fair) c = fair;
+    c = c / align * align;
+    return c < align ? align : c;
+}
+
+typedef struct {             /* cs_q_rows on the team: chunks of rows taken from a counter */
+    const qpart *P;
+    int np;
+    const qpart *P2;
+    int np2;
+    int64_t n;
+    const float *bias;
+    const int64_t *idx;
+    int64_t k, kpad;
+    const xbuf *xa;
+    int64_t B;
+    int act;
+    float *out;
+    int64_t chunk;
+    atomic_llong next;
+} rows_job;
+
+static void rows_job_run(void *arg, int t, int T) {
+    (void)t;
+    (void)T;
+    rows_job *j = (rows_job *)arg;
+    for (int64_t c; (c = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed) * j->chunk) < j->k;) {
+        const int64_t hi = c + j->chunk < j->k ? c + j->chunk : j->k;
+        q_rows_body(j->P, j->np, j->P2, j->np2, j->n, j->bias, j->idx, c, hi, j->k, j->kpad, j->xa, j->B, j->act,
+                    j->out);
+    }
+}
+
 /* out [B, kpad]: out[b, j] = act(<W[r_j], x_b> * scale + bias[r_j]) * (<W2[r_j], x_b> * scale2) for j < k
  * (r_j = idx[j], idx NULL: j), 0 for j in [k, kpad). P2 NULL: no second factor. x [B, n]. q8: 8-bit activations
  * for the block formats' rows (see above). */
@@ -900,18 +1118,11 @@ int cs_q_rows(const qpart *P, int np, const qpart *P2, int np2, int64_t n, const
     if (nt <= 1 || k < 64) {
         q_rows_body(P, np, P2, np2, n, bias, idx, 0, k, k, kpad, &xa, B, act, out);
     } else {
-#pragma omp parallel num_threads(nt)
-        {
-            const int t = omp_get_thread_num(), T = omp_get_num_threads();
-            int64_t lo, hi;
-            if (idx || k != R) {
-                lo = k * t / T;
-                hi = k * (t + 1) / T;
-            } else {
-                byte_range(P, np, P2, np2, R, t, T, 1, &lo, &hi);
-            }
-            q_rows_body(P, np, P2, np2, n, bias, idx, lo, hi, k, kpad, &xa, B, act, out);
-        }
+        int64_t rb = 0;
+        for (int p = 0; p < np; ++p) rb = P[p].row_bytes > rb ? P[p].row_bytes : rb;
+        rows_job job = {P, np, P2, np2, n, bias, idx, k, kpad, &xa, B, act, out, 0, 0};
+        job.chunk = chunk_rows(k, rb * (P2 ? 2 : 1) * B, nt, 1);
+        qteam_run(rows_job_run, &job, nt);
     }
     xbuf_free(&xa);
     return 0;
@@ -1151,24 +1362,12 @@ int cs_qt_axpy(const uint8_t *codes, int bits, int cbias, const void *scale, con
  *     every query head normed, rotated, attends over the cache -> a; o = W_o a + b_o; (o = norm(o, post_attn));
  *     x += o; h = norm(x, n2); f = act(W_gate h) * (W_up h) (non-gated: act(W_up h + b_up));
  *     y = W_down f + b_down; (y = norm(y, post_ffn)); x += y
- * Threads (nt > 1): one parallel region for all the layers, six phases a layer (QKV, K/V write, attention, O,
- * gate/up, down), each a list of tasks that the threads take from a shared counter (a projection's rows in
- * chunks of about QCHUNK_BYTES, 32 rows at least for gate/up: their outputs' 32-blocks; a KV head; a query
- * head), then a barrier. A thread that another process slows takes fewer tasks, and the barrier spins only
- * QSPIN_NS before it sleeps (futex), so a thread waiting for a preempted one gives the core back instead of
- * spinning on it (OpenMP's own barriers spin for a long time first: on a loaded 2-core machine that made the
- * step several times slower than at one thread). The norms are computed by every thread into its own buffer
- * (no hand-off), the residual stream is written by slices. One thread: no OpenMP region, no atomics. */
-#include <stdatomic.h>
-#if defined(__linux__)
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#include <sched.h>
-#endif
-#include <time.h>
-
+ * Threads (nt > 1): one job of the team (above) for all the layers, six phases a layer (QKV, K/V write,
+ * attention, O, gate/up, down), each a list of tasks that the threads take from a shared counter (a
+ * projection's rows in chunks of about QCHUNK_BYTES, 32 rows at least for gate/up: their outputs' 32-blocks; a
+ * KV head; a query head), then the team's barrier (spins QSPIN_NS, then sleeps). A thread that another process
+ * slows takes fewer tasks. The norms are computed by every thread into its own buffer (no hand-off), the
+ * residual stream is written by slices. One thread: no team, no atomics. */
 typedef struct {             /* one layer (workers/decode/native_layer.py packs these; all fields 8 bytes) */
     const qpart *qkv, *o, *gate, *up, *down;   /* gate NULL: non-gated */
     int64_t nqkv, no, ngate, nup, ndown;       /* parts of each */
@@ -1186,18 +1385,11 @@ typedef struct {             /* the model's shapes */
     double eps;
 } qdims;
 
-#ifndef QCHUNK_BYTES
-#define QCHUNK_BYTES 16384
-#endif
-#ifndef QSPIN_NS
-#define QSPIN_NS 20000       /* a barrier spins this long, then sleeps */
-#endif
-#define QALIGN 64
 #define QPHASES 6            /* task phases a layer */
 
 typedef struct {             /* the team's barrier and task counters (zeroed per call) */
-    atomic_int count, gen, sleepers;
-    char pad[QALIGN - 3 * sizeof(atomic_int)];
+    qbar bar;
+    char pad[QALIGN - sizeof(qbar)];
     atomic_llong tasks[];    /* QPHASES per layer of the call */
 } qsync;
 
@@ -1212,49 +1404,6 @@ typedef struct {             /* shared buffers */
     qsync *sync;
 } qshared;
 
-static inline void cpu_relax(void) {
-#if QSIMD
-    _mm_pause();
-#endif
-}
-
-static inline int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-/* all T threads meet: spin up to QSPIN_NS, then sleep until the last one arrives */
-static void qbarrier(qsync *s, int T) {
-    if (T <= 1) return;
-    const int g = atomic_load(&s->gen);
-    if (atomic_fetch_add(&s->count, 1) == T - 1) {
-        atomic_store(&s->count, 0);
-        atomic_store(&s->gen, g + 1);
-        if (atomic_load(&s->sleepers) > 0) {
-#if defined(__linux__)
-            syscall(SYS_futex, (int *)&s->gen, FUTEX_WAKE_PRIVATE, T, NULL, NULL, 0);
-#endif
-        }
-        return;
-    }
-    const int64_t t0 = now_ns();
-    for (int i = 1;; ++i) {
-        if (atomic_load_explicit(&s->gen, memory_order_acquire) != g) return;
-        cpu_relax();
-        if ((i & 63) == 0 && now_ns() - t0 > QSPIN_NS) break;
-    }
-    atomic_fetch_add(&s->sleepers, 1);
-    while (atomic_load(&s->gen) == g) {
-#if defined(__linux__)
-        syscall(SYS_futex, (int *)&s->gen, FUTEX_WAIT_PRIVATE, g, NULL, NULL, 0);
-#else
-        sched_yield();
-#endif
-    }
-    atomic_fetch_sub(&s->sleepers, 1);
-}
-
 /* the next task of a phase (T == 1: the tasks in order, no atomics) */
 static inline int64_t next_task(qsync *s, int64_t phase, int T, int64_t *mine) {
     if (T <= 1) return (*mine)++;
@@ -1268,7 +1417,7 @@ static inline int64_t next_task(qsync *s, int64_t phase, int T, int64_t *mine) {
         for (int64_t i; (i = next_task((S)->sync, (ph), (T), &mine_)) < (n);) { \
             BODY;                                                               \
         }                                                                       \
-        qbarrier((S)->sync, (T));                                               \
+        qbarrier(&(S)->sync->bar, (T));                                               \
     } while (0)
 
 /* the scratch's layout: a running byte offset, each buffer 64-byte aligned; base NULL only measures */
@@ -1325,15 +1474,6 @@ static int64_t row_bytes_of(const qpart *P, int np) {
     return b;
 }
 
-/* rows per chunk: about QCHUNK_BYTES, at least 4 chunks a thread, a multiple of align */
-static int64_t chunk_rows(int64_t R, int64_t row_bytes, int T, int64_t align) {
-    int64_t c = QCHUNK_BYTES / (row_bytes > 0 ? row_bytes : 1);
-    const int64_t fair = R / (4 * (int64_t)T);
-    if (c > fair) c = fair;
-    c = c / align * align;
-    return c < align ? align : c;
-}
-
 #define CHUNK(i, c, R, lo, hi) const int64_t lo = (i) * (c), hi = lo + (c) < (R) ? lo + (c) : (R)
 
 /* layer Y on the stream x (in place); ph: this layer's first task phase */
@@ -1364,7 +1504,7 @@ static void layer_run(const qlayer *Y, const qdims *M, float *x, int64_t pos, co
     });
     if (hd % 32 != 0) {
         if (t == 0) xbuf_fill(ax, 0, 0, H * hd / 32);
-        qbarrier(S->sync, T);
+        qbarrier(&S->sync->bar, T);
     }
     const int64_t co = chunk_rows(d, row_bytes_of(Y->o, (int)Y->no), T, 1);
     QTASKS(S, ph + 3, T, (d + co - 1) / co, i, {
@@ -1398,8 +1538,24 @@ static void layer_run(const qlayer *Y, const qdims *M, float *x, int64_t pos, co
     if (Y->post_ffn) {
         add_rmsnorm_row(S->y, NULL, NULL, Y->post_ffn, P->o2, d, eps, one_plus);
         for (int64_t r = s0; r < s1; ++r) x[r] = S->xmid[r] + P->o2[r];
-        qbarrier(S->sync, T);
+        qbarrier(&S->sync->bar, T);
     }
+}
+
+typedef struct {
+    const qlayer *Ls;
+    int64_t l0, l1;
+    const qdims *M;
+    float *x;
+    int64_t pos;
+    const qshared *S;
+    qpriv *P;
+} layers_job;
+
+static void layers_job_run(void *arg, int t, int T) {
+    const layers_job *j = (const layers_job *)arg;
+    for (int64_t l = j->l0; l < j->l1; ++l)
+        layer_run(j->Ls + l, j->M, j->x, j->pos, j->S, j->P + t, QPHASES * (l - j->l0), t, T);
 }
 
 static int layer_check(const qlayer *Y, const qdims *M) {
@@ -1431,18 +1587,8 @@ int cs_q_layers(const qlayer *Ls, int64_t l0, int64_t l1, const qdims *M, const 
     layer_scratch(M, T, l1 - l0, base, &S, P);
     memset(S.sync, 0, sizeof(qsync) + QPHASES * (size_t)(l1 - l0) * sizeof(atomic_llong));
     if (xout != x) memcpy(xout, x, (size_t)M->d * sizeof(float));
-    if (T == 1) {
-        for (int64_t l = l0; l < l1; ++l) layer_run(Ls + l, M, xout, pos, &S, P, 0, 0, 1);
-        return 0;
-    }
-#pragma omp parallel num_threads(T)
-    {
-        const int t = omp_get_thread_num(), TT = omp_get_num_threads();
-        if (TT == T)
-            for (int64_t l = l0; l < l1; ++l) layer_run(Ls + l, M, xout, pos, &S, P + t, QPHASES * (l - l0), t, T);
-        else if (t == 0)        /* fewer threads than asked (nested region, limits): the serial path */
-            for (int64_t l = l0; l < l1; ++l) layer_run(Ls + l, M, xout, pos, &S, P, 0, 0, 1);
-    }
+    layers_job job = {Ls, l0, l1, M, xout, pos, &S, P};
+    qteam_run(layers_job_run, &job, T);
     return 0;
 }
 
