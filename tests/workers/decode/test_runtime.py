@@ -445,7 +445,7 @@ def test_select_impl_triton_variants_pick_the_kernel(monkeypatch):
 def test_bench_decode_rows():
     m = tiny_model("llama")
     keys = {"device_type", "accelerator_name", "batch", "prompt_len", "gen_len", "p50_ms_per_token",
-            "p90_ms_per_token", "tokens_per_s", "realized_sparsity", "runtime"}
+            "p90_ms_per_token", "tokens_per_s", "realized_sparsity", "runtime", "threads"}
     rows = (bench_decode(m, None, batch=1, prompt_len=8, gen_len=4, repeats=1)
             + bench_decode(m, random_plan(m, 0.7, rank=8), batch=2, prompt_len=8, gen_len=4, repeats=1,
                            paired=False)
@@ -453,6 +453,7 @@ def test_bench_decode_rows():
     assert [r["runtime"] for r in rows] == ["ctxsparse-dense", "ctxsparse-sparse", "hf-generate"]
     for r in rows:
         assert set(r) == keys and r["device_type"] == "cpu" and r["accelerator_name"]
+        assert r["threads"] == torch.get_num_threads()          # the count the row was timed at
         assert 0 < r["p50_ms_per_token"] <= r["p90_ms_per_token"] and r["tokens_per_s"] > 0
     # batch 2: each layer reads the union of two top-k sets of k = 0.3·D, between k and 2k neurons
     assert rows[0]["realized_sparsity"] is None and 0.4 <= rows[1]["realized_sparsity"] <= 0.7
