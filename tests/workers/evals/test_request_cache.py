@@ -138,6 +138,8 @@ def test_key_follows_the_tokenizer_content_not_its_object_or_name(tiny):
     assert _key(model, in_place) != base
 
 
+@pytest.mark.slow      # Gemma-3's 262k-entry tokenizer loaded and serialized (tens of seconds on 2 cores); the key
+                       # following a tokenizer's content is in the default suite above (tiny tokenizer, five ways)
 def test_key_follows_the_gemma3_tokenizer(tiny):
     from transformers import AutoTokenizer
 
