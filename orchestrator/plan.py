@@ -131,6 +131,9 @@ def plan_units(spec: SweepSpec, described: dict[str, dict], cpu_cores: int | Non
     if spec.latency is not None and "cpu" in spec.latency.devices:
         log.info("CPU latency timed at %d threads (%s)", latency_threads(spec, "cpu", cores),
                  "resources.torch_threads" if spec.resources.torch_threads else "every core of a node")
+    from workers.sparsity.predictors import CAPTURES
+
+    capture = sorted({c for st in settings(spec) for c in CAPTURES.get(st["method"], ())})
     units: list[PlannedUnit] = []
     for ref in spec.models:
         d = described[ref]
@@ -138,6 +141,8 @@ def plan_units(spec: SweepSpec, described: dict[str, dict], cpu_cores: int | Non
         base = {"model": ref, "model_fp": d["fingerprint"]}
         if not shape:
             base.update(data=data, calib_fp=d["calib_fp"])
+            if capture:     # absent otherwise, so the units of sweeps without such a method keep their ids
+                base["capture"] = capture
             collect = _unit("collect", ref, acc, base, label=f"{ref} collect")
             units.append(collect)
         for st in settings(spec):

@@ -155,15 +155,16 @@ class Units:
         return out
 
     def _caches(self, cfg: dict):
-        from workers.sparsity.capture import capture_activations
+        from workers.sparsity.capture import capture_activations, sweep_components
         from workers.loading.data import token_windows
 
         lm = self.lm(cfg["model"], cfg["model_fp"])
         d = cfg["data"]
+        comps = sweep_components(cfg.get("capture", ()))    # optional parts only where a method of the sweep needs them
         calib = capture_activations(lm, token_windows(lm.tokenizer, d["source"], "calib", d["calib_tokens"],
-                                                      d["seq_len"]), progress=False)
+                                                      d["seq_len"]), comps, progress=False)
         held = capture_activations(lm, token_windows(lm.tokenizer, d["source"], "heldout", d["metric_tokens"],
-                                                     d["seq_len"]), progress=False)
+                                                     d["seq_len"]), comps, progress=False)
         return lm, calib, held
 
     # ------------------------------------------------------------------ kinds

@@ -168,3 +168,19 @@ def test_the_driver_plans_cpu_latency_on_the_largest_nodes_cores():
 
     assert node_cores([{"CPU": 4.0, "memory": 1e9}, {"CPU": 16.0, "GPU": 1.0}, {"GPU": 8.0}]) == 16
     assert node_cores([{"GPU": 1.0}]) is None and node_cores([]) is None
+
+
+def test_covariances_are_collected_only_for_sweeps_with_a_method_that_fits_from_them():
+    """larosa fits from the block inputs' covariances (an optional cache component): a sweep with it records them
+    (every unit of the model carries ``capture``); one without keeps the units and ids it had."""
+    from workers.sparsity.capture import COMPONENTS, sweep_components
+
+    plain = plan_units(parse_spec(SPEC), DESCRIBED)
+    assert all("capture" not in u.config for u in plain)
+    both = {**SPEC, "methods": SPEC["methods"] + [{"name": "larosa", "sparsity": [0.4]}]}
+    rotated = plan_units(parse_spec(both), DESCRIBED)
+    with_data = [u for u in rotated if "data" in u.config]
+    assert {u.kind for u in with_data} >= {"collect", "fit", "eval"}
+    assert all(u.config["capture"] == ["cov"] for u in with_data)
+    assert "cov" in COMPONENTS and "cov" not in sweep_components() and "cov" in sweep_components(["cov"])
+    assert set(COMPONENTS) - set(sweep_components()) == {"cov"}

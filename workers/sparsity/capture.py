@@ -51,6 +51,12 @@ log = logging.getLogger(__name__)
 PER_TOKEN = ("residual", "ffn_in", "gate", "inter", "head_norm")   # the components stored [N, dim]
 COMPONENTS = PER_TOKEN + ("inhist", "cov")    # + the per-shard input histograms, the block input covariances
 COV_INPUTS = ("attn_in", "ffn_in", "o")        # the covariances ``cov`` records per layer
+OPTIONAL = ("cov",)     # what a sweep's collect records only when one of its methods needs it (predictors CAPTURES)
+
+
+def sweep_components(extra=()) -> tuple[str, ...]:
+    """The components a sweep's collect records: every one but the OPTIONAL ones not in ``extra``."""
+    return tuple(c for c in COMPONENTS if c not in OPTIONAL or c in extra)
 # shard path -> (sha256, size, mtime_ns, ctime_ns, inode) of a file whose digest this process has checked
 _VERIFIED: dict[str, tuple] = {}
 FORMAT_VERSION = 1
