@@ -820,7 +820,7 @@ static inline void pf_bytes(const uint8_t *p, int64_t n) {
  * threads were several times slower than one. Elsewhere (no futex) the same code runs in OpenMP regions. */
 #include <stdatomic.h>
 #include <time.h>
-#if defined(__linux__)
+#if defined(__linux__) && !defined(QNOPOOL)       /* -DQNOPOOL: OpenMP regions instead */
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -987,6 +987,70 @@ static void qteam_run(qjob_fn fn, void *arg, int T) {
     }
 }
 
+/* Tasks 0..n-1 of a phase among T threads, static first: thread t owns the contiguous range
+ * [n t / T, n (t + 1) / T) and takes it in order (one stream through memory: interleaving small chunks among the
+ * threads lost all of the second thread's gain on a 2-core Zen 4 VM), then takes what is left of the other
+ * threads' ranges from their ends (a thread slowed by another process loses its tail instead of holding the
+ * team at the barrier). Each task is claimed by swapping the phase's epoch into its word: no zeroing between
+ * uses, one atomic per task. */
+#define QMAXTASKS 256
+
+typedef struct {
+    atomic_int *flag;        /* n claim words */
+    int epoch;
+    int64_t n, own, own_end, steal;
+    int t, T, victim;
+} qclaim;
+
+static void claim_init(qclaim *c, atomic_int *flag, int epoch, int64_t n, int t, int T) {
+    c->flag = flag;
+    c->epoch = epoch;
+    c->n = n;
+    c->t = t;
+    c->T = T;
+    c->own = T > 1 ? n * t / T : 0;
+    c->own_end = T > 1 ? n * (t + 1) / T : n;
+    c->victim = 1;
+    c->steal = -1;
+}
+
+static inline int claim(qclaim *c, int64_t i) {
+    return atomic_exchange_explicit(&c->flag[i], c->epoch, memory_order_relaxed) != c->epoch;
+}
+
+/* the next task of this thread, -1 when none is left */
+static int64_t claim_next(qclaim *c) {
+    if (c->T <= 1) return c->own < c->n ? c->own++ : -1;
+    while (c->own < c->own_end) {
+        const int64_t i = c->own++;
+        if (claim(c, i)) return i;
+        c->own = c->own_end;               /* the rest of the range was taken from its end */
+    }
+    for (; c->victim < c->T; ++c->victim, c->steal = -1) {
+        const int u = (c->t + c->victim) % c->T;
+        const int64_t lo = c->n * u / c->T;
+        if (c->steal < 0) c->steal = c->n * (u + 1) / c->T - 1;
+        while (c->steal >= lo) {
+            const int64_t i = c->steal--;
+            if (claim(c, i)) return i;
+        }
+    }
+    return -1;
+}
+
+/* rows per task: about QCHUNK_BYTES, at least 4 tasks a thread, at most QMAXTASKS tasks, a multiple of align */
+#ifndef QCHUNK_BYTES
+#define QCHUNK_BYTES 16384
+#endif
+static int64_t chunk_rows(int64_t R, int64_t row_bytes, int T, int64_t align) {
+    int64_t c = QCHUNK_BYTES / (row_bytes > 0 ? row_bytes : 1);
+    const int64_t fair = R / (4 * (int64_t)T), least = (R + QMAXTASKS - 1) / QMAXTASKS;
+    if (c > fair) c = fair;
+    if (c < least) c = least;
+    c = (c + align - 1) / align * align;
+    return c < align ? align : c;
+}
+
 /* rows j in [lo, hi) of cs_q_rows */
 static void q_rows_body(const qpart *P, int np, const qpart *P2, int np2, int64_t n, const float *bias,
                         const int64_t *idx, int64_t lo, int64_t hi, int64_t k, int64_t kpad, const xbuf *xa,
@@ -1055,18 +1119,6 @@ static void byte_range(const qpart *P, int np, const qpart *P2, int np2, int64_t
     *hi = bounds[1];
 }
 
-/* rows per chunk: about QCHUNK_BYTES, at least 4 chunks a thread, a multiple of align */
-#ifndef QCHUNK_BYTES
-#define QCHUNK_BYTES 16384
-#endif
-static int64_t chunk_rows(int64_t R, int64_t row_bytes, int T, int64_t align) {
-    int64_t c = QCHUNK_BYTES / (row_bytes > 0 ? row_bytes : 1);
-    const int64_t fair = R / (4 * (int64_t)T);
-    if (c > fair) c = fair;
-    c = c / align * align;
-    return c < align ? align : c;
-}
-
 typedef struct {             /* cs_q_rows on the team: chunks of rows taken from a counter */
     const qpart *P;
     int np;
@@ -1081,16 +1133,16 @@ typedef struct {             /* cs_q_rows on the team: chunks of rows taken from
     int act;
     float *out;
     int64_t chunk;
-    atomic_llong next;
+    atomic_int *flag;        /* a claim word per chunk, zeroed */
 } rows_job;
 
 static void rows_job_run(void *arg, int t, int T) {
-    (void)t;
-    (void)T;
     rows_job *j = (rows_job *)arg;
-    for (int64_t c; (c = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed) * j->chunk) < j->k;) {
-        const int64_t hi = c + j->chunk < j->k ? c + j->chunk : j->k;
-        q_rows_body(j->P, j->np, j->P2, j->np2, j->n, j->bias, j->idx, c, hi, j->k, j->kpad, j->xa, j->B, j->act,
+    qclaim c;
+    claim_init(&c, j->flag, 1, (j->k + j->chunk - 1) / j->chunk, t, T);
+    for (int64_t i; (i = claim_next(&c)) >= 0;) {
+        const int64_t lo = i * j->chunk, hi = lo + j->chunk < j->k ? lo + j->chunk : j->k;
+        q_rows_body(j->P, j->np, j->P2, j->np2, j->n, j->bias, j->idx, lo, hi, j->k, j->kpad, j->xa, j->B, j->act,
                     j->out);
     }
 }
@@ -1120,7 +1172,9 @@ int cs_q_rows(const qpart *P, int np, const qpart *P2, int np2, int64_t n, const
     } else {
         int64_t rb = 0;
         for (int p = 0; p < np; ++p) rb = P[p].row_bytes > rb ? P[p].row_bytes : rb;
-        rows_job job = {P, np, P2, np2, n, bias, idx, k, kpad, &xa, B, act, out, 0, 0};
+        atomic_int flag[QMAXTASKS];
+        memset(flag, 0, sizeof(flag));
+        rows_job job = {P, np, P2, np2, n, bias, idx, k, kpad, &xa, B, act, out, 0, flag};
         job.chunk = chunk_rows(k, rb * (P2 ? 2 : 1) * B, nt, 1);
         qteam_run(rows_job_run, &job, nt);
     }
@@ -1387,10 +1441,11 @@ typedef struct {             /* the model's shapes */
 
 #define QPHASES 6            /* task phases a layer */
 
-typedef struct {             /* the team's barrier and task counters (zeroed per call) */
+typedef struct {             /* the team's barrier (zeroed per call) and the phases' claim words (zeroed once) */
     qbar bar;
-    char pad[QALIGN - sizeof(qbar)];
-    atomic_llong tasks[];    /* QPHASES per layer of the call */
+    int epoch;               /* this call's: 1 + the last call's */
+    char pad[QALIGN - sizeof(qbar) - sizeof(int)];
+    atomic_int flag[];       /* QMAXTASKS per phase, QPHASES phases a layer of the call */
 } qsync;
 
 typedef struct {             /* one thread's own buffers */
@@ -1404,20 +1459,16 @@ typedef struct {             /* shared buffers */
     qsync *sync;
 } qshared;
 
-/* the next task of a phase (T == 1: the tasks in order, no atomics) */
-static inline int64_t next_task(qsync *s, int64_t phase, int T, int64_t *mine) {
-    if (T <= 1) return (*mine)++;
-    return atomic_fetch_add_explicit(&s->tasks[phase], 1, memory_order_relaxed);
-}
-
-/* tasks i = 0..n-1 of phase ph among the team, then the barrier */
-#define QTASKS(S, ph, T, n, i, BODY)                                            \
-    do {                                                                        \
-        int64_t mine_ = 0;                                                      \
-        for (int64_t i; (i = next_task((S)->sync, (ph), (T), &mine_)) < (n);) { \
-            BODY;                                                               \
-        }                                                                       \
-        qbarrier(&(S)->sync->bar, (T));                                               \
+/* tasks i = 0..n-1 (n <= QMAXTASKS) of phase ph among the team (static first, then taken from the others'
+ * ends), then the barrier */
+#define QTASKS(S, ph, t, T, n, i, BODY)                                                   \
+    do {                                                                                  \
+        qclaim c_;                                                                        \
+        claim_init(&c_, (S)->sync->flag + (int64_t)(ph) * QMAXTASKS, (S)->sync->epoch, (n), (t), (T)); \
+        for (int64_t i; (i = claim_next(&c_)) >= 0;) {                                    \
+            BODY;                                                                         \
+        }                                                                                 \
+        qbarrier(&(S)->sync->bar, (T));                                                   \
     } while (0)
 
 /* the scratch's layout: a running byte offset, each buffer 64-byte aligned; base NULL only measures */
@@ -1441,7 +1492,7 @@ static int64_t layer_scratch(const qdims *M, int nt, int64_t nl, uint8_t *base, 
     const int q8 = (int)M->q8;
     int64_t off = 0;
     qshared s;
-    s.sync = carve(base, &off, (int64_t)sizeof(qsync) + QPHASES * nl * (int64_t)sizeof(atomic_llong));
+    s.sync = carve(base, &off, (int64_t)sizeof(qsync) + QPHASES * nl * QMAXTASKS * (int64_t)sizeof(atomic_int));
     s.qkv = carve(base, &off, nqkv * 4);
     s.att = carve(base, &off, qd * 4);
     s.o = carve(base, &off, d * 4);
@@ -1488,16 +1539,16 @@ static void layer_run(const qlayer *Y, const qdims *M, float *x, int64_t pos, co
     add_rmsnorm_row(x, NULL, NULL, Y->n1, P->h, d, eps, one_plus);
     xbuf_fill(&P->hx, 0, 0, d / 32);
     const int64_t cq = chunk_rows(nqkv, row_bytes_of(Y->qkv, (int)Y->nqkv), T, 1);
-    QTASKS(S, ph, T, (nqkv + cq - 1) / cq, i, {
+    QTASKS(S, ph, t, T, (nqkv + cq - 1) / cq, i, {
         CHUNK(i, cq, nqkv, lo, hi);
         q_rows_body(Y->qkv, (int)Y->nqkv, NULL, 0, d, Y->b_qkv, NULL, lo, hi, nqkv, nqkv, &P->hx, 1, 0, S->qkv);
     });
     /* K/V at pos, a KV head a task; then the query heads, a head a task (its 32-blocks' sums with it) */
-    QTASKS(S, ph + 1, T, KV, g,
+    QTASKS(S, ph + 1, t, T, KV, g,
            write_kv_row(S->qkv + (H + g) * hd, S->qkv + (H + KV + g) * hd, Y->kn, eps, cs, sn, hd,
                         Y->kc + g * L * hd + pos * hd, Y->vc + g * L * hd + pos * hd));
     const int64_t lo_pos = Y->window > 0 && pos - Y->window + 1 > 0 ? pos - Y->window + 1 : 0;
-    QTASKS(S, ph + 2, T, H, j, {
+    QTASKS(S, ph + 2, t, T, H, j, {
         decode_attn_body(S->qkv, 0, hd, Y->kc, Y->vc, 0, L * hd, hd, pos, lo_pos, cs, sn, Y->qn, eps, NULL, H,
                          S->att, 0, H, H / KV, hd, j, j + 1, P->sc);
         if (hd % 32 == 0) xbuf_fill(ax, 0, j * hd / 32, (j + 1) * hd / 32);
@@ -1507,7 +1558,7 @@ static void layer_run(const qlayer *Y, const qdims *M, float *x, int64_t pos, co
         qbarrier(&S->sync->bar, T);
     }
     const int64_t co = chunk_rows(d, row_bytes_of(Y->o, (int)Y->no), T, 1);
-    QTASKS(S, ph + 3, T, (d + co - 1) / co, i, {
+    QTASKS(S, ph + 3, t, T, (d + co - 1) / co, i, {
         CHUNK(i, co, d, lo, hi);
         q_rows_body(Y->o, (int)Y->no, NULL, 0, H * hd, Y->b_o, NULL, lo, hi, d, d, ax, 1, 0, S->o);
     });
@@ -1523,13 +1574,13 @@ static void layer_run(const qlayer *Y, const qdims *M, float *x, int64_t pos, co
     memcpy(S->xmid + s0, P->xo + s0, (size_t)(s1 - s0) * sizeof(float));
     const int64_t cf = chunk_rows(D, row_bytes_of(Y->up, (int)Y->nup) + (Y->gate ? row_bytes_of(Y->gate,
                                   (int)Y->ngate) : 0), T, 32);
-    QTASKS(S, ph + 4, T, (D + cf - 1) / cf, i, {
+    QTASKS(S, ph + 4, t, T, (D + cf - 1) / cf, i, {
         CHUNK(i, cf, D, lo, hi);
         ffn_up_body(Y->gate, (int)Y->ngate, Y->up, (int)Y->nup, Y->gate ? NULL : Y->b_up, &P->hx, fx, 1,
                     (int)M->act, lo, hi);
     });
     const int64_t cd = chunk_rows(d, row_bytes_of(Y->down, (int)Y->ndown), T, 1);
-    QTASKS(S, ph + 5, T, (d + cd - 1) / cd, i, {
+    QTASKS(S, ph + 5, t, T, (d + cd - 1) / cd, i, {
         CHUNK(i, cd, d, lo, hi);
         ffn_down_body(Y->down, (int)Y->ndown, Y->b_down, d, fx, 1, lo, hi, S->y);
         if (!Y->post_ffn)          /* x = xmid + y, row by row as the down rows come */
@@ -1571,13 +1622,14 @@ static int layer_check(const qlayer *Y, const qdims *M) {
 }
 
 /* Layers l0..l1-1 of Ls on one token: xout = the stream after them, from x (xout may be x). pos: the position
- * written and attended to (< L). scratch: cs_q_layers_scratch(M, nt, l1 - l0) bytes. Returns -1 (xout
+ * written and attended to (< L). scratch: cs_q_layers_scratch(M, nt, l1 - l0) bytes, zeroed before its first
+ * use (the claim words; a call leaves them valid for the next). Returns -1 (xout
  * unwritten) for shapes or layouts the kernels do not take: d, D, H * hd multiples of 32, H a multiple of KV. */
 int cs_q_layers(const qlayer *Ls, int64_t l0, int64_t l1, const qdims *M, const float *x, float *xout, int64_t pos,
                 void *scratch, int64_t scratch_bytes, int nt) {
     const int T = nt < 1 ? 1 : nt;
-    if (l1 <= l0 || pos < 0 || pos >= M->L || M->KV <= 0 || M->H % M->KV || M->d % 32 || M->D % 32 ||
-        (M->H * M->hd) % 32 || scratch_bytes < cs_q_layers_scratch(M, T, l1 - l0))
+    if (l1 <= l0 || pos < 0 || pos >= M->L || M->KV <= 0 || M->H % M->KV || M->H > QMAXTASKS || M->d % 32 ||
+        M->D % 32 || (M->H * M->hd) % 32 || scratch_bytes < cs_q_layers_scratch(M, T, l1 - l0))
         return -1;
     for (int64_t l = l0; l < l1; ++l)
         if (layer_check(Ls + l, M)) return -1;
@@ -1585,7 +1637,8 @@ int cs_q_layers(const qlayer *Ls, int64_t l0, int64_t l1, const qdims *M, const 
     qshared S;
     qpriv P[T];
     layer_scratch(M, T, l1 - l0, base, &S, P);
-    memset(S.sync, 0, sizeof(qsync) + QPHASES * (size_t)(l1 - l0) * sizeof(atomic_llong));
+    memset(&S.sync->bar, 0, sizeof(qbar));
+    S.sync->epoch = S.sync->epoch % 0x3fffffff + 1;
     if (xout != x) memcpy(xout, x, (size_t)M->d * sizeof(float));
     layers_job job = {Ls, l0, l1, M, xout, pos, &S, P};
     qteam_run(layers_job_run, &job, T);

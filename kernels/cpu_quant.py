@@ -337,7 +337,7 @@ class LayerStack:
         t = self._scratch.get(nt)
         if t is None:
             n = int(self.lib.cs_q_layers_scratch(ctypes.byref(self.dims), nt, self.n))
-            t = self._scratch[nt] = torch.empty(n, dtype=torch.uint8)
+            t = self._scratch[nt] = torch.zeros(n, dtype=torch.uint8)      # zeroed once (the kernel's claim words)
         return t
 
     def run(self, l0: int, l1: int, x: torch.Tensor, pos: int, out: torch.Tensor | None = None) -> torch.Tensor:
