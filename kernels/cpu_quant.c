@@ -6,7 +6,7 @@
  *                  compiled with -ffp-contract=off so that d*q + m stays two roundings)
  *   cs_q_rows      out[b, j] = act(<W[r_j], x_b> + bias[r_j]) * <W2[r_j], x_b>   (rows by an index, or all:
  *                  the dense GEMV, the output-sparse gather; W may be several parts of different formats)
- *   cs_q_ffn       the dense FFN in one parallel region: h = act(gate x) * (up x), barrier, y = down h
+ *   cs_q_ffn       the dense FFN in one job of the team: h = act(gate x) * (up x), barrier, y = down h
  *   (both with an option q8: activations quantized to 8 bits per 32 and integer products, llama.cpp's way)
  *   cs_qt_axpy     y_b = sum_j w[b, j] * Wt[r_j, :] over the exact transposed layout (rows of W^T: the down
  *                  projection over active neurons, input sparsity)
@@ -18,9 +18,9 @@
  * for formats with an offset (Q4_1, Q5_1, K-quants' mins) offset * sum(x over the block), with the block sums of x
  * computed once per call. AVX2 + FMA where the compiler targets them (-march=native; AVX-512 for the fp32-activation
  * rows where the CPU has it: about 20 % faster on a Zen 4 core), else a scalar path that dequantizes each block and
- * takes a plain dot. Threads: cs_q_rows and cs_q_layers run on the team of "the team" below (our own workers on
- * Linux; chunks of rows taken from a shared counter), cs_q_ffn and cs_qt_axpy in OpenMP regions (rows split by
- * bytes, columns by count); one thread runs with neither. Errors (an index out of range, a bad format) return -1.
+ * takes a plain dot. Threads: one OpenMP region a call, each thread its contiguous share of a projection's row
+ * chunks, then what is left of the others' ("the team" below; cs_qt_axpy: columns by count); one thread runs
+ * with no region. Errors (an index out of range, a bad format) return -1.
  */
 #include <math.h>
 #include <stdint.h>
@@ -236,19 +236,194 @@ static int check_parts(const qpart *P, int np, int64_t cols) {
     return 0;
 }
 
+/* ------------------------------------------------------------------------------------------ the team */
+/* The threads of the parallel kernels: an OpenMP region (the team torch's own ops use: a second pool of
+ * threads beside it fought it for the cores, and a per-op step at 2 threads, its attention in OpenMP, ran 3x
+ * slower), with our own barrier inside: it spins QSPIN_NS, then sleeps on a futex (Linux; elsewhere it yields).
+ * OpenMP's barriers spin for milliseconds first: with another process on the cores, a spinning thread that the
+ * scheduler preempts stays preempted for the other's time slice (it is runnable, not woken: no wake-up
+ * preemption) while the team waits for it; a sleeping one is woken at once. */
+#include <stdatomic.h>
+#include <time.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#include <sched.h>
+#endif
+
+#define QALIGN 64
+#ifndef QSPIN_NS
+#define QSPIN_NS 20000       /* a barrier spins this long, then sleeps */
+#endif
+
+static inline void cpu_relax(void) {
+#if QSIMD
+    _mm_pause();
+#endif
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+typedef struct {             /* a barrier of T threads (zeroed before use) */
+    atomic_int count, gen, sleepers;
+} qbar;
+
+static void qbarrier(qbar *s, int T) {
+    if (T <= 1) return;
+    const int g = atomic_load(&s->gen);
+    if (atomic_fetch_add(&s->count, 1) == T - 1) {
+        atomic_store(&s->count, 0);
+        atomic_store(&s->gen, g + 1);
+#if defined(__linux__)
+        if (atomic_load(&s->sleepers) > 0) syscall(SYS_futex, (int *)&s->gen, FUTEX_WAKE_PRIVATE, T, NULL, NULL, 0);
+#endif
+        return;
+    }
+    const int64_t t0 = now_ns();
+    for (int i = 1;; ++i) {
+        if (atomic_load_explicit(&s->gen, memory_order_acquire) != g) return;
+        cpu_relax();
+        if ((i & 63) == 0 && now_ns() - t0 > QSPIN_NS) break;
+    }
+    atomic_fetch_add(&s->sleepers, 1);      /* seq_cst: the last thread sees it, or this one sees the new gen */
+    while (atomic_load(&s->gen) == g) {
+#if defined(__linux__)
+        syscall(SYS_futex, (int *)&s->gen, FUTEX_WAIT_PRIVATE, g, NULL, NULL, 0);
+#else
+        sched_yield();
+#endif
+    }
+    atomic_fetch_sub(&s->sleepers, 1);
+}
+
+typedef void (*qjob_fn)(void *arg, int t, int T);
+
+/* fn(arg, t, T) for t = 0..T-1 on T threads, returning when all are done */
+static void qteam_run(qjob_fn fn, void *arg, int T) {
+    if (T <= 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+#pragma omp parallel num_threads(T)
+    {
+        const int t = omp_get_thread_num(), TT = omp_get_num_threads();
+        if (TT == T) fn(arg, t, T);
+        else if (t == 0) fn(arg, 0, 1);     /* fewer threads than asked (a nested region): serial */
+    }
+}
+
+/* Tasks 0..n-1 of a phase among T threads, static first: thread t owns the contiguous range
+ * [n t / T, n (t + 1) / T) and takes it in order (one stream through memory: interleaving small chunks among the
+ * threads lost all of the second thread's gain on a 2-core Zen 4 VM), then takes what is left of the other
+ * threads' ranges from their ends (a thread slowed by another process loses its tail instead of holding the
+ * team at the barrier). Each task is claimed by swapping the phase's epoch into its word: no zeroing between
+ * uses, one atomic per task. */
+#define QMAXTASKS 256
+
+typedef struct {
+    atomic_int *flag;        /* n claim words */
+    int epoch;
+    int64_t n, own, own_end, steal;
+    int t, T, victim;
+} qclaim;
+
+static void claim_init(qclaim *c, atomic_int *flag, int epoch, int64_t n, int t, int T) {
+    c->flag = flag;
+    c->epoch = epoch;
+    c->n = n;
+    c->t = t;
+    c->T = T;
+    c->own = T > 1 ? n * t / T : 0;
+    c->own_end = T > 1 ? n * (t + 1) / T : n;
+    c->victim = 1;
+    c->steal = -1;
+}
+
+static inline int claim(qclaim *c, int64_t i) {
+    return atomic_exchange_explicit(&c->flag[i], c->epoch, memory_order_relaxed) != c->epoch;
+}
+
+/* the next task of this thread, -1 when none is left */
+static int64_t claim_next(qclaim *c) {
+    if (c->T <= 1) return c->own < c->n ? c->own++ : -1;
+    while (c->own < c->own_end) {
+        const int64_t i = c->own++;
+        if (claim(c, i)) return i;
+        c->own = c->own_end;               /* the rest of the range was taken from its end */
+    }
+    for (; c->victim < c->T; ++c->victim, c->steal = -1) {
+        const int u = (c->t + c->victim) % c->T;
+        const int64_t lo = c->n * u / c->T;
+        if (c->steal < 0) c->steal = c->n * (u + 1) / c->T - 1;
+        while (c->steal >= lo) {
+            const int64_t i = c->steal--;
+            if (claim(c, i)) return i;
+        }
+    }
+    return -1;
+}
+
+/* rows per task: about QCHUNK_BYTES, at least 4 tasks a thread, at most QMAXTASKS tasks, a multiple of align */
+#ifndef QCHUNK_BYTES
+#define QCHUNK_BYTES 16384
+#endif
+static int64_t chunk_rows(int64_t R, int64_t row_bytes, int T, int64_t align) {
+    int64_t c = QCHUNK_BYTES / (row_bytes > 0 ? row_bytes : 1);
+    const int64_t fair = R / (4 * (int64_t)T), least = (R + QMAXTASKS - 1) / QMAXTASKS;
+    if (c > fair) c = fair;
+    if (c < least) c = least;
+    c = (c + align - 1) / align * align;
+    return c < align ? align : c;
+}
+
 /* rows (optionally by an index) -> fp32 [k, cols] */
+typedef struct {
+    const qpart *P;
+    int np;
+    int64_t cols;
+    const int64_t *idx;
+    int64_t k, chunk;
+    float *out;
+    atomic_int *flag;
+} deq_job;
+
+static void deq_rows(const deq_job *j, int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+        int t;
+        float sc;
+        const uint8_t *row = row_of(j->P, j->np, j->idx ? j->idx[r] : r, &t, &sc);
+        deq_row(t, row, j->cols, sc, j->out + r * j->cols);
+    }
+}
+
+static void deq_job_run(void *arg, int t, int T) {
+    const deq_job *j = (const deq_job *)arg;
+    qclaim c;
+    claim_init(&c, j->flag, 1, (j->k + j->chunk - 1) / j->chunk, t, T);
+    for (int64_t i; (i = claim_next(&c)) >= 0;)
+        deq_rows(j, i * j->chunk, i * j->chunk + j->chunk < j->k ? i * j->chunk + j->chunk : j->k);
+}
+
 int cs_q_dequant(const qpart *P, int np, int64_t cols, const int64_t *idx, int64_t k, float *out, int nt) {
     if (check_parts(P, np, cols)) return -1;
     const int64_t R = total_rows(P, np);
     for (int64_t j = 0; j < k; ++j)
         if ((idx ? idx[j] : j) < 0 || (idx ? idx[j] : j) >= R) return -1;
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && k > 64)
-    for (int64_t j = 0; j < k; ++j) {
-        int t;
-        float sc;
-        const uint8_t *row = row_of(P, np, idx ? idx[j] : j, &t, &sc);
-        deq_row(t, row, cols, sc, out + j * cols);
+    atomic_int flag[QMAXTASKS];
+    deq_job job = {P, np, cols, idx, k, k, out, flag};
+    if (nt <= 1 || k <= 64) {
+        deq_rows(&job, 0, k);
+        return 0;
     }
+    memset(flag, 0, sizeof(flag));
+    job.chunk = chunk_rows(k, cols * 4, nt, 1);     /* by the bytes written */
+    qteam_run(deq_job_run, &job, nt);
     return 0;
 }
 
@@ -810,247 +985,6 @@ static inline void pf_bytes(const uint8_t *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(p + i, 0, 1);
 }
 
-/* ------------------------------------------------------------------------------------------ the team */
-/* The threads of cs_q_layers and of the dense / gathered row products (cs_q_rows): on Linux our own pool of
- * workers, not an OpenMP team. A waiting thread (a worker between jobs, a thread at a barrier) spins a few tens
- * of microseconds, then sleeps on a futex. OpenMP's threads spin for milliseconds first: with another process
- * on the cores, a spinning thread that the scheduler preempts stays preempted for the other's time slice
- * (it is runnable, not woken: no wake-up preemption), and the team waits for it at every fork and barrier --
- * measured on a loaded 2-core VM, a 2-thread OpenMP region around one projection cost milliseconds, and two
- * threads were several times slower than one. Elsewhere (no futex) the same code runs in OpenMP regions. */
-#include <stdatomic.h>
-#include <time.h>
-#if defined(__linux__) && !defined(QNOPOOL)       /* -DQNOPOOL: OpenMP regions instead */
-#include <linux/futex.h>
-#include <pthread.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define QPOOL 1
-#else
-#define QPOOL 0
-#endif
-
-#define QALIGN 64
-#ifndef QSPIN_NS
-#define QSPIN_NS 20000       /* a barrier spins this long, then sleeps */
-#endif
-#ifndef QIDLE_SPIN_NS
-#define QIDLE_SPIN_NS 50000  /* a worker waits this long for the next job, then sleeps */
-#endif
-
-static inline void cpu_relax(void) {
-#if QSIMD
-    _mm_pause();
-#endif
-}
-
-static inline int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-static inline void futex_wait(atomic_int *v, int old) {
-#if QPOOL
-    syscall(SYS_futex, (int *)v, FUTEX_WAIT_PRIVATE, old, NULL, NULL, 0);
-#else
-    (void)v;
-    (void)old;
-#endif
-}
-
-static inline void futex_wake(atomic_int *v) {
-#if QPOOL
-    syscall(SYS_futex, (int *)v, FUTEX_WAKE_PRIVATE, 1 << 30, NULL, NULL, 0);
-#else
-    (void)v;
-#endif
-}
-
-/* until *v != old: spin up to spin_ns, then sleep (sleepers counts the sleeping, so a waker without sleepers
- * makes no system call) */
-static void wait_change(atomic_int *v, int old, atomic_int *sleepers, int64_t spin_ns) {
-    const int64_t t0 = now_ns();
-    for (int i = 1;; ++i) {
-        if (atomic_load_explicit(v, memory_order_acquire) != old) return;
-        cpu_relax();
-        if ((i & 63) == 0 && now_ns() - t0 > spin_ns) break;
-    }
-    atomic_fetch_add(sleepers, 1);
-    while (atomic_load(v) == old) futex_wait(v, old);
-    atomic_fetch_sub(sleepers, 1);
-}
-
-static void notify(atomic_int *v, atomic_int *sleepers) {
-    if (atomic_load(sleepers) > 0) futex_wake(v);
-}
-
-typedef struct {             /* a barrier of T threads */
-    atomic_int count, gen, sleepers;
-} qbar;
-
-static void qbarrier(qbar *s, int T) {
-    if (T <= 1) return;
-    const int g = atomic_load(&s->gen);
-    if (atomic_fetch_add(&s->count, 1) == T - 1) {
-        atomic_store(&s->count, 0);
-        atomic_store(&s->gen, g + 1);
-        notify(&s->gen, &s->sleepers);
-        return;
-    }
-    wait_change(&s->gen, g, &s->sleepers, QSPIN_NS);
-}
-
-typedef void (*qjob_fn)(void *arg, int t, int T);
-
-#if QPOOL
-#define QPOOL_MAX 256
-static struct {
-    pthread_mutex_t lock;    /* one job at a time (another caller meanwhile runs its own OpenMP region) */
-    int nworkers;            /* workers 1..nworkers started */
-    qjob_fn fn;
-    void *arg;
-    int T;
-    atomic_int gen, gen_sleepers, done, done_sleepers;
-    int seen0[QPOOL_MAX];    /* a new worker's first generation */
-} QP = {.lock = PTHREAD_MUTEX_INITIALIZER};
-static pthread_once_t QP_ONCE = PTHREAD_ONCE_INIT;
-
-static void *qpool_worker(void *p) {
-    const int id = (int)(intptr_t)p;
-    int seen = QP.seen0[id];
-    for (;;) {
-        wait_change(&QP.gen, seen, &QP.gen_sleepers, QIDLE_SPIN_NS);
-        seen = atomic_load(&QP.gen);
-        if (id < QP.T) {
-            QP.fn(QP.arg, id, QP.T);
-            atomic_fetch_add(&QP.done, 1);
-            notify(&QP.done, &QP.done_sleepers);
-        }
-    }
-    return NULL;
-}
-
-static void qpool_child(void) {      /* after fork(): the child has no workers */
-    pthread_mutex_init(&QP.lock, NULL);
-    QP.nworkers = 0;
-    atomic_store(&QP.gen, 0);
-    atomic_store(&QP.gen_sleepers, 0);
-    atomic_store(&QP.done, 0);
-    atomic_store(&QP.done_sleepers, 0);
-}
-
-static void qpool_init(void) { pthread_atfork(NULL, NULL, qpool_child); }
-#endif
-
-/* fn(arg, t, T) for t = 0..T-1 on T threads (the caller is thread 0), returning when all are done */
-static void qteam_run(qjob_fn fn, void *arg, int T) {
-    if (T <= 1) {
-        fn(arg, 0, 1);
-        return;
-    }
-#if QPOOL
-    pthread_once(&QP_ONCE, qpool_init);
-    if (T <= QPOOL_MAX && pthread_mutex_trylock(&QP.lock) == 0) {
-        while (QP.nworkers < T - 1) {
-            const int id = QP.nworkers + 1;
-            pthread_t th;
-            pthread_attr_t at;
-            pthread_attr_init(&at);
-            pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-            QP.seen0[id] = atomic_load(&QP.gen);
-            const int rc = pthread_create(&th, &at, qpool_worker, (void *)(intptr_t)id);
-            pthread_attr_destroy(&at);
-            if (rc != 0) break;
-            QP.nworkers = id;
-        }
-        if (QP.nworkers >= T - 1) {
-            QP.fn = fn;
-            QP.arg = arg;
-            QP.T = T;
-            atomic_store(&QP.done, 0);
-            atomic_fetch_add(&QP.gen, 1);
-            notify(&QP.gen, &QP.gen_sleepers);
-            fn(arg, 0, T);
-            for (int d; (d = atomic_load(&QP.done)) < T - 1;) wait_change(&QP.done, d, &QP.done_sleepers, QSPIN_NS);
-            pthread_mutex_unlock(&QP.lock);
-            return;
-        }
-        pthread_mutex_unlock(&QP.lock);
-    }
-#endif
-#pragma omp parallel num_threads(T)
-    {
-        const int t = omp_get_thread_num(), TT = omp_get_num_threads();
-        if (TT == T) fn(arg, t, T);
-        else if (t == 0) fn(arg, 0, 1);     /* fewer threads than asked: serial */
-    }
-}
-
-/* Tasks 0..n-1 of a phase among T threads, static first: thread t owns the contiguous range
- * [n t / T, n (t + 1) / T) and takes it in order (one stream through memory: interleaving small chunks among the
- * threads lost all of the second thread's gain on a 2-core Zen 4 VM), then takes what is left of the other
- * threads' ranges from their ends (a thread slowed by another process loses its tail instead of holding the
- * team at the barrier). Each task is claimed by swapping the phase's epoch into its word: no zeroing between
- * uses, one atomic per task. */
-#define QMAXTASKS 256
-
-typedef struct {
-    atomic_int *flag;        /* n claim words */
-    int epoch;
-    int64_t n, own, own_end, steal;
-    int t, T, victim;
-} qclaim;
-
-static void claim_init(qclaim *c, atomic_int *flag, int epoch, int64_t n, int t, int T) {
-    c->flag = flag;
-    c->epoch = epoch;
-    c->n = n;
-    c->t = t;
-    c->T = T;
-    c->own = T > 1 ? n * t / T : 0;
-    c->own_end = T > 1 ? n * (t + 1) / T : n;
-    c->victim = 1;
-    c->steal = -1;
-}
-
-static inline int claim(qclaim *c, int64_t i) {
-    return atomic_exchange_explicit(&c->flag[i], c->epoch, memory_order_relaxed) != c->epoch;
-}
-
-/* the next task of this thread, -1 when none is left */
-static int64_t claim_next(qclaim *c) {
-    if (c->T <= 1) return c->own < c->n ? c->own++ : -1;
-    while (c->own < c->own_end) {
-        const int64_t i = c->own++;
-        if (claim(c, i)) return i;
-        c->own = c->own_end;               /* the rest of the range was taken from its end */
-    }
-    for (; c->victim < c->T; ++c->victim, c->steal = -1) {
-        const int u = (c->t + c->victim) % c->T;
-        const int64_t lo = c->n * u / c->T;
-        if (c->steal < 0) c->steal = c->n * (u + 1) / c->T - 1;
-        while (c->steal >= lo) {
-            const int64_t i = c->steal--;
-            if (claim(c, i)) return i;
-        }
-    }
-    return -1;
-}
-
-/* rows per task: about QCHUNK_BYTES, at least 4 tasks a thread, at most QMAXTASKS tasks, a multiple of align */
-#ifndef QCHUNK_BYTES
-#define QCHUNK_BYTES 16384
-#endif
-static int64_t chunk_rows(int64_t R, int64_t row_bytes, int T, int64_t align) {
-    int64_t c = QCHUNK_BYTES / (row_bytes > 0 ? row_bytes : 1);
-    const int64_t fair = R / (4 * (int64_t)T), least = (R + QMAXTASKS - 1) / QMAXTASKS;
-    if (c > fair) c = fair;
-    if (c < least) c = least;
-    c = (c + align - 1) / align * align;
-    return c < align ? align : c;
-}
-
 /* rows j in [lo, hi) of cs_q_rows */
 static void q_rows_body(const qpart *P, int np, const qpart *P2, int np2, int64_t n, const float *bias,
                         const int64_t *idx, int64_t lo, int64_t hi, int64_t k, int64_t kpad, const xbuf *xa,
@@ -1080,46 +1014,7 @@ static void q_rows_body(const qpart *P, int np, const qpart *P2, int np2, int64_
     }
 }
 
-/* the thread's range of the rows 0..R-1 with equal shares of the bytes (the rows of every part of P and P2) */
-static void byte_range(const qpart *P, int np, const qpart *P2, int np2, int64_t R, int t, int T, int64_t align,
-                       int64_t *lo, int64_t *hi) {
-    if (T <= 1) {
-        *lo = 0;
-        *hi = R;
-        return;
-    }
-    int64_t tot = 0;
-    for (int p = 0; p < np; ++p) tot += P[p].rows * P[p].row_bytes;
-    const int uniform = np == 1 && (!P2 || np2 == 1);
-    int64_t bounds[2];
-    for (int e = 0; e < 2; ++e) {
-        const int u = t + e;
-        int64_t r;
-        if (u == 0) r = 0;
-        else if (u == T) r = R;
-        else if (uniform) r = R * u / T;
-        else {                                     /* walk the parts to the byte target */
-            const int64_t target = tot * u / T;
-            int64_t acc = 0;
-            r = 0;
-            for (int p = 0; p < np; ++p) {
-                const int64_t pb = P[p].rows * P[p].row_bytes;
-                if (acc + pb >= target) {
-                    r += (target - acc) / P[p].row_bytes;
-                    break;
-                }
-                acc += pb;
-                r += P[p].rows;
-            }
-        }
-        if (u != 0 && u != T && align > 1) r = r / align * align;
-        bounds[e] = r;
-    }
-    *lo = bounds[0];
-    *hi = bounds[1];
-}
-
-typedef struct {             /* cs_q_rows on the team: chunks of rows taken from a counter */
+typedef struct {             /* cs_q_rows on the team: chunks of rows, claimed static first */
     const qpart *P;
     int np;
     const qpart *P2;
@@ -1223,9 +1118,42 @@ static void ffn_down_body(const qpart *Dn, int nd, const float *b2, int64_t d, c
     }
 }
 
+typedef struct {             /* cs_q_ffn on the team: the neurons' chunks, the barrier, the output rows' chunks */
+    const qpart *G;
+    int ng;
+    const qpart *U;
+    int nu;
+    const qpart *Dn;
+    int nd;
+    const float *b1, *b2;
+    const xbuf *xa;
+    xbuf *ha;
+    int64_t B;
+    int act;
+    int64_t d, D;
+    float *y;
+    int64_t cu, cd;
+    atomic_int *flag;        /* 2 * QMAXTASKS claim words, zeroed */
+    qbar bar;
+} ffn_job;
+
+static void ffn_job_run(void *arg, int t, int T) {
+    ffn_job *j = (ffn_job *)arg;
+    qclaim c;
+    claim_init(&c, j->flag, 1, (j->D + j->cu - 1) / j->cu, t, T);
+    for (int64_t i; (i = claim_next(&c)) >= 0;)
+        ffn_up_body(j->G, j->ng, j->U, j->nu, j->b1, j->xa, j->ha, j->B, j->act, i * j->cu,
+                    i * j->cu + j->cu < j->D ? i * j->cu + j->cu : j->D);
+    qbarrier(&j->bar, T);
+    claim_init(&c, j->flag + QMAXTASKS, 1, (j->d + j->cd - 1) / j->cd, t, T);
+    for (int64_t i; (i = claim_next(&c)) >= 0;)
+        ffn_down_body(j->Dn, j->nd, j->b2, j->d, j->ha, j->B, i * j->cd,
+                      i * j->cd + j->cd < j->d ? i * j->cd + j->cd : j->d, j->y);
+}
+
 /* The dense FFN: h = act(G x + b1) * (U x) (G NULL: act(U x + b1)), y = Dn h + b2. G, U [D, d], Dn [d, D];
  * x [B, d], h: B * D floats of scratch, y [B, d]; q8: 8-bit activations (x, and h) for the block formats. One
- * parallel region: the neurons split by bytes (in whole 32-blocks), a barrier, then the output rows. */
+ * job of the team: the neurons in chunks of whole 32-blocks, a barrier, then the output rows. */
 int cs_q_ffn(const qpart *G, int ng, const qpart *U, int nu, const qpart *Dn, int nd, int64_t d, int64_t D,
              const float *b1, const float *b2, const float *x, int64_t B, int act, int q8, float *h, float *y,
              int nt) {
@@ -1243,16 +1171,15 @@ int cs_q_ffn(const qpart *G, int ng, const qpart *U, int nu, const qpart *Dn, in
         ffn_up_body(G, ng, U, nu, b1, &xa, &ha, B, act, 0, D);
         ffn_down_body(Dn, nd, b2, d, &ha, B, 0, d, y);
     } else {
-#pragma omp parallel num_threads(nt)
-        {
-            const int t = omp_get_thread_num(), T = omp_get_num_threads();
-            int64_t lo, hi;
-            byte_range(G ? G : U, G ? ng : nu, U, nu, D, t, T, 32, &lo, &hi);
-            ffn_up_body(G, ng, U, nu, b1, &xa, &ha, B, act, lo, hi);
-#pragma omp barrier
-            byte_range(Dn, nd, NULL, 0, d, t, T, 1, &lo, &hi);
-            ffn_down_body(Dn, nd, b2, d, &ha, B, lo, hi, y);
-        }
+        atomic_int flag[2 * QMAXTASKS];
+        memset(flag, 0, sizeof(flag));
+        int64_t rb = 0;
+        for (int p = 0; p < nu; ++p) rb = U[p].row_bytes > rb ? U[p].row_bytes : rb;
+        ffn_job job = {G, ng, U, nu, Dn, nd, b1, b2, &xa, &ha, B, act, d, D, y,
+                       chunk_rows(D, rb * (G ? 2 : 1) * B, nt, 32), 0, flag, {0}};
+        for (int p = 0; p < nd; ++p) rb = Dn[p].row_bytes > rb ? Dn[p].row_bytes : rb;
+        job.cd = chunk_rows(d, rb * B, nt, 1);
+        qteam_run(ffn_job_run, &job, nt);
     }
     xbuf_free(&xa);
     xbuf_free(&ha);
