@@ -6,15 +6,15 @@
     x = nat.run_all(x)                          # after every layer, one call a step (a plan with no sparse layer)
 
 A step over GGUF blocks (``DecodeRuntime.from_gguf``) otherwise makes about eight native calls a layer (norm,
-QKV, attention, O, add + norm, FFN) with Python between them: about 2 ms a token on SmolLM2-135M, a quarter of
-its step. Here one call runs the whole layer, with the same products and glue on the same values, so the
+QKV, attention, O, add + norm, FFN) with Python between them: on SmolLM2-135M (2-core VM) the step takes 7.8 ms
+that way at one thread, 5.9 ms with the layers in one call (5.6 and 3.5 ms at two threads; BENCHMARKS.md). Here one call runs the whole layer, with the same products and glue on the same values, so the
 logits are the per-op step's bit for bit; when every layer runs natively, one call runs them all (one parallel
 region a step; about 3 % less per token than a call per layer on SmolLM2 at one thread). It runs where the
 per-op step would run those same native kernels: quantized weights on the CPU, the native glue (``glue``
-"kernel", kernels.cpu built), batch 1, the exact KV cache (kv_mode "exact"), RMS norms, ``fuse`` on
-(``DecodeRuntime(fuse=False)`` keeps the per-op step), and only on the layers the plan leaves dense (a sparse layer runs its own path). Where it should run but cannot
-(the quantized kernels did not build, a shape they do not take) the per-op step runs and a RuntimeWarning
-says why, once per weights.
+"kernel"), batch 1, the exact KV cache (kv_mode "exact"), RMS norms, ``fuse`` on (``DecodeRuntime(fuse=False)``
+keeps the per-op step), and only on the layers the plan leaves dense (a sparse layer runs its own path). Where it
+should run but cannot (no C compiler, the native kernels turned off, a shape they do not take) the per-op step
+runs and a RuntimeWarning says why, once per weights.
 
 The packed layers (pointers to the weights, norms, RoPE tables and each layer's cache, scratch) are made once
 per (weights, cache) and reused every step; a new cache (``setup``) packs again.
@@ -65,6 +65,8 @@ def layer_specs(w, cache) -> list[cpu_quant.LayerSpec]:
 
 def build(w, cache) -> cpu_quant.LayerStack:
     """The packed layers of quantized weights ``w`` over ``cache`` (ValueError where they cannot run)."""
+    if not cpu_kernels.native_available():
+        raise ValueError("the native CPU kernels are not built here (no C compiler, or CTXSPARSE_CPU_NATIVE=0)")
     if not all(isinstance(getattr(L, f), QuantWeight) for L in w.layers for f in ("w_qkv", "w_o_t", "w_up",
                                                                                   "w_down_t")):
         raise ValueError("not every projection is quantized")
@@ -98,8 +100,8 @@ def for_step(blocks, rp, cache, fns: dict) -> StepLayers | None:
     if not (w.quantized and blocks.fuse and cache is not None and cache.batch == 1 and cache.valid is None
             and fns.get("attn") is ops.decode_attention and w.device.type == "cpu"):
         return None
-    if ops.backend_name(cache.pos) != "cpu" or not cpu_kernels.native_available():
-        return None                      # the glue itself is not native here (forced reference / no kernels)
+    if ops.backend_name(cache.pos) != "cpu":
+        return None                      # CTXSPARSE_KERNELS forces another backend
     dense = None
     if not rp.dense or rp.thr_ffn:
         sparse = set(rp.mlp) | set(rp.heads) | set(rp.in_attn) | set(rp.in_ffn) | set(rp.thr_ffn)

@@ -6,6 +6,10 @@ cannot run natively the per-op step runs and says so; the runtime's options choo
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -170,3 +174,27 @@ def test_the_runtime_options_choose_the_path():
     assert native_layer.for_step(fp32.blocks, fp32.sparse_plan, fp32.cache, kernel_glue) is None
     rt.configure(fuse=False)
     assert native_layer.for_step(rt.blocks, rt.sparse_plan, rt.cache, kernel_glue) is None
+
+
+def test_without_a_compiler_the_per_op_step_runs_and_says_so(tmp_path):
+    """No C compiler (CC fails, an empty kernel cache): neither native library builds, the step runs per op on
+    the torch fallbacks, and a RuntimeWarning says that the one-call layer cannot run and why. About 10 s."""
+    code = """
+import warnings, torch
+from kernels import cpu, cpu_quant
+from tests.workers.decode.test_native_layer import _decode_logits, _quantized, _tiny
+from workers.decode.runtime import DecodeRuntime
+assert cpu_quant.load_library() is None and not cpu.native_available()
+w = _quantized(_tiny("llama"), "llama")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    a = _decode_logits(DecodeRuntime(w), torch.randint(0, 128, (1, 4), generator=torch.Generator().manual_seed(2)), 2)
+print([str(c.message) for c in caught if c.category is RuntimeWarning])
+print("finite", bool(torch.isfinite(a).all()))
+"""
+    env = dict(os.environ, CC="false", CTXSPARSE_HOME=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[3], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "the one-call native layer cannot run (the native CPU kernels are not built here" in out.stdout
+    assert "finite True" in out.stdout
