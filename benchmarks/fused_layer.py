@@ -24,7 +24,8 @@ import torch
 
 from benchmarks.harness import Row, command_line, device_name, time_graph, write_results
 from kernels import ops
-from kernels.common import Prologue, apply_act
+from kernels.common import Prologue
+from workers.decode.glue import act_mul
 from workers.decode.shapes import attn_shape, ffn_shape
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -57,11 +58,6 @@ def _thr(v, s, n=1, dev=None):
     return torch.full((n,), t, dtype=torch.float32, device=dev or v.device)
 
 
-def _act_mul(gu, act):
-    D = gu.shape[-1] // 2
-    return apply_act(gu[..., :D], act) * gu[..., D:]
-
-
 def calibrate(layers, x, a, s, eps, act):
     """Each projection's threshold: the s-quantile of |its input| as the (dense) chain computes it."""
     for L in layers:
@@ -71,7 +67,7 @@ def calibrate(layers, x, a, s, eps, act):
         x = x + a @ L.w_o_t
         h2 = ops.rms_norm(x, L.n2, eps)
         L.thr["gu"] = _thr(h2, s, 2)
-        m = _act_mul(h2 @ L.w_gu_t, act)
+        m = act_mul(h2 @ L.w_gu_t, act)
         L.thr["down"] = _thr(m, s)
         x = x + m @ L.w_down_t
 
@@ -140,7 +136,7 @@ def _glue(dev):
 
         fns = glue_fns(True, "torch")
         return (lambda x, y, w, eps: fns["add_norm"](x, y, w, None, "rms", eps)), fns["act_mul"]
-    return (lambda x, y, w, eps: ops.add_rms_norm(x, y, w, eps)), _act_mul
+    return (lambda x, y, w, eps: ops.add_rms_norm(x, y, w, eps)), act_mul
 
 
 @torch.no_grad()

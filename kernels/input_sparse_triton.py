@@ -767,8 +767,7 @@ def _launch(x, w_t, thresholds, sizes, bias, config, prologue=None, residual=Non
         prologue is None or prologue.kind == "act_mul" or B == 1)    # the norms' 1/rms is one token's
     if (prologue is not None or residual is not None) and not fused:
         # the other paths take the prologue's output and add the residual after: the layer's own ops
-        y = _launch(_ref.apply_prologue(x, prologue), w_t, thresholds, sizes, bias, cfg)
-        return y if residual is None else residual + y
+        return _ref.around_product(lambda h: _launch(h, w_t, thresholds, sizes, bias, cfg), x, prologue, residual)
     if cfg["path"] == "dense":
         return _dense(x, w_t, thresholds, sizes, bias)
     if cfg["path"] == "local":

@@ -220,8 +220,7 @@ def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, path="
         return fn(x, w_t, thresholds, sizes, bias, **cfg)
     if backend_name(x) in ("triton", "reference"):
         return fn(x, w_t, thresholds, sizes, bias, prologue=prologue, residual=residual, **cfg)
-    y = fn(_ref.apply_prologue(x, prologue), w_t, thresholds, sizes, bias, **cfg)
-    return y if residual is None else residual + y
+    return _ref.around_product(lambda h: fn(h, w_t, thresholds, sizes, bias, **cfg), x, prologue, residual)
 
 
 def topk_select(scores, k, *, multi=None):

@@ -159,6 +159,13 @@ def apply_prologue(x, p):
     return rms_norm(x, p.weight, p.eps, one_plus=p.kind == "rms1p")
 
 
+def around_product(product, x, prologue=None, residual=None):
+    """The fused layer's ops composed around an unfused ``product`` (a function of the input): the prologue's
+    output through it, then the residual add (rounded as the layer's own add)."""
+    y = product(apply_prologue(x, prologue))
+    return y if residual is None else residual + y.to(residual.dtype)
+
+
 def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, config=None, prologue=None,
                                  residual=None):
     """Projections sharing x, W^T concatenated along out (fused QKV): segment j (``sizes[j]`` columns) uses
@@ -166,8 +173,8 @@ def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, config
     (kernels.common.Prologue): the input is ``apply_prologue(x, prologue)``; ``residual``: the result is
     residual + the product (the layer's residual add)."""
     if prologue is not None or residual is not None:
-        y = input_sparse_linear_segments(apply_prologue(x, prologue), w_t, thresholds, sizes, bias)
-        return y if residual is None else residual + y.to(residual.dtype)
+        return around_product(lambda h: input_sparse_linear_segments(h, w_t, thresholds, sizes, bias), x, prologue,
+                              residual)
     sizes = [int(s) for s in sizes]
     assert sum(sizes) == w_t.shape[1], f"segment sizes {sizes} must sum to out = {w_t.shape[1]}"
     outs, lo = [], 0

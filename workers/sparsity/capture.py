@@ -116,18 +116,23 @@ class ActivationCache:
         if "inhist" not in self.components or layer not in self.layers:
             raise KeyError(f"cache has no input histograms for layer {layer} (components {self.components})")
         total = None
+        for t in self._per_shard(f"{layer}.inhist.{proj}"):
+            if t is None:
+                raise KeyError(f"cache has no input histogram of {proj!r} in layer {layer}")
+            total = t.long() if total is None else total + t.long()
+        return total
+
+    def _per_shard(self, key: str):
+        """``key``'s tensor in each shard in turn (None where a shard lacks it); a damaged shard file raises
+        CacheCorruptError."""
         for shard in self.manifest["shards"]:
-            key = f"{layer}.inhist.{proj}"
             try:
                 with safe_open(self.path / shard["file"], framework="pt") as f:
-                    t = f.get_tensor(key).long() if key in f.keys() else None
+                    t = f.get_tensor(key) if key in f.keys() else None
             except Exception as e:  # safetensors raises its own error types for damaged files
                 raise CacheCorruptError(f"{self.path / shard['file']}: cannot read ({e}); "
                                         "delete the cache folder to collect again") from e
-            if t is None:
-                raise KeyError(f"cache has no input histogram of {proj!r} in layer {layer}")
-            total = t if total is None else total + t
-        return total
+            yield t
 
     def load_cov(self, layer: int, name: str) -> torch.Tensor:
         """One of a layer's recorded covariances (``cov``; ``name`` in COV_INPUTS), float64, summed over the shards
@@ -136,16 +141,10 @@ class ActivationCache:
             raise KeyError(f"cache has no covariances for layer {layer} (components {self.components})")
         if name not in COV_INPUTS:
             raise KeyError(f"no covariance {name!r}; recorded: {COV_INPUTS}")
-        key, total = f"{layer}.cov.{name}", None
-        for shard in self.manifest["shards"]:
-            try:
-                with safe_open(self.path / shard["file"], framework="pt") as f:
-                    t = f.get_tensor(key).double() if key in f.keys() else None
-            except Exception as e:  # safetensors raises its own error types for damaged files
-                raise CacheCorruptError(f"{self.path / shard['file']}: cannot read ({e}); "
-                                        "delete the cache folder to collect again") from e
+        total = None
+        for t in self._per_shard(f"{layer}.cov.{name}"):
             if t is not None:
-                total = t if total is None else total + t
+                total = t.double() if total is None else total + t.double()
         if total is None:
             raise KeyError(f"cache has no covariance {name!r} in layer {layer}")
         return total, self.n_tokens
