@@ -224,6 +224,22 @@ class LatencyResult(Base):
     created_at: Mapped[datetime] = _created_at()
 
 
+class RequestScore(Base):
+    """One scored request of a shard of a task (an ``eval`` unit whose config has ``shard``): the summed
+    log-likelihood of its continuation and whether greedy decoding gives it, as the unsharded unit would compute
+    it. ``request`` indexes the task's request set (``workers.evals.request_cache``). The task's accuracy rows are
+    assembled from every shard's scores; these rows are the inputs, not results to plot."""
+
+    __tablename__ = "request_scores"
+    __table_args__ = (UniqueConstraint("unit_id", "request"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    unit_id: Mapped[str] = _unit_fk()
+    request: Mapped[int] = mapped_column(Integer)
+    loglikelihood: Mapped[float] = mapped_column(Double)
+    greedy: Mapped[bool] = mapped_column(Boolean)
+
+
 class LayerMetric(Base):
     """Per-layer predictor quality of one unit (the dashboard's per-layer charts)."""
 

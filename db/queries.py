@@ -27,6 +27,7 @@ from db.models import (
     LatencyResult,
     LayerMetric,
     Model,
+    RequestScore,
     Sweep,
     SweepUnit,
     WorkUnit,
@@ -42,6 +43,7 @@ from db.schemas import (
     LayerRecord,
     LayerRow,
     ModelInfo,
+    RequestScoreRow,
     SweepInfo,
     UnitInfo,
     UnitSpec,
@@ -324,6 +326,7 @@ def finish_unit(
     layer_rows: Iterable[LayerRow | Mapping[str, Any]] = (),
     artifacts: Iterable[ArtifactRow | Mapping[str, Any]] = (),
     duration_s: float | None = None,
+    request_scores: Iterable[RequestScoreRow | Mapping[str, Any]] = (),
 ) -> bool:
     """Write a unit's results and flip it to done, all or nothing.
 
@@ -338,10 +341,12 @@ def finish_unit(
     lat = _coerce(LatencyRow, latency_rows)
     lay = _coerce(LayerRow, layer_rows)
     art = _coerce(ArtifactRow, artifacts)
+    scores = _coerce(RequestScoreRow, request_scores)
     _check_unique(acc, ("suite", "task", "metric"), "accuracy")
     _check_unique(lat, ("device_type", "accelerator_name", "batch", "prompt_len", "runtime"), "latency")
     _check_unique(lay, ("layer", "component"), "layer")
     _check_unique(art, ("kind", "uri"), "artifact")
+    _check_unique(scores, ("request",), "request score")
 
     with session.begin_nested():
         # Lock order everywhere: sweeps (by id), then units. Sweep locks first also
@@ -365,6 +370,7 @@ def finish_unit(
             (LatencyResult, lat, True),
             (LayerMetric, lay, False),
             (Artifact, art, True),
+            (RequestScore, scores, False),
         ):
             if rows:
                 extra = {"unit_id": unit_id, **({"created_at": now} if stamped else {})}
@@ -536,6 +542,29 @@ def latency_table(
     stmt = stmt.order_by(Model.name, WorkUnit.method, WorkUnit.sparsity, WorkUnit.rank, r.device_type,
                          r.accelerator_name, r.runtime, r.batch, r.prompt_len)
     return [LatencyRecord.model_validate(row, from_attributes=True) for row in session.execute(stmt)]
+
+
+class ShardScores(NamedTuple):
+    """The scored requests of one shard unit, in request order."""
+
+    request: list[int]
+    loglikelihood: list[float]
+    greedy: list[bool]
+
+
+def request_scores(session: Session, unit_ids: Sequence[str]) -> dict[str, ShardScores]:
+    """``{unit id: its scored requests}`` for the units among ``unit_ids`` that recorded any (a shard that scored
+    nothing, or is not done, is absent)."""
+    ids = list(unit_ids)
+    rows: dict[str, list] = {}
+    for i in range(0, len(ids), 1000):  # chunks: SQLite caps bound parameters
+        r = RequestScore
+        stmt = (select(r.unit_id, r.request, r.loglikelihood, r.greedy).where(r.unit_id.in_(ids[i : i + 1000]))
+                .order_by(r.unit_id, r.request))
+        for unit_id, req, ll, greedy in session.execute(stmt):
+            rows.setdefault(unit_id, []).append((req, ll, greedy))
+    return {k: ShardScores([q for q, _, _ in v], [float(x) for _, x, _ in v], [bool(g) for _, _, g in v])
+            for k, v in rows.items()}
 
 
 def layer_metrics_for(session: Session, unit_id: str) -> list[LayerRecord]:

@@ -1,7 +1,8 @@
 """A sweep's rows as JSON lines, and loading such a file into any store (SQLite or PostgreSQL).
 
 A result set is what a store knows about one sweep: the sweep, its units (status, config, worker, timings,
-errors), the models and datasets they point at, and every accuracy, latency and per-layer row of those units.
+errors), the models and datasets they point at, and every accuracy, latency and per-layer row of those units, and
+the scored requests of task shards (so a sweep loaded elsewhere can still assemble a task whose shards are done).
 Artifacts are left out: they name files on the host that ran the sweep (activation caches, bundles).
 
     {"format": "ctxsparse-resultset-1", "sweep": NAME, "schema_revision": REV, "exported_at": ISO}
@@ -23,12 +24,13 @@ from typing import Any, Iterable, Iterator
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from db.models import (AccuracyResult, Dataset, LatencyResult, LayerMetric, Model, Sweep, SweepUnit, WorkUnit)
+from db.models import (AccuracyResult, Dataset, LatencyResult, LayerMetric, Model, RequestScore, Sweep, SweepUnit,
+                       WorkUnit)
 from db.queries import _insert, _refresh_sweep_counts, _table, get_or_create_sweep, upsert_dataset, upsert_model
 
 FORMAT = "ctxsparse-resultset-1"
 RESULT_TABLES = {"accuracy_results": AccuracyResult, "latency_results": LatencyResult,
-                 "layer_metrics": LayerMetric}
+                 "layer_metrics": LayerMetric, "request_scores": RequestScore}
 TABLES = ("models", "datasets", "sweeps", "work_units", "sweep_units", *RESULT_TABLES)
 _DATETIMES = ("created_at", "started_at", "finished_at")
 

@@ -1,7 +1,7 @@
 """Pydantic rows that cross the db/ boundary.
 
 Inputs (``extra="forbid"``): ``UnitSpec`` (register_units), ``AccuracyRow``,
-``LatencyRow``, ``LayerRow``, ``ArtifactRow`` (finish_unit).
+``LatencyRow``, ``LayerRow``, ``ArtifactRow``, ``RequestScoreRow`` (finish_unit).
 Outputs (read queries): the ``*Record`` / ``*Info`` classes, plain data that pickles
 (the dashboard caches them with ``st.cache_data``) and turns into a DataFrame with
 ``pd.DataFrame([r.model_dump() for r in rows])``.
@@ -103,6 +103,14 @@ class LayerRow(_In):
     target_sparsity: Fraction | None = None
     auc: Fraction | None = None
     threshold: Real | None = None
+
+
+class RequestScoreRow(_In):
+    """One scored request of a task's shard (its index in the task's request set)."""
+
+    request: Annotated[int, Field(ge=0)]
+    loglikelihood: Real            # -inf allowed (a continuation the model gives no probability)
+    greedy: StrictBool
 
 
 class ArtifactRow(_In):

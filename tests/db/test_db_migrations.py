@@ -12,7 +12,7 @@ from db.engine import _alembic_config, current_revision, get_engine, head_revisi
 from db.models import Base
 
 TABLES = {"models", "datasets", "sweeps", "work_units", "sweep_units", "artifacts",
-          "accuracy_results", "latency_results", "layer_metrics"}
+          "accuracy_results", "latency_results", "layer_metrics", "request_scores"}
 
 
 def test_upgrade_head_from_empty(db_url):
@@ -21,7 +21,7 @@ def test_upgrade_head_from_empty(db_url):
         assert current_revision(engine) is None
         assert not set(inspect(engine).get_table_names()) & TABLES
         upgrade(engine)
-        assert current_revision(engine) == head_revision() == "0003"
+        assert current_revision(engine) == head_revision() == "0004"
         assert set(inspect(engine).get_table_names()) == TABLES | {"alembic_version"}
         upgrade(db_url)  # again, by URL: a no-op
         assert current_revision(db_url) == head_revision()
@@ -131,7 +131,7 @@ def test_0003_backfills_latency_threads_from_the_unit_config(db_url):
                                                  prompt_len=8, gen_len=4, p50_ms_per_token=2.0, p90_ms_per_token=3.0,
                                                  tokens_per_s=500.0, runtime="ctxsparse-dense", git_rev="r",
                                                  package_versions={}, created_at=now))
-        upgrade(engine)
+        upgrade(engine, "0003")
         assert current_revision(engine) == "0003"
         with engine.connect() as conn:
             got = dict(conn.execute(sa.text("SELECT unit_id, threads FROM latency_results")).all())
@@ -145,5 +145,49 @@ def test_0003_backfills_latency_threads_from_the_unit_config(db_url):
         assert "threads" not in {c["name"] for c in inspect(engine).get_columns("latency_results")}
         with engine.connect() as conn:
             assert conn.execute(sa.text("SELECT count(*) FROM latency_results")).scalar() == 2
+    finally:
+        engine.dispose()
+
+
+def test_0004_adds_request_scores_and_keeps_every_row(db_url):
+    """A store at 0003 with rows upgrades to 0004 with the same rows and an empty ``request_scores`` table that
+    finish_unit fills; downgrading drops only that table."""
+    from db import queries
+    from db.engine import session_scope
+
+    engine = get_engine(db_url)
+    try:
+        upgrade(engine, "0001")
+        with engine.begin() as conn:
+            _rows_before_0002(conn)
+        upgrade(engine, "0003")
+        count = "SELECT count(*) FROM accuracy_results"
+        with engine.connect() as conn:
+            before = conn.execute(sa.text("SELECT unit_id, suite, task, metric, value, n FROM accuracy_results "
+                                          "ORDER BY metric")).all()
+        upgrade(engine)
+        assert current_revision(engine) == "0004"
+        with engine.connect() as conn:
+            after = conn.execute(sa.text("SELECT unit_id, suite, task, metric, value, n FROM accuracy_results "
+                                         "ORDER BY metric")).all()
+            assert conn.execute(sa.text("SELECT count(*) FROM request_scores")).scalar() == 0
+        assert after == before and len(after) == 5
+        with session_scope(engine) as s:
+            s.execute(sa.text("INSERT INTO work_units (id, model_id, kind, config, status, attempts, code_version, "
+                              "created_at) VALUES ('cdcdcdcdcdcdcdcdcd', 1, 'eval', '{}', 'pending', 0, '1', "
+                              "CURRENT_TIMESTAMP)"))
+            assert queries.finish_unit(s, "cd" * 9, request_scores=[
+                {"request": 3, "loglikelihood": -1.25, "greedy": True},
+                {"request": 0, "loglikelihood": float("-inf"), "greedy": False}])
+        with session_scope(engine) as s:
+            got = queries.request_scores(s, ["cd" * 9, "ab" * 8])
+        assert list(got) == ["cd" * 9]
+        assert got["cd" * 9] == queries.ShardScores([0, 3], [float("-inf"), -1.25], [False, True])
+        with engine.connect() as conn:
+            command.downgrade(_alembic_config(conn), "0003")
+            conn.commit()
+        assert "request_scores" not in inspect(engine).get_table_names()
+        with engine.connect() as conn:
+            assert conn.execute(sa.text(count)).scalar() == 5
     finally:
         engine.dispose()

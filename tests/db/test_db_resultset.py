@@ -53,7 +53,8 @@ def test_round_trip_into_another_store_gives_the_same_rows(tmp_path, db_url):
     with session_scope(dst) as s:
         added = load_records(s, read_jsonl(tmp_path / "a.jsonl"))
     assert added == {"models": 1, "datasets": 0, "sweeps": 1, "work_units": 4, "sweep_units": 4,
-                     "accuracy_results": 3 * N_ACC, "latency_results": 3 * N_LAT, "layer_metrics": 3 * N_LAYER}
+                     "accuracy_results": 3 * N_ACC, "latency_results": 3 * N_LAT, "layer_metrics": 3 * N_LAYER,
+                     "request_scores": 0}
     with session_scope(dst) as s, session_scope(src) as s0:
         for i in range(4):
             a, b = q.get_unit(s, uid(i)), q.get_unit(s0, uid(i))
