@@ -217,7 +217,7 @@ def decoder_weight_skipped(stats) -> float:
     skipped (gate or fc1 on the first pass, up and down on the kept set; up on the first pass where
     ``stats.up_on_first``, the damage filter) and the heads skipped in o, less the
     predictors' own weights (``stats.predictor_numel``), which every token reads, and any other weights every
-    token reads beside the model's (``stats.extra_numel``: rotations, adapters)."""
+    token reads beside the model's (``stats.extra_numel``: rotations, adapters, low-rank factors)."""
     inp: InputStats = stats.inputs
     skipped = inp.skipped_numel()
     for l, ls in stats.layers.items():

@@ -37,6 +37,7 @@ from workers.sparsity.input_sparse import (
     InputStats, apply_input_sparsity, check_plan_parts, decoder_weight_skipped, model_projection_numel,
 )
 from workers.sparsity.predictors.base import HeadPredictor, MLPPredictor, SparsityPlan, layer_out_norms
+from workers.sparsity.rank_sparse import apply_rank_sparsity
 from workers.sparsity.rotated import apply_rotated_sparsity
 from workers.sparsity.swaps import ModuleSwaps
 
@@ -86,7 +87,7 @@ class SparseStats:
     layers: dict[int, LayerStats] = field(default_factory=dict)
     inputs: InputStats = field(default_factory=InputStats)   # input-sparse projections (TEAL, WINA)
     predictor_numel: int = 0                # weights of the plan's own predictors, read for every token
-    extra_numel: int = 0                    # other weights every token reads: a rotated plan's rotations
+    extra_numel: int = 0                    # other weights every token reads: rotations, low-rank factors
 
     def predictor_frac_ffn(self) -> float:
         """The predictors' weights as a fraction of the FFN weights of the layers that have an FFN predictor."""
@@ -225,10 +226,13 @@ def apply_sparsity(model: nn.Module, plan: SparsityPlan, input_mode: str = "mask
     ``plan.inputs`` (input sparsity) swaps projections for ``input_sparse.InputSparseLinear`` in ``input_mode``
     (``masked`` for accuracy runs, ``kernel`` to skip the work). ``plan.rotated`` (rotated input sparsity,
     :mod:`workers.sparsity.rotated`) runs masked whatever the modes, its rotations counted in
-    ``stats.extra_numel``."""
+    ``stats.extra_numel``; so does ``plan.lowrank`` (R-Sparse, :mod:`workers.sparsity.rank_sparse`), its low-rank
+    factors counted there."""
     check_plan_parts(plan)
     if plan.rotated is not None and (plan.mlp or plan.attn or plan.inputs):
         raise ValueError("a rotated plan carries no other part (predictors, input thresholds) beside it")
+    if plan.lowrank is not None and (plan.mlp or plan.attn or plan.inputs or plan.rotated is not None):
+        raise ValueError("a rank-sparse plan carries no other part (predictors, thresholds, rotations) beside it")
     ad = adapter_for(model)
     dims = ad.dims(model.config)
     act = ad.act_name(model.config)
@@ -271,6 +275,8 @@ def apply_sparsity(model: nn.Module, plan: SparsityPlan, input_mode: str = "mask
             apply_input_sparsity(model, plan.inputs, plan.input_score, input_mode, stats.inputs, swaps=applied)
         if plan.rotated is not None:
             stats.extra_numel = apply_rotated_sparsity(model, plan.rotated, stats.inputs, swaps=applied).extra_numel
+        if plan.lowrank is not None:
+            stats.extra_numel = apply_rank_sparsity(model, plan.lowrank, stats.inputs, swaps=applied).extra_numel
     except Exception:
         applied.revert()
         raise

@@ -5,5 +5,5 @@ from workers.sparsity.predictors.base import (  # noqa: F401
 )
 # importing registers; kept explicit so a sweep can name any of them
 from workers.sparsity.predictors import (  # noqa: F401,E402
-    dejavu, input_sparsity, larosa, oracle, static, svd, threshold,
+    dejavu, input_sparsity, larosa, oracle, rsparse, static, svd, threshold,
 )

@@ -150,6 +150,8 @@ class SparsityPlan:
     input_score: str = "abs"
     # rotated input sparsity (LaRoSA): a workers.sparsity.rotated.RotatedPlan (its own swaps; no other part beside it)
     rotated: object = None
+    # rank-aware input sparsity (R-Sparse): a workers.sparsity.rank_sparse.RankSparsePlan (no other part beside it)
+    lowrank: object = None
 
     def __post_init__(self):
         if self.mlp_mode not in ("parallel", "sequential"):
