@@ -16,7 +16,7 @@ import os
 import socket
 import time
 import traceback
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import ray
 from pydantic import BaseModel, ConfigDict, Field
@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from db import queries
 from db.engine import get_engine, session_scope
 from db.provenance import stamp
-from db.schemas import AccuracyRow, ArtifactRow, LatencyRow, LayerRow
+from db.schemas import AccuracyRow, ArtifactRow, LatencyRow, LayerRow, RequestScoreRow
 from workers.names import DEVICE_TYPES, RAY_RESOURCE, UNIT_KINDS
 
 DeviceType = Literal[DEVICE_TYPES]
@@ -36,6 +36,8 @@ class UnitTask(BaseModel):
     id: str = Field(pattern=r"^[0-9a-f]{16,64}$")
     kind: Literal[UNIT_KINDS]
     config: dict[str, Any]
+    # a task split into shards: its shard units, whose scored requests this unit assembles into the task's rows
+    shards: list[Annotated[str, Field(pattern=r"^[0-9a-f]{16,64}$")]] = Field(default_factory=list)
 
 
 def actor_options(device_type: DeviceType, *, cpus: float = 1.0, gpus: float = 1.0, npus: float = 1.0,
@@ -165,19 +167,38 @@ class _UnitActor:
                 return {"id": t.id, "status": "done", "skipped": True, "worker": self.name}
         t0 = time.time()
         try:
-            out = units.run(t.kind, t.id, t.config)
+            shard_scores = self._shard_scores(t.shards) if t.shards else None
+            out = units.run(t.kind, t.id, t.config, shard_scores=shard_scores)
             acc = [AccuracyRow(**r, **st) for r in out.accuracy]
             lat = [LatencyRow(**r, **st) for r in out.latency]
             lay = [LayerRow(**r) for r in out.layers]
             art = [ArtifactRow(**r) for r in out.artifacts]
+            scores = [RequestScoreRow(**r) for r in out.scores]
             with session_scope(self._engine) as s:
-                queries.finish_unit(s, t.id, acc, lat, lay, art, duration_s=time.time() - t0)
+                queries.finish_unit(s, t.id, acc, lat, lay, art, duration_s=time.time() - t0, request_scores=scores)
         except Exception as e:  # recorded on the unit; the driver decides what follows
             with session_scope(self._engine) as s:
                 queries.fail_unit(s, t.id, f"{self.name}: {traceback.format_exc()}")
             return {"id": t.id, "status": "failed", "error": f"{type(e).__name__}: {e}", "worker": self.name}
         return {"id": t.id, "status": "done", "summary": out.summary, "duration_s": round(time.time() - t0, 1),
                 "worker": self.name}
+
+    def _shard_scores(self, shards: list[str]) -> list:
+        """Every shard's scored requests, read once each from the store; RuntimeError while any shard is not done
+        (a task's rows are written only from all of its shards)."""
+        from workers.evals.suites import ShardScores
+
+        with session_scope(self._engine) as s:
+            status = queries.unit_statuses(s, shards)
+            waiting = [k for k in shards if status.get(k) != "done"]
+            if waiting:
+                raise RuntimeError(f"{len(waiting)} of the task's {len(shards)} shards are not done "
+                                   f"({', '.join(k[:12] for k in waiting[:4])}{' ...' if len(waiting) > 4 else ''}): "
+                                   "its rows are written only once every shard is")
+            found = queries.request_scores(s, shards)
+        empty = ShardScores((), (), ())
+        return [ShardScores(tuple(v.request), tuple(v.loglikelihood), tuple(v.greedy)) if (v := found.get(k))
+                else empty for k in dict.fromkeys(shards)]
 
 
 @ray.remote(num_cpus=1, max_restarts=4, max_task_retries=0)

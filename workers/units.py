@@ -7,7 +7,9 @@ A unit's ``config`` (built by the orchestrator, hashed into its id) says everyth
                                         -> a predictor bundle (``bundle_dir(unit id)``), per-layer quality rows
   eval      + fit_unit, suite (perplexity or a task), its size, threads
                                         -> accuracy rows (perplexity, realized sparsity, or task accuracy:
-                                           ``task_rows``)
+                                           ``task_rows``); with ``shard: [k, n]`` the scored requests of shard k
+                                           of the task (``scores``, no rows); given every shard's scores
+                                           (``shard_scores``), the task's rows assembled from them
   latency   + fit_unit, device_type, batch, prompt_len, gen_len, repeats, runtime, threads
                                         -> latency rows from a real decode loop (runtime ``llama.cpp``: llama.cpp on
                                            the model's GGUF, interleaved with our dense decode), each row
@@ -77,6 +79,7 @@ class UnitOutput:
     latency: list[dict] = field(default_factory=list)
     layers: list[dict] = field(default_factory=list)
     artifacts: list[dict] = field(default_factory=list)
+    scores: list[dict] = field(default_factory=list)   # a task shard's scored requests (db RequestScoreRow)
     summary: dict = field(default_factory=dict)      # a few figures for the driver's progress log
 
 
@@ -168,14 +171,20 @@ class Units:
         return lm, calib, held
 
     # ------------------------------------------------------------------ kinds
-    def run(self, kind: str, unit_id: str, cfg: dict) -> UnitOutput:
+    def run(self, kind: str, unit_id: str, cfg: dict, shard_scores: list | None = None) -> UnitOutput:
+        """Compute one unit. ``shard_scores`` (an eval unit of a task split into shards): every shard's scores
+        (``workers.evals.suites.ShardScores``), from which the task's rows are assembled instead of scored."""
         fns = {"collect": self.collect, "fit": self.fit, "eval": self.evaluate, "latency": self.latency}
         assert tuple(fns) == UNIT_KINDS
         fn = fns.get(kind)
         if fn is None:
             raise ValueError(f"unknown unit kind {kind!r}; known: {list(UNIT_KINDS)}")
+        if shard_scores is not None and kind != "eval":
+            raise ValueError(f"a {kind} unit has no shards to assemble")
         if cfg.get("threads") is not None:      # before anything computes (see the module docstring)
             torch.set_num_threads(int(cfg["threads"]))
+        if shard_scores is not None:
+            return self.assemble(unit_id, cfg, shard_scores)
         return fn(unit_id, cfg)
 
     def collect(self, unit_id: str, cfg: dict) -> UnitOutput:
@@ -284,12 +293,34 @@ class Units:
                      "value": applied.stats.weight_skipped(), "n": n},
                 ]
                 out.summary = {"ppl": round(r.ppl, 3), "mlp_sparsity": round(applied.stats.mlp_sparsity(), 3)}
+            elif cfg.get("shard") is not None:      # one shard of the task: its scored requests, no rows yet
+                from workers.evals.suites import score_shard
+
+                k, n = cfg["shard"]
+                sc = score_shard(lm.model, lm.tokenizer, cfg["suite"], cfg.get("limit"), k, n,
+                                 batch_size=cfg.get("batch_size", 8), logits_budget=self.logits_budget())
+                out.scores = [{"request": r, "loglikelihood": v, "greedy": g}
+                              for r, v, g in zip(sc.request, sc.loglikelihood, sc.greedy)]
+                out.summary = {"shard": f"{k + 1}/{n}", "requests": len(sc.request)}
             else:
                 rows = run_suite(lm.model, lm.tokenizer, [cfg["suite"]], cfg.get("limit"),
                                  batch_size=cfg.get("batch_size", 8), logits_budget=self.logits_budget())
                 out.accuracy += task_rows(rows)
                 out.summary = {r.metric: round(r.value, 3) for r in rows}
         return out
+
+    def assemble(self, unit_id: str, cfg: dict, shard_scores: list) -> UnitOutput:
+        """A task's rows from its shards' scores (``workers.evals.suites.assemble_shards``): the rows the unsharded
+        unit (same config, same id) computes, to the bit. Nothing is run on the model; its tokenizer keys the
+        task's requests."""
+        from workers.evals.suites import assemble_shards
+
+        if cfg.get("suite") == "perplexity" or cfg.get("shard") is not None:
+            raise ValueError(f"unit {unit_id[:12]} is not a task's unit: nothing to assemble")
+        lm = self.lm(cfg["model"], cfg["model_fp"])
+        rows = assemble_shards(lm.model, lm.tokenizer, cfg["suite"], cfg.get("limit"), shard_scores)
+        return UnitOutput(accuracy=task_rows(rows), summary={**{r.metric: round(r.value, 3) for r in rows},
+                                                             "shards": len(shard_scores)})
 
     def logits_budget(self) -> int | None:
         """Bytes an evaluation forward's logits may take on an accelerator: LOGITS_SHARE of this actor's share of

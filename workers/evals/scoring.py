@@ -16,6 +16,10 @@ to what they mean.
   ``workers.evals.request_cache`` keeps them (templated, tokenized and put in the order above once per task and
   tokenizer) are scored by the same batches and the same forward as lm-eval's requests would be, without lm-eval's
   per-request objects.
+- *A shard of them* (``score_request_shard``): the same batches, cut into contiguous runs of about equal padded
+  tokens (``shard_of_batches``), one run per shard. Each request is scored by the very batch and forward of the
+  unsharded pass, so the shards' values put together are that pass's, bit for bit (slicing the items instead
+  would change the batches, and with them the summation order of every sum).
 """
 from __future__ import annotations
 
@@ -78,6 +82,31 @@ def scoring_order(requests: Sequence) -> tuple[np.ndarray, np.ndarray]:
     if sorted(members.tolist()) != list(range(len(requests))):
         raise RuntimeError("lm-eval's Collator did not hand out every request once")
     return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]), members
+
+
+def window_length(rs, p: int, max_length: int) -> int:
+    """Tokens of scoring window ``p`` of a request set (its context and continuation, truncated as scored)."""
+    first = int(rs.members[rs.row_off[p]])
+    n = (rs.ctx_off[rs.req_ctx[first] + 1] - rs.ctx_off[rs.req_ctx[first]]) + \
+        (rs.cont_off[first + 1] - rs.cont_off[first])
+    return int(min(n - 1, max_length))
+
+
+def shard_of_batches(rs, batches: Sequence[Sequence[int]], n_shards: int, max_length: int | None = None) -> list[int]:
+    """The shard (0 .. n_shards - 1) of each batch: contiguous runs of batches in scoring order, cut where the padded
+    tokens (windows x the batch's longest window; the first, sorted longest first) reach k / n_shards of the total,
+    a batch going to the shard that holds its midpoint. A function of the request set and the batches only, so every
+    shard of one task computes the same cut."""
+    if not isinstance(n_shards, int) or n_shards < 1:
+        raise ValueError(f"n_shards must be a positive int, not {n_shards!r}")
+    cap = max_length if max_length is not None else 1 << 62
+    cost = [len(b) * max(window_length(rs, b[0], cap), 1) for b in batches]
+    total = sum(cost)
+    out, before = [], 0
+    for c in cost:
+        out.append(min(n_shards - 1, (2 * before + c) * n_shards // (2 * total)) if total else 0)
+        before += c
+    return out
 
 
 def _check(ctx, cont, max_length: int) -> None:
@@ -240,6 +269,32 @@ def scoring_lm():
             """(log-likelihood, greedy) of every request of ``rs`` (a ``request_cache.RequestSet``: tokens and their
             scoring order, as ``scoring_order`` gives it), by the batches ``_loglikelihood_tokens`` would run for
             the same requests: same windows, same batch sizes, same forward."""
+            ll = np.zeros(rs.n_requests, dtype=np.float64)
+            greedy = np.zeros(rs.n_requests, dtype=bool)
+            for chunk in self.request_set_batches(rs):
+                self._score_rows(rs, chunk, ll, greedy)
+            return ll, greedy
+
+        def score_request_shard(self, rs, shard: int, n_shards: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            """(requests, their log-likelihoods, their greedy flags) of shard ``shard`` of ``n_shards``: the batches
+            of ``request_set_batches`` that ``shard_of_batches`` gives it, each run as ``score_request_set`` runs it,
+            so every request's values are bit for bit the unsharded pass's (same window, batch and forward)."""
+            if not (isinstance(shard, int) and isinstance(n_shards, int) and 0 <= shard < n_shards):
+                raise ValueError(f"shard {shard!r} of {n_shards!r}: a shard is 0 <= k < n_shards")
+            batches = self.request_set_batches(rs)
+            owner = shard_of_batches(rs, batches, n_shards, self.max_length)
+            ll = np.zeros(rs.n_requests, dtype=np.float64)
+            greedy = np.zeros(rs.n_requests, dtype=bool)
+            answered: list[int] = []
+            for chunk, k in zip(batches, owner):
+                if k == shard:
+                    answered += self._score_rows(rs, chunk, ll, greedy)
+            req = np.sort(np.asarray(answered, dtype=np.int64))
+            return req, ll[req], greedy[req]
+
+        def request_set_batches(self, rs) -> list[list[int]]:
+            """The scoring windows of ``rs`` (indices into ``rs.row_off``) in the batches ``score_request_set`` runs:
+            ``batch_size`` windows each, or as the logits budget sizes them (a function of the windows' lengths)."""
             if not self.scores_request_sets:
                 raise RuntimeError("this lm-eval version or configuration scores requests its own way")
             n_rows = len(rs.row_off) - 1
@@ -249,24 +304,25 @@ def scoring_lm():
                 self.batch_sizes = {}
                 batch_fn = lambda pos, _rows: self._batch_scheduler(pos, view)     # noqa: E731
             size = self.batch_size if self.batch_size != "auto" else 0
-            ll = np.zeros(rs.n_requests, dtype=np.float64)
-            greedy = np.zeros(rs.n_requests, dtype=bool)
+            return list(Collator.get_chunks(range(n_rows), n=size, fn=batch_fn))
+
+        def _score_rows(self, rs, chunk, ll: np.ndarray, greedy: np.ndarray) -> list[int]:
+            """Score one batch of windows into ``ll`` / ``greedy``; the requests it answered."""
             max_length = self.max_length
             keep = max_length + 1
-            row_off, members = rs.row_off.tolist(), rs.members.tolist()
-            for chunk in Collator.get_chunks(range(n_rows), n=size, fn=batch_fn):
-                windows, hits, answered = [], [], []
-                for row, p in enumerate(chunk):
-                    mine = members[row_off[p]:row_off[p + 1]]
-                    ctx, cont = rs.context(mine[0]), rs.continuation(mine[0])
-                    _check(ctx, cont, max_length)
-                    windows.append(np.concatenate([ctx, cont])[-keep:][:-1])
-                    for m in mine:
-                        hits.append((row, rs.continuation(m)))
-                    answered += mine
-                for m, (value, is_greedy) in zip(answered, self._score_windows(windows, hits)):
-                    ll[m], greedy[m] = value, is_greedy
-            return ll, greedy
+            row_off, members = rs.row_off, rs.members
+            windows, hits, answered = [], [], []
+            for row, p in enumerate(chunk):
+                mine = members[row_off[p]:row_off[p + 1]].tolist()
+                ctx, cont = rs.context(mine[0]), rs.continuation(mine[0])
+                _check(ctx, cont, max_length)
+                windows.append(np.concatenate([ctx, cont])[-keep:][:-1])
+                for m in mine:
+                    hits.append((row, rs.continuation(m)))
+                answered += mine
+            for m, (value, is_greedy) in zip(answered, self._score_windows(windows, hits)):
+                ll[m], greedy[m] = value, is_greedy
+            return answered
 
     class _Windows:
         """The windows of a request set as ``_detect_batch_size`` reads them: (strings, context, continuation)."""

@@ -31,8 +31,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 from workers.evals import request_cache as rc
-from workers.evals.scoring import BUDGET_SCHEDULE, scoring_lm
+from workers.evals.scoring import BATCHED_FOR, BUDGET_SCHEDULE, scoring_lm
 from workers.evals.tasks import (
     LM_EVAL_PREFIX,
     SUITES,
@@ -315,25 +317,17 @@ def run_suite(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, b
     32-sequence forward of long requests ask for tens of GiB).
     """
     names = check_task_names(tasks)
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise SuiteError(f"limit must be a positive int or None (all items), not {limit!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise SuiteError(f"batch_size must be a positive int, not {batch_size!r}")
-    if logits_budget is not None and (isinstance(logits_budget, bool) or not isinstance(logits_budget, int)
-                                      or logits_budget < 1):
-        raise SuiteError(f"logits_budget must be a positive int (bytes), not {logits_budget!r}")
+    _check_run_args(limit, batch_size, logits_budget)
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     t0 = time.time()
-    batching = (dict(batch_size=batch_size) if logits_budget is None else
-                dict(batch_size=f"auto:{BUDGET_SCHEDULE}", max_batch_size=batch_size))
     was_training = model.training
     model.eval()
     by_name: dict[str, list[SuiteResult]] = {}
     with _in_process_bootstrap(), _lean_lm_eval():
         try:
-            hflm = scoring_lm()(pretrained=model, tokenizer=tokenizer, budget_bytes=logits_budget, **batching)
+            hflm = _scorer(model, tokenizer, batch_size, logits_budget)
             cached: dict[str, tuple] = {}        # name -> (request set, log-likelihoods, greedy)
             if request_cache and hflm.scores_request_sets:
                 for n in names:
@@ -374,6 +368,107 @@ def run_suite(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, b
                 rows += _lm_eval_rows(e, out, limit, seconds, keep_items)
             by_name[e.name] = rows
     return [r for n in names for r in by_name[n]]
+
+
+def _check_run_args(limit, batch_size, logits_budget) -> None:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise SuiteError(f"limit must be a positive int or None (all items), not {limit!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise SuiteError(f"batch_size must be a positive int, not {batch_size!r}")
+    if logits_budget is not None and (isinstance(logits_budget, bool) or not isinstance(logits_budget, int)
+                                      or logits_budget < 1):
+        raise SuiteError(f"logits_budget must be a positive int (bytes), not {logits_budget!r}")
+
+
+def _scorer(model, tokenizer, batch_size: int, logits_budget: int | None):
+    """The ``ScoringLM`` over ``model`` that ``run_suite`` scores with: ``batch_size`` sequences per forward, or
+    batches sized by the logits budget (at most ``batch_size``)."""
+    batching = (dict(batch_size=batch_size) if logits_budget is None else
+                dict(batch_size=f"auto:{BUDGET_SCHEDULE}", max_batch_size=batch_size))
+    return scoring_lm()(pretrained=model, tokenizer=tokenizer, budget_bytes=logits_budget, **batching)
+
+
+# --------------------------------------------------------------------------------------------- shards
+@dataclass(frozen=True)
+class ShardScores:
+    """What one shard of a task scored: its requests (indices into the task's request set, ascending), their
+    summed log-likelihoods and greedy flags."""
+
+    request: tuple[int, ...]
+    loglikelihood: tuple[float, ...]
+    greedy: tuple[bool, ...]
+
+
+def shardable(name: str) -> bool:
+    """Whether a task can be split into shards: a packaged log-likelihood task (its requests are kept in the
+    request cache, so every shard sees the same requests, batches and scoring order)."""
+    return rc.cacheable(name)
+
+
+def _request_set(hflm, name: str, limit: int | None, seed: int):
+    if not shardable(name):
+        raise SuiteError(f"{name}: only packaged log-likelihood tasks split into shards "
+                         f"({', '.join(n for n in SUITES if shardable(n))})")
+    if not hflm.scores_request_sets:
+        import lm_eval
+
+        raise SuiteError(f"{name}: shards need the batched scorer (lm-eval {', '.join(BATCHED_FOR)}); lm-eval "
+                         f"{lm_eval.__version__} scores requests its own way: run the task unsharded")
+    with _lean_lm_eval():
+        return rc.load_or_build(name, limit, seed, hflm)
+
+
+def score_shard(model, tokenizer, task: str, limit: int | None, shard: int, n_shards: int, batch_size: int = 8,
+                seed: int = 0, logits_budget: int | None = None) -> ShardScores:
+    """Score shard ``shard`` of ``n_shards`` of a packaged log-likelihood task: the contiguous run of the task's
+    scoring batches that ``ScoringLM.score_request_shard`` gives it, each batch exactly as ``run_suite`` runs it
+    (same ``batch_size`` / ``logits_budget``, same seed), so :func:`assemble_shards` of every shard's scores gives
+    ``run_suite``'s rows bit for bit."""
+    _check_run_args(limit, batch_size, logits_budget)
+    if isinstance(n_shards, bool) or not isinstance(n_shards, int) or n_shards < 1 or \
+            isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < n_shards:
+        raise SuiteError(f"shard {shard!r} of {n_shards!r}: shards are numbered 0 .. n_shards - 1")
+    was_training = model.training
+    model.eval()
+    try:
+        hflm = _scorer(model, tokenizer, batch_size, logits_budget)
+        rs = _request_set(hflm, task, limit, seed)
+        _seed_all(seed)                         # as run_suite does before it scores
+        req, ll, greedy = hflm.score_request_shard(rs, shard, n_shards)
+    finally:
+        model.train(was_training)
+    return ShardScores(tuple(req.tolist()), tuple(ll.tolist()), tuple(bool(g) for g in greedy.tolist()))
+
+
+def assemble_shards(model, tokenizer, task: str, limit: int | None, shards: Sequence[ShardScores],
+                    seed: int = 0, keep_items: bool = False) -> list[SuiteResult]:
+    """The rows of a task from its shards' scores: every request of the task's request set must be scored by
+    exactly one shard (else SuiteError naming how many are missing or scored twice); then each item's metrics,
+    aggregations and standard errors as ``run_suite`` computes them from the same values, so the rows are equal.
+    ``model`` is not run (its tokenizer keys the request set)."""
+    _check_run_args(limit, 1, None)
+    hflm = _scorer(model, tokenizer, 1, None)
+    rs = _request_set(hflm, task, limit, seed)
+    ll = np.zeros(rs.n_requests, dtype=np.float64)
+    greedy = np.zeros(rs.n_requests, dtype=bool)
+    seen = np.zeros(rs.n_requests, dtype=np.int64)
+    for part in shards:
+        req = np.asarray(part.request, dtype=np.int64)
+        if not (len(req) == len(part.loglikelihood) == len(part.greedy)):
+            raise SuiteError(f"{task}: a shard's requests, log-likelihoods and greedy flags differ in number")
+        if req.size and (req.min() < 0 or req.max() >= rs.n_requests):
+            raise SuiteError(f"{task}: a shard scored request {int(req.max())}, the task has {rs.n_requests} "
+                             "(the shards were scored for other requests: another limit, tokenizer or task version)")
+        np.add.at(seen, req, 1)
+        ll[req] = np.asarray(part.loglikelihood, dtype=np.float64)
+        greedy[req] = np.asarray(part.greedy, dtype=bool)
+    missing, twice = int((seen == 0).sum()), int((seen > 1).sum())
+    if missing or twice:
+        raise SuiteError(f"{task}: its {len(shards)} shard(s) scored {int((seen > 0).sum())} of its "
+                         f"{rs.n_requests} requests ({missing} missing, {twice} scored more than once): the task's "
+                         "rows are assembled only from shards that cover every request once")
+    with _in_process_bootstrap():
+        return _request_set_rows(rs, ll, greedy, limit, 0.0, keep_items)
 
 
 def prepare_requests(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, seed: int = 0) -> dict[str, str]:
