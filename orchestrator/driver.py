@@ -3,7 +3,11 @@
 1. Validate the spec and the files it names; open the store (``--db`` / ``$CTXSPARSE_DB_URL`` / SQLite) and
    migrate it, before any Ray work: an unreachable store is one message, exit status 2.
 2. Ask a collector actor for each model's and data's fingerprints; plan the units (``orchestrator.plan``)
-   and register them under the sweep (idempotent: units finished by any earlier sweep stay finished).
+   and register them under the sweep (idempotent: units finished by any earlier sweep stay finished). A task split
+   into shards runs its shard units, then its own unit, which assembles their scores (shards of a task already
+   done are not planned). Units of ``only: front`` tasks wait: once every other eval unit of their model has
+   finished, the front of the recorded rows against weights skipped (``orchestrator.pareto.front_pick``) picks the
+   settings they run for (dense always); those are registered and run, the rest never are.
 3. Run what is not done, in dependency order, on actor pools (``workers.actors``), at most one unit in flight
    per actor (backpressure through ``ray.wait``). Actors write each unit's rows the moment it finishes. A dead
    actor is replaced and its unit retried (up to ``resources.max_attempts``); a unit that raises is recorded as
@@ -29,7 +33,8 @@ from db import queries
 from db.engine import get_engine, session_scope, upgrade
 from db.schemas import UnitSpec
 from orchestrator.placement import DevicePlacement, alive_nodes, pool_sizes
-from orchestrator.plan import PlannedUnit, node_cores, plan_units
+from orchestrator.pareto import FrontPick
+from orchestrator.plan import PlannedUnit, node_cores, plan_units, without_needless_shards
 from orchestrator.spec import SpecError, SweepSpec, check_inputs, load_spec, parse_spec
 from workers.names import RAY_RESOURCE
 
@@ -232,27 +237,92 @@ def _fmt_eta(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
+def _unit_specs(s, spec: SweepSpec, described: dict[str, dict], units: list[PlannedUnit]) -> list[UnitSpec]:
+    """The store's rows of ``units``, their models and calibration data inserted where new."""
+    model_ids, dataset_ids = {}, {}
+    for ref in dict.fromkeys(u.model for u in units):
+        d = described[ref]
+        model_ids[ref] = queries.upsert_model(s, name=d["name"], fingerprint=d["fingerprint"],
+                                              family=d["family"], config={"dims": d["dims"]},
+                                              n_params=d["n_params"])
+        dataset_ids[ref] = None if d["calib_fp"] is None else queries.upsert_dataset(
+            s, name=f"{spec.data.source}-calib", fingerprint=d["calib_fp"], source=spec.data.source,
+            n_tokens=d["calib_n_tokens"], split="calib")
+    return [UnitSpec(model_id=model_ids[u.model], dataset_id=dataset_ids[u.model], **u.columns()) for u in units]
+
+
 def register(engine, spec: SweepSpec, described: dict[str, dict], units: list[PlannedUnit],
              submission_id: str | None) -> int:
+    """Create (or find) the sweep and register its units, but those waiting for the front (``only``): they are
+    registered when the front picks them (``front_units``)."""
+    now = [u for u in units if not u.only]
     with session_scope(engine) as s:
         sweep_id, created = queries.get_or_create_sweep(s, name=spec.name, spec_hash=spec.spec_hash(),
                                                         spec=spec.canonical(), submission_id=submission_id)
-        model_ids, dataset_ids = {}, {}
-        for ref in spec.models:
-            d = described[ref]
-            model_ids[ref] = queries.upsert_model(s, name=d["name"], fingerprint=d["fingerprint"],
-                                                  family=d["family"], config={"dims": d["dims"]},
-                                                  n_params=d["n_params"])
-            dataset_ids[ref] = None if d["calib_fp"] is None else queries.upsert_dataset(
-                s, name=f"{spec.data.source}-calib", fingerprint=d["calib_fp"], source=spec.data.source,
-                n_tokens=d["calib_n_tokens"], split="calib")
-        specs = [UnitSpec(model_id=model_ids[u.model], dataset_id=dataset_ids[u.model], **u.columns())
-                 for u in units]
-        queries.register_units(s, sweep_id, specs)
+        queries.register_units(s, sweep_id, _unit_specs(s, spec, described, now))
         queries.set_sweep_status(s, sweep_id, "running")
-    log.info("sweep %s (id %d, %s): %d units registered", spec.name, sweep_id,
-             "new" if created else "known: resuming", len(units))
+    held = len(units) - len(now)
+    log.info("sweep %s (id %d, %s): %d units registered%s", spec.name, sweep_id,
+             "new" if created else "known: resuming", len(now),
+             f", {held} more wait for the front ('only: front')" if held else "")
     return sweep_id
+
+
+def prune_shards(engine, units: list[PlannedUnit]) -> list[PlannedUnit]:
+    """The plan without the shards of tasks the store has done already (``plan.without_needless_shards``)."""
+    tasks = [u.id for u in units if u.shards]
+    if not tasks:
+        return units
+    with session_scope(engine) as s:
+        done = {k for k, v in queries.unit_statuses(s, tasks).items() if v == "done"}
+    return without_needless_shards(units, done)
+
+
+def front_units(engine, held: list[PlannedUnit], gate: set[str]) -> tuple[list[PlannedUnit], FrontPick]:
+    """Which of one model's ``only: front`` units run: those of dense and of the settings on the front
+    (``orchestrator.pareto.front_pick``) drawn on the rows of ``gate`` (the model's front-defining eval units,
+    all finished) among the settings the units belong to; with their shards, if split."""
+    from orchestrator.pareto import front_pick_in_store
+
+    fits = list(dict.fromkeys(u.config["fit_unit"] for u in held))
+    with session_scope(engine) as s:
+        pick = front_pick_in_store(s, held[0].config["model_fp"], fits, gate)
+    chosen = set(pick.chosen)
+    return [u for u in held if u.config["fit_unit"] in chosen], pick
+
+
+class FrontWait:
+    """A sweep's ``only: front`` units, held per model until every other eval unit of that model (the units that
+    draw the front) has finished; then :func:`front_units` picks those that run, which are registered under the
+    sweep. The others are never registered: the sweep's progress counts what it runs."""
+
+    def __init__(self, engine, spec: SweepSpec, described: dict[str, dict], sweep_id: int,
+                 units: list[PlannedUnit]):
+        self.engine, self.spec, self.described, self.sweep_id = engine, spec, described, sweep_id
+        self.held: dict[str, list[PlannedUnit]] = defaultdict(list)
+        for u in units:
+            if u.only:
+                self.held[u.model].append(u)
+        self.gates = {m: {u.id for u in units if u.model == m and u.kind == "eval" and not u.only}
+                      for m in self.held}
+
+    def release(self, finished: set[str]) -> tuple[list[PlannedUnit], dict[str, str]]:
+        """(the units the front picks, registered now, and their statuses in the store) for every model whose
+        front-defining units are all in ``finished`` (done, failed or never placeable); each model once."""
+        out: list[PlannedUnit] = []
+        for m in [m for m, gate in self.gates.items() if gate <= finished]:
+            gate, mine = self.gates.pop(m), self.held.pop(m)
+            chosen, pick = front_units(self.engine, mine, gate)
+            on = ", ".join(pick.labels.get(k, k[:12]) for k in pick.front) or "none"
+            log.info("%s: the front of %s vs %s: %d of %d settings (%s); 'only: front' units of dense and the "
+                     "front: %d of %d", m, pick.metric or "(no front-defining rows)", pick.axis, len(pick.front),
+                     len({u.config["fit_unit"] for u in mine}), on, len(chosen), len(mine))
+            out += chosen
+        if not out:
+            return [], {}
+        with session_scope(self.engine) as s:
+            queries.register_units(s, self.sweep_id, _unit_specs(s, self.spec, self.described, out))
+            return out, queries.unit_statuses(s, [u.id for u in out])
 
 
 def run_sweep(spec: SweepSpec, db_url: str | None = None, submission_id: str | None = None,
@@ -269,9 +339,9 @@ def run_sweep(spec: SweepSpec, db_url: str | None = None, submission_id: str | N
             data = (f"calibration data {d['calib_fp'][:12]} ({d['calib_n_tokens']} tokens)" if d["calib_fp"]
                     else "random weights: latency only")
             log.info("model %s: %s, fingerprint %s; %s", ref, d["family"], d["fingerprint"][:12], data)
-        units = plan_units(spec, described, cpu_cores=node_cores(alive_nodes(ray)))
+        units = prune_shards(engine, plan_units(spec, described, cpu_cores=node_cores(alive_nodes(ray))))
         sweep_id = register(engine, spec, described, units, submission_id)
-        out = _execute(ray, engine, pools, spec, sweep_id, units, heartbeat_s)
+        out = _execute(ray, engine, pools, spec, sweep_id, units, heartbeat_s, described)
         out.model_names = [described[m]["name"] for m in spec.models]
         return out
     finally:
@@ -279,9 +349,11 @@ def run_sweep(spec: SweepSpec, db_url: str | None = None, submission_id: str | N
 
 
 def _execute(ray, engine, pools: _Pools, spec: SweepSpec, sweep_id: int, units: list[PlannedUnit],
-             heartbeat_s: float) -> SweepOutcome:
+             heartbeat_s: float, described: dict[str, dict]) -> SweepOutcome:
     from ray.exceptions import RayActorError
 
+    front = FrontWait(engine, spec, described, sweep_id, units)    # the ``only: front`` units, held back
+    units = [u for u in units if not u.only]
     by_id = {u.id: u for u in units}
     with session_scope(engine) as s:
         status = queries.unit_statuses(s, list(by_id))
@@ -304,7 +376,21 @@ def _execute(ray, engine, pools: _Pools, spec: SweepSpec, sweep_id: int, units: 
     inflight: dict = {}          # ObjectRef -> (unit, actor)
     t_start, n_ran = time.time(), 0
 
+    def release_front():
+        chosen, statuses = front.release(done | failed | set(unplaceable))
+        out.total += len(chosen)
+        for u in chosen:
+            by_id[u.id] = u
+            if statuses.get(u.id) == "done":
+                done.add(u.id)
+            elif u.device_type not in have:
+                unplaceable.append(u.id)
+            else:
+                waiting[u.id] = u
+        out.done = len(done)
+
     def release_ready():
+        release_front()
         for uid in list(waiting):
             u = waiting[uid]
             if any(d in failed for d in u.deps):
@@ -327,7 +413,10 @@ def _execute(ray, engine, pools: _Pools, spec: SweepSpec, sweep_id: int, units: 
                     if actor is None:
                         break
                     u = q.popleft()
-                    ref = actor.run.remote({"id": u.id, "kind": u.kind, "config": u.config})
+                    task = {"id": u.id, "kind": u.kind, "config": u.config}
+                    if u.shards:
+                        task["shards"] = list(u.shards)
+                    ref = actor.run.remote(task)
                     inflight[ref] = (u, actor)
             # room an idle actor left is used now, not after the next unit ends (each pass retires at least one
             # idle actor, and takes none back to idle: this ends)
@@ -345,7 +434,7 @@ def _execute(ray, engine, pools: _Pools, spec: SweepSpec, sweep_id: int, units: 
         if not finished:
             if time.time() - last_beat >= heartbeat_s:
                 running = ", ".join(u.label for u, _ in inflight.values())
-                log.info("[%d/%d] running: %s", len(done), len(units), running)
+                log.info("[%d/%d] running: %s", len(done), out.total, running)
                 last_beat = time.time()
             continue
         ref = finished[0]
@@ -377,12 +466,12 @@ def _execute(ray, engine, pools: _Pools, spec: SweepSpec, sweep_id: int, units: 
             elapsed = time.time() - t_start
             left = len(waiting) + sum(len(q) for q in ready.values()) + len(inflight)
             eta = elapsed / max(n_ran, 1) * left    # wall time per unit already reflects parallelism
-            log.info("[%d/%d] %s: %s (%.1fs, %s) ETA %s", len(done), len(units), u.label,
+            log.info("[%d/%d] %s: %s (%.1fs, %s) ETA %s", len(done), out.total, u.label,
                      res.get("summary") or ("already done" if res.get("skipped") else ""),
                      res.get("duration_s") or 0.0, res["worker"], _fmt_eta(eta))
         else:
             failed.add(u.id)
-            log.error("[%d/%d] %s FAILED on %s: %s", len(done), len(units), u.label, res["worker"], res["error"])
+            log.error("[%d/%d] %s FAILED on %s: %s", len(done), out.total, u.label, res["worker"], res["error"])
         release_ready()
 
     out.done, out.failed, out.ran = len(done), sorted(failed), n_ran

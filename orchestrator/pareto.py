@@ -325,6 +325,69 @@ def _note_slower_with_more_skipped(rows: list[FrontRow]) -> None:
                       f"({b.setting.realized_sparsity:.3f} < {a.setting.realized_sparsity:.3f})")
 
 
+# ---------------------------------------------------------------- the front before latency (``only: front``)
+
+
+@dataclass
+class FrontPick:
+    """The settings an ``only: front`` task runs for: dense and the settings on the front of ``metric`` against
+    the decoder weights they skip (``axis``), drawn on the rows recorded when the pick is made."""
+    metric: str | None                     # None: no setting has a front-defining row
+    axis: str                              # "weight_skipped" (realized) or "sparsity" (the grid's nominal value)
+    front: list[str]                       # fit units on that front, best metric first
+    chosen: list[str]                      # the front and dense (always), fit units
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def front_pick(settings: list[Setting], metric: str | None = None) -> FrontPick:
+    """Dense and every setting on the front of ``metric`` (default: the first of ``accuracy_metrics``: perplexity,
+    else the mean multiple-choice accuracy, else the first metric by name) against decoder weights skipped: what
+    a sweep knows before its latency is timed (latency runs last, alone). A setting is on it when no other setting
+    is at least as good on the metric and skips at least as many weights, and strictly better on one of the two.
+    The skipped fraction is each setting's realized one (``Setting.realized_sparsity``) where every candidate has
+    it (a perplexity row), else the grid's nominal sparsity for all. The oracle (a bound) may be on the front but
+    never keeps a deployable setting off it. Dense is chosen whatever the front."""
+    dense = [s.fit_unit for s in settings if s.is_dense]
+    labels = {s.fit_unit: s.label for s in settings}
+    if metric is None:
+        metrics = accuracy_metrics(settings)
+        metric = metrics[0] if metrics else None
+    cands = [s for s in settings if metric is not None and metric in s.accuracy]
+    realized = bool(cands) and all(s.realized_sparsity is not None for s in cands)
+    axis = "weight_skipped" if realized else "sparsity"
+    if not cands:
+        return FrontPick(metric, axis, [], dense, labels)
+    higher = bool(metric_direction(cands, metric))
+
+    def skip(s: Setting) -> float:
+        return s.realized_sparsity if realized else s.sparsity
+
+    def beats(q: Setting, p: Setting) -> bool:
+        a, b = q.accuracy[metric], p.accuracy[metric]
+        at_least = a >= b if higher else a <= b
+        better = a > b if higher else a < b
+        return at_least and skip(q) >= skip(p) and (better or skip(q) > skip(p))
+
+    on = [p for p in cands if not any(q is not p and beats(q, p) and
+                                      (q.method not in NOT_DEPLOYABLE or p.method in NOT_DEPLOYABLE)
+                                      for q in cands)]
+    on.sort(key=lambda s: (-s.accuracy[metric] if higher else s.accuracy[metric], -skip(s), s.label))
+    front = [s.fit_unit for s in on]
+    return FrontPick(metric, axis, front, list(dict.fromkeys(dense + front)), labels)
+
+
+def front_pick_in_store(session, model_fingerprint: str, fit_units: list[str], eval_units: set[str],
+                        metric: str | None = None) -> FrontPick:
+    """:func:`front_pick` over the settings ``fit_units`` of the model with this fingerprint, on the accuracy rows
+    of ``eval_units`` only (a sweep's front-defining units: its perplexity and its tasks without ``only``)."""
+    model = next((m for m in queries.list_models(session) if m.fingerprint == model_fingerprint), None)
+    if model is None:
+        raise ParetoError(f"no model with fingerprint {model_fingerprint[:12]} in the store")
+    wanted = set(fit_units)
+    settings = [s for s in settings_for_model(session, model.id, eval_units=set(eval_units)) if s.fit_unit in wanted]
+    return front_pick(settings, metric)
+
+
 # ---------------------------------------------------------------- from the store
 
 

@@ -3,6 +3,12 @@
     collect (model, data) ─▶ fit (method, s, r, attention s, allocation, options) ─┬▶ eval (perplexity | task)
                                                                                   └▶ latency (device, batch, prompt)
 
+A task split into shards (``shards: n`` in the spec) gets n shard units (its config plus ``shard: [k, n]``) and its
+own unit, which depends on them and assembles their scores into the task's rows; that unit's config, and so its id,
+is the unsharded unit's (the rows are bit for bit the same), so an unsharded run of the task and a sharded one
+share it. A task with ``only: front`` is planned for every setting, marked ``only``; the driver registers and runs
+the units of the settings the front picks (``orchestrator.driver``).
+
 A ``shape:NAME`` model (a 7B-class shape with random weights) gets only fit placeholders and latency units: its
 predictors are drawn at random with the real shapes at each grid sparsity, so the timing is real and the accuracy
 meaningless. A ``dense`` fit (an empty plan) is always planned: the baseline every setting is compared with, evaluated and
@@ -50,6 +56,8 @@ class PlannedUnit:
     rank: int | None = None
     attn_sparsity: float | None = None
     label: str = field(default="", compare=False)
+    shards: tuple[str, ...] = ()     # a task split into shards: its shard units (this unit assembles their scores)
+    only: str | None = None          # "front": planned for every setting, run for those the front picks
 
     def columns(self) -> dict:
         """The db.schemas.UnitSpec fields (model/dataset ids added by the driver)."""
@@ -170,8 +178,8 @@ def plan_units(spec: SweepSpec, described: dict[str, dict], cpu_cores: int | Non
             # keep their ids); padding changes only summation order
             task_ev = ev if acc == "cpu" else {**ev, "batch_size": EVAL_BATCH_ACCELERATOR}
             for t in ([] if shape else spec.suites.tasks):
-                units.append(_unit("eval", ref, acc, {**task_ev, "suite": t.name, "limit": t.limit}, [fit.id],
-                                   f"{ref} {tag} {t.name}", **coords))
+                units += task_units(t, ref, acc, {**task_ev, "suite": t.name, "limit": t.limit}, fit.id,
+                                    f"{ref} {tag} {t.name}", coords)
             if spec.latency is None:
                 continue
             lat = spec.latency
@@ -196,6 +204,27 @@ def plan_units(spec: SweepSpec, described: dict[str, dict], cpu_cores: int | Non
                             units.append(_unit("latency", ref, dev, cfg, [fit.id],
                                                f"{ref} {tag} latency {dev} b{b} p{pl} {rt}", **coords))
     return units
+
+
+def task_units(t, ref: str, device: str, cfg: dict, fit_id: str, label: str, coords: dict) -> list[PlannedUnit]:
+    """The eval units of task ``t`` (a ``TaskSpec``) for one setting: one unit of config ``cfg``; split in
+    ``t.shards`` > 1, also that many shard units (``cfg`` with ``shard: [k, n]``), which the task's unit depends on
+    and assembles. The task's unit keeps the config, so the id, of the unsharded unit: its rows are the same."""
+    only = getattr(t, "only", None)
+    n = getattr(t, "shards", 1)
+    if n == 1:
+        return [_unit("eval", ref, device, cfg, [fit_id], label, only=only, **coords)]
+    shards = [_unit("eval", ref, device, {**cfg, "shard": [k, n]}, [fit_id], f"{label} shard {k + 1}/{n}",
+                    only=only, **coords) for k in range(n)]
+    ids = tuple(u.id for u in shards)
+    return shards + [_unit("eval", ref, device, cfg, [fit_id, *ids], label, shards=ids, only=only, **coords)]
+
+
+def without_needless_shards(units: list[PlannedUnit], done: set[str]) -> list[PlannedUnit]:
+    """``units`` without the shards of tasks whose unit is done already (by an unsharded run, or an earlier one
+    with other shards): nothing would read their scores."""
+    drop = {k for u in units if u.shards and u.id in done for k in u.shards}
+    return [u for u in units if u.id not in drop]
 
 
 def _tag(st: dict) -> str:

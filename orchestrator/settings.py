@@ -94,8 +94,9 @@ def add_mean_task_accuracy(s: Setting) -> None:
         s.higher_is_better[MEAN_TASKS] = True
 
 
-def settings_for_model(session: Session, model_id: int) -> list[Setting]:
-    """Every fitted setting of a model with its accuracy and latency rows, dense first."""
+def settings_for_model(session: Session, model_id: int, eval_units: set[str] | None = None) -> list[Setting]:
+    """Every fitted setting of a model with its accuracy and latency rows, dense first. ``eval_units``: only the
+    accuracy rows of these units (the front a sweep decides on: ``orchestrator.pareto.front_pick_in_store``)."""
     units = queries.units_for_model(session, model_id)
     fits = {u.id: u for u in units if u.kind == "fit"}
     owner = {u.id: u.config.get("fit_unit") for u in units if u.kind in ("eval", "latency")}
@@ -105,10 +106,12 @@ def settings_for_model(session: Session, model_id: int) -> list[Setting]:
                       allocation=u.config.get("allocation", "uniform"), options=dict(u.config.get("options") or {}),
                       status=u.status)
            for k, u in fits.items()}
-    for u in units:
-        if u.kind == "eval" and owner.get(u.id) in out:
+    for u in units:       # a task's shards are not evaluations of their own: their task's unit has the rows
+        if u.kind == "eval" and owner.get(u.id) in out and u.config.get("shard") is None:
             out[owner[u.id]].eval_units.append(u.id)
     for r in queries.accuracy_table(session, model_id=model_id):
+        if eval_units is not None and r.unit_id not in eval_units:
+            continue
         s = out.get(owner.get(r.unit_id))
         if s is not None:
             key = f"{r.suite}/{r.task}/{r.metric}"

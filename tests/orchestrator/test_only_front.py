@@ -1,0 +1,167 @@
+"""``only: front`` tasks (GSM8K): run for dense and the settings on the front of the sweep's cheaper suites, picked
+when those are done. The pick on hand-built settings (``orchestrator.pareto.front_pick``: known answers, dense
+always, the oracle never keeping a deployable setting off, nominal sparsity where a realized one is missing), the
+spec's checks, and the driver's hold-and-release of those units (``orchestrator.driver.FrontWait``) on a real
+SQLite store with hand-built rows: exactly the expected units are registered, once, and a front with no row still
+runs dense.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from db import queries
+from db.engine import get_engine, session_scope, upgrade
+from orchestrator.driver import FrontWait, register
+from orchestrator.pareto import front_pick
+from orchestrator.plan import plan_units
+from orchestrator.settings import Setting
+from orchestrator.spec import SpecError, parse_spec
+
+PPL = "perplexity/lambada-heldout/ppl"
+SKIPPED = "perplexity/lambada-heldout/weight_skipped"
+
+
+def _setting(key: str, method: str, s: float, ppl: float | None, skipped: float | None, acc: float | None = None):
+    st = Setting(fit_unit=key, model_id=1, model_name="m", method=method, sparsity=s, rank=None, attn_sparsity=None,
+                 allocation="uniform", options={}, status="done")
+    for metric, value, higher in ((PPL, ppl, False), (SKIPPED, skipped, True), ("mc/copa/acc", acc, True)):
+        if value is not None:
+            st.accuracy[metric], st.higher_is_better[metric] = value, higher
+    return st
+
+
+def _grid(**drop):
+    """dense (ppl 10.0, skips 0), A (10.5, 0.30), B (12.0, 0.50), C (13.0, 0.45: B beats it), D (20.0, 0.70),
+    E (11.0, 0.25: A beats it), the oracle O (10.2, 0.50: it beats A and B, but it is a bound)."""
+    rows = [("dense", "dense", 0.0, 10.0, 0.0), ("A", "threshold", 0.3, 10.5, 0.30), ("B", "threshold", 0.5, 12.0, 0.50),
+            ("C", "teal", 0.5, 13.0, 0.45), ("D", "threshold", 0.7, 20.0, 0.70), ("E", "teal", 0.3, 11.0, 0.25),
+            ("O", "oracle", 0.5, 10.2, 0.50)]
+    return [_setting(k, m, s, p, None if k in drop else w) for k, m, s, p, w in rows]
+
+
+def test_front_pick_known_answer():
+    pick = front_pick(_grid())
+    assert (pick.metric, pick.axis) == (PPL, "weight_skipped")
+    assert pick.front == ["dense", "O", "A", "B", "D"]          # best metric first
+    assert pick.chosen == ["dense", "O", "A", "B", "D"]
+    assert pick.labels["B"] == "threshold s=0.5"
+
+
+def test_front_pick_on_nominal_sparsity_when_a_realized_one_is_missing():
+    """E's grid sparsity 0.3 equals A's there, and A's ppl is better: E stays off; C (0.5) ties B's sparsity
+    with a worse ppl: off."""
+    pick = front_pick(_grid(D=True))
+    assert pick.axis == "sparsity" and pick.front == ["dense", "O", "A", "B", "D"]
+    worse = _grid(D=True)
+    worse[1].accuracy[PPL] = 11.5                               # A now worse than E on ppl at equal grid sparsity
+    assert front_pick(worse).front == ["dense", "O", "E", "B", "D"]
+
+
+def test_dense_is_always_chosen_and_ties_stay_on_the_front():
+    grid = _grid()
+    grid[0].accuracy[PPL] = 99.0                                # dense is beaten by A on both axes
+    pick = front_pick(grid)
+    assert "dense" not in pick.front and pick.chosen[0] == "dense" and set(pick.chosen) == {"dense", *pick.front}
+    twin = _setting("B2", "threshold", 0.5, 12.0, 0.50)         # equal to B on both axes: neither beats the other
+    assert {"B", "B2"} <= set(front_pick(_grid() + [twin]).front)
+    acc_only = [_setting(k, m, s, None, None, a) for k, m, s, a in
+                (("dense", "dense", 0.0, 0.7), ("A", "threshold", 0.5, 0.72), ("B", "threshold", 0.7, 0.6))]
+    pick = front_pick(acc_only)                                  # higher is better: A beats dense
+    assert (pick.metric, pick.axis, pick.front, pick.chosen) == ("mc/copa/acc", "sparsity", ["A", "B"],
+                                                                 ["dense", "A", "B"])
+    empty = front_pick([_setting("dense", "dense", 0.0, None, None), _setting("A", "threshold", 0.5, None, None)])
+    assert (empty.metric, empty.front, empty.chosen) == (None, [], ["dense"])
+
+
+# ---------------------------------------------------------------------------------------------- the spec
+BASE = {"name": "front", "models": ["smollm2-135m"],
+        "methods": [{"name": "threshold", "sparsity": [0.3, 0.5, 0.7]}],
+        "suites": {"perplexity": {"tokens": 256, "seq_len": 256},
+                   "tasks": [{"name": "copa", "limit": 4}, {"name": "gsm8k_cot", "limit": 2, "only": "front"}]},
+        "latency": None, "resources": {"torch_threads": 1}}
+DESCRIBED = {"smollm2-135m": {"fingerprint": "fp-front", "calib_fp": "c", "heldout_fp": "h", "name": "smollm2-135m",
+                              "family": "llama", "dims": {}, "n_params": 1, "calib_n_tokens": 256}}
+
+
+def _spec(**suites):
+    d = copy.deepcopy(BASE)
+    d["suites"].update(suites)
+    return parse_spec(d)
+
+
+def test_only_front_is_checked_and_kept_out_of_the_hash_when_absent():
+    assert _spec().suites.tasks[1].only == "front"
+    assert _spec().canonical()["suites"]["tasks"] == [{"name": "copa", "limit": 4},
+                                                      {"name": "gsm8k_cot", "limit": 2, "only": "front"}]
+    with pytest.raises(SpecError, match=r"suites.tasks.1.only: Input should be 'front'"):
+        _spec(tasks=[{"name": "copa"}, {"name": "gsm8k_cot", "only": "best"}])
+    with pytest.raises(SpecError, match=r"tasks \['gsm8k_cot'\] run only on the front .* no suite draws it: give "
+                                        "perplexity or a task without 'only'"):
+        _spec(perplexity=None, tasks=[{"name": "gsm8k_cot", "only": "front"}])
+    assert _spec(perplexity=None).suites.perplexity is None       # copa draws it
+
+
+# ---------------------------------------------------------------------------------------------- the driver
+def _store(tmp_path, spec):
+    engine = get_engine(f"sqlite:///{tmp_path / 'front.db'}")
+    upgrade(engine)
+    units = plan_units(spec, DESCRIBED)
+    sweep_id = register(engine, spec, DESCRIBED, units, None)
+    return engine, units, sweep_id
+
+
+def _finish(engine, u, rows: list[tuple[str, str, str, bool, float]] | None) -> None:
+    with session_scope(engine) as s:
+        if rows is None:
+            queries.fail_unit(s, u.id, "boom")
+            return
+        queries.finish_unit(s, u.id, [{"suite": a, "task": b, "metric": c, "higher_is_better": h, "value": v, "n": 4,
+                                       "package_versions": {"x": "1"}, "git_rev": "r"} for a, b, c, h, v in rows])
+
+
+# (ppl, weight skipped, copa acc) per setting: threshold s=0.5 beats s=0.3 on both (ppl, skipped); the front of
+# ppl (the default metric, before copa's mean accuracy) is dense, s=0.5, s=0.7
+ROWS = {("dense", 0.0): (10.0, 0.0, 0.75), ("threshold", 0.3): (11.0, 0.30, 0.75),
+        ("threshold", 0.5): (10.8, 0.50, 0.5), ("threshold", 0.7): (30.0, 0.70, 0.25)}
+
+
+def test_front_units_are_registered_once_when_the_front_is_drawn(tmp_path):
+    spec = _spec()
+    engine, units, sweep_id = _store(tmp_path, spec)
+    held = [u for u in units if u.only]
+    assert [u.config["suite"] for u in held] == ["gsm8k_cot"] * 4
+    with session_scope(engine) as s:                            # held back: not in the store yet
+        assert queries.unit_statuses(s, [u.id for u in held]) == {}
+    wait = FrontWait(engine, spec, DESCRIBED, sweep_id, units)
+    gate = sorted(u.id for u in units if u.kind == "eval" and not u.only)
+    assert len(gate) == 8
+    finished = set()
+    for u in (u for u in units if u.kind == "eval" and not u.only):
+        ppl, skipped, acc = ROWS[(u.method, u.sparsity)]
+        _finish(engine, u, [("perplexity", "lambada-heldout", "ppl", False, ppl),
+                            ("perplexity", "lambada-heldout", "weight_skipped", True, skipped)]
+                if u.config["suite"] == "perplexity" else [("mc", "copa", "acc", True, acc)])
+        finished.add(u.id)
+        if len(finished) < len(gate):
+            assert wait.release(finished) == ([], {})            # the front waits for every front-defining unit
+    chosen, statuses = wait.release(finished)
+    assert sorted((u.method, u.sparsity) for u in chosen) == [("dense", 0.0), ("threshold", 0.5), ("threshold", 0.7)]
+    assert statuses == {u.id: "pending" for u in chosen}
+    assert wait.release(finished) == ([], {})                   # once
+    with session_scope(engine) as s:
+        assert queries.sweep_progress(s, sweep_id) == (8, 0, 1 + 4 + 8 + 3)   # collect, fits, evals, 3 picked
+    again = FrontWait(engine, spec, DESCRIBED, sweep_id, units)   # a resumed sweep picks the same units
+    assert [u.id for u in again.release(finished)[0]] == [u.id for u in chosen]
+
+
+def test_a_front_without_rows_still_runs_dense(tmp_path):
+    """No perplexity, and every copa unit failed: nothing draws a front; GSM8K still runs for dense."""
+    spec = _spec(perplexity=None)
+    engine, units, sweep_id = _store(tmp_path, spec)
+    gate = [u for u in units if u.kind == "eval" and not u.only]
+    for u in gate:
+        _finish(engine, u, None)
+    chosen, _ = FrontWait(engine, spec, DESCRIBED, sweep_id, units).release({u.id for u in gate})
+    assert [(u.method, u.config["suite"]) for u in chosen] == [("dense", "gsm8k_cot")]
