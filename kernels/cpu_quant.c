@@ -1225,6 +1225,66 @@ static void qt_flush(const void *scale, const void *offset, int half, int64_t c0
     }
 }
 
+#if QSIMD && defined(__AVX512F__)
+/* One token (B = 1), m a multiple of 32: the rows j0..j1-1 of one scale group (idx[j], or j) summed 32 columns
+ * at a time in registers, rows inner (each row's codes converted once, no column sums in memory), then flushed.
+ * The same operations in the same order as the general loop below (t = fma(w_j, code, t) row by row from 0;
+ * y = fma(scale, t, y), y = fma(offset, s, y)), so the same bits. */
+/* NB blocks of 32 columns from column o of the group's rows (2 NB accumulators: independent FMA chains) */
+#define QT_BLOCKS(NB)                                                                                          \
+    do {                                                                                                       \
+        __m512 a[2 * (NB)];                                                                                    \
+        for (int u = 0; u < 2 * (NB); ++u) a[u] = _mm512_setzero_ps();                                         \
+        for (int64_t j = j0; j < j1; ++j) {                                                                    \
+            if (w[j] == 0.f) continue;                                                                         \
+            const __m512 wv = _mm512_set1_ps(w[j]);                                                            \
+            const uint8_t *row = codes + (idx ? idx[j] : j) * ld;                                              \
+            for (int u = 0; u < (NB); ++u) {                                                                   \
+                __m512i q0, q1;                                                                                \
+                if (bits == 4) {                                                                               \
+                    const __m128i v = _mm_loadu_si128((const __m128i *)(row + (c0 + o) / 2 + 16 * u));         \
+                    q0 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(v, m4)), cb);                     \
+                    q1 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m4)), cb);  \
+                } else {                                                                                       \
+                    q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + c0 + o + 32 * u)));      \
+                    q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + c0 + o + 32 * u + 16))); \
+                }                                                                                              \
+                a[2 * u] = _mm512_fmadd_ps(wv, _mm512_cvtepi32_ps(q0), a[2 * u]);                              \
+                a[2 * u + 1] = _mm512_fmadd_ps(wv, _mm512_cvtepi32_ps(q1), a[2 * u + 1]);                      \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int u = 0; u < 2 * (NB); ++u) qt_flush16(sg, og, half, c0 + o + 16 * u, a[u], swv, y + o + 16 * u); \
+        o += 32 * (NB);                                                                                        \
+    } while (0)
+
+/* y[0..16) = fma(offset, sw, fma(scale, a, y)) at column c of the group's scales */
+static inline void qt_flush16(const void *sg, const void *og, int half, int64_t c, __m512 a, __m512 swv, float *y) {
+    const __m512 sc = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)sg + c)))
+                           : _mm512_loadu_ps((const float *)sg + c);
+    __m512 v = _mm512_fmadd_ps(sc, a, _mm512_loadu_ps(y));
+    if (og) {
+        const __m512 of = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)og + c)))
+                               : _mm512_loadu_ps((const float *)og + c);
+        v = _mm512_fmadd_ps(of, swv, v);
+    }
+    _mm512_storeu_ps(y, v);
+}
+
+static void qt_group1(const uint8_t *codes, int64_t ld, int bits, int cbias, const int64_t *idx, int64_t j0,
+                      int64_t j1, const float *w, const void *sg, const void *og, int half, int64_t c0, int64_t m,
+                      float *y) {
+    float sw = 0.f;
+    for (int64_t j = j0; j < j1; ++j)
+        if (w[j] != 0.f) sw += w[j];
+    const __m512 swv = _mm512_set1_ps(sw);
+    const __m128i m4 = _mm_set1_epi8(15);
+    const __m512i cb = _mm512_set1_epi32(cbias);
+    int64_t o = 0;
+    while (o + 128 <= m) QT_BLOCKS(4);
+    while (o < m) QT_BLOCKS(1);
+}
+#endif
+
 static void qt_body(const uint8_t *codes, int bits, int cbias, const void *scale, const void *offset, int half,
                     int64_t group, int64_t nout, const int64_t *idx, int64_t k, const float *w, int64_t wstride,
                     int64_t B, const float *ybias, float *y, int64_t c0, int64_t c1, float *t, float *s) {
@@ -1233,6 +1293,22 @@ static void qt_body(const uint8_t *codes, int bits, int cbias, const void *scale
         if (ybias) memcpy(y + b * nout + c0, ybias + c0, m * sizeof(float));
         else memset(y + b * nout + c0, 0, m * sizeof(float));
     }
+#if QSIMD && defined(__AVX512F__)
+    if (B == 1 && m % 32 == 0 && c0 % 32 == 0) {
+        const size_t es = half ? 2 : 4;
+        for (int64_t j0 = 0, j1; j0 < k; j0 = j1) {
+            const int64_t g = (idx ? idx[j0] : j0) / group;
+            for (j1 = j0 + 1; j1 < k && (idx ? idx[j1] : j1) / group == g; ++j1) {}
+            for (int64_t jn = j1; jn < k && jn < j1 + (j1 - j0); ++jn) {    /* about the next group's rows */
+                const int64_t rn = idx ? idx[jn] : jn;
+                pf_bytes(codes + rn * ld + (bits == 4 ? c0 / 2 : c0), bits == 4 ? m / 2 : m);
+            }
+            qt_group1(codes, ld, bits, cbias, idx, j0, j1, w, (const uint8_t *)scale + (size_t)(g * nout) * es,
+                      offset ? (const uint8_t *)offset + (size_t)(g * nout) * es : NULL, half, c0, m, y + c0);
+        }
+        return;
+    }
+#endif
     int64_t g = -1;
     for (int64_t j = 0; j <= k; ++j) {
         const int64_t r = j < k ? (idx ? idx[j] : j) : -1;
@@ -1366,6 +1442,26 @@ typedef struct {             /* the model's shapes */
     double eps;
 } qdims;
 
+/* Input sparsity inside the layer (workers/decode/native_layer.py packs these per plan): a projection group
+ * (QKV, O, gate|up, down) given here reads, per part (q, k, v; gate, up), only the rows of its Wᵀ whose input
+ * passes |x_i| > thr, through qt_body (the per-op kernel cs_qt_axpy's body, so the same bits); threads split the
+ * output columns. A NULL group runs dense as above. */
+typedef struct {             /* one part: its Wᵀ in kernels.quant.QuantWeightT's layout (every field 8 bytes) */
+    const uint8_t *codes;
+    const void *scale, *offset;              /* offset NULL: none */
+    int64_t bits, cbias, half, group, nout;  /* nout: this part's outputs */
+    double post;                             /* the part's scale on its outputs (1: none) */
+    double thr;                              /* input i is read iff |x_i| > thr */
+} qtpart;
+
+typedef struct {             /* one layer's input sparsity */
+    const qtpart *qkv, *o, *gu, *down;       /* NULL: dense */
+    int64_t nqkv, ngu;                       /* parts of qkv (q, k, v) and of gu (gate, up) */
+    double *counts;                          /* [7]: active inputs added per q, k, v, o, gate, up, down (or NULL) */
+} qsparse;
+
+#define QSPARTS 3            /* parts of a group at most */
+
 #define QPHASES 6            /* task phases a layer */
 
 typedef struct {             /* the team's barrier (zeroed per call) and the phases' claim words (zeroed once) */
@@ -1378,22 +1474,26 @@ typedef struct {             /* the team's barrier (zeroed per call) and the pha
 typedef struct {             /* one thread's own buffers */
     float *h, *xo, *o2, *sc;
     xbuf hx;
+    int64_t *idx;            /* the active inputs of each part: QSPARTS x nmax */
+    float *wv;               /* their values */
+    float *tt;               /* qt_body's column sums (nmax + 1) */
+    int64_t nmax, k[QSPARTS];
 } qpriv;
 
 typedef struct {             /* shared buffers */
-    float *qkv, *att, *o, *ff, *y, *xmid;
+    float *qkv, *att, *o, *ff, *y, *xmid, *gu;
     xbuf ax, fx;
     qsync *sync;
 } qshared;
 
 /* tasks i = 0..n-1 (n <= QMAXTASKS) of phase ph among the team (static first, then taken from the others'
  * ends), then the barrier */
-#define QTASKS(S, ph, t, T, n, i, BODY)                                                   \
+#define QTASKS(S, ph, t, T, n, i, ...)                                                 \
     do {                                                                                  \
         qclaim c_;                                                                        \
         claim_init(&c_, (S)->sync->flag + (int64_t)(ph) * QMAXTASKS, (S)->sync->epoch, (n), (t), (T)); \
         for (int64_t i; (i = claim_next(&c_)) >= 0;) {                                    \
-            BODY;                                                                         \
+            __VA_ARGS__;                                                                  \
         }                                                                                 \
         qbarrier(&(S)->sync->bar, (T));                                                   \
     } while (0)
@@ -1417,6 +1517,7 @@ static void xbuf_carve(xbuf *a, uint8_t *base, int64_t *off, const float *x, int
 static int64_t layer_scratch(const qdims *M, int nt, int64_t nl, uint8_t *base, qshared *S, qpriv *P) {
     const int64_t d = M->d, D = M->D, qd = M->H * M->hd, nqkv = (M->H + 2 * M->KV) * M->hd;
     const int q8 = (int)M->q8;
+    const int64_t nmax = d > D ? (d > qd ? d : qd) : (D > qd ? D : qd);
     int64_t off = 0;
     qshared s;
     s.sync = carve(base, &off, (int64_t)sizeof(qsync) + QPHASES * nl * QMAXTASKS * (int64_t)sizeof(atomic_int));
@@ -1426,6 +1527,7 @@ static int64_t layer_scratch(const qdims *M, int nt, int64_t nl, uint8_t *base, 
     s.ff = carve(base, &off, D * 4);
     s.y = carve(base, &off, d * 4);
     s.xmid = carve(base, &off, d * 4);
+    s.gu = carve(base, &off, 2 * D * 4);
     xbuf_carve(&s.ax, base, &off, s.att, qd, q8);
     xbuf_carve(&s.fx, base, &off, s.ff, D, q8);
     if (S) *S = s;
@@ -1436,6 +1538,10 @@ static int64_t layer_scratch(const qdims *M, int nt, int64_t nl, uint8_t *base, 
         p.o2 = carve(base, &off, d * 4);
         p.sc = carve(base, &off, (M->L + M->hd) * 4);
         xbuf_carve(&p.hx, base, &off, p.h, d, q8);
+        p.nmax = nmax;
+        p.idx = carve(base, &off, QSPARTS * nmax * 8);
+        p.wv = carve(base, &off, QSPARTS * nmax * 4);
+        p.tt = carve(base, &off, (nmax + 1) * 4);
         if (P) P[t] = p;
     }
     return off;
@@ -1454,9 +1560,70 @@ static int64_t row_bytes_of(const qpart *P, int np) {
 
 #define CHUNK(i, c, R, lo, hi) const int64_t lo = (i) * (c), hi = lo + (c) < (R) ? lo + (c) : (R)
 
+/* the active inputs of x [n] for each part of a group (every thread its own lists); counts (thread 0 passes
+ * them) get each part's number added at column col0 + part */
+static void sp_active(const qtpart *tp, int64_t np, const float *x, int64_t n, qpriv *P, double *counts,
+                      int col0) {
+    for (int64_t s = 0; s < np; ++s) {
+        const float t = (float)tp[s].thr;
+        int64_t *ix = P->idx + s * P->nmax, k = 0;
+        float *wv = P->wv + s * P->nmax;
+        for (int64_t i = 0; i < n; ++i)
+            if (fabsf(x[i]) > t) {
+                ix[k] = i;
+                wv[k++] = x[i];
+            }
+        P->k[s] = k;
+        if (counts) counts[col0 + s] += (double)k;
+    }
+}
+
+/* columns per task of a group of total outputs: about a quarter of a thread's share, 32-aligned, within
+ * [64, 1024] (row pieces of 32+ bytes, column sums in L1) and at most QMAXTASKS tasks */
+static int64_t sp_chunk(int64_t total, int T) {
+    int64_t c = total / (2 * (int64_t)T);
+    if (c > 1024) c = 1024;
+    if (c < 64) c = 64;
+    const int64_t least = (total + QMAXTASKS - 1) / QMAXTASKS;
+    if (c < least) c = least;
+    return (c + 31) / 32 * 32;
+}
+
+static int64_t sp_ntasks(const qtpart *tp, int64_t np, int64_t ct) {
+    int64_t n = 0;
+    for (int64_t s = 0; s < np; ++s) n += (tp[s].nout + ct - 1) / ct;
+    return n;
+}
+
+/* task i of a group: columns [c0, c1) of one part into y (the group's outputs, parts one after another; bias
+ * the group's or NULL); *lo / *hi: the columns written, in the group's numbering */
+static void sp_task(const qtpart *tp, int64_t ct, int64_t i, const float *bias, float *y, qpriv *P, int64_t *lo,
+                    int64_t *hi) {
+    int64_t s = 0, off = 0;
+    for (;; ++s) {
+        const int64_t n = (tp[s].nout + ct - 1) / ct;
+        if (i < n) break;
+        i -= n;
+        off += tp[s].nout;
+    }
+    const qtpart *q = tp + s;
+    const int64_t c0 = i * ct, c1 = c0 + ct < q->nout ? c0 + ct : q->nout;
+    const int post = q->post != 1.0;
+    const float *b = bias ? bias + off : NULL;
+    qt_body(q->codes, (int)q->bits, (int)q->cbias, q->scale, q->offset, (int)q->half, q->group, q->nout,
+            P->idx + s * P->nmax, P->k[s], P->wv + s * P->nmax, 0, 1, post ? NULL : b, y + off, c0, c1, P->tt,
+            P->tt + (c1 - c0));
+    if (post) {              /* y * post (+ b): the per-op path's two roundings */
+        const float ps = (float)q->post;
+        for (int64_t o = c0; o < c1; ++o) y[off + o] = b ? y[off + o] * ps + b[o] : y[off + o] * ps;
+    }
+    *lo = off + c0;
+    *hi = off + c1;
+}
+
 /* layer Y on the stream x (in place); ph: this layer's first task phase */
-static void layer_run(const qlayer *Y, const qdims *M, float *x, int64_t pos, const qshared *S, qpriv *P,
-                      int64_t ph, int t, int T) {
+static void layer_run(const qlayer *Y, const qsparse *Z, const qdims *M, float *x, int64_t pos, const qshared *S,
+                      qpriv *P, int64_t ph, int t, int T) {
     const int64_t d = M->d, D = M->D, H = M->H, KV = M->KV, hd = M->hd, L = M->L, nqkv = (H + 2 * KV) * hd;
     const float eps = (float)M->eps;
     const int one_plus = (int)M->one_plus;
@@ -1464,12 +1631,23 @@ static void layer_run(const qlayer *Y, const qdims *M, float *x, int64_t pos, co
     xbuf *ax = (xbuf *)&S->ax, *fx = (xbuf *)&S->fx;
     /* the attention norm, by every thread into its own buffer */
     add_rmsnorm_row(x, NULL, NULL, Y->n1, P->h, d, eps, one_plus);
-    xbuf_fill(&P->hx, 0, 0, d / 32);
-    const int64_t cq = chunk_rows(nqkv, row_bytes_of(Y->qkv, (int)Y->nqkv), T, 1);
-    QTASKS(S, ph, t, T, (nqkv + cq - 1) / cq, i, {
-        CHUNK(i, cq, nqkv, lo, hi);
-        q_rows_body(Y->qkv, (int)Y->nqkv, NULL, 0, d, Y->b_qkv, NULL, lo, hi, nqkv, nqkv, &P->hx, 1, 0, S->qkv);
-    });
+    double *counts = Z && t == 0 ? Z->counts : NULL;
+    if (Z && Z->qkv) {
+        sp_active(Z->qkv, Z->nqkv, P->h, d, P, counts, 0);
+        const int64_t ct = sp_chunk(nqkv, T);
+        QTASKS(S, ph, t, T, sp_ntasks(Z->qkv, Z->nqkv, ct), i, {
+            int64_t lo, hi;
+            sp_task(Z->qkv, ct, i, Y->b_qkv, S->qkv, P, &lo, &hi);
+        });
+    } else {
+        xbuf_fill(&P->hx, 0, 0, d / 32);
+        const int64_t cq = chunk_rows(nqkv, row_bytes_of(Y->qkv, (int)Y->nqkv), T, 1);
+        QTASKS(S, ph, t, T, (nqkv + cq - 1) / cq, i, {
+            CHUNK(i, cq, nqkv, lo, hi);
+            q_rows_body(Y->qkv, (int)Y->nqkv, NULL, 0, d, Y->b_qkv, NULL, lo, hi, nqkv, nqkv, &P->hx, 1, 0,
+                        S->qkv);
+        });
+    }
     /* K/V at pos, a KV head a task; then the query heads, a head a task (its 32-blocks' sums with it) */
     QTASKS(S, ph + 1, t, T, KV, g,
            write_kv_row(S->qkv + (H + g) * hd, S->qkv + (H + KV + g) * hd, Y->kn, eps, cs, sn, hd,
@@ -1484,11 +1662,20 @@ static void layer_run(const qlayer *Y, const qdims *M, float *x, int64_t pos, co
         if (t == 0) xbuf_fill(ax, 0, 0, H * hd / 32);
         qbarrier(&S->sync->bar, T);
     }
-    const int64_t co = chunk_rows(d, row_bytes_of(Y->o, (int)Y->no), T, 1);
-    QTASKS(S, ph + 3, t, T, (d + co - 1) / co, i, {
-        CHUNK(i, co, d, lo, hi);
-        q_rows_body(Y->o, (int)Y->no, NULL, 0, H * hd, Y->b_o, NULL, lo, hi, d, d, ax, 1, 0, S->o);
-    });
+    if (Z && Z->o) {
+        sp_active(Z->o, 1, S->att, H * hd, P, counts, 3);
+        const int64_t ct = sp_chunk(d, T);
+        QTASKS(S, ph + 3, t, T, sp_ntasks(Z->o, 1, ct), i, {
+            int64_t lo, hi;
+            sp_task(Z->o, ct, i, Y->b_o, S->o, P, &lo, &hi);
+        });
+    } else {
+        const int64_t co = chunk_rows(d, row_bytes_of(Y->o, (int)Y->no), T, 1);
+        QTASKS(S, ph + 3, t, T, (d + co - 1) / co, i, {
+            CHUNK(i, co, d, lo, hi);
+            q_rows_body(Y->o, (int)Y->no, NULL, 0, H * hd, Y->b_o, NULL, lo, hi, d, d, ax, 1, 0, S->o);
+        });
+    }
     /* the residual add and the FFN norm, by every thread; the stream's slices written once */
     const float *o = S->o;
     if (Y->post_attn) {
@@ -1499,20 +1686,44 @@ static void layer_run(const qlayer *Y, const qdims *M, float *x, int64_t pos, co
     xbuf_fill(&P->hx, 0, 0, d / 32);
     const int64_t s0 = d * t / T, s1 = d * (t + 1) / T;
     memcpy(S->xmid + s0, P->xo + s0, (size_t)(s1 - s0) * sizeof(float));
-    const int64_t cf = chunk_rows(D, row_bytes_of(Y->up, (int)Y->nup) + (Y->gate ? row_bytes_of(Y->gate,
-                                  (int)Y->ngate) : 0), T, 32);
-    QTASKS(S, ph + 4, t, T, (D + cf - 1) / cf, i, {
-        CHUNK(i, cf, D, lo, hi);
-        ffn_up_body(Y->gate, (int)Y->ngate, Y->up, (int)Y->nup, Y->gate ? NULL : Y->b_up, &P->hx, fx, 1,
-                    (int)M->act, lo, hi);
-    });
-    const int64_t cd = chunk_rows(d, row_bytes_of(Y->down, (int)Y->ndown), T, 1);
-    QTASKS(S, ph + 5, t, T, (d + cd - 1) / cd, i, {
-        CHUNK(i, cd, d, lo, hi);
-        ffn_down_body(Y->down, (int)Y->ndown, Y->b_down, d, fx, 1, lo, hi, S->y);
-        if (!Y->post_ffn)          /* x = xmid + y, row by row as the down rows come */
-            for (int64_t r = lo; r < hi; ++r) x[r] = S->xmid[r] + S->y[r];
-    });
+    if (Z && Z->gu) {        /* gate and up columns [c0, c1) in one task, then act(gate) * up of them */
+        sp_active(Z->gu, Z->ngu, P->h, d, P, counts, 4);
+        const int64_t ct = sp_chunk(D, T);
+        float *f = (float *)fx->x;
+        QTASKS(S, ph + 4, t, T, sp_ntasks(Z->gu, 1, ct), i, {
+            int64_t lo, hi, lo2, hi2;
+            sp_task(Z->gu, ct, i, NULL, S->gu, P, &lo, &hi);
+            sp_task(Z->gu, ct, i + sp_ntasks(Z->gu, 1, ct), NULL, S->gu, P, &lo2, &hi2);
+            for (int64_t j = lo; j < hi; ++j) f[j] = act_f(S->gu[j], (int)M->act) * S->gu[D + j];
+            xbuf_fill(fx, 0, lo / 32, hi / 32);
+        });
+    } else {
+        const int64_t cf = chunk_rows(D, row_bytes_of(Y->up, (int)Y->nup) + (Y->gate ? row_bytes_of(Y->gate,
+                                      (int)Y->ngate) : 0), T, 32);
+        QTASKS(S, ph + 4, t, T, (D + cf - 1) / cf, i, {
+            CHUNK(i, cf, D, lo, hi);
+            ffn_up_body(Y->gate, (int)Y->ngate, Y->up, (int)Y->nup, Y->gate ? NULL : Y->b_up, &P->hx, fx, 1,
+                        (int)M->act, lo, hi);
+        });
+    }
+    if (Z && Z->down) {
+        sp_active(Z->down, 1, fx->x, D, P, counts, 6);
+        const int64_t ct = sp_chunk(d, T);
+        QTASKS(S, ph + 5, t, T, sp_ntasks(Z->down, 1, ct), i, {
+            int64_t lo, hi;
+            sp_task(Z->down, ct, i, Y->b_down, S->y, P, &lo, &hi);
+            if (!Y->post_ffn)
+                for (int64_t r = lo; r < hi; ++r) x[r] = S->xmid[r] + S->y[r];
+        });
+    } else {
+        const int64_t cd = chunk_rows(d, row_bytes_of(Y->down, (int)Y->ndown), T, 1);
+        QTASKS(S, ph + 5, t, T, (d + cd - 1) / cd, i, {
+            CHUNK(i, cd, d, lo, hi);
+            ffn_down_body(Y->down, (int)Y->ndown, Y->b_down, d, fx, 1, lo, hi, S->y);
+            if (!Y->post_ffn)      /* x = xmid + y, row by row as the down rows come */
+                for (int64_t r = lo; r < hi; ++r) x[r] = S->xmid[r] + S->y[r];
+        });
+    }
     if (Y->post_ffn) {
         add_rmsnorm_row(S->y, NULL, NULL, Y->post_ffn, P->o2, d, eps, one_plus);
         for (int64_t r = s0; r < s1; ++r) x[r] = S->xmid[r] + P->o2[r];
@@ -1522,6 +1733,7 @@ static void layer_run(const qlayer *Y, const qdims *M, float *x, int64_t pos, co
 
 typedef struct {
     const qlayer *Ls;
+    const qsparse *Zs;       /* per layer, or NULL: every layer dense */
     int64_t l0, l1;
     const qdims *M;
     float *x;
@@ -1533,7 +1745,29 @@ typedef struct {
 static void layers_job_run(void *arg, int t, int T) {
     const layers_job *j = (const layers_job *)arg;
     for (int64_t l = j->l0; l < j->l1; ++l)
-        layer_run(j->Ls + l, j->M, j->x, j->pos, j->S, j->P + t, QPHASES * (l - j->l0), t, T);
+        layer_run(j->Ls + l, j->Zs ? j->Zs + l : NULL, j->M, j->x, j->pos, j->S, j->P + t, QPHASES * (l - j->l0),
+                  t, T);
+}
+
+static int sparse_group_check(const qtpart *tp, int64_t np, int64_t nin, int64_t nout) {
+    if (!tp) return 0;
+    if (np < 1 || np > QSPARTS) return -1;
+    int64_t n = 0;
+    for (int64_t s = 0; s < np; ++s) {
+        const qtpart *q = tp + s;
+        if (!q->codes || !q->scale || (q->bits != 4 && q->bits != 8) || q->group <= 0 || nin % q->group ||
+            q->nout % 32)
+            return -1;
+        n += q->nout;
+    }
+    return n == nout ? 0 : -1;
+}
+
+static int sparse_check(const qsparse *Z, const qdims *M) {
+    const int64_t d = M->d, D = M->D, qd = M->H * M->hd, nqkv = (M->H + 2 * M->KV) * M->hd;
+    return sparse_group_check(Z->qkv, Z->nqkv, d, nqkv) || sparse_group_check(Z->o, 1, qd, d) ||
+           sparse_group_check(Z->gu, Z->ngu, d, 2 * D) || sparse_group_check(Z->down, 1, D, d) ||
+           (Z->gu && (Z->ngu != 2 || Z->gu[0].nout != D));
 }
 
 static int layer_check(const qlayer *Y, const qdims *M) {
@@ -1550,16 +1784,17 @@ static int layer_check(const qlayer *Y, const qdims *M) {
 
 /* Layers l0..l1-1 of Ls on one token: xout = the stream after them, from x (xout may be x). pos: the position
  * written and attended to (< L). scratch: cs_q_layers_scratch(M, nt, l1 - l0) bytes, zeroed before its first
- * use (the claim words; a call leaves them valid for the next). Returns -1 (xout
- * unwritten) for shapes or layouts the kernels do not take: d, D, H * hd multiples of 32, H a multiple of KV. */
-int cs_q_layers(const qlayer *Ls, int64_t l0, int64_t l1, const qdims *M, const float *x, float *xout, int64_t pos,
-                void *scratch, int64_t scratch_bytes, int nt) {
+ * use (the claim words; a call leaves them valid for the next). Zs: per layer of Ls, its input sparsity (qsparse,
+ * indexed like Ls), or NULL: every layer dense. Returns -1 (xout unwritten) for shapes or layouts the kernels do
+ * not take: d, D, H * hd multiples of 32, H a multiple of KV, parts' outputs multiples of 32. */
+int cs_q_layers(const qlayer *Ls, const qsparse *Zs, int64_t l0, int64_t l1, const qdims *M, const float *x,
+                float *xout, int64_t pos, void *scratch, int64_t scratch_bytes, int nt) {
     const int T = nt < 1 ? 1 : nt;
     if (l1 <= l0 || pos < 0 || pos >= M->L || M->KV <= 0 || M->H % M->KV || M->H > QMAXTASKS || M->d % 32 ||
         M->D % 32 || (M->H * M->hd) % 32 || scratch_bytes < cs_q_layers_scratch(M, T, l1 - l0))
         return -1;
     for (int64_t l = l0; l < l1; ++l)
-        if (layer_check(Ls + l, M)) return -1;
+        if (layer_check(Ls + l, M) || (Zs && (sparse_check(Zs + l, M) || (Zs[l].gu && !Ls[l].gate)))) return -1;
     uint8_t *base = (uint8_t *)(((uintptr_t)scratch + QALIGN - 1) / QALIGN * QALIGN);
     qshared S;
     qpriv P[T];
@@ -1567,7 +1802,7 @@ int cs_q_layers(const qlayer *Ls, int64_t l0, int64_t l1, const qdims *M, const 
     memset(&S.sync->bar, 0, sizeof(qbar));
     S.sync->epoch = S.sync->epoch % 0x3fffffff + 1;
     if (xout != x) memcpy(xout, x, (size_t)M->d * sizeof(float));
-    layers_job job = {Ls, l0, l1, M, xout, pos, &S, P};
+    layers_job job = {Ls, Zs, l0, l1, M, xout, pos, &S, P};
     qteam_run(layers_job_run, &job, T);
     return 0;
 }

@@ -4,8 +4,10 @@
     z = rows_dot(x, w, rows, kpad, w2=..., act=...)     # output sparsity: whole quantized rows by an index
     y = dense_ffn(x, w_gate, w_up, w_down, act)         # the dense FFN in one parallel region
     y = rows_axpy_t(weights, wt, rows)     # rows of Wᵀ (exact transposed layout): down over active neurons
+    y = input_sparse_linear_parts(x, TransposedParts.of(w), thresholds)   # input sparsity (TEAL / WINA)
     W = dequantize(w) ; E = embedding(ids, w)           # bit for bit the model loader's fp32 values
     st = LayerStack(layers, shapes) ; x = st.run(l0, l1, x, pos)   # whole decoder layers, one native call
+    x = st.run(l0, l1, x, pos, sparse=SparseLayers(st.n, groups, counts))   # ... some projections input-sparse
 
 The weights are dequantized inside the kernels (``cpu_quant.c``, AVX2/FMA where the compiler targets them, a
 scalar fallback elsewhere) and multiplied with the fp32 activations in fp32: results equal the products over the
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 
 from .common import MAX_BATCH, act_code, apply_act
 from .cpu import compile_native
-from .quant import QuantWeight, QuantWeightT
+from .quant import QuantPart, QuantWeight, QuantWeightT
 
 _SRC = Path(__file__).with_name("cpu_quant.c")
 # d·q + m must stay two fp32 roundings (gguf-py's dequantizer): no contraction into FMA; the kernels' products
@@ -62,7 +64,7 @@ def load_library(extra_flags=()) -> ctypes.CDLL | None:
                 lib.cs_q_ffn.argtypes = [P, I, P, I, P, I, I64, I64, P, P, P, I64, I, I, P, P, I]
                 lib.cs_qt_axpy.argtypes = [P, I, I, P, P, I, I64, I64, I64, P, I64, P, I64, I64, P, P, I]
                 lib.cs_q_simd.argtypes = []
-                lib.cs_q_layers.argtypes = [P, I64, I64, P, P, P, I64, P, I64, I]
+                lib.cs_q_layers.argtypes = [P, P, I64, I64, P, P, P, I64, P, I64, I]
                 lib.cs_q_layers_scratch.argtypes = [P, I, I64]
                 lib.cs_q_layers_scratch.restype = I64
                 for f in (lib.cs_q_dequant, lib.cs_q_rows, lib.cs_q_ffn, lib.cs_qt_axpy, lib.cs_q_simd,
@@ -235,6 +237,74 @@ def rows_axpy_t(weights, wt: QuantWeightT, rows, *, bias=None, lib=None):
     return y
 
 
+@dataclass(frozen=True, eq=False)
+class TransposedParts:
+    """Wᵀ of quantized weights part by part (:class:`QuantWeightT` each: the query, key and value rows of the
+    fused QKV, gate and up, or one projection), each part's scale (the query rows' attention scale) applied to its
+    outputs: the layout input sparsity reads over GGUF blocks. Values: the parts' own, exact; a scaled part's
+    products are the unscaled ones times the scale (equal to the scaled rows' where the scale is a power of two,
+    as 1/sqrt(64); else within one rounding)."""
+
+    parts: tuple                # QuantWeightT, [in, out_j] each
+    scales: tuple               # float per part
+
+    @classmethod
+    def of(cls, *weights: QuantWeight) -> "TransposedParts":
+        parts, scales = [], []
+        for w in weights:
+            for p in w.parts:
+                parts.append(QuantWeightT.build(QuantWeight((QuantPart(p.fmt, p.data),), w.cols)))
+                scales.append(float(p.scale))
+        if len({t.rows for t in parts}) != 1:
+            raise ValueError("the parts of one input-sparse group must share their input")
+        return cls(tuple(parts), tuple(scales))
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(t.cols for t in self.parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.parts[0].rows, sum(self.sizes))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.parts)
+
+
+def input_sparse_linear_parts(x, tp: TransposedParts, thresholds, bias=None, *, counts=None, lib=None):
+    """y [B, out] = x Wᵀ (+ bias) over each part's active inputs only: part j reads row i of its Wᵀ iff some token
+    has |x_i| > ``thresholds[j]`` (a tensor [nparts], or [nparts, in]: one threshold per input channel), each
+    token adding its own active entries (:func:`rows_axpy_t`). ``counts`` (float64 [nparts]) get the active
+    (token, input) entries. Where the part has a scale: (Σ) · scale + bias, two roundings (as cs_q_layers)."""
+    xf = x.to(_F32)
+    B, n_in = xf.shape
+    if n_in != tp.shape[0]:
+        raise ValueError(f"x has {n_in} inputs, the weights {tp.shape[0]}")
+    thr = torch.as_tensor(thresholds, dtype=_F32)
+    if thr.shape[0] != len(tp.parts):
+        raise ValueError(f"{thr.shape[0]} thresholds for {len(tp.parts)} parts")
+    bias = _f32(bias)
+    outs, lo = [], 0
+    for j, (wt, sc) in enumerate(zip(tp.parts, tp.scales)):
+        keep = xf.abs() > thr[j]
+        if counts is not None:
+            counts[j] += float(keep.sum())
+        idx = keep.any(0).nonzero().flatten()
+        wts = (xf * keep)[:, idx] if B > 1 else xf[:, idx]
+        b = None if bias is None else bias[lo: lo + wt.cols]
+        if sc == 1.0:
+            y = rows_axpy_t(wts, wt, idx, bias=b, lib=lib)
+        else:
+            y = rows_axpy_t(wts, wt, idx, lib=lib).mul_(sc)
+            if b is not None:
+                y.add_(b)
+        outs.append(y)
+        lo += wt.cols
+    y = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+    return y if x.dtype is _F32 else y.to(x.dtype)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # whole decoder layers in one native call (cs_q_layers)
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -247,6 +317,61 @@ class QLayer(ctypes.Structure):
                 + [(n, _P) for n in ("b_qkv", "b_o", "b_up", "b_down", "n1", "n2", "post_attn", "post_ffn", "qn",
                                      "kn", "cos_t", "sin_t", "kc", "vc")]
                 + [("window", _I64)])
+
+
+class QTPart(ctypes.Structure):
+    """cpu_quant.c's ``qtpart``: one part of an input-sparse group."""
+    _fields_ = ([(n, _P) for n in ("codes", "scale", "offset")]
+                + [(n, _I64) for n in ("bits", "cbias", "half", "group", "nout")]
+                + [("post", ctypes.c_double), ("thr", ctypes.c_double)])
+
+
+class QSparse(ctypes.Structure):
+    """cpu_quant.c's ``qsparse``: one layer's input-sparse groups (NULL: dense)."""
+    _fields_ = [(n, _P) for n in ("qkv", "o", "gu", "down")] + [("nqkv", _I64), ("ngu", _I64), ("counts", _P)]
+
+
+SPARSE_GROUPS = ("qkv", "o", "gu", "down")       # the groups cs_q_layers runs input-sparse
+_GROUP_COL = dict(qkv=0, o=3, gu=4, down=6)       # their first column of a layer's counters (q k v o gate up down)
+
+
+class SparseLayers:
+    """Input sparsity for :meth:`LayerStack.run`: ``groups`` {layer: {group: (TransposedParts, thresholds)}} with
+    group one of SPARSE_GROUPS (qkv: the q, k, v parts; gu: gate, up; o, down: one part) and thresholds one
+    float per part (|x_i| > t reads row i); the rest of each layer runs dense. ``counts`` (float64 [n_layers, 7],
+    contiguous CPU; or None) get each layer's active inputs per q, k, v, o, gate, up, down."""
+
+    def __init__(self, n_layers: int, groups: dict, counts: torch.Tensor | None = None):
+        if counts is not None and not (counts.dtype == torch.float64 and counts.is_contiguous() and counts.is_cpu
+                                       and tuple(counts.shape) == (n_layers, 7)):
+            raise ValueError(f"counts must be a contiguous float64 CPU tensor [{n_layers}, 7]")
+        self.n, self.counts = n_layers, counts
+        self.arr = (QSparse * n_layers)()
+        self._keep = []
+        for l, per in groups.items():
+            if not 0 <= l < n_layers:
+                raise IndexError(f"layer {l} outside 0..{n_layers - 1}")
+            z = QSparse()
+            for g, (tp, thr) in per.items():
+                if g not in SPARSE_GROUPS:
+                    raise ValueError(f"group {g!r}: one of {SPARSE_GROUPS}")
+                thr = [float(t) for t in thr]
+                if len(thr) != len(tp.parts) or (g in ("o", "down") and len(thr) != 1):
+                    raise ValueError(f"layer {l} {g}: {len(thr)} thresholds for {len(tp.parts)} parts")
+                parts = (QTPart * len(tp.parts))()
+                for j, (wt, sc) in enumerate(zip(tp.parts, tp.scales)):
+                    if wt.codes is None:
+                        raise ValueError(f"layer {l} {g}: float weights have no block layout for the kernels")
+                    parts[j] = QTPart(wt.codes.data_ptr(), wt.scale.data_ptr(), _p(wt.offset), wt.code_bits,
+                                      wt.code_bias, int(wt.scale.dtype == torch.float16), wt.group, wt.cols, sc,
+                                      thr[j])
+                self._keep.append((tp, parts))
+                setattr(z, g, ctypes.addressof(parts))
+                if g in ("qkv", "gu"):
+                    setattr(z, "n" + g, len(tp.parts))
+            if counts is not None:
+                z.counts = counts.data_ptr() + l * 7 * 8
+            self.arr[l] = z
 
 
 class QDims(ctypes.Structure):
@@ -340,20 +465,24 @@ class LayerStack:
             t = self._scratch[nt] = torch.zeros(n, dtype=torch.uint8)      # zeroed once (the kernel's claim words)
         return t
 
-    def run(self, l0: int, l1: int, x: torch.Tensor, pos: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, l0: int, l1: int, x: torch.Tensor, pos: int, out: torch.Tensor | None = None,
+            sparse: SparseLayers | None = None) -> torch.Tensor:
         """The stream [1, d] after layers l0..l1-1 on the stream ``x`` [1, d] (fp32) entering layer l0, each
         writing its K/V at position ``pos`` (the caches given at packing) and attending over 0..pos; into ``out``
-        (a new tensor when None; may be ``x``)."""
+        (a new tensor when None; may be ``x``). ``sparse``: the layers' input sparsity (None: dense)."""
         if not 0 <= l0 < l1 <= self.n:
             raise IndexError(f"layers {l0}..{l1 - 1} outside 0..{self.n - 1}")
+        if sparse is not None and sparse.n != self.n:
+            raise ValueError(f"sparse layers for {sparse.n} layers, the stack has {self.n}")
         if x.dtype is not _F32 or not x.is_contiguous() or x.numel() != self.d:
             x = x.to(_F32).contiguous().reshape(1, self.d)
         out = torch.empty(1, self.d, dtype=_F32) if out is None else out
         nt = _threads()
         sc = self._scratch_for(nt)
-        rc = self.lib.cs_q_layers(self.layers, l0, l1, ctypes.byref(self.dims), x.data_ptr(), out.data_ptr(),
+        rc = self.lib.cs_q_layers(self.layers, None if sparse is None else sparse.arr, l0, l1,
+                                  ctypes.byref(self.dims), x.data_ptr(), out.data_ptr(),
                                   int(pos), sc.data_ptr(), sc.numel(), nt)
         if rc != 0:
             raise ValueError(f"cs_q_layers: position {pos} outside the cache ({self.dims.L}), or a layer's layout "
-                             "is invalid")
+                             "(or its input-sparse parts) is invalid")
         return out

@@ -160,6 +160,9 @@ class Blocks:
         ``counts`` (its columns of the layer's input counters) get the active entries. ``prologue`` /
         ``residual``: the fused layer's (kernels.ops.input_sparse_linear_segments; counts None then)."""
         thr, sizes = group.thresholds, group.sizes
+        if isinstance(w_t, cpu_quant.TransposedParts):      # GGUF blocks (plan.py made the layout)
+            assert prologue is None and residual is None, "the quantized layer fuses natively (native_layer)"
+            return cpu_quant.input_sparse_linear_parts(x, w_t, thr, bias, counts=counts)
         if prologue is not None or residual is not None:
             assert counts is None, "the fused layer does not count inputs"
             return ops.input_sparse_linear_segments(x, w_t, thr, sizes, bias, path=self.input_path,
@@ -185,7 +188,7 @@ class Blocks:
                  else self.linear(h, L.w_up, L.b_up))
             a = activation_fn(w.act)(z)
         if "down" in ent:
-            return self.in_linear(a, L.w_down_t, ent["down"], ent["down"].counts(stat_in), L.b_down)
+            return self.in_linear(a, L.w_down_in, ent["down"], ent["down"].counts(stat_in), L.b_down)
         return self.linear_t(a, L.w_down_t, L.b_down)
 
     def ffn_threshold(self, L: LayerWeights, h, thr, stat):

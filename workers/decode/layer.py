@@ -97,7 +97,7 @@ class Step:
 
     def __init__(self, blocks, plan, cache, counters, sets, fns: dict):
         self.b, self.rp, self.cache, self.c, self.sets, self.fns = blocks, plan, cache, counters, sets, fns
-        self.native = native_layer.for_step(blocks, plan, cache, fns)    # quantized CPU layers in one call
+        self.native = native_layer.for_step(blocks, plan, cache, fns, counters.inputs)   # quantized CPU layers
 
     def fuses(self, l, L, x) -> bool:
         """Whether layer ``l`` runs fused (:meth:`fused`): the plan has input sparsity on its QKV, O, gate|up and
@@ -157,7 +157,7 @@ class Step:
         a = self.fns["attn"](q, k, v, cache.k[l], cache.v[l], cache.pos, *(L.rope or (None, None)), L.qn, L.kn,
                              w.eps, L.window)
         if "o" in ia:
-            return b.in_linear(a, L.w_o_t, ia["o"], ia["o"].counts(self.c.inputs[l]), L.b_o)
+            return b.in_linear(a, L.w_o_in, ia["o"], ia["o"].counts(self.c.inputs[l]), L.b_o)
         return b.out_dense(L, a)
 
     def ffn(self, l, L, h, x_in, x_prev):

@@ -12,7 +12,10 @@ logits are the per-op step's bit for bit; when every layer runs natively, one ca
 region a step; about 3 % less per token than a call per layer on SmolLM2 at one thread). It runs where the
 per-op step would run those same native kernels: quantized weights on the CPU, the native glue (``glue``
 "kernel"), batch 1, the exact KV cache (kv_mode "exact"), RMS norms, ``fuse`` on (``DecodeRuntime(fuse=False)``
-keeps the per-op step), and only on the layers the plan leaves dense (a sparse layer runs its own path). Where it
+keeps the per-op step), on the layers the plan leaves dense and on those with input sparsity (TEAL: a threshold
+per projection on QKV, O, gate|up, down; the kernels read only the active rows of the transposed blocks,
+workers.decode.plan's layouts); other sparse layers run their own path. Input-sparse layers equal the per-op
+step up to the activation function's rounding (the per-op step takes torch's act(gate)·up). Where it
 should run but cannot (no C compiler, the native kernels turned off, a shape they do not take) the per-op step
 runs and a RuntimeWarning says why, once per weights.
 
@@ -35,22 +38,23 @@ _WARNED: weakref.WeakSet = weakref.WeakSet()                         # weights w
 
 
 class StepLayers:
-    """One step's view of the packed layers: which layers run natively, at which position."""
+    """One step's view of the packed layers: which layers run natively (``dense``: the covered set, None: all),
+    at which position, with which input sparsity (``sparse``: kernels.cpu_quant.SparseLayers or None)."""
 
-    __slots__ = ("stack", "pos", "dense")
+    __slots__ = ("stack", "pos", "dense", "sparse")
 
-    def __init__(self, stack: cpu_quant.LayerStack, pos: int, dense):
-        self.stack, self.pos, self.dense = stack, pos, dense
+    def __init__(self, stack: cpu_quant.LayerStack, pos: int, dense, sparse=None):
+        self.stack, self.pos, self.dense, self.sparse = stack, pos, dense, sparse
 
     def covers(self, l: int) -> bool:
         return self.dense is None or l in self.dense
 
     def run(self, l: int, x: torch.Tensor) -> torch.Tensor:
-        return self.stack.run(l, l + 1, x, self.pos)
+        return self.stack.run(l, l + 1, x, self.pos, sparse=self.sparse)
 
     def run_all(self, x: torch.Tensor) -> torch.Tensor:
         """Every layer in one call (one parallel region a step)."""
-        return self.stack.run(0, self.stack.n, x, self.pos)
+        return self.stack.run(0, self.stack.n, x, self.pos, sparse=self.sparse)
 
 
 def layer_specs(w, cache) -> list[cpu_quant.LayerSpec]:
@@ -93,20 +97,67 @@ def _stack(w, cache):
     return st
 
 
-def for_step(blocks, rp, cache, fns: dict) -> StepLayers | None:
+_LAYOUT = dict(qkv="qkv_t", o="o_t", gu="gu_t", down="down_t")      # workers.decode.plan's Wᵀ layouts
+
+
+def native_groups(w, rp, l: int) -> dict | None:
+    """Layer ``l``'s input-sparse groups as cs_q_layers takes them ({group: (TransposedParts, thresholds)}), or
+    None where the kernels cannot (a group other than QKV, O, gate|up, down; WINA's per-channel thresholds; a
+    float part; a part of outputs not a multiple of 32)."""
+    out = {}
+    L = w.layers[l]
+    for g, ent in [*(rp.in_attn.get(l) or {}).items(), *(rp.in_ffn.get(l) or {}).items()]:
+        tp = L.layouts.get(_LAYOUT.get(g))
+        if (g not in cpu_quant.SPARSE_GROUPS or ent.thresholds.dim() != 1
+                or not isinstance(tp, cpu_quant.TransposedParts) or len(tp.parts) != ent.thresholds.numel()
+                or any(t.codes is None or t.cols % 32 for t in tp.parts)):
+            return None
+        out[g] = (tp, ent.thresholds.tolist())
+    return out
+
+
+def _sparse_pack(w, rp, layers, counts: torch.Tensor | None):
+    """The plan's native input sparsity over ``layers``, made once per (plan, counters)."""
+    key = None if counts is None else counts.data_ptr()
+    hit = rp.native.get("sparse")
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    pack = cpu_quant.SparseLayers(len(w.layers), {l: native_groups(w, rp, l) for l in layers}, counts)
+    rp.native["sparse"] = (key, pack)
+    return pack
+
+
+def for_step(blocks, rp, cache, fns: dict, counts: torch.Tensor | None = None) -> StepLayers | None:
     """The native layers of this step, or None where the per-op step runs: not quantized, ``fuse`` off, not
-    the native glue, batch > 1, kv_mode "active", or no layer left dense by the plan ``rp``."""
+    the native glue, batch > 1, kv_mode "active", or no layer left that the kernels take (dense, or input-sparse
+    on QKV / O / gate|up / down with one threshold per projection). ``counts``: the runtime's input counters
+    [layers, 7], to which the native input-sparse layers add their active inputs."""
     w = blocks.w
     if not (w.quantized and blocks.fuse and cache is not None and cache.batch == 1 and cache.valid is None
             and fns.get("attn") is ops.decode_attention and w.device.type == "cpu"):
         return None
     if ops.backend_name(cache.pos) != "cpu":
         return None                      # CTXSPARSE_KERNELS forces another backend
-    dense = None
-    if not rp.dense or rp.thr_ffn:
-        sparse = set(rp.mlp) | set(rp.heads) | set(rp.in_attn) | set(rp.in_ffn) | set(rp.thr_ffn)
-        dense = frozenset(range(len(w.layers))) - sparse
-        if not dense:
-            return None
+    covered, sparse_in = _plan_layers(w, rp)
+    if covered is not None and not covered:
+        return None
     st = _stack(w, cache)
-    return None if st is None else StepLayers(st, int(cache.pos), dense)
+    if st is None:
+        return None
+    return StepLayers(st, int(cache.pos), covered, _sparse_pack(w, rp, sparse_in, counts) if sparse_in else None)
+
+
+def _plan_layers(w, rp) -> tuple:
+    """(the layers the native call covers, None: all; those of them input-sparse), once per plan."""
+    hit = rp.native.get("layers")
+    if hit is None:
+        covered, sparse_in = None, frozenset()
+        if not rp.dense or rp.thr_ffn:
+            other = set(rp.mlp) | set(rp.heads) | set(rp.thr_ffn)
+            inputs = set(rp.in_attn) | set(rp.in_ffn)
+            sparse_in = frozenset(l for l in inputs if l not in other and native_groups(w, rp, l) is not None)
+            covered = (frozenset(range(len(w.layers))) - other - inputs) | sparse_in
+            if len(covered) == len(w.layers):
+                covered = None
+        hit = rp.native["layers"] = (covered, sparse_in)
+    return hit

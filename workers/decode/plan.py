@@ -14,8 +14,8 @@ what the plan had (``mlp``, ``heads``, ``inputs``) so realized sparsity still re
 Gate-threshold predictors (method ``threshold``: |act(W_gate h)| > t on the FFN's own gate) run the gate dense
 once and then only the up / W_downᵀ rows of the kept neurons (``thr_ffn``). Input sparsity (``plan.inputs``,
 TEAL / WINA): QKV share one input and one Wᵀ copy with three thresholds, gate|up likewise with two; O and down
-use ``w_o_t`` / ``w_down_t`` as stored; the Wᵀ copies exist only for the projections the plan needs (in
-``LayerWeights.layouts``, dropped with the plan). WINA's |x_i|·‖W[:, i]‖ > t runs as |x_i| > t/‖W[:, i]‖ (one
+use ``w_o_t`` / ``w_down_t`` as stored (over GGUF blocks: their transposed blocks, ``o_t`` / ``down_t``); the Wᵀ
+copies exist only for the projections the plan needs (in ``LayerWeights.layouts``, dropped with the plan). WINA's |x_i|·‖W[:, i]‖ > t runs as |x_i| > t/‖W[:, i]‖ (one
 threshold per input channel, read by the kernels with x). Runtimes that share one ModelWeights share those
 layouts: set a plan on one of them only (another's set_plan drops the layouts its own plan does not need).
 """
@@ -29,6 +29,8 @@ import torch
 from torch import nn
 
 from kernels.common import ACTS
+from kernels.cpu_quant import TransposedParts
+from kernels.quant import QuantWeight
 from workers.decode.weights import PROJ, ModelWeights, column_norms
 from workers.sparsity.predictors.base import neuron_out_norm
 from workers.sparsity.predictors.threshold import GateThreshold
@@ -68,6 +70,7 @@ class RuntimePlan:
     in_ffn: dict = field(default_factory=dict)
     inputs: dict = field(default_factory=dict)   # the active input thresholds {layer: {projection: t}}
     reports: frozenset = frozenset()
+    native: dict = field(default_factory=dict, repr=False)   # packed forms for the native layers (native_layer)
 
     @property
     def dense(self) -> bool:
@@ -81,6 +84,7 @@ class RuntimePlan:
         """Layer ``l``'s FFN runs dense from now on: its predictor, gate threshold and sequential filter go."""
         for part in (self.mlp, self.thr_ffn, self.seq_thr, self.seq_w):
             part.pop(l, None)
+        self.native.clear()
 
     @classmethod
     def build(cls, plan, w: ModelWeights) -> "RuntimePlan":
@@ -195,31 +199,42 @@ def _inputs(rp: RuntimePlan, plan, w: ModelWeights) -> None:
 
         ent = {}
         if set(per) & {"q", "k", "v"}:
-            if "qkv_t" not in L.layouts:
-                L.layouts["qkv_t"] = L.w_qkv.t().contiguous()
+            _layout(L, "qkv_t", lambda: L.w_qkv.t().contiguous(), L.w_qkv)
             ent["qkv"] = group(("q", "k", "v"), d, (H * hd, KV * hd, KV * hd))
         if "o" in per:
+            if w.quantized:
+                _layout(L, "o_t", None, L.w_o_t)
             ent["o"] = group(("o",), H * hd, (d,))
         if ent:
             rp.in_attn[l] = ent
         ent = {}
         if w.gated and set(per) & {"gate", "up"}:
-            if "gu_t" not in L.layouts:
-                L.layouts["gu_t"] = torch.cat([L.w_gate, L.w_up], 0).t().contiguous()
+            _layout(L, "gu_t", lambda: torch.cat([L.w_gate, L.w_up], 0).t().contiguous(), L.w_gate, L.w_up)
             ent["gu"] = group(("gate", "up"), d, (D, D))
         elif not w.gated and "up" in per:
-            if "up_t" not in L.layouts:
-                L.layouts["up_t"] = L.w_up.t().contiguous()
+            _layout(L, "up_t", lambda: L.w_up.t().contiguous(), L.w_up)
             ent["up"] = group(("up",), d, (D,))
         if "down" in per:
+            if w.quantized:
+                _layout(L, "down_t", None, L.w_down_t)
             ent["down"] = group(("down",), D, (d,))
         if ent:
             rp.in_ffn[l] = ent
 
 
+def _layout(L, key: str, make, *weights) -> None:
+    """Layer ``L``'s Wᵀ layout ``key`` for input sparsity, made once: ``make()`` over float weights; over GGUF
+    blocks (quantized ``weights``: W [out, in] each) their exact transposed blocks, part by part
+    (kernels.cpu_quant.TransposedParts; O and down too, whose slots hold W itself then)."""
+    if key not in L.layouts:
+        quant = isinstance(weights[0], QuantWeight)
+        L.layouts[key] = TransposedParts.of(*weights) if quant else make()
+
+
 def _drop_unused_layouts(rp: RuntimePlan, w: ModelWeights) -> None:
     for l, L in enumerate(w.layers):
-        for key, group, where in (("qkv_t", "qkv", rp.in_attn), ("gu_t", "gu", rp.in_ffn), ("up_t", "up", rp.in_ffn)):
+        for key, group, where in (("qkv_t", "qkv", rp.in_attn), ("gu_t", "gu", rp.in_ffn), ("up_t", "up", rp.in_ffn),
+                                  ("o_t", "o", rp.in_attn), ("down_t", "down", rp.in_ffn)):
             if group not in where.get(l, {}):
                 L.layouts.pop(key, None)
 

@@ -80,7 +80,8 @@ class DecodeRuntime:
     @classmethod
     def from_gguf(cls, model, gguf, activations: str = "fp32", **options) -> "DecodeRuntime":
         """CPU, every projection kept in the quantized blocks of ``gguf``, the file ``model`` was loaded from
-        (workers.decode.quant_weights; dense plans only); ``activations`` "fp32" or "q8" (approximate)."""
+        (workers.decode.quant_weights; dense or input-sparsity plans); ``activations`` "fp32" or "q8"
+        (approximate)."""
         from workers.decode.quant_weights import from_gguf
 
         return cls(from_gguf(model, gguf, activations=activations), **options)
@@ -183,8 +184,10 @@ class DecodeRuntime:
         nothing left to skip (every layer at s = 0) runs the dense step."""
         if kv_mode not in KV_MODES:
             raise ValueError(f"kv_mode must be one of {KV_MODES}")
-        if plan is not None and self.weights.quantized:
-            raise NotImplementedError("sparsity plans over quantized weights are not supported yet: dense only")
+        if plan is not None and self.weights.quantized and (plan.mlp or plan.attn):
+            raise NotImplementedError("over quantized weights the runtime runs input-sparsity plans only (teal, "
+                                      "wina, ...); this plan has FFN or head predictors: decode it with the fp32 "
+                                      "runtime (DecodeRuntime.from_hf)")
         if kv_mode != self.kv_mode:
             self.cache = None                      # the cache layout changes: setup() again
         self.sparse_plan = RuntimePlan.build(plan, self.weights)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import nn
 
+from kernels import cpu_quant
 from kernels.quant import QuantWeight
 from workers.loading.adapters import adapter_for, get_path, linear_weight
 
@@ -49,7 +50,7 @@ class LayerWeights:
     b_down: torch.Tensor | None
     window: int | None                # sliding window of this layer
     rope: tuple | None                # (cos, sin) [max_pos, hd] fp32
-    layouts: dict = field(default_factory=dict)   # derived layouts: "gu", "qkv_t", "gu_t", "up_t"
+    layouts: dict = field(default_factory=dict)   # derived layouts: "gu", "qkv_t", "gu_t", "up_t", "o_t", "down_t"
 
     def gu(self) -> torch.Tensor:
         """gate|up packed [2D, d] (made on first use: the dense FFN's one GEMM)."""
@@ -68,6 +69,16 @@ class LayerWeights:
     @property
     def w_up_t(self):
         return self.layouts.get("up_t")
+
+    @property
+    def w_o_in(self):
+        """Wᵀ of O as input sparsity reads it: the plan's transposed blocks over GGUF weights, else ``w_o_t``."""
+        return self.layouts.get("o_t", self.w_o_t)
+
+    @property
+    def w_down_in(self):
+        """Wᵀ of down as input sparsity reads it (as :attr:`w_o_in`)."""
+        return self.layouts.get("down_t", self.w_down_t)
 
     def nbytes(self) -> int:
         return sum(t.nbytes for f in fields(self)
@@ -233,11 +244,14 @@ def from_hf(model: nn.Module, dtype: torch.dtype | None = None, device=None) -> 
 def column_norms(L: LayerWeights, q_fold: float, nq: int, nkv: int) -> dict[str, torch.Tensor]:
     """‖W[:, i]‖₂ of every projection's input channels (fp32), from the runtime's layout (the query rows hold
     the folded attention scale ``q_fold``: divided out again), as workers.sparsity.input_sparse.column_norms."""
-    w = L.w_qkv.float()
+    quant = isinstance(L.w_qkv, QuantWeight)        # GGUF blocks: the O / down slots hold W [out, in] itself
+    f = (lambda t: cpu_quant.dequantize(t)) if quant else (lambda t: t.float())
+    w = f(L.w_qkv)
+    t_dim = 0 if quant else 1
     out = dict(q=w[:nq].norm(dim=0) / q_fold, k=w[nq: nq + nkv].norm(dim=0), v=w[nq + nkv:].norm(dim=0),
-               o=L.w_o_t.float().norm(dim=1), up=L.w_up.float().norm(dim=0), down=L.w_down_t.float().norm(dim=1))
+               o=f(L.w_o_t).norm(dim=t_dim), up=f(L.w_up).norm(dim=0), down=f(L.w_down_t).norm(dim=t_dim))
     if L.w_gate is not None:
-        out["gate"] = L.w_gate.float().norm(dim=0)
+        out["gate"] = f(L.w_gate).norm(dim=0)
     return out
 
 

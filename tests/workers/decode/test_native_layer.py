@@ -18,7 +18,7 @@ import torch
 from kernels.quant import FORMATS, QuantWeight
 from workers.decode import native_layer
 from workers.decode.glue import glue_fns
-from workers.decode.plan import RuntimePlan
+from workers.decode.plan import InputGroup, RuntimePlan
 from workers.decode.runtime import DecodeRuntime
 from workers.decode.weights import from_hf
 
@@ -168,7 +168,8 @@ def test_the_runtime_options_choose_the_path():
     rt.setup(1, 16)
     part = native_layer.for_step(rt.blocks, RuntimePlan(mlp={1: object()}), rt.cache, kernel_glue)
     assert part.covers(0) and not part.covers(1)
-    assert native_layer.for_step(rt.blocks, RuntimePlan(in_ffn={0: {}, 1: {}}), rt.cache, kernel_glue) is None
+    wina = {"down": InputGroup(torch.zeros(1, 96), (64,), 6)}      # per-channel thresholds: per op
+    assert native_layer.for_step(rt.blocks, RuntimePlan(in_ffn={0: wina, 1: wina}), rt.cache, kernel_glue) is None
     fp32 = DecodeRuntime.from_hf(m, torch.float32, "cpu")
     fp32.setup(1, 16)
     assert native_layer.for_step(fp32.blocks, fp32.sparse_plan, fp32.cache, kernel_glue) is None
