@@ -5,11 +5,18 @@ A bundle is a folder of two files, never a pickle:
     manifest.json            format, model (ref, fingerprint, family, dims), method, s, r, attention sparsity,
                              allocation, options, per-layer budgets, the plan (mode, sequential filters, every
                              predictor's JSON config, input-sparsity thresholds {layer: {projection: t}} and
-                             their score), versions, git revision, the unit it came from, the
+                             their score, a rotated plan's sparsities and rotation keys, a rank-sparse plan's
+                             thresholds and ranks), versions, git revision, the unit it came from, the
                              sha256 and size of every data file, and ``manifest_sha256`` over the rest of itself;
                              an exported copy also ``measured``: where, at which thread count and how fast
                              the sweep timed the setting (``with_measurement``; older bundles lack it)
-    predictors.safetensors   every predictor tensor, keyed ``mlp.<layer>.<name>`` / ``attn.<layer>.<name>``
+    predictors.safetensors   every predictor tensor, keyed ``mlp.<layer>.<name>`` / ``attn.<layer>.<name>``; a
+                             rotated plan's (LaRoSA) rotations ``rot.<layer>.<group>`` (a rotation shared by several
+                             inputs or layers stored once, the manifest naming its key for each), a rank-sparse
+                             plan's (R-Sparse) factors ``lowrank.<layer>.<projection>.a`` / ``.b``
+
+A bundle with a rotated or rank-sparse plan is format version 2 (the code before it would not run those parts);
+every other bundle stays version 1. Both run in masked mode (``apply_bundle``), whatever mode is asked for.
 
 ``load_bundle`` checks all of it (a truncated tensor file, an edited manifest, a foreign file name all fail
 with ``BundleError``); ``apply_bundle(model, path)`` also checks that the model is the one the bundle was fitted
@@ -36,12 +43,16 @@ from safetensors.torch import load_file, save_file
 from workers.paths import atomic_dir, sha256_file
 
 FORMAT = "ctxsparse-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1          # plans of predictors and input thresholds
+FORMAT_VERSION_PARTS = 2    # plans with a rotated (LaRoSA) or rank-sparse (R-Sparse) part
+_READS = (FORMAT_VERSION, FORMAT_VERSION_PARTS)
 MANIFEST = "manifest.json"
 MEASURED = "measured"       # manifest key of an exported bundle: where and at which thread count it was timed
 TENSORS = "predictors.safetensors"
 _DATA_FILES = (TENSORS,)
 _KEY = re.compile(r"^(mlp|attn)\.(\d+)\.([A-Za-z0-9_.]+)$")
+_ROT_KEY = re.compile(r"^rot\.\d+\.[a-z_]+$")
+_LOWRANK_KEY = re.compile(r"^lowrank\.(\d+)\.([a-z]+)\.(a|b)$")
 
 
 class BundleError(ValueError):
@@ -98,6 +109,49 @@ class Bundle:
                 except (KeyError, RuntimeError, ValueError) as e:
                     raise BundleError(f"{self.path}: {comp} layer {layer}: cannot rebuild the predictor ({e})") \
                         from None
+        if p.get("rotated") is not None:
+            plan.rotated = self._rotated(p["rotated"], len(layers), device)
+        if p.get("lowrank") is not None:
+            plan.lowrank = self._lowrank(p["lowrank"], len(layers), device)
+        return plan
+
+    def _rotated(self, cfg: dict, n_layers: int, device):
+        from workers.sparsity.rotated import RotatedPlan
+
+        try:
+            keys = {key for per in cfg["rotations"].values() for key in per.values()}
+            shared = {key: self.tensors[key].to(device) for key in keys}     # one object per stored rotation
+            rots = {int(l): {g: shared[key] for g, key in per.items()} for l, per in cfg["rotations"].items()}
+            plan = RotatedPlan(sparsity={int(l): {g: float(s) for g, s in per.items()}
+                                         for l, per in cfg["sparsity"].items()},
+                               rotations=rots, score=cfg["score"], scaled=bool(cfg["scaled"]))
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise BundleError(f"{self.path}: bad rotated plan in the manifest ({e!r})") from None
+        bad = [l for l in plan.layers() if not 0 <= l < n_layers]
+        if bad:
+            raise BundleError(f"{self.path}: rotated plan for layer {bad[0]}, model has {n_layers}")
+        return plan
+
+    def _lowrank(self, cfg: dict, n_layers: int, device):
+        from workers.sparsity.rank_sparse import LowRankPart, RankSparsePlan
+
+        plan = RankSparsePlan()
+        try:
+            for l_s, per in cfg.items():
+                l = int(l_s)
+                for proj, part in per.items():
+                    a, b = (self.tensors.get(f"lowrank.{l}.{proj}.{x}") for x in ("a", "b"))
+                    got = LowRankPart(float(part["threshold"]), part["score"], None if a is None else a.to(device),
+                                      None if b is None else b.to(device))
+                    if got.rank != int(part["rank"]):
+                        raise ValueError(f"layer {l} {proj}: factors of rank {got.rank}, manifest says "
+                                         f"{part['rank']}")
+                    plan.parts.setdefault(l, {})[proj] = got
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise BundleError(f"{self.path}: bad rank-sparse plan in the manifest ({e})") from None
+        bad = [l for l in plan.layers() if not 0 <= l < n_layers]
+        if bad:
+            raise BundleError(f"{self.path}: rank-sparse part for layer {bad[0]}, model has {n_layers}")
         return plan
 
 
@@ -134,9 +188,6 @@ def save_bundle(plan, lm, out: str | Path, *, method: str, sparsity: float, rank
                 per_layer_sparsity: dict[int, float] | None = None, unit_id: str | None = None,
                 versions: dict[str, str] | None = None, git_rev: str | None = None) -> Path:
     """Write ``plan`` (fitted on ``lm``, a workers.loading.models.LoadedModel) as a bundle folder at ``out``, atomically."""
-    if getattr(plan, "rotated", None) is not None:
-        raise BundleError(f"method {method!r}: bundles do not carry rotated plans (rotations) yet; evaluate it with "
-                          "benchmarks.quality, which applies the fitted plan directly")
     out = Path(out)
     tensors: dict[str, torch.Tensor] = {}
     cfgs: dict[str, dict[str, dict]] = {"mlp": {}, "attn": {}}
@@ -145,9 +196,12 @@ def save_bundle(plan, lm, out: str | Path, *, method: str, sparsity: float, rank
             cfgs[comp][str(layer)] = pred.config()
             for name, t in pred.to_tensors().items():
                 tensors[f"{comp}.{layer}.{name}"] = t.detach().to("cpu").contiguous().clone()
+    rotated, lowrank = getattr(plan, "rotated", None), getattr(plan, "lowrank", None)
+    parts = {"rotated": None if rotated is None else _rotated_config(rotated, tensors),
+             "lowrank": None if lowrank is None else _lowrank_config(lowrank, tensors)}
     manifest = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if rotated is None and lowrank is None else FORMAT_VERSION_PARTS,
         "model": {"ref": lm.ref, "fingerprint": lm.fingerprint, "family": lm.family,
                   "dims": {k: int(v) for k, v in asdict(lm.dims).items()}},
         "method": method, "sparsity": float(sparsity), "rank": rank,
@@ -160,7 +214,8 @@ def save_bundle(plan, lm, out: str | Path, *, method: str, sparsity: float, rank
                  "info": {str(k): v for k, v in sorted(plan.info.items())},
                  "inputs": {str(k): {p: float(t) for p, t in sorted(per.items())}
                             for k, per in sorted(plan.inputs.items())},
-                 "input_score": plan.input_score, **cfgs},
+                 "input_score": plan.input_score, **cfgs,
+                 **{k: v for k, v in parts.items() if v is not None}},
         "unit_id": unit_id, "versions": dict(versions or {}), "git_rev": git_rev,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
@@ -174,6 +229,36 @@ def save_bundle(plan, lm, out: str | Path, *, method: str, sparsity: float, rank
             raise BundleError(f"plan info is not plain JSON ({e})") from None
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return out
+
+
+def _rotated_config(rotated, tensors: dict) -> dict:
+    """A RotatedPlan's manifest entry; its rotations go into ``tensors``, each distinct tensor once (a rotation
+    shared by both block inputs of a layer, or by every layer, stays one object when the bundle is read: the bytes
+    charged for basis changes depend on it)."""
+    keys: dict[int, str] = {}
+    rotations: dict[str, dict[str, str]] = {}
+    for l, per in sorted(rotated.rotations.items()):
+        for g, t in sorted(per.items()):
+            if id(t) not in keys:
+                keys[id(t)] = f"rot.{l}.{g}"
+                tensors[keys[id(t)]] = t.detach().to("cpu").contiguous().clone()
+            rotations.setdefault(str(l), {})[g] = keys[id(t)]
+    return {"sparsity": {str(l): {g: float(s) for g, s in sorted(per.items())}
+                         for l, per in sorted(rotated.sparsity.items())},
+            "rotations": rotations, "score": rotated.score, "scaled": bool(rotated.scaled)}
+
+
+def _lowrank_config(lowrank, tensors: dict) -> dict:
+    """A RankSparsePlan's manifest entry (thresholds, scores, ranks); its factors go into ``tensors``."""
+    cfg: dict[str, dict[str, dict]] = {}
+    for l, per in sorted(lowrank.parts.items()):
+        for p, part in sorted(per.items()):
+            cfg.setdefault(str(l), {})[p] = {"threshold": float(part.threshold), "score": part.score,
+                                             "rank": part.rank}
+            if part.a is not None:
+                tensors[f"lowrank.{l}.{p}.a"] = part.a.detach().to("cpu").contiguous().clone()
+                tensors[f"lowrank.{l}.{p}.b"] = part.b.detach().to("cpu").contiguous().clone()
+    return cfg
 
 
 def with_measurement(path: str | Path, measured: dict) -> Bundle:
@@ -220,9 +305,9 @@ def load_bundle(path: str | Path) -> Bundle:
         raise BundleError(f"{path}/{MANIFEST}: unreadable ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise BundleError(f"{path}: not a {FORMAT} manifest")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in _READS:
         raise BundleError(f"{path}: format version {manifest.get('format_version')!r}, this code reads "
-                          f"{FORMAT_VERSION}")
+                          f"{' and '.join(map(str, _READS))}")
     try:
         digest = _manifest_digest(manifest)
     except (TypeError, ValueError) as e:
@@ -245,10 +330,23 @@ def load_bundle(path: str | Path) -> Bundle:
         tensors = load_file(str(path / TENSORS))
     except (SafetensorError, OSError, ValueError) as e:
         raise BundleError(f"{path}/{TENSORS}: unreadable ({e})") from None
+    plan = manifest.get("plan") or {}
+    rot_keys = {key for per in ((plan.get("rotated") or {}).get("rotations") or {}).values() for key in per.values()}
+    lowrank = plan.get("lowrank") or {}
     for k in tensors:
         m = _KEY.match(k)
-        if not m or str(int(m.group(2))) not in manifest["plan"][m.group(1)]:
+        if m:
+            ok = str(int(m.group(2))) in plan[m.group(1)]
+        elif _ROT_KEY.match(k):
+            ok = k in rot_keys
+        else:
+            m = _LOWRANK_KEY.match(k)
+            ok = bool(m) and m.group(2) in lowrank.get(str(int(m.group(1))), {})
+        if not ok:
             raise BundleError(f"{path}/{TENSORS}: unexpected tensor {k!r}")
+    missing = sorted(rot_keys - set(tensors))
+    if missing:
+        raise BundleError(f"{path}/{TENSORS}: no tensor {missing[0]!r}, which the manifest's rotated plan names")
     return Bundle(path, manifest, tensors)
 
 
@@ -257,7 +355,7 @@ def apply_bundle(model: torch.nn.Module, bundle: str | Path | Bundle, *, check_m
     """Put a bundle on a Hugging Face model; returns ``AppliedSparsity`` (``.revert()`` restores the model).
 
     Refuses (``BundleError``) a damaged bundle, and one fitted on another model: the model's fingerprint
-    (config + float32 weights) must equal the bundle's.
+    (config + float32 weights) must equal the bundle's. Rotated and rank-sparse parts run masked whatever ``mode``.
     """
     from workers.loading.models import fingerprint
     from workers.sparsity.sparse_exec import apply_sparsity
