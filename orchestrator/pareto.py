@@ -29,6 +29,9 @@ The metric's direction is the one stored with its rows (``higher_is_better``). R
 * a setting slower than another of the same method (and rank, options) that skips fewer decoder weights, beyond
   the noise (outside both paired spreads, else by more than ``LATENCY_TIE``), says so (``FrontRow.note``).
 
+Before latency is timed (it runs last), ``front_pick`` draws the front of a metric against the decoder weights
+each setting skips instead: the settings an ``only: front`` task runs for (``orchestrator.driver``).
+
 Loss against dense is relative: a lower-is-better metric (ppl) may rise by that fraction of dense's value, a
 higher-is-better one (accuracy) may fall by it. ``choose`` and ``choose_sparsest`` are pure functions of a
 ``Front`` (no store, no Ray): the dashboard imports this module.
