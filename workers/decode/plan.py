@@ -89,6 +89,9 @@ class RuntimePlan:
     @classmethod
     def build(cls, plan, w: ModelWeights) -> "RuntimePlan":
         rp = cls(plan=plan)
+        if plan is not None and any(getattr(plan, part, None) is not None for part in ("rotated", "lowrank")):
+            raise ValueError("the decode runtime does not run rotated (larosa) or rank-sparse (rsparse) plans yet: "
+                             "they run in masked mode only (apply_sparsity, apply_bundle)")
         if plan is not None:
             rp.reports = frozenset(k for k, on in (("mlp", plan.mlp), ("heads", plan.attn), ("inputs", plan.inputs))
                                    if on)
