@@ -202,7 +202,8 @@ def front_records(fr: Front) -> list[dict]:
             "heads": s.attn_sparsity, "accuracy": r.accuracy, "latency_ms": r.latency_ms,
             "speedup": speedup, "spread": spread_label(r.speedup_min, r.speedup_max),
             "realized_sparsity": s.realized_sparsity, "on_front": r.on_front, "dense": s.is_dense,
-            "accelerator": r.accelerator, "threads": r.threads, "note": r.note or "", "fit_unit": s.fit_unit,
+            "accelerator": r.accelerator, "threads": r.threads, "weights": r.weights or "",
+            "note": r.note or "", "fit_unit": s.fit_unit,
         })
     return sorted(out, key=lambda d: (not d["on_front"], d["latency_ms"] if d["latency_ms"] is not None else 1e30,
                                       d["setting"]))

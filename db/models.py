@@ -219,6 +219,8 @@ class LatencyResult(Base):
     # lowest and highest per-repeat speedup over that dense (dense time / this row's), the spread of the ratio
     speedup_min: Mapped[float | None] = mapped_column(Double)
     speedup_max: Mapped[float | None] = mapped_column(Double)
+    # what the decode read: "gguf:Q4_1+Q8_0" (the GGUF's blocks), "gguf:llama.cpp", "fp32" / "fp16" / "bf16"
+    weights: Mapped[str | None] = mapped_column(String(64))
     package_versions: Mapped[dict[str, str]] = mapped_column(JSON)
     git_rev: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = _created_at()

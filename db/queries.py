@@ -524,7 +524,8 @@ def latency_table(
     stmt = (
         select(*_UNIT_COLUMNS, r.device_type, r.accelerator_name, r.batch, r.prompt_len, r.gen_len,
                r.p50_ms_per_token, r.p90_ms_per_token, r.tokens_per_s, r.realized_sparsity,
-               r.runtime, threads, r.speedup_min, r.speedup_max, r.git_rev, r.package_versions, r.created_at)
+               r.runtime, threads, r.speedup_min, r.speedup_max, r.weights, r.git_rev, r.package_versions,
+               r.created_at)
         .join(WorkUnit, WorkUnit.id == r.unit_id)
         .join(Model, Model.id == WorkUnit.model_id)
     )

@@ -92,6 +92,7 @@ class LatencyRow(_Provenance):
     threads: Annotated[int, Field(ge=1)] | None = None
     speedup_min: Annotated[Real, Field(gt=0.0)] | None = None
     speedup_max: Annotated[Real, Field(gt=0.0)] | None = None
+    weights: Annotated[str, Field(min_length=1, max_length=64)] | None = None   # what the decode read
 
 
 class LayerRow(_In):
@@ -208,6 +209,7 @@ class LatencyRecord(_UnitColumns):
     threads: int | None = None          # the row's own, else its unit config's (rows written before the column)
     speedup_min: float | None = None
     speedup_max: float | None = None
+    weights: str | None = None          # "gguf:Q4_1+Q8_0", "fp32", ... (None: not recorded)
     git_rev: str
     package_versions: dict[str, str]
     created_at: UtcDatetime

@@ -9,6 +9,7 @@ Sweeps (a thin layer over Ray's job API and the store):
   ctxsparse bundle export UNIT|--best MODEL --out PATH          a setting's predictor bundle (folder or .tar.gz)
   ctxsparse bundle download SRC --out DIR                       unpack + verify a bundle archive (file or URL)
   ctxsparse generate --model REF --bundle DIR --prompt TEXT [--tokens N] [--device cpu|cuda] [--threads N]
+                    [--weights auto|gguf|float]
                                                                 greedy continuation with the bundle; tokens/s
                                                                 dense vs sparse on that device, at the thread
                                                                 count the sweep timed the setting at
@@ -304,7 +305,7 @@ def cmd_generate(args) -> int:
     from workers.decode.generate import run_bundle
 
     res = run_bundle(args.model, args.bundle, args.prompt, tokens=args.tokens, device=args.device,
-                     repeats=args.repeats, threads=args.threads)
+                     repeats=args.repeats, threads=args.threads, weights=args.weights)
     print(res.text)
     print(res.summary())
     return 0
@@ -407,6 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--threads", type=_threads, default=None,
                     help="CPU threads (default: the count the bundle's setting was timed at in the sweep, which "
                          "`bundle export` records; else every core)")
+    sp.add_argument("--weights", default="auto", choices=["auto", "gguf", "float"],
+                    help="what the CPU decodes: the GGUF's quantized blocks or the float weights (default: what "
+                         "the sweep timed the setting on, as the bundle records; else the GGUF's blocks for a "
+                         "model loaded from one)")
     sp.set_defaults(fn=cmd_generate)
     sp = sub.add_parser("ingest-kernels", help="load `benchmarks.kernels --json` results into the SQL store")
     sp.add_argument("file")

@@ -82,6 +82,7 @@ class FrontRow:
     speedup_max: float | None = None
     threads: int | None = None             # of its latency row
     note: str | None = None                # slower than a setting of its method that skips fewer weights
+    weights: str | None = None             # what its latency row's decode read ("gguf:Q4_1+Q8_0", "fp32", ...)
 
 
 @dataclass
@@ -210,7 +211,7 @@ def timing(s: Setting, dense_lr: LatencyRecord | None, at: Point) -> tuple[Laten
     setting at dense's own time ``dense_lr`` over its side-by-side speedup), the paired speedup and its spread."""
     lr = pick_latency(s, at.device_type, at.accelerator, at.batch, at.prompt_len, at.threads)
     row = FrontRow(s, 0.0, lr.p50_ms_per_token if lr else None, lr.accelerator_name if lr else None, False,
-                   threads=lr.threads if lr else None)
+                   threads=lr.threads if lr else None, weights=lr.weights if lr else None)
     pair = lr and not s.is_dense and paired_dense(s, lr)
     if pair and lr.p50_ms_per_token > 0:
         row.paired_speedup = pair.p50_ms_per_token / lr.p50_ms_per_token
@@ -277,7 +278,7 @@ def measurement(settings: list[Setting], fit_unit: str, device_type: str = "cpu"
     return {"device_type": device_type, "accelerator": at.accelerator, "threads": at.threads, "batch": batch,
             "prompt_len": at.prompt_len, "gen_len": lr.gen_len, "p50_ms_per_token": row.latency_ms,
             "speedup_vs_dense": speedup, "speedup_min": row.speedup_min, "speedup_max": row.speedup_max,
-            "paired": row.paired_speedup is not None}
+            "paired": row.paired_speedup is not None, "weights": row.weights}
 
 
 def baselines(dense: Setting, dense_lr: LatencyRecord) -> list[Baseline]:
@@ -504,7 +505,7 @@ def format_front(front: Front, model: str) -> str:
     if front.message:
         lines.append(f"  note: {front.message}")
     lines.append(f"  {'':2}{'setting':<40} {'accuracy':>10} {'Δ vs dense':>10} {'ms/token':>9} {'speedup':>8} "
-                 f"{'spread':>11} {'skipped':>7}  fit unit")
+                 f"{'spread':>11} {'skipped':>7} {'weights':<15} fit unit")
     dense = front.dense
     rows = sorted(front.rows, key=lambda r: (not r.on_front, r.latency_ms if r.latency_ms is not None else 1e30,
                                              r.setting.label))
@@ -517,7 +518,7 @@ def format_front(front: Front, model: str) -> str:
                      f"{r.accuracy:>10.4g} {'' if change is None else f'{100 * change:+.1f}%':>10} "
                      f"{'-' if r.latency_ms is None else f'{r.latency_ms:.2f}':>9} "
                      f"{'' if spd is None else f'{spd:.2f}x':>8} {spread_label(r.speedup_min, r.speedup_max):>11} "
-                     f"{'' if rs is None else f'{rs:.3f}':>7}  {r.setting.fit_unit[:12]}")
+                     f"{'' if rs is None else f'{rs:.3f}':>7} {r.weights or '':<15} {r.setting.fit_unit[:12]}")
     if front.baselines:
         lines.append("  baselines timed on the dense setting (never on the front, never chosen):")
     for b in front.baselines:

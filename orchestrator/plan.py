@@ -20,7 +20,8 @@ Fit, eval and latency configs carry ``threads``, the torch thread count the work
 (:func:`torch_threads`, :func:`latency_threads`): results depend on it (summation order), so rows measured under
 different counts never share a unit. CPU latency units default to every core of a node (what a user's decode
 runs on, and what the bencher has to itself while latency is timed alone); ``resources.torch_threads`` overrides
-it. On a CPU, the dense setting also gets a ``llama.cpp`` latency unit when llama-cpp-python is installed and the
+it. CPU latency of a model loaded from a GGUF decodes the file's quantized blocks (``latency.cpu_weights``,
+config ``weights: gguf``). On a CPU, the dense setting also gets a ``llama.cpp`` latency unit when llama-cpp-python is installed and the
 model was loaded from a GGUF file (llama.cpp on that file, interleaved with our dense decode); when it is not
 installed the plan logs why, once.
 """
@@ -199,11 +200,25 @@ def plan_units(spec: SweepSpec, described: dict[str, dict], cpu_cores: int | Non
                                    "threads": latency_threads(spec, dev, cores),
                                    # a sparse setting on the CPU is timed side by side with dense (one process)
                                    "paired": dev == "cpu" and rt == "ctxsparse" and not dense}
+                            if dev == "cpu" and rt != RUNTIME_HF and gguf_weights(lat, ref, d):
+                                cfg["weights"] = "gguf"     # the GGUF's blocks (absent: float, as before)
                             if shape:
                                 cfg["setting"] = st
                             units.append(_unit("latency", ref, dev, cfg, [fit.id],
                                                f"{ref} {tag} latency {dev} b{b} p{pl} {rt}", **coords))
     return units
+
+
+def gguf_weights(lat, ref: str, described: dict) -> bool:
+    """Whether CPU latency of model ``ref`` decodes its GGUF's quantized blocks (``latency.cpu_weights``)."""
+    if lat.cpu_weights == "float":
+        return False
+    if not described.get("gguf"):
+        if lat.cpu_weights == "gguf":
+            raise ValueError(f"latency.cpu_weights is 'gguf' but model {ref} was not loaded from a GGUF file (give "
+                             "'auto' or 'float')")
+        return False
+    return True
 
 
 def task_units(t, ref: str, device: str, cfg: dict, fit_id: str, label: str, coords: dict) -> list[PlannedUnit]:

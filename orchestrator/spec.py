@@ -234,11 +234,22 @@ class LatencySpec(_Strict):
     repeats: Annotated[int, Field(ge=1, le=100)] = 3
     hf_generate_baseline: bool = True
     exclusive: bool = True     # time latency after every other unit, alone (CPU timings beside busy workers lie)
+    # what CPU latency decodes: "auto" the GGUF's quantized blocks for a model loaded from a GGUF (the weights a
+    # CPU user runs; settings with FFN / head predictors over the float weights, paired with that dense), else
+    # the float weights; "gguf" the same but an error for a model without a GGUF; "float" always the float weights
+    cpu_weights: Literal["auto", "gguf", "float"] = "auto"
 
     @field_validator("devices", "batch", "prompt_len")
     @classmethod
     def _no_dupes(cls, v: list, info) -> list:
         return _unique(v, info.field_name)
+
+    @model_serializer(mode="wrap")
+    def _canonical(self, handler):
+        out = handler(self)
+        if isinstance(out, dict) and out.get("cpu_weights") == "auto":
+            out.pop("cpu_weights")      # left out at its default: spec hashes unchanged
+        return out
 
 
 AUTO = "auto"     # a pool size sized from the cluster's resources when the sweep starts

@@ -341,7 +341,7 @@ class Units:
             if lm.meta.get("kind") != "gguf":
                 raise ValueError(f"model {cfg['model']} was not loaded from a GGUF file: llama.cpp has nothing to run")
             rows = bench_llama_cpp(lm.model, lm.source, prompt_len=cfg["prompt_len"], gen_len=cfg["gen_len"],
-                                   repeats=cfg["repeats"])
+                                   repeats=cfg["repeats"], ours_quantized=cfg.get("weights") == "gguf")
             return UnitOutput(latency=rows, summary={
                 "p50_ms": round(rows[0]["p50_ms_per_token"], 2), "threads": threads,
                 "speedup_vs_paired_dense": round(rows[1]["p50_ms_per_token"] / rows[0]["p50_ms_per_token"], 3)})
@@ -353,11 +353,18 @@ class Units:
         else:
             lm, b = self._bundle(cfg)
             plan = None if b.manifest["method"] == DENSE else b.plan(lm.model)
+        gguf = None
+        if cfg.get("weights") == "gguf":        # the GGUF's quantized blocks (orchestrator.plan.gguf_weights)
+            if lm.meta.get("kind") != "gguf":
+                raise ValueError(f"model {cfg['model']} was not loaded from a GGUF file: no quantized blocks to time")
+            gguf = lm.source
         rows = bench_decode(lm.model, plan, device=self.device,
                             batch=cfg["batch"], prompt_len=cfg["prompt_len"], gen_len=cfg["gen_len"],
                             repeats=cfg["repeats"], runtime=cfg["runtime"],
-                            paired=bool(cfg.get("paired")) and plan is not None)
+                            paired=bool(cfg.get("paired")) and plan is not None, gguf=gguf)
         summary = {"p50_ms": round(rows[0]["p50_ms_per_token"], 2), "threads": threads} if rows else {}
+        if rows:
+            summary["weights"] = rows[0].get("weights")
         if len(rows) == 2:      # sparse and its paired dense
             summary["speedup_vs_paired_dense"] = round(rows[1]["p50_ms_per_token"] / rows[0]["p50_ms_per_token"], 3)
         return UnitOutput(latency=rows, summary=summary)

@@ -76,13 +76,14 @@ elif not df.empty:
     st.altair_chart(bars.properties(height=330), width="stretch")
 
 columns = ["setting", "method", "s", "r", "accuracy", "latency_ms", "speedup", "spread", "realized_sparsity",
-           "accelerator", "threads", "note", "fit_unit"]
+           "accelerator", "threads", "weights", "note", "fit_unit"]
 config = {"accuracy": st.column_config.NumberColumn(metric, format="%.4g"),
           "latency_ms": st.column_config.NumberColumn("p50 ms/token", format="%.3f"),
           "speedup": st.column_config.NumberColumn("speedup vs dense", format="%.2fx"),
           "spread": st.column_config.TextColumn("speedup spread (repeats)"),
           "realized_sparsity": st.column_config.NumberColumn("weights skipped", format="%.3f"),
-          "s": st.column_config.NumberColumn("s", format="%.2f")}
+          "s": st.column_config.NumberColumn("s", format="%.2f"),
+          "weights": st.column_config.TextColumn("weights decoded")}
 st.subheader("Front")
 front = df[df["on_front"]] if not df.empty else df
 if front.empty:

@@ -21,7 +21,7 @@ def test_upgrade_head_from_empty(db_url):
         assert current_revision(engine) is None
         assert not set(inspect(engine).get_table_names()) & TABLES
         upgrade(engine)
-        assert current_revision(engine) == head_revision() == "0004"
+        assert current_revision(engine) == head_revision() == "0005"
         assert set(inspect(engine).get_table_names()) == TABLES | {"alembic_version"}
         upgrade(db_url)  # again, by URL: a no-op
         assert current_revision(db_url) == head_revision()
@@ -137,6 +137,7 @@ def test_0003_backfills_latency_threads_from_the_unit_config(db_url):
             got = dict(conn.execute(sa.text("SELECT unit_id, threads FROM latency_results")).all())
             spread = conn.execute(sa.text("SELECT speedup_min, speedup_max FROM latency_results")).all()
         assert got == {"c1" * 8: 2, "c2" * 8: None} and set(spread) == {(None, None)}
+        upgrade(engine)         # the queries read the head's columns
         with session_scope(engine) as s:
             assert {r.unit_id: r.threads for r in queries.latency_table(s)} == got
         with engine.connect() as conn:
@@ -165,7 +166,7 @@ def test_0004_adds_request_scores_and_keeps_every_row(db_url):
         with engine.connect() as conn:
             before = conn.execute(sa.text("SELECT unit_id, suite, task, metric, value, n FROM accuracy_results "
                                           "ORDER BY metric")).all()
-        upgrade(engine)
+        upgrade(engine, "0004")
         assert current_revision(engine) == "0004"
         with engine.connect() as conn:
             after = conn.execute(sa.text("SELECT unit_id, suite, task, metric, value, n FROM accuracy_results "
@@ -189,5 +190,51 @@ def test_0004_adds_request_scores_and_keeps_every_row(db_url):
         assert "request_scores" not in inspect(engine).get_table_names()
         with engine.connect() as conn:
             assert conn.execute(sa.text(count)).scalar() == 5
+    finally:
+        engine.dispose()
+
+
+def test_0005_records_latency_weights_and_backfills_the_cpu_runtime_rows(db_url):
+    """Rows before 0005: our CPU runtime rows decoded fp32 weights (back-filled "fp32"), llama.cpp rows its GGUF
+    ("gguf:llama.cpp"), accelerator rows unknown (NULL); every row kept; downgrading drops only the column."""
+    from db import queries
+    from db.engine import session_scope
+
+    engine = get_engine(db_url)
+    try:
+        upgrade(engine, "0004")
+        now = sa.literal_column("CURRENT_TIMESTAMP")
+        with engine.begin() as conn:
+            conn.execute(sa.table("models", sa.column("id"), sa.column("name"), sa.column("fingerprint"),
+                                  sa.column("config", sa.JSON), sa.column("created_at")).insert().values(
+                id=1, name="m", fingerprint="fp", config={}, created_at=now))
+            units = sa.table("work_units", sa.column("id"), sa.column("model_id"), sa.column("kind"),
+                             sa.column("config", sa.JSON), sa.column("status"), sa.column("attempts"),
+                             sa.column("code_version"), sa.column("created_at"))
+            lat = sa.table("latency_results", *(sa.column(c) for c in (
+                "unit_id", "device_type", "accelerator_name", "batch", "prompt_len", "gen_len", "p50_ms_per_token",
+                "p90_ms_per_token", "tokens_per_s", "runtime", "git_rev", "created_at")),
+                sa.column("package_versions", sa.JSON))
+            for uid, dev, runtime in (("a1" * 8, "cpu", "ctxsparse-sparse"), ("a2" * 8, "cpu", "llama.cpp"),
+                                      ("a3" * 8, "cuda", "ctxsparse-dense"), ("a4" * 8, "cpu", "hf-generate")):
+                conn.execute(units.insert().values(id=uid, model_id=1, kind="latency", config={"threads": 2},
+                                                   status="done", attempts=1, code_version="1", created_at=now))
+                conn.execute(lat.insert().values(unit_id=uid, device_type=dev, accelerator_name="x", batch=1,
+                                                 prompt_len=8, gen_len=4, p50_ms_per_token=2.0, p90_ms_per_token=3.0,
+                                                 tokens_per_s=500.0, runtime=runtime, git_rev="r",
+                                                 package_versions={}, created_at=now))
+        upgrade(engine)
+        assert current_revision(engine) == "0005"
+        want = {"a1" * 8: "fp32", "a2" * 8: "gguf:llama.cpp", "a3" * 8: None, "a4" * 8: None}
+        with engine.connect() as conn:
+            assert dict(conn.execute(sa.text("SELECT unit_id, weights FROM latency_results")).all()) == want
+        with session_scope(engine) as s:
+            assert {r.unit_id: r.weights for r in queries.latency_table(s)} == want
+        with engine.connect() as conn:
+            command.downgrade(_alembic_config(conn), "0004")
+            conn.commit()
+        assert "weights" not in {c["name"] for c in inspect(engine).get_columns("latency_results")}
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM latency_results")).scalar() == 4
     finally:
         engine.dispose()

@@ -508,7 +508,8 @@ def test_exported_bundle_records_where_and_at_which_thread_count_it_was_timed(st
     m = load_bundle(out).manifest
     assert m["measured"] == {"device_type": "cpu", "accelerator": "cpu-a", "threads": 2, "batch": 1,
                              "prompt_len": 16, "gen_len": 8, "p50_ms_per_token": 7.0, "speedup_vs_dense": 10 / 7,
-                             "speedup_min": None, "speedup_max": None, "paired": False}
+                             "speedup_min": None, "speedup_max": None, "paired": False,
+                             "weights": None}
     assert measured_threads(m) == 2 and printed["speedup_vs_dense"] == pytest.approx(10 / 7)
     assert "measured" not in load_bundle(store.tmp / "bundles" / store.fits["svd"]).manifest
     assert cli(["bundle", "export", store.fits["svd"], "--db", store.url, "--out", str(store.tmp / "b.tar.gz")]) == 0

@@ -1,6 +1,7 @@
 """Torch's thread count is part of every fit / eval / latency unit: rows measured under different counts never mix."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from orchestrator.plan import plan_units, torch_threads
@@ -160,7 +161,36 @@ def test_llama_cpp_row_is_absent_and_explained_where_the_package_does_not_import
     assert warned == ["no llama.cpp baseline row on the CPU front: llama-cpp-python is not installed: "
                       "`make llama-cpp` builds it (llama-cpp-python, about 6 minutes)"]
     # the rest of the plan is the same as with the package
-    assert [u.id for u in units] == [u.id for u in _latency_plan(2) if u.config.get("runtime") != "llama.cpp"]
+    import orchestrator.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "llama_cpp_plan", lambda spec, described: (True, None))
+    with_package = _latency_plan(2, GGUF)
+    assert _llama_units(with_package)
+    assert [u.id for u in units] == [u.id for u in with_package if u.config.get("runtime") != "llama.cpp"]
+
+
+def test_cpu_latency_of_a_gguf_model_decodes_its_quantized_blocks():
+    """``latency.cpu_weights``: "auto" (default) times our CPU runtime (and llama.cpp's paired dense) on the GGUF's
+    blocks for a model loaded from a GGUF (config ``weights: gguf``), never HF generate or a GPU unit, and nothing
+    changes for a model without a GGUF; "float" keeps the float weights (the ids of before); "gguf" on a model
+    without one is an error saying what to give; the default stays out of the spec's hash."""
+    gguf = _latency_plan(2, GGUF)
+    lat = [u for u in gguf if u.kind == "latency"]
+    quant = [u for u in lat if u.config.get("weights") == "gguf"]
+    assert quant and all(u.config["device_type"] == "cpu" and u.config["runtime"] != "hf-generate" for u in quant)
+    assert all(u.config["runtime"] == "hf-generate" or u.config["device_type"] != "cpu"
+               for u in lat if u not in quant)
+    assert all("weights" not in u.config for u in _latency_plan(2))
+    spec = parse_spec({**SPEC, "latency": {**LATENCY, "cpu_weights": "float"}})
+    floats = plan_units(spec, GGUF, cpu_cores=2)
+    assert all("weights" not in u.config for u in floats)
+    assert [u.id for u in floats if u.config.get("runtime") != "llama.cpp"] == [u.id for u in _latency_plan(2)]
+    with pytest.raises(ValueError, match="cpu_weights is 'gguf' but model smollm2-135m was not loaded from a GGUF"):
+        plan_units(parse_spec({**SPEC, "latency": {**LATENCY, "cpu_weights": "gguf"}}), DESCRIBED, cpu_cores=2)
+    assert parse_spec({**SPEC, "latency": {**LATENCY, "cpu_weights": "auto"}}).spec_hash() == \
+        parse_spec({**SPEC, "latency": LATENCY}).spec_hash()
+    with pytest.raises(ValueError, match="cpu_weights"):
+        parse_spec({**SPEC, "latency": {**LATENCY, "cpu_weights": "q4"}})
 
 
 def test_the_driver_plans_cpu_latency_on_the_largest_nodes_cores():

@@ -14,6 +14,11 @@ same weights decode the same prompt alternately (the order flips every round, on
 the CPU the dense products take the faster of torch matmuls and the row kernels (``pick_cpu_dense``), for both
 runtimes.
 
+Weights (CPU): a model loaded from a GGUF decodes the file's quantized blocks (the fastest dense path there; a
+plan with FFN or head predictors runs over the float weights beside that dense); for a bundle, by default what
+its setting was timed on in the sweep (the manifest's ``measured`` record); ``weights="float"`` keeps the float
+weights.
+
 Threads: ``threads`` if given; else, for a bundle, the count its setting was timed at in the sweep (the manifest's
 ``measured`` record, written by ``bundle export``), so the sweep's latency row and this run measure the same thing;
 else every core of this process (``workers.host.available_cores``). The count is set for the run, restored after,
@@ -54,7 +59,9 @@ class GenerateResult:
         sp = ", ".join(f"{k} {v:.3f}" for k, v in sorted(self.realized_sparsity.items())) or "none"
         t = self.extra.get("threads")
         at = f" at {t} thread{'' if t == 1 else 's'} ({self.extra.get('threads_from')})" if t else ""
-        return (f"tokens/s on {self.device} ({self.extra.get('accelerator', '')}){at}: dense "
+        wd, ws = self.extra.get("weights"), self.extra.get("sparse_weights")
+        on = f", {wd}" + (f" (sparse: {ws})" if ws and ws != wd else "") if wd else ""
+        return (f"tokens/s on {self.device} ({self.extra.get('accelerator', '')}{on}){at}: dense "
                 f"{self.dense_tokens_per_s:.1f}, sparse {self.sparse_tokens_per_s:.1f} ({self.speedup:.2f}x), "
                 f"median of {self.extra.get('repeats')} interleaved rounds of {len(self.tokens) - 1} decode steps\n"
                 f"realized sparsity: {sp}; {agree}")
@@ -70,27 +77,33 @@ def _device(device: str) -> torch.device:
 
 
 def run_bundle(model: str, bundle, prompt: str, *, tokens: int = 32, device: str = "cpu", repeats: int = 3,
-               dtype: torch.dtype | None = None, threads: int | None = None) -> GenerateResult:
+               dtype: torch.dtype | None = None, threads: int | None = None, weights: str = "auto") -> GenerateResult:
     """Load the model ``model`` (a workers.loading ref) and the bundle folder ``bundle`` (it must have been fitted
     on that model: same fingerprint), then :func:`generate_with_plan` at ``threads`` (default: the count the
     bundle's setting was timed at, else every core; module docstring). Bad input (empty prompt, a missing or
     damaged bundle, a bundle of another model, no such device, a thread count below 1) raises ValueError
     (BundleError is one) with one line saying what is wrong, before the model is loaded where it can."""
     from workers.loading.models import load_model
-    from workers.sparsity.bundle import BundleError, load_bundle, measured_threads
+    from workers.sparsity.bundle import MEASURED, BundleError, load_bundle, measured_threads
 
     _check_prompt(prompt, tokens, repeats, threads)
+    _check_weights(weights)
     dev = _device(device)
     b = load_bundle(bundle)
     source = "given"
     if threads is None and (threads := measured_threads(b.manifest, dev.type)) is not None:
         source = "the count the sweep timed this setting at"
+    if weights == "auto":                   # what the sweep's latency row read, where the bundle records it
+        m = b.manifest.get(MEASURED)
+        was = m.get("weights") if isinstance(m, dict) and m.get("device_type") == dev.type else None
+        weights = "gguf" if str(was).startswith("gguf:") else "float" if was else "auto"
     lm = load_model(model)
     if lm.fingerprint != b.fingerprint:
         raise BundleError(f"{b.path}: fitted on model {b.manifest['model']['ref']} (fingerprint "
                           f"{b.fingerprint[:12]}), model {model} has fingerprint {lm.fingerprint[:12]}")
     return generate_with_plan(lm, b.plan(lm.model), prompt, tokens=tokens, device=device, repeats=repeats,
-                              dtype=dtype, threads=threads, threads_from=source if threads is not None else None)
+                              dtype=dtype, threads=threads, threads_from=source if threads is not None else None,
+                              weights=weights)
 
 
 def _check_prompt(prompt: str, tokens: int, repeats: int, threads: int | None = None) -> None:
@@ -104,19 +117,31 @@ def _check_prompt(prompt: str, tokens: int, repeats: int, threads: int | None = 
         raise ValueError(f"threads must be a count >= 1, got {threads!r}")
 
 
+WEIGHTS = ("auto", "gguf", "float")
+
+
+def _check_weights(weights: str) -> None:
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+
+
 def generate_with_plan(lm, plan, prompt: str, *, tokens: int = 32, device: str = "cpu", repeats: int = 3,
                        dtype: torch.dtype | None = None, threads: int | None = None,
-                       threads_from: str | None = None) -> GenerateResult:
+                       threads_from: str | None = None, weights: str = "auto") -> GenerateResult:
     """Greedy continuation of ``prompt`` with ``plan`` on the decode runtime, and tokens/s dense vs sparse, at
     ``threads`` torch threads (default: every core; ``threads_from`` says where the count came from, for the
-    summary). ``dtype``: the runtime's (default float32 on the CPU, float16 on CUDA)."""
+    summary). ``dtype``: the runtime's (default float32 on the CPU, float16 on CUDA). ``weights`` (CPU): "gguf"
+    the GGUF's quantized blocks (a model loaded from a GGUF: dense, and the plan where the quantized runtime
+    takes it, input sparsity; a plan with predictors runs over the float weights beside that dense), "float"
+    the float weights, "auto" the blocks where the model has a GGUF."""
     _check_prompt(prompt, tokens, repeats, threads)
+    _check_weights(weights)
     if threads is None:
         threads, threads_from = available_cores(), "every core"
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        res = _generate(lm, plan, prompt, tokens, device, repeats, dtype)
+        res = _generate(lm, plan, prompt, tokens, device, repeats, dtype, weights)
     finally:
         torch.set_num_threads(before)
     res.extra.update(threads=threads, threads_from=threads_from or "given")
@@ -124,8 +149,8 @@ def generate_with_plan(lm, plan, prompt: str, *, tokens: int = 32, device: str =
 
 
 @torch.no_grad()
-def _generate(lm, plan, prompt: str, tokens: int, device: str, repeats: int, dtype) -> GenerateResult:
-    from workers.decode.latency import accelerator_name
+def _generate(lm, plan, prompt: str, tokens: int, device: str, repeats: int, dtype, weights: str) -> GenerateResult:
+    from workers.decode.latency import accelerator_name, weights_name
 
     dev = _device(device)
     ids = torch.tensor([lm.tokenizer(prompt)["input_ids"]], dtype=torch.long)
@@ -135,10 +160,25 @@ def _generate(lm, plan, prompt: str, tokens: int, device: str, repeats: int, dty
     if n_pos is not None and ids.shape[1] + tokens > n_pos:
         raise ValueError(f"prompt ({ids.shape[1]} tokens) + {tokens} new tokens > the model's {n_pos} positions")
     dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
-    weights = from_hf(lm.model, dtype=dtype, device=dev)
-    dense, sparse = DecodeRuntime(weights), DecodeRuntime(weights)
-    if dev.type == "cpu":
-        sparse.configure(cpu_rows=pick_cpu_dense(dense))
+    has_gguf = lm.meta.get("kind") == "gguf"
+    if weights == "gguf" and (dev.type != "cpu" or not has_gguf):
+        raise ValueError("weights gguf: the GGUF's quantized blocks decode on the CPU, for a model loaded from a "
+                         "GGUF file")
+    quant = dev.type == "cpu" and has_gguf and weights != "float"
+    if quant:
+        from workers.decode.quant_weights import from_gguf
+
+        wq = from_gguf(lm.model, lm.source)
+        dense = DecodeRuntime(wq)
+        takes = plan is None or not (plan.mlp or plan.attn)      # the quantized runtime runs input sparsity
+        sparse = DecodeRuntime(wq) if takes else DecodeRuntime(from_hf(lm.model, dtype=dtype, device=dev))
+        if not takes:
+            sparse.configure(cpu_rows=pick_cpu_dense(sparse))
+    else:
+        w = from_hf(lm.model, dtype=dtype, device=dev)
+        dense, sparse = DecodeRuntime(w), DecodeRuntime(w)
+        if dev.type == "cpu":
+            sparse.configure(cpu_rows=pick_cpu_dense(dense))
     sparse.set_plan(plan)           # after pick_cpu_dense: the runtimes share the weights' layouts
     for rt in (dense, sparse):
         rt.setup(1, ids.shape[1] + tokens)
@@ -158,4 +198,6 @@ def _generate(lm, plan, prompt: str, tokens: int, device: str, repeats: int, dty
                           dense_tokens=out[id(dense)], dense_tokens_per_s=tps[0],
                           sparse_tokens_per_s=tps[1], realized_sparsity=sparse.realized_sparsity(),
                           device=dev.type, extra={"accelerator": accelerator_name(dev), "repeats": repeats,
-                                                  "prompt_tokens": ids.shape[1], "dtype": str(dtype)})
+                                                  "prompt_tokens": ids.shape[1], "dtype": str(dtype),
+                                                  "weights": weights_name(dense),
+                                                  "sparse_weights": weights_name(sparse)})

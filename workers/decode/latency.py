@@ -5,8 +5,8 @@
 
 Each row has exactly the fields of ``db.schemas.LatencyRow`` that a worker fills (device_type, accelerator_name,
 batch, prompt_len, gen_len, p50_ms_per_token, p90_ms_per_token, tokens_per_s, realized_sparsity, runtime, threads:
-torch's thread count while timing, and for a row timed alternately with our dense decode speedup_min /
-speedup_max, the lowest and highest per-repeat speedup over it);
+torch's thread count while timing, weights: what the decode read, and for a row timed alternately with our dense
+decode speedup_min / speedup_max, the lowest and highest per-repeat speedup over it);
 ``detail=True`` adds measurement details under keys the store does not take (strip them before a LatencyRow).
 No Ray, no DB imports: the GPU benchmark script runs this module on a machine without either.
 
@@ -170,15 +170,40 @@ def speedup_spread(dense_runs: list[list[float]], runs: list[list[float]]) -> tu
 _RUNTIMES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def runtime_for(model, device=None) -> DecodeRuntime:
-    """The decode runtime built from ``model`` (cached per model object; weights copied once)."""
+def runtime_for(model, device=None, gguf=None) -> DecodeRuntime:
+    """The decode runtime built from ``model`` (cached per model object and ``gguf``; weights copied once): its
+    own float weights, or with ``gguf`` (the file ``model`` was loaded from; CPU) the file's quantized blocks."""
     if isinstance(model, DecodeRuntime):
         return model
-    rt = _RUNTIMES.get(model)
+    per = _RUNTIMES.setdefault(model, {})
+    key = None if gguf is None else str(gguf)
+    rt = per.get(key)
     if rt is None or (device is not None and rt.device != torch.device(device)):
-        rt = DecodeRuntime.from_hf(model, device=device)
-        _RUNTIMES[model] = rt
+        if key is not None and torch.device(device or "cpu").type != "cpu":
+            raise ValueError("the GGUF's quantized blocks decode on the CPU only")
+        rt = DecodeRuntime.from_hf(model, device=device) if key is None else DecodeRuntime.from_gguf(model, key)
+        per[key] = rt
     return rt
+
+
+def weights_name(rt: DecodeRuntime) -> str:
+    """What a latency row's decode read: "gguf:" and the projections' block formats (the quantized runtime), or
+    the float dtype ("fp32", "fp16", "bf16")."""
+    w = rt.weights
+    if w.quantized:
+        fmts = sorted({f for L in w.layers for q in (L.w_qkv, L.w_o_t, L.w_gate, L.w_up, L.w_down_t)
+                       if q is not None for f in q.formats})
+        return "gguf:" + "+".join(fmts)
+    return dtype_name(w.dtype)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+
+
+def _runs_quantized(plan) -> bool:
+    """Whether the quantized runtime takes ``plan`` (dense or input sparsity only)."""
+    return plan is None or not (plan.mlp or plan.attn)
 
 
 @torch.no_grad()
@@ -186,7 +211,7 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
                  gen_len: int = 32, runtime: str = "ctxsparse", repeats: int = 3, warmup: int = 1,
                  overlap: bool = True, kv_mode: str = "exact", seed: int = 0, detail: bool = False,
                  vocab: int | None = None, paired: bool | None = None, hf_cache: str = "dynamic",
-                 hf_compile: bool = False) -> list[dict]:
+                 hf_compile: bool = False, gguf=None) -> list[dict]:
     """Time greedy decoding of ``gen_len`` tokens after a ``prompt_len`` random prompt, ``batch`` sequences.
 
     ``model``: an HF causal LM (or a :class:`DecodeRuntime` for ``runtime="ctxsparse"``). ``runtime``:
@@ -204,6 +229,11 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
     The ratio of the two rows is what to trust on a shared machine, where the absolute times of two latency units
     run minutes apart can drift by more than the difference between settings.
 
+    ``gguf`` (CPU; the file ``model`` was loaded from): dense decodes the file's quantized blocks (the fastest
+    dense path a CPU user has), and so does a plan the quantized runtime takes (input sparsity); a plan with FFN or
+    head predictors runs over the float weights, still paired with the quantized dense. Each row's ``weights``
+    says what it read (:func:`weights_name`).
+
     At batch > 1 (unpaired) the warm-up's realized unions decide, per layer, whether the FFN runs dense from then
     on (``timing.densify_slow_ffn``; ``dense_ffn_layers`` in the detail lists them).
     """
@@ -220,11 +250,16 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
         paired = plan is not None and device.type == "cpu"
     if paired and plan is None:
         raise ValueError("paired timing needs a sparse plan (dense is the other half of the pair)")
-    rt = runtime_for(model, device)
-    if device.type == "cpu" and rt.cpu_rows is None:
-        pick_cpu_dense(rt)           # the fastest dense path here, for the dense and the sparse runs alike
-    V = vocab or rt.vocab
+    if gguf is not None and device.type != "cpu":
+        raise ValueError("gguf: the quantized blocks decode on the CPU only")
+    rt_dense = runtime_for(model, device, gguf)
+    rt_plan = rt_dense if gguf is None or _runs_quantized(plan) else runtime_for(model, device)
+    for r_ in {id(rt_dense): rt_dense, id(rt_plan): rt_plan}.values():
+        if device.type == "cpu" and r_.cpu_rows is None and not r_.weights.quantized:
+            pick_cpu_dense(r_)       # the fastest dense path here, for the dense and the sparse runs alike
+    V = vocab or rt_dense.vocab
     plans = [plan, None] if paired else [plan]
+    runtimes = {id(plan): rt_plan if plan is not None else rt_dense, id(None): rt_dense}
     prompts = [torch.randint(0, V, (batch, prompt_len), generator=g) for _ in range(warmup + repeats)]
     sparsities: dict = {id(p): [] for p in plans}
     densified: list[int] = []
@@ -233,6 +268,7 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
 
     def run(p, r: int):
         """Round r of plan p: prefill one prompt (timed on the host, device synchronized) and decode it."""
+        rt = runtimes[id(p)]
         count = counted or r < max(warmup, 1)
         if rt.blocks.count_inputs != count:
             rt.configure(count_inputs=count)
@@ -265,23 +301,26 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
             heads = [s["heads"] for s in sparsities[id(p)] if "heads" in s]
             extra = dict(prefill_ms=_pct([ms for ms, _ in run_p], 0.5), mean_ms_per_token=sum(times) / len(times),
                          head_sparsity=(sum(heads) / len(heads)) if heads else None, overlap=overlap,
-                         kv_mode=kv_mode, repeats=repeats, weight_bytes=rt.weight_bytes(),
+                         kv_mode=kv_mode, repeats=repeats, weight_bytes=runtimes[id(p)].weight_bytes(),
                          dense_ffn_layers=densified if p is not None else None)
         name = RUNTIME_SPARSE if p is not None else RUNTIME_DENSE_PAIRED if paired else RUNTIME_DENSE
         spread = (speedup_spread([ts for _, ts in runs[1]], [ts for _, ts in run_p])
                   if paired and i == 0 else None)
-        rows.append(_row(device, batch, prompt_len, gen_len, times, name, sp, extra, spread))
+        row = _row(device, batch, prompt_len, gen_len, times, name, sp, extra, spread)
+        row["weights"] = weights_name(runtimes[id(p)])
+        rows.append(row)
     return rows
 
 
 @torch.no_grad()
 def bench_llama_cpp(model, gguf, *, prompt_len: int = 128, gen_len: int = 32, repeats: int = 3, warmup: int = 1,
-                    seed: int = 0, detail: bool = False) -> list[dict]:
+                    seed: int = 0, detail: bool = False, ours_quantized: bool = True) -> list[dict]:
     """llama.cpp on ``gguf`` (the file ``model`` was loaded from) and our dense decode of ``model``, alternately on
     the same random prompts in this process (batch 1, on the CPU, both at torch's thread count; the order flips every
     repeat): a ``llama.cpp`` row, whose ``speedup_min`` / ``speedup_max`` are the spread of its per-repeat speedup
     over our dense, and the ``ctxsparse-dense-paired`` row of that dense. Both decode ``gen_len - 1`` greedy steps
-    after the prompt's prefill. Without llama-cpp-python: RuntimeError with the one line of
+    after the prompt's prefill. Our dense decodes the same file's quantized blocks (``ours_quantized``; else the
+    float weights). Without llama-cpp-python: RuntimeError with the one line of
     ``workers.decode.llama_cpp.llama_cpp_missing``."""
     from workers.decode.llama_cpp import LlamaCppRunner, llama_cpp_missing
 
@@ -291,8 +330,8 @@ def bench_llama_cpp(model, gguf, *, prompt_len: int = 128, gen_len: int = 32, re
     if gen_len < 2:
         raise ValueError("gen_len must be >= 2 (the first token comes from the prefill)")
     device = torch.device("cpu")
-    rt = runtime_for(model, device)
-    if rt.cpu_rows is None:
+    rt = runtime_for(model, device, gguf if ours_quantized else None)
+    if rt.cpu_rows is None and not rt.weights.quantized:
         pick_cpu_dense(rt)           # our dense baseline is the fastest dense we can run here
     rt.set_plan(None)
     rt.setup(1, prompt_len + gen_len)
@@ -318,7 +357,9 @@ def bench_llama_cpp(model, gguf, *, prompt_len: int = 128, gen_len: int = 32, re
         if detail and name == RUNTIME_LLAMA_CPP:
             extra.update(gguf=str(gguf), llama_decode_evals=evals)     # llama.cpp's own count of its steps
         spread = speedup_spread(dense_runs, runs) if name == RUNTIME_LLAMA_CPP else None
-        rows.append(_row(device, 1, prompt_len, gen_len, times, name, None, extra, spread))
+        row = _row(device, 1, prompt_len, gen_len, times, name, None, extra, spread)
+        row["weights"] = "gguf:llama.cpp" if name == RUNTIME_LLAMA_CPP else weights_name(rt)
+        rows.append(row)
     return rows
 
 
@@ -376,7 +417,9 @@ def _bench_hf(model, device, batch, prompt_len, gen_len, repeats, warmup, g, det
             times.extend((b - a) * 1e3 for a, b in zip(clock.t, clock.t[1:]))
     extra = (dict(mean_ms_per_token=sum(times) / len(times), repeats=repeats, hf_cache=hf_cache,
                   hf_compile=hf_compile) if detail else None)
-    return _row(device, batch, prompt_len, gen_len, times, RUNTIME_HF, None, extra)
+    row = _row(device, batch, prompt_len, gen_len, times, RUNTIME_HF, None, extra)
+    row["weights"] = dtype_name(next(model.parameters()).dtype)
+    return row
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -124,6 +124,10 @@ def test_smollm2_teal_bundle(smollm2, tmp_path):
     ids = torch.tensor([smollm2.tokenizer(prompt)["input_ids"]])
     assert res.tokens == _hf_greedy(smollm2.model, path, ids, 8)
     assert 0.2 < res.realized_sparsity["weights"] < 0.6 and res.text.strip()
+    # a GGUF model decodes the file's blocks by default (dense and TEAL alike); "float" the float weights
+    assert res.extra["weights"] == res.extra["sparse_weights"] == "gguf:Q4_1" and "gguf:Q4_1" in res.summary()
+    flt = run_bundle("smollm2-135m", path, prompt, tokens=8, repeats=1, weights="float")
+    assert flt.extra["weights"] == "fp32" and flt.tokens == res.tokens
     print(f"smollm2 generate test {time.time() - t0:.1f}s: {res.text!r}\n{res.summary()}")
 
 
