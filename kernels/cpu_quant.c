@@ -977,6 +977,12 @@ static inline float row_dot_x(int t, const uint8_t *row, const xbuf *a, int64_t 
     return row_dot(t, row, a->x + b * n, a->xs + b * nb, n);
 }
 
+#ifndef QSP_HINT
+#define QSP_HINT 1           /* __builtin_prefetch locality of those rows */
+#endif
+#ifndef QSP_PF
+#define QSP_PF 32            /* one token's Wᵀ rows: prefetch this many rows past the group being summed */
+#endif
 #ifndef QPF_DIST
 #define QPF_DIST 4           /* gathered rows: prefetch this many rows ahead (every line of the row) */
 #endif
@@ -1226,10 +1232,13 @@ static void qt_flush(const void *scale, const void *offset, int half, int64_t c0
 }
 
 #if QSIMD && defined(__AVX512F__)
-/* One token (B = 1), m a multiple of 32: the rows j0..j1-1 of one scale group (idx[j], or j) summed 32 columns
- * at a time in registers, rows inner (each row's codes converted once, no column sums in memory), then flushed.
- * The same operations in the same order as the general loop below (t = fma(w_j, code, t) row by row from 0;
- * y = fma(scale, t, y), y = fma(offset, s, y)), so the same bits. */
+/* One token (B = 1), m a multiple of 32: the rows j0..j1-1 of one scale group (idx[j], or j) summed 128 (then 32)
+ * columns at a time in registers, rows inner (each row's codes converted once, no column sums in memory), then
+ * flushed. 4-bit codes go into 32-bit lanes unbiased (one widening a 16-byte run) and the code bias comes off once
+ * per group, t = sum w c - bias * sum w: not the general loop's bits (its products are w (c - bias)), equal within
+ * fp32 rounding; every caller of qt_body (cs_qt_axpy, cs_q_layers) takes this path for one token, so the per-op
+ * and the native step still agree bit for bit. On SmolLM2's layers (Q4_1, one thread, 2-core VM) the rows
+ * QSP_PF ahead are what makes it pay: without the prefetch the sparse layers took twice dense's time. */
 /* NB blocks of 32 columns from column o of the group's rows (2 NB accumulators: independent FMA chains) */
 #define QT_BLOCKS(NB)                                                                                          \
     do {                                                                                                       \
@@ -1241,10 +1250,11 @@ static void qt_flush(const void *scale, const void *offset, int half, int64_t c0
             const uint8_t *row = codes + (idx ? idx[j] : j) * ld;                                              \
             for (int u = 0; u < (NB); ++u) {                                                                   \
                 __m512i q0, q1;                                                                                \
-                if (bits == 4) {                                                                               \
-                    const __m128i v = _mm_loadu_si128((const __m128i *)(row + (c0 + o) / 2 + 16 * u));         \
-                    q0 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(v, m4)), cb);                     \
-                    q1 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m4)), cb);  \
+                if (bits == 4) {      /* the code bias comes off at the flush: (sum w c) - bias * (sum w) */  \
+                    const __m512i v = _mm512_cvtepu8_epi32(                                                    \
+                        _mm_loadu_si128((const __m128i *)(row + (c0 + o) / 2 + 16 * u)));                      \
+                    q0 = _mm512_and_si512(v, m4);                                                              \
+                    q1 = _mm512_srli_epi32(v, 4);                                                              \
                 } else {                                                                                       \
                     q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + c0 + o + 32 * u)));      \
                     q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + c0 + o + 32 * u + 16))); \
@@ -1253,6 +1263,8 @@ static void qt_flush(const void *scale, const void *offset, int half, int64_t c0
                 a[2 * u + 1] = _mm512_fmadd_ps(wv, _mm512_cvtepi32_ps(q1), a[2 * u + 1]);                      \
             }                                                                                                  \
         }                                                                                                      \
+        if (bits == 4)                                                                                         \
+            for (int u = 0; u < 2 * (NB); ++u) a[u] = _mm512_fnmadd_ps(cbw, swv, a[u]);                      \
         for (int u = 0; u < 2 * (NB); ++u) qt_flush16(sg, og, half, c0 + o + 16 * u, a[u], swv, y + o + 16 * u); \
         o += 32 * (NB);                                                                                        \
     } while (0)
@@ -1277,8 +1289,8 @@ static void qt_group1(const uint8_t *codes, int64_t ld, int bits, int cbias, con
     for (int64_t j = j0; j < j1; ++j)
         if (w[j] != 0.f) sw += w[j];
     const __m512 swv = _mm512_set1_ps(sw);
-    const __m128i m4 = _mm_set1_epi8(15);
-    const __m512i cb = _mm512_set1_epi32(cbias);
+    const __m512i m4 = _mm512_set1_epi32(15);
+    const __m512 cbw = _mm512_set1_ps((float)cbias);
     int64_t o = 0;
     while (o + 128 <= m) QT_BLOCKS(4);
     while (o < m) QT_BLOCKS(1);
@@ -1296,12 +1308,13 @@ static void qt_body(const uint8_t *codes, int bits, int cbias, const void *scale
 #if QSIMD && defined(__AVX512F__)
     if (B == 1 && m % 32 == 0 && c0 % 32 == 0) {
         const size_t es = half ? 2 : 4;
+        int64_t jp = 0;              /* the next row to prefetch */
         for (int64_t j0 = 0, j1; j0 < k; j0 = j1) {
             const int64_t g = (idx ? idx[j0] : j0) / group;
             for (j1 = j0 + 1; j1 < k && (idx ? idx[j1] : j1) / group == g; ++j1) {}
-            for (int64_t jn = j1; jn < k && jn < j1 + (j1 - j0); ++jn) {    /* about the next group's rows */
-                const int64_t rn = idx ? idx[jn] : jn;
-                pf_bytes(codes + rn * ld + (bits == 4 ? c0 / 2 : c0), bits == 4 ? m / 2 : m);
+            for (; jp < k && jp < j1 + QSP_PF; ++jp) {      /* the rows QSP_PF ahead of this group's end */
+                const uint8_t *pr = codes + (idx ? idx[jp] : jp) * ld + (bits == 4 ? c0 / 2 : c0);
+                for (int64_t i = 0, nb = bits == 4 ? m / 2 : m; i < nb; i += 64) __builtin_prefetch(pr + i, 0, QSP_HINT);
             }
             qt_group1(codes, ld, bits, cbias, idx, j0, j1, w, (const uint8_t *)scale + (size_t)(g * nout) * es,
                       offset ? (const uint8_t *)offset + (size_t)(g * nout) * es : NULL, half, c0, m, y + c0);
@@ -1580,9 +1593,15 @@ static void sp_active(const qtpart *tp, int64_t np, const float *x, int64_t n, q
 
 /* columns per task of a group of total outputs: about a quarter of a thread's share, 32-aligned, within
  * [64, 1024] (row pieces of 32+ bytes, column sums in L1) and at most QMAXTASKS tasks */
+#ifndef QSP_MAXCOLS
+#define QSP_MAXCOLS 1024
+#endif
+#ifndef QSP_SPLIT
+#define QSP_SPLIT 2
+#endif
 static int64_t sp_chunk(int64_t total, int T) {
-    int64_t c = total / (2 * (int64_t)T);
-    if (c > 1024) c = 1024;
+    int64_t c = total / (QSP_SPLIT * (int64_t)T);
+    if (c > QSP_MAXCOLS) c = QSP_MAXCOLS;
     if (c < 64) c = 64;
     const int64_t least = (total + QMAXTASKS - 1) / QMAXTASKS;
     if (c < least) c = least;
