@@ -214,3 +214,14 @@ def test_covariances_are_collected_only_for_sweeps_with_a_method_that_fits_from_
     assert all(u.config["capture"] == ["cov"] for u in with_data)
     assert "cov" in COMPONENTS and "cov" not in sweep_components() and "cov" in sweep_components(["cov"])
     assert set(COMPONENTS) - set(sweep_components()) == {"cov"}
+
+
+def test_methods_the_runtime_does_not_decode_get_no_latency_units():
+    """larosa and rsparse run masked only: their settings get fit and eval units, no latency unit (which would
+    fail); the other settings keep theirs."""
+    spec = parse_spec({**SPEC, "methods": SPEC["methods"] + [{"name": "rsparse", "sparsity": [0.4]}],
+                       "latency": LATENCY})
+    units = plan_units(spec, DESCRIBED, cpu_cores=2)
+    rs = [u for u in units if u.method == "rsparse"]
+    assert rs and {u.kind for u in rs} == {"fit", "eval"}
+    assert any(u.kind == "latency" and u.method == "oracle" for u in units)
