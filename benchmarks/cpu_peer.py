@@ -15,8 +15,11 @@ LAMBADA passage, token ids shared by all runners):
                            decoder layer in one native call (workers.decode.native_layer)
 * ``ours quant per-op``    the same blocks with ``fuse=False``: a native call per op, Python between them
 * ``ours quant q8``        the same with 8-bit activations (llama.cpp's arithmetic; approximate)
-* ``ours fp32 METHOD s=S`` with ``--sparse``: a plan fitted on ``--calib-tokens`` calibration tokens (as
-                           benchmarks.cpu_ops --methods), over the fp32 weights
+* ``ours quant METHOD s=S`` with ``--sparse``: a plan fitted on ``--calib-tokens`` calibration tokens (as
+                           benchmarks.cpu_ops --methods) over the GGUF's blocks (input sparsity: TEAL, WINA), every
+                           layer in one native call; a plan with FFN / head predictors over the fp32 weights
+                           (``ours fp32 METHOD``), and with ``--fp32-sparse`` every plan there too
+* ``--skip NAME,...``      leave runners out (e.g. ``ours quant per-op,ours quant q8,ours fp32``)
 
 Every round runs every (runner, thread count) once, in an order that alternates between rounds; round 0 warms up.
 Median, IQR and p10 of the per-round ms/token (p10 resists other processes' load better; the ratios to llama.cpp
@@ -95,7 +98,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens (a held-out LAMBADA passage)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--sparse", default="", help="METHOD:S,... fitted plans on the fp32 weights (e.g. teal:0.35)")
+    ap.add_argument("--sparse", default="", help="METHOD:S,... fitted plans (e.g. teal:0.3,teal:0.5)")
+    ap.add_argument("--fp32-sparse", action="store_true", help="time the plans over the fp32 weights too")
+    ap.add_argument("--skip", default="", help="runner names to leave out, comma separated")
     ap.add_argument("--calib-tokens", type=int, default=1024)
     ap.add_argument("--nll-tokens", type=int, default=0, help="teacher-forced decode NLL over this many tokens")
     ap.add_argument("--no-llama", action="store_true", help="ours only (without llama-cpp-python installed)")
@@ -128,8 +133,16 @@ def main(argv=None) -> int:
     if args.sparse:
         plans = fitted_plans(lm, _methods(args.sparse), args.calib_tokens)
         for name, plan in plans.items():
-            runners[f"ours fp32 {name}"] = OursRunner(DecodeRuntime.from_hf(lm.model, torch.float32, "cpu",
-                                                                            cpu_rows=True), plan)
+            quantized = not (plan.mlp or plan.attn)        # what the quantized runtime takes: input sparsity
+            if quantized:
+                runners[f"ours quant {name}"] = OursRunner(DecodeRuntime.from_gguf(lm.model, gguf), plan)
+            if not quantized or args.fp32_sparse:
+                runners[f"ours fp32 {name}"] = OursRunner(DecodeRuntime.from_hf(lm.model, torch.float32, "cpu",
+                                                                                cpu_rows=True), plan)
+    for n in [x.strip() for x in args.skip.split(",") if x.strip()]:
+        if n not in runners:
+            raise SystemExit(f"--skip {n!r}: no such runner ({', '.join(runners)})")
+        del runners[n]
     keys = [(n, t) for t in args.threads for n in runners]
     times: dict = {k: [] for k in keys}
     own: dict = {k: [] for k in keys}
@@ -161,14 +174,15 @@ def main(argv=None) -> int:
     rows = []
     print(f"{args.model}: greedy decode of {args.gen} tokens after {args.prompt}, {args.repeats} interleaved "
           f"rounds; load average {load0[0]:.2f} before, {load1[0]:.2f} after")
+    ref_name = "ours fp32" if "ours fp32" in runners else next(n for n in runners if n.startswith("ours"))
     for t in args.threads:
-        ref = tokens[("ours fp32", t)]
+        ref = tokens[(ref_name, t)]
         base = Timing.of(times[("llama.cpp", t)], "ms") if ("llama.cpp", t) in times else None
-        print(f"  {t} thread(s)       ms/token    IQR    p10   vs llama.cpp (median, p10)   tokens = ours fp32")
+        print(f"  {t} thread(s)       ms/token    IQR    p10   vs llama.cpp (median, p10)   tokens = {ref_name}")
         for n in runners:
             tm = Timing.of(times[(n, t)], "ms")
             same = _prefix(tokens[(n, t)], ref)
-            extra = dict(threads=t, gen=args.gen, prompt=args.prompt, same_tokens_as_fp32=same,
+            extra = dict(threads=t, gen=args.gen, prompt=args.prompt, same_tokens_as=ref_name, same_tokens=same,
                          load_avg=[round(v, 2) for v in (*load0, *load1)])
             if n in nll:
                 extra["decode_nll"] = round(nll[n], 5)
@@ -177,9 +191,8 @@ def main(argv=None) -> int:
                 extra["llama_perf_eval_ms"] = round(float(np.median(own[(n, t)])), 3)
             ratio = f"{base.median / tm.median:8.2f}x {base.p10 / tm.p10:8.2f}x" if base else f"{'-':>19}"
             print(f"  {n:<22}{tm.median:>8.2f}{tm.iqr:>7.2f}{tm.p10:>7.2f}   {ratio}              {same}/{len(ref)}")
-            dtype = {"llama.cpp": "gguf, q8 act", "ours quant": "gguf, fp32 act",
-                     "ours quant per-op": "gguf, fp32 act", "ours quant q8": "gguf, q8 act"
-                     }.get(n, "fp32")
+            dtype = ("gguf, q8 act" if n in ("llama.cpp", "ours quant q8") else
+                     "gguf, fp32 act" if n.startswith("ours quant") else "fp32")
             rows.append(Row.measured("cpu_peer", n, tm, shape=args.model, dtype=dtype, device="cpu", extra=extra))
     path = write_results(args.json, rows, command=command_line("benchmarks.cpu_peer"), device="cpu",
                          meta={"model": args.model, "gguf": os.path.basename(str(gguf))})
