@@ -1490,6 +1490,7 @@ typedef struct {             /* one thread's own buffers */
     int64_t *idx;            /* the active inputs of each part: QSPARTS x nmax */
     float *wv;               /* their values */
     float *tt;               /* qt_body's column sums (nmax + 1) */
+    float *part;             /* this thread's share of a row-split product (nmax) */
     int64_t nmax, k[QSPARTS];
 } qpriv;
 
@@ -1555,6 +1556,7 @@ static int64_t layer_scratch(const qdims *M, int nt, int64_t nl, uint8_t *base, 
         p.idx = carve(base, &off, QSPARTS * nmax * 8);
         p.wv = carve(base, &off, QSPARTS * nmax * 4);
         p.tt = carve(base, &off, (nmax + 1) * 4);
+        p.part = carve(base, &off, nmax * 4);
         if (P) P[t] = p;
     }
     return off;
@@ -1640,9 +1642,30 @@ static void sp_task(const qtpart *tp, int64_t ct, int64_t i, const float *bias, 
     *hi = off + c1;
 }
 
+/* A one-part group of few outputs (O, down) on T > 1 threads: split by output columns, each thread would read
+ * pieces of 144 bytes of every active row; split by rows instead, each thread sums whole rows of its own scale
+ * groups (the groups' range cut in T) into its own buffer, then (after the barrier) each thread adds the T
+ * buffers for its slice of outputs: y[r] = bias[r] + sum_t part_t[r]. The sums depend on T (as any split). */
+static void sp_rows_partial(const qtpart *q, int64_t nin, qpriv *P, int t, int T) {
+    const int64_t G = nin / q->group, g0 = G * t / T, g1 = G * (t + 1) / T, k = P->k[0];
+    const int64_t *ix = P->idx;
+    int64_t j0 = 0, j1;
+    while (j0 < k && ix[j0] < g0 * q->group) ++j0;
+    for (j1 = j0; j1 < k && ix[j1] < g1 * q->group; ++j1) {}
+    qt_body(q->codes, (int)q->bits, (int)q->cbias, q->scale, q->offset, (int)q->half, q->group, q->nout, ix + j0,
+            j1 - j0, P->wv + j0, 0, 1, NULL, P->part, 0, q->nout, P->tt, P->tt + q->nout);
+}
+
+static inline float sp_rows_sum(const qpriv *Pall, int T, const float *bias, int64_t r) {
+    float v = bias ? bias[r] : 0.f;
+    for (int u = 0; u < T; ++u) v += Pall[u].part[r];
+    return v;
+}
+
 /* layer Y on the stream x (in place); ph: this layer's first task phase */
 static void layer_run(const qlayer *Y, const qsparse *Z, const qdims *M, float *x, int64_t pos, const qshared *S,
-                      qpriv *P, int64_t ph, int t, int T) {
+                      qpriv *Pall, int64_t ph, int t, int T) {
+    qpriv *P = Pall + t;
     const int64_t d = M->d, D = M->D, H = M->H, KV = M->KV, hd = M->hd, L = M->L, nqkv = (H + 2 * KV) * hd;
     const float eps = (float)M->eps;
     const int one_plus = (int)M->one_plus;
@@ -1681,7 +1704,14 @@ static void layer_run(const qlayer *Y, const qsparse *Z, const qdims *M, float *
         if (t == 0) xbuf_fill(ax, 0, 0, H * hd / 32);
         qbarrier(&S->sync->bar, T);
     }
-    if (Z && Z->o) {
+    if (Z && Z->o && T > 1) {
+        sp_active(Z->o, 1, S->att, H * hd, P, counts, 3);
+        sp_rows_partial(Z->o, H * hd, P, t, T);
+        qbarrier(&S->sync->bar, T);
+        const int64_t s0 = d * t / T, s1 = d * (t + 1) / T;
+        for (int64_t r = s0; r < s1; ++r) S->o[r] = sp_rows_sum(Pall, T, Y->b_o, r);
+        qbarrier(&S->sync->bar, T);
+    } else if (Z && Z->o) {
         sp_active(Z->o, 1, S->att, H * hd, P, counts, 3);
         const int64_t ct = sp_chunk(d, T);
         QTASKS(S, ph + 3, t, T, sp_ntasks(Z->o, 1, ct), i, {
@@ -1725,7 +1755,17 @@ static void layer_run(const qlayer *Y, const qsparse *Z, const qdims *M, float *
                         (int)M->act, lo, hi);
         });
     }
-    if (Z && Z->down) {
+    if (Z && Z->down && T > 1) {
+        sp_active(Z->down, 1, fx->x, D, P, counts, 6);
+        sp_rows_partial(Z->down, D, P, t, T);
+        qbarrier(&S->sync->bar, T);
+        const int64_t r0 = d * t / T, r1 = d * (t + 1) / T;
+        for (int64_t r = r0; r < r1; ++r) {
+            S->y[r] = sp_rows_sum(Pall, T, Y->b_down, r);
+            if (!Y->post_ffn) x[r] = S->xmid[r] + S->y[r];
+        }
+        qbarrier(&S->sync->bar, T);
+    } else if (Z && Z->down) {
         sp_active(Z->down, 1, fx->x, D, P, counts, 6);
         const int64_t ct = sp_chunk(d, T);
         QTASKS(S, ph + 5, t, T, sp_ntasks(Z->down, 1, ct), i, {
@@ -1764,8 +1804,7 @@ typedef struct {
 static void layers_job_run(void *arg, int t, int T) {
     const layers_job *j = (const layers_job *)arg;
     for (int64_t l = j->l0; l < j->l1; ++l)
-        layer_run(j->Ls + l, j->Zs ? j->Zs + l : NULL, j->M, j->x, j->pos, j->S, j->P + t, QPHASES * (l - j->l0),
-                  t, T);
+        layer_run(j->Ls + l, j->Zs ? j->Zs + l : NULL, j->M, j->x, j->pos, j->S, j->P, QPHASES * (l - j->l0), t, T);
 }
 
 static int sparse_group_check(const qtpart *tp, int64_t np, int64_t nin, int64_t nout) {
