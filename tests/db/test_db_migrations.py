@@ -103,6 +103,28 @@ def test_0002_backfills_metric_direction_and_downgrades(db_url):
         engine.dispose()
 
 
+def _latency_rows(conn, rows) -> None:
+    """A model and, per (unit id, unit config, device type, runtime), a done latency unit with one row: the columns
+    every revision from 0002 on has."""
+    now = sa.literal_column("CURRENT_TIMESTAMP")
+    conn.execute(sa.table("models", sa.column("id"), sa.column("name"), sa.column("fingerprint"),
+                          sa.column("config", sa.JSON), sa.column("created_at")).insert().values(
+        id=1, name="m", fingerprint="fp", config={}, created_at=now))
+    units = sa.table("work_units", sa.column("id"), sa.column("model_id"), sa.column("kind"),
+                     sa.column("config", sa.JSON), sa.column("status"), sa.column("attempts"),
+                     sa.column("code_version"), sa.column("created_at"))
+    lat = sa.table("latency_results", *(sa.column(c) for c in (
+        "unit_id", "device_type", "accelerator_name", "batch", "prompt_len", "gen_len", "p50_ms_per_token",
+        "p90_ms_per_token", "tokens_per_s", "runtime", "git_rev", "created_at")),
+        sa.column("package_versions", sa.JSON))
+    for uid, config, dev, runtime in rows:
+        conn.execute(units.insert().values(id=uid, model_id=1, kind="latency", config=config, status="done",
+                                           attempts=1, code_version="1", created_at=now))
+        conn.execute(lat.insert().values(unit_id=uid, device_type=dev, accelerator_name="x", batch=1, prompt_len=8,
+                                         gen_len=4, p50_ms_per_token=2.0, p90_ms_per_token=3.0, tokens_per_s=500.0,
+                                         runtime=runtime, git_rev="r", package_versions={}, created_at=now))
+
+
 def test_0003_backfills_latency_threads_from_the_unit_config(db_url):
     """Rows written before 0003 get the ``threads`` of their unit's config; a unit config without it leaves NULL,
     which latency_table reads through to the config again (still nothing there: None)."""
@@ -112,25 +134,9 @@ def test_0003_backfills_latency_threads_from_the_unit_config(db_url):
     engine = get_engine(db_url)
     try:
         upgrade(engine, "0002")
-        now = sa.literal_column("CURRENT_TIMESTAMP")
         with engine.begin() as conn:
-            models = sa.table("models", sa.column("id"), sa.column("name"), sa.column("fingerprint"),
-                              sa.column("config", sa.JSON), sa.column("created_at"))
-            conn.execute(models.insert().values(id=1, name="m", fingerprint="fp", config={}, created_at=now))
-            units = sa.table("work_units", sa.column("id"), sa.column("model_id"), sa.column("kind"),
-                             sa.column("config", sa.JSON), sa.column("status"), sa.column("attempts"),
-                             sa.column("code_version"), sa.column("created_at"))
-            lat = sa.table("latency_results", *(sa.column(c) for c in (
-                "unit_id", "device_type", "accelerator_name", "batch", "prompt_len", "gen_len", "p50_ms_per_token",
-                "p90_ms_per_token", "tokens_per_s", "runtime", "git_rev", "created_at")),
-                sa.column("package_versions", sa.JSON))
-            for uid, config in (("c1" * 8, {"threads": 2, "fit_unit": "x"}), ("c2" * 8, {"fit_unit": "x"})):
-                conn.execute(units.insert().values(id=uid, model_id=1, kind="latency", config=config, status="done",
-                                                   attempts=1, code_version="1", created_at=now))
-                conn.execute(lat.insert().values(unit_id=uid, device_type="cpu", accelerator_name="x", batch=1,
-                                                 prompt_len=8, gen_len=4, p50_ms_per_token=2.0, p90_ms_per_token=3.0,
-                                                 tokens_per_s=500.0, runtime="ctxsparse-dense", git_rev="r",
-                                                 package_versions={}, created_at=now))
+            _latency_rows(conn, [("c1" * 8, {"threads": 2, "fit_unit": "x"}, "cpu", "ctxsparse-dense"),
+                                 ("c2" * 8, {"fit_unit": "x"}, "cpu", "ctxsparse-dense")])
         upgrade(engine, "0003")
         assert current_revision(engine) == "0003"
         with engine.connect() as conn:
@@ -203,26 +209,10 @@ def test_0005_records_latency_weights_and_backfills_the_cpu_runtime_rows(db_url)
     engine = get_engine(db_url)
     try:
         upgrade(engine, "0004")
-        now = sa.literal_column("CURRENT_TIMESTAMP")
         with engine.begin() as conn:
-            conn.execute(sa.table("models", sa.column("id"), sa.column("name"), sa.column("fingerprint"),
-                                  sa.column("config", sa.JSON), sa.column("created_at")).insert().values(
-                id=1, name="m", fingerprint="fp", config={}, created_at=now))
-            units = sa.table("work_units", sa.column("id"), sa.column("model_id"), sa.column("kind"),
-                             sa.column("config", sa.JSON), sa.column("status"), sa.column("attempts"),
-                             sa.column("code_version"), sa.column("created_at"))
-            lat = sa.table("latency_results", *(sa.column(c) for c in (
-                "unit_id", "device_type", "accelerator_name", "batch", "prompt_len", "gen_len", "p50_ms_per_token",
-                "p90_ms_per_token", "tokens_per_s", "runtime", "git_rev", "created_at")),
-                sa.column("package_versions", sa.JSON))
-            for uid, dev, runtime in (("a1" * 8, "cpu", "ctxsparse-sparse"), ("a2" * 8, "cpu", "llama.cpp"),
-                                      ("a3" * 8, "cuda", "ctxsparse-dense"), ("a4" * 8, "cpu", "hf-generate")):
-                conn.execute(units.insert().values(id=uid, model_id=1, kind="latency", config={"threads": 2},
-                                                   status="done", attempts=1, code_version="1", created_at=now))
-                conn.execute(lat.insert().values(unit_id=uid, device_type=dev, accelerator_name="x", batch=1,
-                                                 prompt_len=8, gen_len=4, p50_ms_per_token=2.0, p90_ms_per_token=3.0,
-                                                 tokens_per_s=500.0, runtime=runtime, git_rev="r",
-                                                 package_versions={}, created_at=now))
+            _latency_rows(conn, [(uid, {"threads": 2}, dev, runtime) for uid, dev, runtime in (
+                ("a1" * 8, "cpu", "ctxsparse-sparse"), ("a2" * 8, "cpu", "llama.cpp"),
+                ("a3" * 8, "cuda", "ctxsparse-dense"), ("a4" * 8, "cpu", "hf-generate"))])
         upgrade(engine)
         assert current_revision(engine) == "0005"
         want = {"a1" * 8: "fp32", "a2" * 8: "gguf:llama.cpp", "a3" * 8: None, "a4" * 8: None}
