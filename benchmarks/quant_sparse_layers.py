@@ -57,7 +57,8 @@ def main(argv=None) -> int:
         x = rt.blocks.embed(rt.tok, rt.cache.pos).contiguous()
         pos = int(rt.cache.pos)
         dims = rt.weights.dims
-        n_in = torch.tensor([dims.d] * 3 + [dims.n_heads * dims.head_dim] + [dims.d] * 2 + [dims.D], dtype=torch.float64)
+        n_in = torch.tensor([dims.d] * 3 + [dims.n_heads * dims.head_dim] + [dims.d] * 2 + [dims.D],
+                            dtype=torch.float64)
         for t in (int(v) for v in a.threads.split(",")):
             torch.set_num_threads(t)
             clock = time.thread_time if t == 1 else time.perf_counter

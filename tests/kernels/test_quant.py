@@ -293,7 +293,9 @@ def test_q8_dense_ffn_close_to_fp32(gen):
     y32 = CQ.dense_ffn(x, *ws, "silu")
     y8 = CQ.dense_ffn(x, *[w.with_activations("q8") for w in ws], "silu")
     rel = ((y8 - y32).norm() / y32.norm()).item()
-    assert 1e-5 < rel < 2e-2, rel
+    # two 8-bit quantizations per 32 (x, then the hidden activations): median 1.2 %, 99th percentile 2.1 %, max
+    # 2.8 % over 300 random inputs of these weights; garbage would be ~100 %
+    assert 1e-5 < rel < 5e-2, rel
 
 
 # ---------------------------------------------------------------------------------------------------------

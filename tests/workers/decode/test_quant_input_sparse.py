@@ -10,11 +10,9 @@ import pytest
 import torch
 
 from kernels import cpu_quant
-from kernels.quant import QuantWeight
 from tests.workers.decode.test_native_layer import FORMATS_OF, _blocks, _decode_logits, _engaged, _quantized, _tiny
 from workers.decode.latency import calibrated_input_plan
 from workers.decode.runtime import DecodeRuntime
-from workers.sparsity.predictors.base import SparsityPlan
 
 
 def _masked_reference(x, weights, scales, thresholds, bias=None):
@@ -116,15 +114,6 @@ def test_smollm2_sparse_quantized_tokens_are_the_masked_fp32_models(smollm2, smo
         assert abs(sq - rf.realized_sparsity()["inputs"]) < 0.01 and 0.3 < sq < 0.6
     finally:
         torch.set_num_threads(prev)
-
-
-def test_quantized_runtime_refuses_predictor_plans(smollm2_teal):
-    _, rq = smollm2_teal
-    plan = SparsityPlan()
-    plan.mlp[0] = torch.nn.Linear(2, 2)
-    with pytest.raises(NotImplementedError, match="input-sparsity plans only"):
-        rq.set_plan(plan)
-    assert isinstance(rq.weights.layers[0].w_o_t, QuantWeight)
 
 
 def test_a_group_the_kernels_do_not_take_runs_the_layer_per_op():
