@@ -15,7 +15,8 @@ per-op step would run those same native kernels: quantized weights on the CPU, t
 keeps the per-op step), on the layers the plan leaves dense and on those with input sparsity (TEAL: a threshold
 per projection on QKV, O, gate|up, down; the kernels read only the active rows of the transposed blocks,
 workers.decode.plan's layouts); other sparse layers run their own path. Input-sparse layers equal the per-op
-step up to the activation function's rounding (the per-op step takes torch's act(gate)·up). Where it
+step up to rounding: the per-op step takes torch's act(gate)·up, and on several threads O and down sum their rows
+per thread first. Where it
 should run but cannot (no C compiler, the native kernels turned off, a shape they do not take) the per-op step
 runs and a RuntimeWarning says why, once per weights.
 
