@@ -89,6 +89,30 @@ def test_tiny_families_native_sparse_layers_equal_the_per_op_step(family):
         torch.set_num_threads(prev)
 
 
+@pytest.mark.parametrize("sparsity", [0.2, 0.7])
+def test_native_layers_choose_dense_rows_on_a_masked_input_or_the_active_rows(sparsity):
+    """One thread: above 60 % active inputs a group runs the dense rows on its input with the inactive entries zeroed
+    (cpu_quant.c sp_begin), below it the active rows; either way the per-op step's values and counts."""
+    model = _tiny("llama", head_dim=32)
+    w = _quantized(model, "llama")
+    plan = calibrated_input_plan(model, sparsity, n_tokens=32)
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(3))
+    native, per_op = DecodeRuntime(w).set_plan(plan), DecodeRuntime(w, fuse=False).set_plan(plan)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = _decode_logits(native, ids, 5), _decode_logits(per_op, ids, 5)
+    finally:
+        torch.set_num_threads(prev)
+    assert _engaged(native).sparse is not None
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
+    assert torch.equal(native.counters.inputs, per_op.counters.inputs)
+    dense = _decode_logits(DecodeRuntime(w), ids, 5)
+    assert not torch.allclose(a, dense, rtol=1e-3, atol=1e-3)          # the plan does act
+    got = native.realized_sparsity()["inputs"]
+    assert got < 0.4 if sparsity < 0.5 else got > 0.4, got       # each case on its side of the 60 % active choice
+
+
 @pytest.fixture(scope="module")
 def smollm2_teal(smollm2):
     plan = calibrated_input_plan(smollm2.model, 0.4, n_tokens=128)
