@@ -161,17 +161,18 @@ def _at(r: LatencyRecord, device_type: str, accelerator: str | None, batch: int,
 def pick_latency(s: Setting, device_type: str, accelerator: str | None, batch: int,
                  prompt_len: int | None, threads: int | None = None) -> LatencyRecord | None:
     """The setting's own latency row on (device type, accelerator, batch, prompt length, thread count); the
-    shortest prompt when ``prompt_len`` is None. Baseline rows (Hugging Face, llama.cpp, a paired dense) never
-    count."""
+    shortest prompt when ``prompt_len`` is None; of rows timed at the same point by different units (another
+    sweep, or the same setting timed on other weights: ``weights``), the newest. Baseline rows (Hugging Face,
+    llama.cpp, a paired dense) never count."""
     rows = [r for r in s.latency if r.runtime not in BASELINE_RUNTIMES
             and _at(r, device_type, accelerator, batch, prompt_len, threads)]
-    return min(rows, key=lambda r: (r.prompt_len, r.accelerator_name), default=None)
+    return min(rows, key=lambda r: (r.prompt_len, r.accelerator_name, -r.created_at.timestamp()), default=None)
 
 
 def paired_dense(s: Setting, own: LatencyRecord) -> LatencyRecord | None:
-    """The dense row timed alongside the setting's own row ``own`` (same device, accelerator, batch, prompt,
-    threads)."""
+    """The dense row timed alongside the setting's own row ``own``: written by the same unit, at the same point."""
     return next((r for r in s.latency if r.runtime == RUNTIME_DENSE_PAIRED and r.p50_ms_per_token > 0
+                 and r.unit_id == own.unit_id
                  and _at(r, own.device_type, own.accelerator_name, own.batch, own.prompt_len, own.threads)), None)
 
 

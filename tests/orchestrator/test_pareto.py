@@ -144,6 +144,28 @@ def test_baseline_runtime_and_other_accelerators_are_not_a_settings_latency(grid
     assert pareto(list(grid.values()), PPL, "cpu", accelerator="cpu-z").front[0].setting.label == "dejavu s=0.5"
 
 
+def test_a_setting_timed_again_on_other_weights_takes_its_newest_row_and_that_units_pair(grid):
+    """'a' was timed by an older unit on float weights (10 ms, its pair 12: 1.2x) and again by a newer unit on the
+    GGUF's blocks (5 ms, its pair 4: 0.8x). The front reads the newer unit's row and that unit's own pair, never
+    one unit's row over the other's pair (5 against 12 would claim 2.4x)."""
+    from datetime import timedelta
+
+    def replace(r, **kw):
+        return r.model_copy(update=kw)
+
+    a = grid["a"]
+    old, new = datetime.now(timezone.utc) - timedelta(hours=1), datetime.now(timezone.utc)
+    a.latency = [replace(_lat("u-old", 10.0), created_at=old, weights="fp32"),
+                 replace(_lat("u-old", 12.0, runtime="ctxsparse-dense-paired"), created_at=old, weights="fp32"),
+                 replace(_lat("u-new", 5.0), created_at=new, weights="gguf:Q4_1"),
+                 replace(_lat("u-new", 4.0, runtime="ctxsparse-dense-paired"), created_at=new, weights="gguf:Q4_1")]
+    row = {r.setting.label: r for r in pareto(list(grid.values()), PPL, "cpu").rows}["dejavu s=0.5"]
+    assert row.paired_speedup == pytest.approx(0.8) and row.weights == "gguf:Q4_1"
+    a.latency = a.latency[:2] + a.latency[3:]                       # the newer unit's own row missing: the older's
+    row = {r.setting.label: r for r in pareto(list(grid.values()), PPL, "cpu").rows}["dejavu s=0.5"]
+    assert row.paired_speedup == pytest.approx(1.2) and row.weights == "fp32"
+
+
 def test_paired_timing_places_a_setting_at_dense_over_its_side_by_side_speedup(grid):
     """Dense's own unit measured 10 ms; 'a' measured 12 ms in its own unit (a slow moment of the machine) but
     its paired dense ran at 15 ms in that same process: side by side it is 1.25x faster, so it sits at 8 ms."""
