@@ -130,15 +130,13 @@ def _probe() -> dict:
     ray.init(address="local", num_cpus=8, num_gpus=2, resources={"NPU": 2}, _memory=40 * GiB, include_dashboard=False,
              log_to_driver=False, configure_logging=False)
     try:
-        # Ray alone, two actors at half a GPU each
-        alone = [Evaluator.options(**actor_options("cuda", gpus=0.5)).remote(None, "cuda") for _ in range(2)]
-        # and one told not to have its CUDA_VISIBLE_DEVICES set: it would compute on device 0, whichever it got
+        # an actor told not to have its CUDA_VISIBLE_DEVICES set: it would compute on device 0, whichever it got.
+        # (Ray alone, without the placement group, usually packs two half-GPU actors onto GPU 0 -- why the group
+        # exists -- but not always: it once spread them, so no test asserts Ray's own choice.)
         unset = Evaluator.options(**actor_options("cuda", gpus=0.5), runtime_env={"env_vars": {
             "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}).remote(None, "cuda")
-        out["alone"] = [i["devices"] for i in infos(alone)]
         out["unset"] = infos([unset])[0]["visible_problem"]
-        for a in alone + [unset]:
-            ray.kill(a)
+        ray.kill(unset)
         spec = parse_spec({**GOOD, "latency": {"devices": ["cuda"]},
                            "resources": {"accelerator": "cuda", "gpus_per_actor": 0.5}})
         pools = _Pools(ray, spec, None)
@@ -190,12 +188,6 @@ def probe() -> dict:
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.timeout(300)
-def test_ray_alone_packs_fractional_gpus_on_gpu_0(probe):
-    """Why the placement group exists (Ray 2.60): two half-GPU actors both get GPU 0 while GPU 1 idles."""
-    assert probe["alone"] == [["0"], ["0"]]
 
 
 @pytest.mark.timeout(300)
