@@ -109,7 +109,7 @@ def main(argv=None) -> int:
 
     from benchmarks.cpu_ops import _methods, fitted_plans
     from workers.decode.quant_weights import with_activations
-    from workers.decode.runtime import DecodeRuntime
+    from workers.decode.runtime import DecodeRuntime, runs_on_blocks
     from workers.loading.data import token_windows
     from workers.loading.models import load_model
 
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     if args.sparse:
         plans = fitted_plans(lm, _methods(args.sparse), args.calib_tokens)
         for name, plan in plans.items():
-            quantized = not (plan.mlp or plan.attn)        # what the quantized runtime takes: input sparsity
+            quantized = runs_on_blocks(plan)
             if quantized:
                 runners[f"ours quant {name}"] = OursRunner(DecodeRuntime.from_gguf(lm.model, gguf), plan)
             if not quantized or args.fp32_sparse:

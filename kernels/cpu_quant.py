@@ -285,9 +285,10 @@ def input_sparse_linear_parts(x, tp: TransposedParts, thresholds, bias=None, *, 
     if thr.shape[0] != len(tp.parts):
         raise ValueError(f"{thr.shape[0]} thresholds for {len(tp.parts)} parts")
     bias = _f32(bias)
+    ax = xf.abs()
     outs, lo = [], 0
     for j, (wt, sc) in enumerate(zip(tp.parts, tp.scales)):
-        keep = xf.abs() > thr[j]
+        keep = ax > thr[j]
         if counts is not None:
             counts[j] += float(keep.sum())
         idx = keep.any(0).nonzero().flatten()
@@ -332,7 +333,6 @@ class QSparse(ctypes.Structure):
 
 
 SPARSE_GROUPS = ("qkv", "o", "gu", "down")       # the groups cs_q_layers runs input-sparse
-_GROUP_COL = dict(qkv=0, o=3, gu=4, down=6)       # their first column of a layer's counters (q k v o gate up down)
 
 
 class SparseLayers:

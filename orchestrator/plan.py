@@ -22,8 +22,8 @@ different counts never share a unit. CPU latency units default to every core of 
 runs on, and what the bencher has to itself while latency is timed alone); ``resources.torch_threads`` overrides
 it. CPU latency of a model loaded from a GGUF decodes the file's quantized blocks (``latency.cpu_weights``,
 config ``weights: gguf``). On a CPU, the dense setting also gets a ``llama.cpp`` latency unit when
-llama-cpp-python is installed and the model was loaded from a GGUF file (llama.cpp on that file, interleaved with our dense decode); when it is not
-installed the plan logs why, once.
+llama-cpp-python is installed and the model was loaded from a GGUF file (llama.cpp on that file, interleaved with
+our dense decode); when it is not installed the plan logs why, once.
 """
 from __future__ import annotations
 

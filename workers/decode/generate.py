@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.decode.runtime import DecodeRuntime
+from workers.decode.runtime import DecodeRuntime, runs_on_blocks
 from workers.decode.timing import interleaved, pick_cpu_dense, step_times
 from workers.decode.weights import from_hf
 from workers.host import available_cores
@@ -170,7 +170,7 @@ def _generate(lm, plan, prompt: str, tokens: int, device: str, repeats: int, dty
 
         wq = from_gguf(lm.model, lm.source)
         dense = DecodeRuntime(wq)
-        takes = plan is None or not (plan.mlp or plan.attn)      # the quantized runtime runs input sparsity
+        takes = runs_on_blocks(plan)
         sparse = DecodeRuntime(wq) if takes else DecodeRuntime(from_hf(lm.model, dtype=dtype, device=dev))
         if not takes:
             sparse.configure(cpu_rows=pick_cpu_dense(sparse))

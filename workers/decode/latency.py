@@ -29,7 +29,7 @@ import weakref
 import torch
 
 from workers.sparsity.predictors.base import SparsityPlan, k_for
-from workers.decode.runtime import DecodeRuntime
+from workers.decode.runtime import DecodeRuntime, runs_on_blocks
 from workers.decode.shapes import shape_entry
 from workers.decode.timing import densify_slow_ffn, interleaved, pick_cpu_dense, step_times
 from workers.decode.weights import random_hf_model
@@ -143,12 +143,12 @@ def _pct(xs, q):
     return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
 
 
-def _row(device, batch, prompt_len, gen_len, times_ms, runtime, sparsity, extra, spread=None):
+def _row(device, batch, prompt_len, gen_len, times_ms, runtime, sparsity, extra, spread=None, weights=None):
     p50 = _pct(times_ms, 0.5)
     row = dict(device_type=torch.device(device).type, accelerator_name=accelerator_name(device), batch=batch,
                prompt_len=prompt_len, gen_len=gen_len, p50_ms_per_token=p50, p90_ms_per_token=_pct(times_ms, 0.9),
                tokens_per_s=batch * 1000.0 / p50 if p50 > 0 else 0.0, realized_sparsity=sparsity, runtime=runtime,
-               threads=torch.get_num_threads())
+               threads=torch.get_num_threads(), weights=weights)
     if spread is not None:
         row.update(speedup_min=spread[0], speedup_max=spread[1])
     if extra is not None:
@@ -201,11 +201,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
 
 
-def _runs_quantized(plan) -> bool:
-    """Whether the quantized runtime takes ``plan`` (dense or input sparsity only)."""
-    return plan is None or not (plan.mlp or plan.attn)
-
-
 @torch.no_grad()
 def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch: int = 1, prompt_len: int = 128,
                  gen_len: int = 32, runtime: str = "ctxsparse", repeats: int = 3, warmup: int = 1,
@@ -253,7 +248,7 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
     if gguf is not None and device.type != "cpu":
         raise ValueError("gguf: the quantized blocks decode on the CPU only")
     rt_dense = runtime_for(model, device, gguf)
-    rt_plan = rt_dense if gguf is None or _runs_quantized(plan) else runtime_for(model, device)
+    rt_plan = rt_dense if gguf is None or runs_on_blocks(plan) else runtime_for(model, device)
     for r_ in {id(rt_dense): rt_dense, id(rt_plan): rt_plan}.values():
         if device.type == "cpu" and r_.cpu_rows is None and not r_.weights.quantized:
             pick_cpu_dense(r_)       # the fastest dense path here, for the dense and the sparse runs alike
@@ -306,9 +301,8 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
         name = RUNTIME_SPARSE if p is not None else RUNTIME_DENSE_PAIRED if paired else RUNTIME_DENSE
         spread = (speedup_spread([ts for _, ts in runs[1]], [ts for _, ts in run_p])
                   if paired and i == 0 else None)
-        row = _row(device, batch, prompt_len, gen_len, times, name, sp, extra, spread)
-        row["weights"] = weights_name(runtimes[id(p)])
-        rows.append(row)
+        rows.append(_row(device, batch, prompt_len, gen_len, times, name, sp, extra, spread,
+                         weights_name(runtimes[id(p)])))
     return rows
 
 
@@ -357,9 +351,8 @@ def bench_llama_cpp(model, gguf, *, prompt_len: int = 128, gen_len: int = 32, re
         if detail and name == RUNTIME_LLAMA_CPP:
             extra.update(gguf=str(gguf), llama_decode_evals=evals)     # llama.cpp's own count of its steps
         spread = speedup_spread(dense_runs, runs) if name == RUNTIME_LLAMA_CPP else None
-        row = _row(device, 1, prompt_len, gen_len, times, name, None, extra, spread)
-        row["weights"] = "gguf:llama.cpp" if name == RUNTIME_LLAMA_CPP else weights_name(rt)
-        rows.append(row)
+        rows.append(_row(device, 1, prompt_len, gen_len, times, name, None, extra, spread,
+                         "gguf:llama.cpp" if name == RUNTIME_LLAMA_CPP else weights_name(rt)))
     return rows
 
 
@@ -417,9 +410,8 @@ def _bench_hf(model, device, batch, prompt_len, gen_len, repeats, warmup, g, det
             times.extend((b - a) * 1e3 for a, b in zip(clock.t, clock.t[1:]))
     extra = (dict(mean_ms_per_token=sum(times) / len(times), repeats=repeats, hf_cache=hf_cache,
                   hf_compile=hf_compile) if detail else None)
-    row = _row(device, batch, prompt_len, gen_len, times, RUNTIME_HF, None, extra)
-    row["weights"] = dtype_name(next(model.parameters()).dtype)
-    return row
+    return _row(device, batch, prompt_len, gen_len, times, RUNTIME_HF, None, extra,
+                weights=dtype_name(next(model.parameters()).dtype))
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ Gate-threshold predictors (method ``threshold``: |act(W_gate h)| > t on the FFN'
 once and then only the up / W_downᵀ rows of the kept neurons (``thr_ffn``). Input sparsity (``plan.inputs``,
 TEAL / WINA): QKV share one input and one Wᵀ copy with three thresholds, gate|up likewise with two; O and down
 use ``w_o_t`` / ``w_down_t`` as stored (over GGUF blocks: their transposed blocks, ``o_t`` / ``down_t``); the Wᵀ
-copies exist only for the projections the plan needs (in ``LayerWeights.layouts``, dropped with the plan). WINA's |x_i|·‖W[:, i]‖ > t runs as |x_i| > t/‖W[:, i]‖ (one
-threshold per input channel, read by the kernels with x). Runtimes that share one ModelWeights share those
+copies exist only for the projections the plan needs (in ``LayerWeights.layouts``, dropped with the plan).
+WINA's |x_i|·‖W[:, i]‖ > t runs as |x_i| > t/‖W[:, i]‖ (one threshold per input channel, read by the kernels
+with x). Runtimes that share one ModelWeights share those
 layouts: set a plan on one of them only (another's set_plan drops the layouts its own plan does not need).
 """
 from __future__ import annotations

@@ -55,6 +55,12 @@ from workers.decode.weights import ModelWeights
 KV_MODES = ("exact", "active")
 
 
+def runs_on_blocks(plan) -> bool:
+    """Whether a runtime over GGUF blocks (``from_gguf``) takes ``plan``: dense, or input sparsity only (no FFN or
+    head predictors)."""
+    return plan is None or not (plan.mlp or plan.attn)
+
+
 class DecodeRuntime:
     def __init__(self, weights: ModelWeights, *, ffn_dense: str = "auto", compile: bool = True,
                  use_graph: bool = True, select_impl: str = "auto", cpu_rows: bool | None = None,
@@ -184,7 +190,7 @@ class DecodeRuntime:
         nothing left to skip (every layer at s = 0) runs the dense step."""
         if kv_mode not in KV_MODES:
             raise ValueError(f"kv_mode must be one of {KV_MODES}")
-        if plan is not None and self.weights.quantized and (plan.mlp or plan.attn):
+        if self.weights.quantized and not runs_on_blocks(plan):
             raise NotImplementedError("over quantized weights the runtime runs input-sparsity plans only (teal, "
                                       "wina, ...); this plan has FFN or head predictors: decode it with the fp32 "
                                       "runtime (DecodeRuntime.from_hf)")
