@@ -9,27 +9,9 @@ SmolLM2's own), as in test_request_cache.py.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from workers.evals.suites import ShardScores, assemble_shards, run_suite, score_shard, shardable
 from workers.evals.tasks import SUITES, SuiteError
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("CTXSPARSE_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
-
-
-@pytest.fixture(scope="module")
-def tiny(smollm2):
-    import transformers as tf
-
-    cfg = tf.LlamaConfig(vocab_size=smollm2.model.config.vocab_size, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=smollm2.model.config.max_position_embeddings)
-    torch.manual_seed(0)
-    return tf.AutoModelForCausalLM.from_config(cfg).eval(), smollm2.tokenizer
 
 
 def _sharded(model, tok, name, limit, n, **kw):

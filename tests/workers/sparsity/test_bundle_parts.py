@@ -8,25 +8,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.workers.sparsity.test_rsparse import _ctx, _tokens
 from tests.workers.tiny_model_support import loaded, tiny_model
-from workers.loading.data import TokenSet
 from workers.paths import sha256_file
 from workers.sparsity import bundle as B
 from workers.sparsity.bundle import BundleError, apply_bundle, load_bundle, save_bundle
-from workers.sparsity.capture import capture_activations
 from workers.sparsity.predictors import FitContext, SparsityPlan, fit_method
 from workers.sparsity.sparse_exec import apply_sparsity
-
-
-def _tokens(seed: int, n_windows: int = 8, seq_len: int = 32) -> TokenSet:
-    w = torch.randint(0, 128, (n_windows, seq_len), generator=torch.Generator().manual_seed(seed))
-    return TokenSet(w, "random", "calib", n_windows * seq_len, 0, f"random-{seed}-{n_windows}-{seq_len}")
-
-
-def _ctx(model, tmp_path) -> FitContext:
-    lm = loaded(model, "tiny")
-    cache = capture_activations(lm, _tokens(0), root=tmp_path / "acts", progress=False, dtype="float32")
-    return FitContext(lm, cache, list(range(lm.dims.n_layers)))
 
 
 def _same_sparse_model(model, plan, path):
