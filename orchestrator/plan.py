@@ -33,7 +33,7 @@ import logging
 from dataclasses import dataclass, field
 
 from orchestrator.settings import setting_label
-from orchestrator.spec import SweepSpec
+from orchestrator.spec import MATMUL_FP32, SweepSpec
 from workers.host import available_cores
 from workers.names import DENSE, RUNTIME_HF, RUNTIME_LLAMA_CPP, is_shape
 
@@ -170,6 +170,8 @@ def plan_units(spec: SweepSpec, described: dict[str, dict], cpu_cores: int | Non
             # evaluation forwards on a CPU and on an H200: workers/sparsity/sparse_exec.py); latency rows run the
             # decode kernels, which really skip the work
             ev = {**base, "fit_unit": fit.id, "threads": threads, "exec_mode": "masked"}
+            if spec.suites.matmul != MATMUL_FP32:     # absent at the default: the units keep their ids
+                ev["matmul"] = spec.suites.matmul
             if shape:
                 pass
             elif spec.suites.perplexity is not None:

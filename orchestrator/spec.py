@@ -210,9 +210,17 @@ class TaskSpec(_Strict):
         return out
 
 
+MATMUL_FP32, MATMUL_TF32 = "fp32", "tf32"
+
+
 class SuitesSpec(_Strict):
+    """The accuracy suites. ``matmul``: the precision of the evaluation forwards' float32 matrix products on CUDA
+    GPUs: ``fp32`` (the default: exact fp32) or ``tf32`` (tensor cores: inputs rounded to 10 mantissa bits,
+    fp32 sums; several times the fp32 throughput of an H100/H200). Collection and fitting stay fp32. Left out of
+    the canonical form at its default, so specs without it keep their hash."""
     perplexity: PerplexitySpec | None = PerplexitySpec()
     tasks: list[TaskSpec] = Field(default_factory=list)
+    matmul: Literal["fp32", "tf32"] = MATMUL_FP32
 
     @model_validator(mode="after")
     def _something(self) -> "SuitesSpec":
@@ -224,6 +232,13 @@ class SuitesSpec(_Strict):
             raise ValueError(f"tasks {deferred} run only on the front ('only: front'), but no suite draws it: give "
                              "perplexity or a task without 'only'")
         return self
+
+    @model_serializer(mode="wrap")
+    def _canonical(self, handler):
+        out = handler(self)
+        if isinstance(out, dict) and out.get("matmul") == MATMUL_FP32:
+            out.pop("matmul")
+        return out
 
 
 class LatencySpec(_Strict):
@@ -336,6 +351,9 @@ class SweepSpec(_Strict):
                              "(merge their grids)")
         for ref in self.models:
             check_ranks(self, ref, _known_hidden_size(ref))
+        if self.suites.matmul == MATMUL_TF32 and self.resources.accelerator != "cuda":
+            raise ValueError(f"suites.matmul: tf32 is a CUDA GPU's precision; resources.accelerator is "
+                             f"{self.resources.accelerator!r} (give fp32, or accelerator: cuda)")
         return self
 
     def canonical(self) -> dict:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -94,6 +95,28 @@ def accelerator_memory(device: str) -> int | None:
     if dev.type == "npu":
         return torch.npu.get_device_properties(dev.index if dev.index is not None else 0).total_memory
     return None
+
+
+@contextmanager
+def matmul_precision(precision: str):
+    """CUDA float32 matrix products at ``precision`` inside the block (an eval unit's ``matmul``: fp32 or tf32),
+    restored after it; every unit sets it, so an actor's previous unit never leaks its choice."""
+    if precision not in ("fp32", "tf32"):
+        raise ValueError(f"matmul precision {precision!r}: fp32 or tf32")
+    m = torch.backends.cuda.matmul
+    new_api = hasattr(m, "fp32_precision")     # torch >= 2.9 (mixing it with allow_tf32 raises)
+    before = m.fp32_precision if new_api else m.allow_tf32
+    if new_api:
+        m.fp32_precision = "tf32" if precision == "tf32" else "ieee"
+    else:
+        m.allow_tf32 = precision == "tf32"
+    try:
+        yield
+    finally:
+        if new_api:
+            m.fp32_precision = before
+        else:
+            m.allow_tf32 = before
 
 
 class Units:
@@ -269,7 +292,7 @@ class Units:
         # fingerprint compared in _bundle (cached on lm); exec_mode: how the rows are computed (plan.py says why)
         applied = apply_bundle(lm.model, b, check_model=False, mode=cfg.get("exec_mode", "auto"))
         out = UnitOutput()
-        with applied:
+        with applied, matmul_precision(cfg.get("matmul", "fp32")):
             if cfg["suite"] == "perplexity":
                 p = cfg["perplexity"]
                 toks = token_windows(lm.tokenizer, cfg["data"]["source"], "heldout", p["tokens"], p["seq_len"])

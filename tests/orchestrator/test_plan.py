@@ -225,3 +225,39 @@ def test_methods_the_runtime_does_not_decode_get_no_latency_units():
     rs = [u for u in units if u.method == "rsparse"]
     assert rs and {u.kind for u in rs} == {"fit", "eval"}
     assert any(u.kind == "latency" and u.method == "oracle" for u in units)
+
+
+def test_tf32_scoring_is_a_choice_of_the_spec_that_changes_only_the_eval_units():
+    """``suites.matmul: tf32`` (CUDA only) puts ``matmul`` into every eval unit's config, so its rows never share
+    an id with fp32 rows, and leaves collect, fit and latency units as they were; fp32 stays out of the hash."""
+    gpu = {**SPEC, "resources": {"accelerator": "cuda"}}
+    fp32 = plan_units(parse_spec(gpu), DESCRIBED)
+    tf32 = plan_units(parse_spec({**gpu, "suites": {**SPEC["suites"], "matmul": "tf32"}}), DESCRIBED)
+    assert [u.kind for u in fp32] == [u.kind for u in tf32]
+    for a, b in zip(fp32, tf32):
+        if a.kind == "eval":
+            assert b.config["matmul"] == "tf32" and "matmul" not in a.config and a.id != b.id
+        else:
+            assert a.id == b.id and "matmul" not in b.config
+    assert parse_spec({**gpu, "suites": {**SPEC["suites"], "matmul": "fp32"}}).spec_hash() == \
+        parse_spec(gpu).spec_hash()
+    with pytest.raises(ValueError, match="tf32 is a CUDA GPU's precision; resources.accelerator is 'cpu'"):
+        parse_spec({**SPEC, "suites": {**SPEC["suites"], "matmul": "tf32"}})
+    with pytest.raises(ValueError, match="matmul"):
+        parse_spec({**gpu, "suites": {**SPEC["suites"], "matmul": "bf16"}})
+
+
+def test_an_eval_units_matmul_precision_holds_inside_it_and_is_restored_after():
+    from workers.units import matmul_precision
+
+    m = torch.backends.cuda.matmul
+    before = m.fp32_precision
+    with matmul_precision("tf32"):
+        assert m.fp32_precision == "tf32"
+        with matmul_precision("fp32"):
+            assert m.fp32_precision == "ieee"
+        assert m.fp32_precision == "tf32"
+    assert m.fp32_precision == before
+    with pytest.raises(ValueError, match="matmul precision 'bf16': fp32 or tf32"):
+        with matmul_precision("bf16"):
+            pass
