@@ -5,6 +5,8 @@
     y = dense_ffn(x, w_gate, w_up, w_down, act)         # the dense FFN in one parallel region
     y = rows_axpy_t(weights, wt, rows)     # rows of Wᵀ (exact transposed layout): down over active neurons
     y = input_sparse_linear_parts(x, TransposedParts.of(w), thresholds)   # input sparsity (TEAL / WINA)
+    y = sparse_ffn(x, w_gate, w_up, TransposedParts.of(w_down).one, idx, count, act)   # output sparsity
+    q, k, v = head_sparse_qkv(x, w_qkv, q_idx, ...) ; y = head_sparse_out(a, w_o_t, q_idx, ...)  # (predictors)
     W = dequantize(w) ; E = embedding(ids, w)           # bit for bit the model loader's fp32 values
     st = LayerStack(layers, shapes) ; x = st.run(l0, l1, x, pos)   # whole decoder layers, one native call
     x = st.run(l0, l1, x, pos, sparse=SparseLayers(st.n, groups, counts))   # ... some projections input-sparse
@@ -31,8 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .common import MAX_BATCH, act_code, apply_act
-from .cpu import compile_native
+from .common import MAX_BATCH, act_code, apply_act, group_rows
+from .cpu import _idx64, compile_native
 from .quant import QuantPart, QuantWeight, QuantWeightT
 
 _SRC = Path(__file__).with_name("cpu_quant.c")
@@ -271,6 +273,14 @@ class TransposedParts:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.parts)
 
+    @property
+    def one(self) -> QuantWeightT:
+        """Wᵀ of a one-projection layout with no scale (O, down: the file's matrix), what :func:`rows_axpy_t`
+        reads for the active neurons / heads of output sparsity."""
+        if len(self.parts) != 1 or self.scales[0] != 1.0:
+            raise ValueError(f"a layout of {len(self.parts)} parts with scales {self.scales}, not one unscaled part")
+        return self.parts[0]
+
 
 def input_sparse_linear_parts(x, tp: TransposedParts, thresholds, bias=None, *, counts=None, lib=None):
     """y [B, out] = x Wᵀ (+ bias) over each part's active inputs only: part j reads row i of its Wᵀ iff some token
@@ -304,6 +314,101 @@ def input_sparse_linear_parts(x, tp: TransposedParts, thresholds, bias=None, *, 
         lo += wt.cols
     y = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
     return y if x.dtype is _F32 else y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# output sparsity (FFN neurons, attention heads of a predictor's active set): kernels.reference's ops of the
+# same names (kernels.common's (idx, count) convention; a batch shares one set), over quantized weights. The
+# first projections read whole quantized rows (rows_dot), the second ones the active rows of the exact Wᵀ
+# (rows_axpy_t: ``w_down_t`` / ``w_o_t`` are QuantWeightT, e.g. ``TransposedParts.of(w).one``). Values: the
+# reference's over the dequantized weights up to fp32 summation order.
+def _out(y, x):
+    return y if x.dtype is _F32 else y.to(x.dtype)
+
+
+def sparse_ffn(x, w_gate: QuantWeight, w_up: QuantWeight, w_down_t: QuantWeightT, idx, count=None, act="silu",
+               threshold=None, *, lib=None):
+    """y [B, d] = Σ_{j active} act(<W_gate[j], x>) · <W_up[j], x> · W_downᵀ[j]. ``threshold`` (the sequential
+    pipeline): gate on the active rows first, the rows with |act(gate)| <= threshold for every token dropped
+    before up and down."""
+    rows, k = _idx64(idx, count)
+    if threshold is None:
+        h = rows_dot(x, w_gate, rows, k, w2=w_up, act=act, lib=lib)
+    else:
+        a = rows_dot(x, w_gate, rows, k, act=act, lib=lib)
+        keep = (a.abs() > threshold).any(0)
+        rows, a = rows[keep], a[:, keep]
+        h = rows_dot(x, w_up, rows, rows.numel(), lib=lib).mul_(a)
+    return _out(rows_axpy_t(h, w_down_t, rows, lib=lib), x)
+
+
+def sparse_mlp(x, w_fc1: QuantWeight, b_fc1, w_fc2_t: QuantWeightT, b_fc2, idx, count=None, act="relu", *,
+               lib=None):
+    """y [B, d] = b_fc2 + Σ_{j active} act(<W_fc1[j], x> + b_fc1[j]) · W_fc2ᵀ[j] (a non-gated MLP)."""
+    rows, k = _idx64(idx, count)
+    h = rows_dot(x, w_fc1, rows, k, bias=b_fc1, act=act, lib=lib)
+    return _out(rows_axpy_t(h, w_fc2_t, rows, bias=b_fc2, lib=lib), x)
+
+
+def damage_filter_ffn(x, w_gate: QuantWeight, w_up: QuantWeight, w_down_t: QuantWeightT, idx, count, act,
+                      threshold, weight, *, lib=None):
+    """kernels.ops.damage_filter_ffn: gate and up on the active rows, then the rows whose |act(gate)·up|·weight[i]
+    <= ``threshold`` for every token dropped before down."""
+    rows, k = _idx64(idx, count)
+    h = rows_dot(x, w_gate, rows, k, w2=w_up, act=act, lib=lib)
+    keep = (h.abs() * weight.index_select(0, rows)).gt(threshold).any(0)
+    rows, h = rows[keep], h[:, keep]
+    return _out(rows_axpy_t(h, w_down_t, rows, lib=lib), x)
+
+
+def threshold_ffn(x, z, w_up: QuantWeight | None, w_down_t: QuantWeightT, threshold, act, *, b_act=None,
+                  b_score=None, b_down=None, stat=None, lib=None):
+    """kernels.cpu.threshold_ffn over quantized weights: after the dense first projection ``z`` [B, D] (gate, or
+    fc1 without its bias), a = act(z + b_act); token b keeps neuron j iff |act(z + b_score)| > ``threshold``;
+    y_b = b_down + Σ_{j kept by b} a_bj (· <W_up[j], x_b>: gated, ``w_up`` given) · W_downᵀ[j]; the rows of the
+    neurons some token keeps are read once. ``stat`` (float64, one element) gets the number of those neurons."""
+    a = apply_act(z if b_act is None else z + b_act, act)
+    s = a if b_score is b_act else apply_act(z if b_score is None else z + b_score, act)
+    keep = s.abs() > threshold
+    rows = keep.any(0).nonzero().flatten()
+    coef = torch.where(keep, a, torch.zeros((), dtype=a.dtype))[:, rows].to(_F32)
+    if stat is not None:
+        stat += rows.numel()
+    u = coef if w_up is None else rows_dot(x, w_up, rows, rows.numel(), lib=lib).mul_(coef)
+    return _out(rows_axpy_t(u, w_down_t, rows, bias=b_down, lib=lib), x)
+
+
+def head_sparse_qkv(x, w_qkv: QuantWeight, q_idx, q_count, kv_idx, kv_count, n_heads, n_kv_heads, head_dim,
+                    bias=None, *, lib=None):
+    """(q [B, S, hd], k, v [B, S_kv, hd]): the rows of the active query heads ``q_idx`` and KV heads ``kv_idx`` of
+    the fused QKV (query, key, value rows stacked, each part with its scale), one row product for the three;
+    slots past a count hold 0."""
+    B, dev = x.shape[0], x.device
+    parts = []
+    for part_idx, part_count, off in ((q_idx, q_count, 0), (kv_idx, kv_count, n_heads),
+                                      (kv_idx, kv_count, n_heads + n_kv_heads)):
+        heads, k = _idx64(part_idx, part_count)
+        parts.append((group_rows(heads + off, torch.ones(k, dtype=torch.bool, device=dev), head_dim),
+                      part_idx.shape[0] * head_dim))
+    rows = torch.cat([r for r, _ in parts])
+    z = rows_dot(x, w_qkv, rows, rows.numel(), bias=bias, lib=lib)
+    outs, lo = [], 0
+    for r, width in parts:
+        y = z[:, lo: lo + r.numel()]
+        if r.numel() < width:
+            y = F.pad(y, (0, width - r.numel()))
+        outs.append(_out(y, x).reshape(B, width // head_dim, head_dim))
+        lo += r.numel()
+    return tuple(outs)
+
+
+def head_sparse_out(attn, w_o_t: QuantWeightT, q_idx, q_count=None, head_dim=None, bias=None, *, lib=None):
+    """y [B, d] = b_o + Σ over the active heads' slots j of attn[:, j] · W_oᵀ[rows of head q_idx[j]]; ``attn``
+    [B, S, hd] or [B, S · hd], the active heads compact."""
+    B = attn.shape[0]
+    heads, k = _idx64(q_idx, q_count)
+    rows = group_rows(heads, torch.ones(k, dtype=torch.bool, device=heads.device), head_dim)
+    return _out(rows_axpy_t(attn.reshape(B, -1), w_o_t, rows, bias=bias, lib=lib), attn)
 
 
 # ---------------------------------------------------------------------------------------------------------

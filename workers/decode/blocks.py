@@ -9,7 +9,9 @@ adds fused into its kernels: CUDA, batch 1, not while counting inputs; workers.d
 ``cpu_rows``; on CUDA, batch <= 8, the fused FFN kernel over every row), "torch": plain matmuls.
 ``cpu_rows`` (CPU backend): dense projections (QKV, O, LM head, dense FFN) through kernels.cpu's row kernels
 (True) or torch matmuls (False/None); which is faster depends on the CPU (``workers.decode.timing.pick_cpu_dense``).
-Sparse FFN on the CPU: kernels.cpu reads only the active rows of gate/up and of W_downᵀ, in one pass.
+Sparse FFN on the CPU: kernels.cpu reads only the active rows of gate/up and of W_downᵀ, in one pass; over
+GGUF blocks (``ModelWeights.quantized``) kernels.cpu_quant reads the active whole quantized rows of gate/up (of
+QKV for head sparsity) and then the active rows of W_down's (W_o's) exact transposed blocks.
 ``o_proj``: the dense O projection through "torch" (``linear_t``: cuBLAS on CUDA, the row kernels with
 ``cpu_rows``), "kernel" (the down kernel over every head's rows of W_oᵀ, ``kernels.ops.head_sparse_out``) or
 "auto" (the kernel on CUDA up to ``kernels.configs.O_KERNEL_MAX_BATCH``, else "torch").
@@ -148,6 +150,13 @@ class Blocks:
         """The FFN over the neurons ``idx`` (``count`` None: all of idx) only; ``seq_thr`` the sequential filter
         on |act(gate)|, or with ``seq_w`` (c_i per neuron) on the damage |act(gate)·up|·c_i."""
         w = self.w
+        if w.quantized:       # the GGUF's blocks: whole rows of gate / up, rows of W_down's exact transposed blocks
+            down = _transposed(L, "down_t")
+            if seq_w is not None:
+                return cpu_quant.damage_filter_ffn(h, L.w_gate, L.w_up, down, idx, count, w.act, seq_thr, seq_w)
+            if w.gated:
+                return cpu_quant.sparse_ffn(h, L.w_gate, L.w_up, down, idx, count, w.act, seq_thr)
+            return cpu_quant.sparse_mlp(h, L.w_up, L.b_up, down, L.b_down, idx, count, w.act)
         if seq_w is not None:
             return ops.damage_filter_ffn(h, L.w_gate, L.w_up, L.w_down_t, idx, count, w.act, seq_thr, seq_w)
         if w.gated:
@@ -202,6 +211,9 @@ class Blocks:
         b_act = None if w.gated else L.b_up
         z = self.linear(h, w1)
         w_up = L.w_up if w.gated else None
+        if w.quantized:
+            return cpu_quant.threshold_ffn(h, z, w_up, _transposed(L, "down_t"), t, w.act, b_act=b_act,
+                                           b_score=b_score, b_down=L.b_down, stat=stat)
         if ops.backend_name(h) == "cpu":
             r = cpu_kernels.threshold_ffn(h, z, w_up, L.w_down_t, t, w.act, b_act=b_act, b_score=b_score,
                                           b_down=L.b_down, stat=stat)
@@ -229,7 +241,9 @@ class Blocks:
             kv_idx, kv_count = self.kv_all, None
         else:
             kv_idx, kv_count, _ = ops.kv_heads_for(q_idx, q_count, H, KV)
-        q, k, v = ops.head_sparse_qkv(h.contiguous(), L.w_qkv, q_idx, q_count, kv_idx, kv_count, H, KV, hd, L.b_qkv)
+        quant = self.w.quantized      # the GGUF's blocks: whole QKV rows, rows of W_o's exact transposed blocks
+        qkv_op = cpu_quant.head_sparse_qkv if quant else ops.head_sparse_qkv
+        q, k, v = qkv_op(h.contiguous(), L.w_qkv, q_idx, q_count, kv_idx, kv_count, H, KV, hd, L.b_qkv)
         vmask = None
         if not exact:    # K/V rows of the active KV heads only; the rest go to the spare slot KV and stay masked
             ktgt = torch.where(torch.arange(kv_idx.shape[0], device=dev) < kv_count, kv_idx.long(), KV)
@@ -239,4 +253,16 @@ class Blocks:
             vmask = cache.mark_written(l, on)
         a_act = attn(q, k, v, cache.k[l], cache.v[l], cache.pos, *(L.rope or (None, None)), L.qn, L.kn, self.w.eps,
                      L.window, q_idx=q_idx, q_count=q_count, n_heads=H, valid=vmask)
+        if quant:
+            return cpu_quant.head_sparse_out(a_act, _transposed(L, "o_t"), q_idx, q_count, hd, L.b_o)
         return ops.head_sparse_out(a_act, L.w_o_t, q_idx, q_count, hd, L.b_o)
+
+
+def _transposed(L: LayerWeights, key: str):
+    """The exact transposed blocks (kernels.quant.QuantWeightT) of O / down that workers.decode.plan made for a
+    plan's output sparsity over GGUF blocks."""
+    tp = L.layouts.get(key)
+    if not isinstance(tp, cpu_quant.TransposedParts):
+        raise RuntimeError(f"no {key!r} layout: output sparsity over GGUF blocks needs the plan built for these "
+                           "weights (set_plan; runtimes sharing weights: set a plan on one of them only)")
+    return tp.one

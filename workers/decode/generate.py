@@ -14,10 +14,10 @@ same weights decode the same prompt alternately (the order flips every round, on
 the CPU the dense products take the faster of torch matmuls and the row kernels (``pick_cpu_dense``), for both
 runtimes.
 
-Weights (CPU): a model loaded from a GGUF decodes the file's quantized blocks (the fastest dense path there; a
-plan with FFN or head predictors runs over the float weights beside that dense); for a bundle, by default what
-its setting was timed on in the sweep (the manifest's ``measured`` record); ``weights="float"`` keeps the float
-weights.
+Weights (CPU): a model loaded from a GGUF decodes the file's quantized blocks (the fastest dense path there; the
+plan too where the quantized runtime takes it: input sparsity, FFN and head predictors); for a bundle, by default
+what its setting was timed on in the sweep (the manifest's ``measured`` record); ``weights="float"`` keeps the
+float weights.
 
 Threads: ``threads`` if given; else, for a bundle, the count its setting was timed at in the sweep (the manifest's
 ``measured`` record, written by ``bundle export``), so the sweep's latency row and this run measure the same thing;
@@ -132,8 +132,8 @@ def generate_with_plan(lm, plan, prompt: str, *, tokens: int = 32, device: str =
     ``threads`` torch threads (default: every core; ``threads_from`` says where the count came from, for the
     summary). ``dtype``: the runtime's (default float32 on the CPU, float16 on CUDA). ``weights`` (CPU): "gguf"
     the GGUF's quantized blocks (a model loaded from a GGUF: dense, and the plan where the quantized runtime
-    takes it, input sparsity; a plan with predictors runs over the float weights beside that dense), "float"
-    the float weights, "auto" the blocks where the model has a GGUF."""
+    takes it, ``runs_on_blocks``: input sparsity, FFN and head predictors; another plan runs over the float
+    weights beside that dense), "float" the float weights, "auto" the blocks where the model has a GGUF."""
     _check_prompt(prompt, tokens, repeats, threads)
     _check_weights(weights)
     if threads is None:

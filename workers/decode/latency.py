@@ -225,9 +225,9 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
     run minutes apart can drift by more than the difference between settings.
 
     ``gguf`` (CPU; the file ``model`` was loaded from): dense decodes the file's quantized blocks (the fastest
-    dense path a CPU user has), and so does a plan the quantized runtime takes (input sparsity); a plan with FFN or
-    head predictors runs over the float weights, still paired with the quantized dense. Each row's ``weights``
-    says what it read (:func:`weights_name`).
+    dense path a CPU user has), and so does the plan where the quantized runtime takes it (``runs_on_blocks``:
+    input sparsity, FFN and head predictors); any other plan runs over the float weights, still paired with the
+    quantized dense. Each row's ``weights`` says what it read (:func:`weights_name`).
 
     At batch > 1 (unpaired) the warm-up's realized unions decide, per layer, whether the FFN runs dense from then
     on (``timing.densify_slow_ffn``; ``dense_ffn_layers`` in the detail lists them).

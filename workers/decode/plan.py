@@ -12,12 +12,14 @@ threshold t < 0, a ``positive``-rule MLP predictor whose layer was fitted at tar
 what the plan had (``mlp``, ``heads``, ``inputs``) so realized sparsity still reports 0 for them.
 
 Gate-threshold predictors (method ``threshold``: |act(W_gate h)| > t on the FFN's own gate) run the gate dense
-once and then only the up / W_downᵀ rows of the kept neurons (``thr_ffn``). Input sparsity (``plan.inputs``,
-TEAL / WINA): QKV share one input and one Wᵀ copy with three thresholds, gate|up likewise with two; O and down
-use ``w_o_t`` / ``w_down_t`` as stored (over GGUF blocks: their transposed blocks, ``o_t`` / ``down_t``); the Wᵀ
-copies exist only for the projections the plan needs (in ``LayerWeights.layouts``, dropped with the plan).
-WINA's |x_i|·‖W[:, i]‖ > t runs as |x_i| > t/‖W[:, i]‖ (one threshold per input channel, read by the kernels
-with x). Runtimes that share one ModelWeights share those
+once and then only the up / W_downᵀ rows of the kept neurons (``thr_ffn``). Over GGUF blocks a layer with an FFN
+predictor reads the active neurons' whole quantized rows of gate / up and their rows of W_down's exact transposed
+blocks (layout ``down_t``), a layer with a head predictor the active heads' rows of W_oᵀ (``o_t``). Input
+sparsity (``plan.inputs``, TEAL / WINA): QKV share one input and one Wᵀ copy with three thresholds, gate|up
+likewise with two; O and down use ``w_o_t`` / ``w_down_t`` as stored (over GGUF blocks: their transposed blocks,
+``o_t`` / ``down_t``); the Wᵀ copies exist only for the projections the plan needs (in ``LayerWeights.layouts``,
+dropped with the plan). WINA's |x_i|·‖W[:, i]‖ > t runs as |x_i| > t/‖W[:, i]‖ (one threshold per input channel,
+read by the kernels with x). Runtimes that share one ModelWeights share those
 layouts: set a plan on one of them only (another's set_plan drops the layouts its own plan does not need).
 """
 from __future__ import annotations
@@ -29,8 +31,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from kernels import cpu_quant
 from kernels.common import ACTS
-from kernels.cpu_quant import TransposedParts
 from kernels.quant import QuantWeight
 from workers.decode.weights import PROJ, ModelWeights, column_norms
 from workers.sparsity.predictors.base import neuron_out_norm
@@ -124,19 +126,24 @@ def _predictors(rp: RuntimePlan, plan, w: ModelWeights) -> None:
         if keeps_all(p, dims.D, plan.info.get(l)):
             continue
         rp.mlp[l] = _on(p, w.device, w.dtype)
+        L = w.layers[l]
+        if w.quantized:           # the active neurons' rows of W_downᵀ, exact (kernels.cpu_quant.sparse_ffn)
+            _layout(L, "down_t", None, L.w_down_t)
         if plan.mlp_mode == "sequential":
             rp.seq_thr[l] = plan.seq_filter.get(l)
             if plan.seq_filter_on == "damage":
                 if not w.gated:
                     raise ValueError(f"layer {l}: the damage filter needs a gated FFN")
-                L = w.layers[l]
-                rp.seq_w[l] = neuron_out_norm(L.w_down_t.float().t(), L.post_ffn).contiguous()
+                down = cpu_quant.dequantize(L.w_down_t) if w.quantized else L.w_down_t.float().t()   # [d, D]
+                rp.seq_w[l] = neuron_out_norm(down, L.post_ffn).contiguous()
         fast = _threshold_fast(w, l, p, plan)
         if fast is not None:
             rp.thr_ffn[l] = fast
     for l, p in plan.attn.items():
         if not keeps_all(p, dims.n_heads):
             rp.heads[l] = _on(p, w.device, w.dtype)
+            if w.quantized:       # the active heads' rows of W_oᵀ (kernels.cpu_quant.head_sparse_out)
+                _layout(w.layers[l], "o_t", None, w.layers[l].w_o_t)
 
 
 def _threshold_fast(w: ModelWeights, l: int, p, plan):
@@ -150,7 +157,10 @@ def _threshold_fast(w: ModelWeights, l: int, p, plan):
     L = w.layers[l]
     w1 = L.w_gate if w.gated else L.w_up
     pw = p.w_first
-    if tuple(pw.shape) != tuple(w1.shape) or not torch.equal(pw.to(w1.device, w1.dtype), w1):
+    if tuple(pw.shape) != tuple(w1.shape):
+        return None
+    w1 = cpu_quant.dequantize(w1) if isinstance(w1, QuantWeight) else w1     # GGUF blocks: their exact values
+    if not torch.equal(pw.to(w1.device, w1.dtype), w1):
         return None
     b = p.b_first
     if b is not None:
@@ -227,19 +237,25 @@ def _inputs(rp: RuntimePlan, plan, w: ModelWeights) -> None:
 
 
 def _layout(L, key: str, make, *weights) -> None:
-    """Layer ``L``'s Wᵀ layout ``key`` for input sparsity, made once: ``make()`` over float weights; over GGUF
-    blocks (quantized ``weights``: W [out, in] each) their exact transposed blocks, part by part
-    (kernels.cpu_quant.TransposedParts; O and down too, whose slots hold W itself then)."""
+    """Layer ``L``'s Wᵀ layout ``key`` (input sparsity; over GGUF blocks output sparsity's O / down too), made
+    once: ``make()`` over float weights; over GGUF blocks (quantized ``weights``: W [out, in] each) their exact
+    transposed blocks, part by part (kernels.cpu_quant.TransposedParts; O and down too, whose slots hold W itself
+    then)."""
     if key not in L.layouts:
         quant = isinstance(weights[0], QuantWeight)
-        L.layouts[key] = TransposedParts.of(*weights) if quant else make()
+        L.layouts[key] = cpu_quant.TransposedParts.of(*weights) if quant else make()
 
 
 def _drop_unused_layouts(rp: RuntimePlan, w: ModelWeights) -> None:
     for l, L in enumerate(w.layers):
-        for key, group, where in (("qkv_t", "qkv", rp.in_attn), ("gu_t", "gu", rp.in_ffn), ("up_t", "up", rp.in_ffn),
-                                  ("o_t", "o", rp.in_attn), ("down_t", "down", rp.in_ffn)):
-            if group not in where.get(l, {}):
+        need = {key for key, group, where in (("qkv_t", "qkv", rp.in_attn), ("gu_t", "gu", rp.in_ffn),
+                                              ("up_t", "up", rp.in_ffn), ("o_t", "o", rp.in_attn),
+                                              ("down_t", "down", rp.in_ffn)) if group in where.get(l, {})}
+        if w.quantized:           # output sparsity over GGUF blocks: W_downᵀ / W_oᵀ rows of the active set
+            need |= {"down_t"} if l in rp.mlp else set()
+            need |= {"o_t"} if l in rp.heads else set()
+        for key in ("qkv_t", "gu_t", "up_t", "o_t", "down_t"):
+            if key not in need:
                 L.layouts.pop(key, None)
 
 

@@ -56,9 +56,10 @@ KV_MODES = ("exact", "active")
 
 
 def runs_on_blocks(plan) -> bool:
-    """Whether a runtime over GGUF blocks (``from_gguf``) takes ``plan``: dense, or input sparsity only (no FFN or
-    head predictors)."""
-    return plan is None or not (plan.mlp or plan.attn)
+    """Whether a runtime over GGUF blocks (``from_gguf``) takes ``plan``: dense, input sparsity, FFN and head
+    predictors (Deja Vu, SVD, gate thresholds: the active rows of the blocks), every plan the decode runtime
+    runs; not rotated (larosa) or rank-sparse (rsparse) plans, which it does not run over any weights."""
+    return plan is None or all(getattr(plan, part, None) is None for part in ("rotated", "lowrank"))
 
 
 class DecodeRuntime:
@@ -86,7 +87,7 @@ class DecodeRuntime:
     @classmethod
     def from_gguf(cls, model, gguf, activations: str = "fp32", **options) -> "DecodeRuntime":
         """CPU, every projection kept in the quantized blocks of ``gguf``, the file ``model`` was loaded from
-        (workers.decode.quant_weights; dense or input-sparsity plans); ``activations`` "fp32" or "q8"
+        (workers.decode.quant_weights; dense, input-sparsity or predictor plans); ``activations`` "fp32" or "q8"
         (approximate)."""
         from workers.decode.quant_weights import from_gguf
 
@@ -191,9 +192,9 @@ class DecodeRuntime:
         if kv_mode not in KV_MODES:
             raise ValueError(f"kv_mode must be one of {KV_MODES}")
         if self.weights.quantized and not runs_on_blocks(plan):
-            raise NotImplementedError("over quantized weights the runtime runs input-sparsity plans only (teal, "
-                                      "wina, ...); this plan has FFN or head predictors: decode it with the fp32 "
-                                      "runtime (DecodeRuntime.from_hf)")
+            raise NotImplementedError("over quantized weights the runtime runs dense, input-sparsity and predictor "
+                                      "plans; this plan is rotated or rank-sparse: it runs in masked mode only "
+                                      "(apply_sparsity, apply_bundle)")
         if kv_mode != self.kv_mode:
             self.cache = None                      # the cache layout changes: setup() again
         self.sparse_plan = RuntimePlan.build(plan, self.weights)

@@ -78,18 +78,6 @@ def test_q8_activations_option(runtimes, smollm2):
         assert 1e-4 * span < (l8 - lf).abs().max().item() < 5e-2 * span
 
 
-def test_predictor_plans_are_refused(runtimes):
-    """Over the blocks the runtime takes input sparsity only (tests/workers/decode/test_quant_input_sparse.py);
-    a plan with FFN predictors is refused, naming what to do."""
-    from workers.sparsity.predictors.base import SparsityPlan
-
-    rq, _ = runtimes
-    plan = SparsityPlan()
-    plan.mlp[0] = torch.nn.Identity()
-    with pytest.raises(NotImplementedError, match="over quantized weights the runtime runs input-sparsity plans"):
-        rq.set_plan(plan)
-
-
 @pytest.mark.slow      # Gemma-3's load (a minute cold) and its GGUF's metadata parse (15-20 s)
 def test_gemma3_mixed_formats_decode_as_fp32():
     """Gemma-3-270M Q4_K_M: query/key Q5_0 and value Q8_0 rows in one fused QKV, O Q4_K, down Q6_K, gate/up
