@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .common import MAX_BATCH, act_code, apply_act, group_rows
+from .common import MAX_BATCH, act_code, apply_act
 from .cpu import _idx64, compile_native
 from .quant import QuantPart, QuantWeight, QuantWeightT
 
@@ -326,12 +326,20 @@ def _out(y, x):
     return y if x.dtype is _F32 else y.to(x.dtype)
 
 
+def _neurons(idx, count):
+    """(the active neurons int64 ascending, how many): rows_axpy_t sums the rows of a scale group before applying
+    its scales, so sorted rows read each group's scales once (top-k sets come unsorted; one SmolLM2 layer's W_downᵀ
+    rows at 70 % sparsity, weights in cache: 25 µs unsorted, 15 µs sorted, the sort 5 µs)."""
+    rows, k = _idx64(idx, count)
+    return rows.sort().values, k
+
+
 def sparse_ffn(x, w_gate: QuantWeight, w_up: QuantWeight, w_down_t: QuantWeightT, idx, count=None, act="silu",
                threshold=None, *, lib=None):
     """y [B, d] = Σ_{j active} act(<W_gate[j], x>) · <W_up[j], x> · W_downᵀ[j]. ``threshold`` (the sequential
     pipeline): gate on the active rows first, the rows with |act(gate)| <= threshold for every token dropped
     before up and down."""
-    rows, k = _idx64(idx, count)
+    rows, k = _neurons(idx, count)
     if threshold is None:
         h = rows_dot(x, w_gate, rows, k, w2=w_up, act=act, lib=lib)
     else:
@@ -345,7 +353,7 @@ def sparse_ffn(x, w_gate: QuantWeight, w_up: QuantWeight, w_down_t: QuantWeightT
 def sparse_mlp(x, w_fc1: QuantWeight, b_fc1, w_fc2_t: QuantWeightT, b_fc2, idx, count=None, act="relu", *,
                lib=None):
     """y [B, d] = b_fc2 + Σ_{j active} act(<W_fc1[j], x> + b_fc1[j]) · W_fc2ᵀ[j] (a non-gated MLP)."""
-    rows, k = _idx64(idx, count)
+    rows, k = _neurons(idx, count)
     h = rows_dot(x, w_fc1, rows, k, bias=b_fc1, act=act, lib=lib)
     return _out(rows_axpy_t(h, w_fc2_t, rows, bias=b_fc2, lib=lib), x)
 
@@ -354,7 +362,7 @@ def damage_filter_ffn(x, w_gate: QuantWeight, w_up: QuantWeight, w_down_t: Quant
                       threshold, weight, *, lib=None):
     """kernels.ops.damage_filter_ffn: gate and up on the active rows, then the rows whose |act(gate)·up|·weight[i]
     <= ``threshold`` for every token dropped before down."""
-    rows, k = _idx64(idx, count)
+    rows, k = _neurons(idx, count)
     h = rows_dot(x, w_gate, rows, k, w2=w_up, act=act, lib=lib)
     keep = (h.abs() * weight.index_select(0, rows)).gt(threshold).any(0)
     rows, h = rows[keep], h[:, keep]
@@ -383,32 +391,27 @@ def head_sparse_qkv(x, w_qkv: QuantWeight, q_idx, q_count, kv_idx, kv_count, n_h
     """(q [B, S, hd], k, v [B, S_kv, hd]): the rows of the active query heads ``q_idx`` and KV heads ``kv_idx`` of
     the fused QKV (query, key, value rows stacked, each part with its scale), one row product for the three;
     slots past a count hold 0."""
-    B, dev = x.shape[0], x.device
-    parts = []
-    for part_idx, part_count, off in ((q_idx, q_count, 0), (kv_idx, kv_count, n_heads),
-                                      (kv_idx, kv_count, n_heads + n_kv_heads)):
-        heads, k = _idx64(part_idx, part_count)
-        parts.append((group_rows(heads + off, torch.ones(k, dtype=torch.bool, device=dev), head_dim),
-                      part_idx.shape[0] * head_dim))
-    rows = torch.cat([r for r, _ in parts])
-    z = rows_dot(x, w_qkv, rows, rows.numel(), bias=bias, lib=lib)
-    outs, lo = [], 0
-    for r, width in parts:
-        y = z[:, lo: lo + r.numel()]
-        if r.numel() < width:
-            y = F.pad(y, (0, width - r.numel()))
-        outs.append(_out(y, x).reshape(B, width // head_dim, head_dim))
-        lo += r.numel()
+    B, hd = x.shape[0], head_dim
+    qh, kq = _idx64(q_idx, q_count)
+    kvh, kk = _idx64(kv_idx, kv_count)
+    heads = torch.cat([qh, kvh + n_heads, kvh + (n_heads + n_kv_heads)])
+    rows = (heads[:, None] * hd + torch.arange(hd)).reshape(-1)      # each head's rows (few torch ops: per layer)
+    z = _out(rows_dot(x, w_qkv, rows, rows.numel(), bias=bias, lib=lib), x)
+    outs = []
+    for y, slots in zip(z.split([kq * hd, kk * hd, kk * hd], 1), (q_idx.shape[0], kv_idx.shape[0],
+                                                                   kv_idx.shape[0])):
+        if y.shape[1] < slots * hd:
+            y = F.pad(y, (0, slots * hd - y.shape[1]))
+        outs.append(y.view(B, slots, hd))
     return tuple(outs)
 
 
 def head_sparse_out(attn, w_o_t: QuantWeightT, q_idx, q_count=None, head_dim=None, bias=None, *, lib=None):
     """y [B, d] = b_o + Σ over the active heads' slots j of attn[:, j] · W_oᵀ[rows of head q_idx[j]]; ``attn``
     [B, S, hd] or [B, S · hd], the active heads compact."""
-    B = attn.shape[0]
-    heads, k = _idx64(q_idx, q_count)
-    rows = group_rows(heads, torch.ones(k, dtype=torch.bool, device=heads.device), head_dim)
-    return _out(rows_axpy_t(attn.reshape(B, -1), w_o_t, rows, bias=bias, lib=lib), attn)
+    heads, _ = _idx64(q_idx, q_count)
+    rows = (heads[:, None] * head_dim + torch.arange(head_dim)).reshape(-1)
+    return _out(rows_axpy_t(attn.reshape(attn.shape[0], -1), w_o_t, rows, bias=bias, lib=lib), attn)
 
 
 # ---------------------------------------------------------------------------------------------------------
