@@ -250,8 +250,8 @@ class LatencySpec(_Strict):
     hf_generate_baseline: bool = True
     exclusive: bool = True     # time latency after every other unit, alone (CPU timings beside busy workers lie)
     # what CPU latency decodes: "auto" the GGUF's quantized blocks for a model loaded from a GGUF (the weights a
-    # CPU user runs; settings with FFN / head predictors over the float weights, paired with that dense), else
-    # the float weights; "gguf" the same but an error for a model without a GGUF; "float" always the float weights
+    # CPU user runs; every plan the runtime decodes runs over them), else the float weights; "gguf" the same but an
+    # error for a model without a GGUF; "float" always the float weights
     cpu_weights: Literal["auto", "gguf", "float"] = "auto"
 
     @field_validator("devices", "batch", "prompt_len")
