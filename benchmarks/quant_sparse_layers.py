@@ -2,7 +2,7 @@
 (kernels.cpu_quant.LayerStack) with none, one or all of the QKV, O, gate|up and down groups input-sparse.
 
     python -m benchmarks.quant_sparse_layers [--model smollm2-135m] [--sparsity 0.3,0.5] [--threads 1,2]
-        [--rounds 15] [--json NAME]
+        [--rounds 15] [--dense-above 0.6,1] [--json NAME]
 
 The plan: TEAL-style thresholds per (layer, projection) at each ``--sparsity`` (workers.decode.latency.
 calibrated_input_plan: the quantile of each projection's |input| over one 128-token prefill). The stream is the
@@ -11,7 +11,9 @@ their scale over 30 layers and the active sets collapse). Each configuration run
 a round; rounds interleave the configurations; the minimum over rounds of the per-call time (1 thread: the
 thread's CPU time, which other processes' load does not inflate; several threads: wall time), with the share of
 each group's inputs that were active. The dense row of each thread count is the baseline: the same call with
-no sparse group.
+no sparse group. ``--dense-above``: the share of active inputs above which a group runs its dense rows on the
+masked input (kernels.cpu_quant.DENSE_ABOVE; 1: never); several values time each sparse configuration at each,
+side by side.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sparsity", default="0.3,0.5")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--dense-above", default=None, help="comma-separated shares (default: the kernels' own)")
     ap.add_argument("--json", default="quant_sparse_layers")
     a = ap.parse_args(argv)
 
@@ -62,17 +65,17 @@ def main(argv=None) -> int:
         for t in (int(v) for v in a.threads.split(",")):
             torch.set_num_threads(t)
             clock = time.thread_time if t == 1 else time.perf_counter
-            cfgs, active = {}, {}
-            for c in CONFIGS:
-                name = "+".join(c) or "dense"
-                counts = torch.zeros(n, 7, dtype=torch.float64)
-                if c:
-                    stack.run(0, n, x, pos, sparse=cpu_quant.SparseLayers(n, {l: {g: full[l][g] for g in c}
-                                                                              for l in range(n)}, counts))
-                    cfgs[name] = cpu_quant.SparseLayers(n, {l: {g: full[l][g] for g in c} for l in range(n)})
-                else:
-                    cfgs[name] = None
-                active[name] = (counts.sum(0) / n_in / n).tolist()
+            cfgs, active = {"dense": None}, {"dense": [0.0] * 7}
+            shares = ([float(v) for v in a.dense_above.split(",")] if a.dense_above
+                      else [cpu_quant.DENSE_ABOVE])
+            for c in CONFIGS[1:]:
+                groups = {l: {g: full[l][g] for g in c} for l in range(n)}
+                for v in shares:
+                    name = "+".join(c) + (f" >{v:g}" if len(shares) > 1 else "")
+                    counts = torch.zeros(n, 7, dtype=torch.float64)
+                    stack.run(0, n, x, pos, sparse=cpu_quant.SparseLayers(n, groups, counts, dense_above=v))
+                    cfgs[name] = cpu_quant.SparseLayers(n, groups, dense_above=v)
+                    active[name] = (counts.sum(0) / n_in / n).tolist()
             ms = {k: [] for k in cfgs}
             for _ in range(a.rounds):
                 for k, sp in cfgs.items():

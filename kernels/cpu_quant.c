@@ -1471,6 +1471,7 @@ typedef struct {             /* one layer's input sparsity */
     const qtpart *qkv, *o, *gu, *down;       /* NULL: dense */
     int64_t nqkv, ngu;                       /* parts of qkv (q, k, v) and of gu (gate, up) */
     double *counts;                          /* [7]: active inputs added per q, k, v, o, gate, up, down (or NULL) */
+    double dense_above;                      /* a group more active than this share runs its dense rows (sp_begin) */
 } qsparse;
 
 #define QSPARTS 3            /* parts of a group at most */
@@ -1594,24 +1595,21 @@ static void sp_active(const qtpart *tp, int64_t np, const float *x, int64_t n, q
 }
 
 /* sp_active, then the choice between the active rows and the dense kernel: where the group's active share is
- * above QSP_DENSE, its parts share one threshold and x may be changed (``maskable``), x's inactive entries are
- * zeroed and 1 returned: the caller runs the dense rows on the masked input, the same products (up to summation
- * order) at the dense kernel's cost, which at such shares is below the transposed rows' on one thread (SmolLM2's
- * Q4_1 layers at 70 % active, all four groups: 0.87x dense without the choice, 0.93x with it). The layers take it
- * on one thread only: on two, gate|up's rows at 72 % active beat the dense kernel (1.05x) and O's and down's
- * inputs are shared. */
-#ifndef QSP_DENSE
-#define QSP_DENSE 0.6
-#endif
+ * above ``dense_above`` (the layer's qsparse), its parts share one threshold and x may be changed (``maskable``),
+ * x's inactive entries are zeroed and 1 returned: the caller runs the dense rows on the masked input, the same
+ * products (up to summation order) at the dense kernel's cost, which at such shares is below the transposed rows'
+ * (SmolLM2's Q4_1 layers at 70 % active, all four groups, one thread: 0.87x dense without the choice, 0.93x with
+ * it). QKV's and gate|up's inputs are each thread's own copy; O's and down's, shared on several threads, go
+ * through sp_begin_shared. */
 static int sp_begin(const qtpart *tp, int64_t np, float *x, int64_t n, qpriv *P, double *counts, int col0,
-                    int maskable) {
+                    int maskable, double dense_above) {
     int one = maskable;
     for (int64_t s = 1; s < np && one; ++s) one = tp[s].thr == tp[0].thr;
     if (one) {               /* one threshold: count first, build no lists where the dense rows run */
         const float t = (float)tp[0].thr;
         int64_t k = 0;
         for (int64_t i = 0; i < n; ++i) k += fabsf(x[i]) > t;
-        if ((double)k > QSP_DENSE * (double)n) {
+        if ((double)k > dense_above * (double)n) {
             for (int64_t s = 0; s < np && counts; ++s) counts[col0 + s] += (double)k;
             for (int64_t i = 0; i < n; ++i)
                 if (!(fabsf(x[i]) > t)) x[i] = 0.f;
@@ -1620,6 +1618,26 @@ static int sp_begin(const qtpart *tp, int64_t np, float *x, int64_t n, qpriv *P,
     }
     sp_active(tp, np, x, n, P, counts, col0);
     return 0;
+}
+
+/* O or down (one part) on T > 1 threads, whose input x is shared: every thread counts x's active entries (the
+ * same k); above ``dense_above`` of n, after a barrier (no thread still counting) each zeroes the inactive
+ * entries of its own 32-blocks and refreshes their xbuf, and after a second barrier 1 is returned: the caller
+ * runs the dense rows on the masked input. 0: nothing changed, the caller runs the active rows. */
+static int sp_begin_shared(const qtpart *q, float *x, int64_t n, xbuf *xb, double dense_above, double *counts,
+                           int col, qbar *bar, int t, int T) {
+    const float thr = (float)q->thr;
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; ++i) k += fabsf(x[i]) > thr;
+    if (!((double)k > dense_above * (double)n)) return 0;
+    if (counts) counts[col] += (double)k;
+    qbarrier(bar, T);
+    const int64_t nb = n / 32, b0 = nb * t / T, b1 = nb * (t + 1) / T;
+    for (int64_t i = b0 * 32; i < b1 * 32; ++i)
+        if (!(fabsf(x[i]) > thr)) x[i] = 0.f;
+    xbuf_fill(xb, 0, b0, b1);
+    qbarrier(bar, T);
+    return 1;
 }
 
 /* columns per task of a group of total outputs: about a quarter of a thread's share, 32-aligned, within
@@ -1703,7 +1721,7 @@ static void layer_run(const qlayer *Y, const qsparse *Z, const qdims *M, float *
     /* the attention norm, by every thread into its own buffer */
     add_rmsnorm_row(x, NULL, NULL, Y->n1, P->h, d, eps, one_plus);
     double *counts = Z && t == 0 ? Z->counts : NULL;
-    if (Z && Z->qkv && !sp_begin(Z->qkv, Z->nqkv, P->h, d, P, counts, 0, T == 1)) {
+    if (Z && Z->qkv && !sp_begin(Z->qkv, Z->nqkv, P->h, d, P, counts, 0, 1, Z->dense_above)) {
         const int64_t ct = sp_chunk(nqkv, T);
         QTASKS(S, ph, t, T, sp_ntasks(Z->qkv, Z->nqkv, ct), i, {
             int64_t lo, hi;
@@ -1732,22 +1750,31 @@ static void layer_run(const qlayer *Y, const qsparse *Z, const qdims *M, float *
         if (t == 0) xbuf_fill(ax, 0, 0, H * hd / 32);
         qbarrier(&S->sync->bar, T);
     }
-    int o_dense = 0;         /* (one thread: O's input may be masked in place for the dense rows) */
-    if (Z && Z->o && T > 1) {
-        sp_active(Z->o, 1, S->att, H * hd, P, counts, 3);
-        sp_rows_partial(Z->o, H * hd, P, t, T);
-        qbarrier(&S->sync->bar, T);
-        const int64_t s0 = d * t / T, s1 = d * (t + 1) / T;
-        for (int64_t r = s0; r < s1; ++r) S->o[r] = sp_rows_sum(Pall, T, Y->b_o, r);
-        qbarrier(&S->sync->bar, T);
-    } else if (Z && Z->o && !(o_dense = sp_begin(Z->o, 1, S->att, H * hd, P, counts, 3, 1))) {
-        const int64_t ct = sp_chunk(d, T);
-        QTASKS(S, ph + 3, t, T, sp_ntasks(Z->o, 1, ct), i, {
-            int64_t lo, hi;
-            sp_task(Z->o, ct, i, Y->b_o, S->o, P, &lo, &hi);
-        });
-    } else {
-        if (o_dense) xbuf_fill(ax, 0, 0, H * hd / 32);
+    /* O: the dense rows (no sparsity, or its input masked: o_dense), else the active rows */
+    int o_dense = !Z || !Z->o;
+    if (!o_dense && T > 1) {
+        o_dense = sp_begin_shared(Z->o, S->att, H * hd, ax, Z->dense_above, counts, 3, &S->sync->bar, t, T);
+        if (!o_dense) {
+            sp_active(Z->o, 1, S->att, H * hd, P, counts, 3);
+            sp_rows_partial(Z->o, H * hd, P, t, T);
+            qbarrier(&S->sync->bar, T);
+            const int64_t s0 = d * t / T, s1 = d * (t + 1) / T;
+            for (int64_t r = s0; r < s1; ++r) S->o[r] = sp_rows_sum(Pall, T, Y->b_o, r);
+            qbarrier(&S->sync->bar, T);
+        }
+    } else if (!o_dense) {
+        o_dense = sp_begin(Z->o, 1, S->att, H * hd, P, counts, 3, 1, Z->dense_above);
+        if (o_dense) {
+            xbuf_fill(ax, 0, 0, H * hd / 32);
+        } else {
+            const int64_t ct = sp_chunk(d, T);
+            QTASKS(S, ph + 3, t, T, sp_ntasks(Z->o, 1, ct), i, {
+                int64_t lo, hi;
+                sp_task(Z->o, ct, i, Y->b_o, S->o, P, &lo, &hi);
+            });
+        }
+    }
+    if (o_dense) {
         const int64_t co = chunk_rows(d, row_bytes_of(Y->o, (int)Y->no), T, 1);
         QTASKS(S, ph + 3, t, T, (d + co - 1) / co, i, {
             CHUNK(i, co, d, lo, hi);
@@ -1765,7 +1792,7 @@ static void layer_run(const qlayer *Y, const qsparse *Z, const qdims *M, float *
     const int64_t s0 = d * t / T, s1 = d * (t + 1) / T;
     memcpy(S->xmid + s0, P->xo + s0, (size_t)(s1 - s0) * sizeof(float));
     int gu_dense = 0;
-    if (Z && Z->gu && !(gu_dense = sp_begin(Z->gu, Z->ngu, P->h, d, P, counts, 4, T == 1))) {
+    if (Z && Z->gu && !(gu_dense = sp_begin(Z->gu, Z->ngu, P->h, d, P, counts, 4, 1, Z->dense_above))) {
         /* gate and up columns [c0, c1) in one task, then act(gate) * up of them */
         const int64_t ct = sp_chunk(D, T);
         float *f = (float *)fx->x;
@@ -1786,27 +1813,37 @@ static void layer_run(const qlayer *Y, const qsparse *Z, const qdims *M, float *
                         (int)M->act, lo, hi);
         });
     }
-    int down_dense = 0;
-    if (Z && Z->down && T > 1) {
-        sp_active(Z->down, 1, fx->x, D, P, counts, 6);
-        sp_rows_partial(Z->down, D, P, t, T);
-        qbarrier(&S->sync->bar, T);
-        const int64_t r0 = d * t / T, r1 = d * (t + 1) / T;
-        for (int64_t r = r0; r < r1; ++r) {
-            S->y[r] = sp_rows_sum(Pall, T, Y->b_down, r);
-            if (!Y->post_ffn) x[r] = S->xmid[r] + S->y[r];
+    /* down: likewise */
+    int down_dense = !Z || !Z->down;
+    if (!down_dense && T > 1) {
+        down_dense = sp_begin_shared(Z->down, (float *)fx->x, D, fx, Z->dense_above, counts, 6, &S->sync->bar, t,
+                                     T);
+        if (!down_dense) {
+            sp_active(Z->down, 1, fx->x, D, P, counts, 6);
+            sp_rows_partial(Z->down, D, P, t, T);
+            qbarrier(&S->sync->bar, T);
+            const int64_t r0 = d * t / T, r1 = d * (t + 1) / T;
+            for (int64_t r = r0; r < r1; ++r) {
+                S->y[r] = sp_rows_sum(Pall, T, Y->b_down, r);
+                if (!Y->post_ffn) x[r] = S->xmid[r] + S->y[r];
+            }
+            qbarrier(&S->sync->bar, T);
         }
-        qbarrier(&S->sync->bar, T);
-    } else if (Z && Z->down && !(down_dense = sp_begin(Z->down, 1, (float *)fx->x, D, P, counts, 6, 1))) {
-        const int64_t ct = sp_chunk(d, T);
-        QTASKS(S, ph + 5, t, T, sp_ntasks(Z->down, 1, ct), i, {
-            int64_t lo, hi;
-            sp_task(Z->down, ct, i, Y->b_down, S->y, P, &lo, &hi);
-            if (!Y->post_ffn)
-                for (int64_t r = lo; r < hi; ++r) x[r] = S->xmid[r] + S->y[r];
-        });
-    } else {
-        if (down_dense) xbuf_fill(fx, 0, 0, D / 32);
+    } else if (!down_dense) {
+        down_dense = sp_begin(Z->down, 1, (float *)fx->x, D, P, counts, 6, 1, Z->dense_above);
+        if (down_dense) {
+            xbuf_fill(fx, 0, 0, D / 32);
+        } else {
+            const int64_t ct = sp_chunk(d, T);
+            QTASKS(S, ph + 5, t, T, sp_ntasks(Z->down, 1, ct), i, {
+                int64_t lo, hi;
+                sp_task(Z->down, ct, i, Y->b_down, S->y, P, &lo, &hi);
+                if (!Y->post_ffn)
+                    for (int64_t r = lo; r < hi; ++r) x[r] = S->xmid[r] + S->y[r];
+            });
+        }
+    }
+    if (down_dense) {
         const int64_t cd = chunk_rows(d, row_bytes_of(Y->down, (int)Y->ndown), T, 1);
         QTASKS(S, ph + 5, t, T, (d + cd - 1) / cd, i, {
             CHUNK(i, cd, d, lo, hi);

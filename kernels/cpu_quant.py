@@ -437,19 +437,25 @@ class QTPart(ctypes.Structure):
 
 class QSparse(ctypes.Structure):
     """cpu_quant.c's ``qsparse``: one layer's input-sparse groups (NULL: dense)."""
-    _fields_ = [(n, _P) for n in ("qkv", "o", "gu", "down")] + [("nqkv", _I64), ("ngu", _I64), ("counts", _P)]
+    _fields_ = ([(n, _P) for n in ("qkv", "o", "gu", "down")] + [("nqkv", _I64), ("ngu", _I64), ("counts", _P)]
+                + [("dense_above", ctypes.c_double)])
 
 
 SPARSE_GROUPS = ("qkv", "o", "gu", "down")       # the groups cs_q_layers runs input-sparse
+# a group (with one threshold for its parts) more active than this share runs its dense rows on its input with
+# the inactive entries zeroed: the same products, at the dense kernel's cost (BENCHMARKS.md: CPU sparse execution)
+DENSE_ABOVE = 0.6
 
 
 class SparseLayers:
     """Input sparsity for :meth:`LayerStack.run`: ``groups`` {layer: {group: (TransposedParts, thresholds)}} with
     group one of SPARSE_GROUPS (qkv: the q, k, v parts; gu: gate, up; o, down: one part) and thresholds one
     float per part (|x_i| > t reads row i); the rest of each layer runs dense. ``counts`` (float64 [n_layers, 7],
-    contiguous CPU; or None) get each layer's active inputs per q, k, v, o, gate, up, down."""
+    contiguous CPU; or None) get each layer's active inputs per q, k, v, o, gate, up, down. ``dense_above``: a
+    group more active than that share runs its dense rows on the masked input (1 or more: never)."""
 
-    def __init__(self, n_layers: int, groups: dict, counts: torch.Tensor | None = None):
+    def __init__(self, n_layers: int, groups: dict, counts: torch.Tensor | None = None,
+                 dense_above: float = DENSE_ABOVE):
         if counts is not None and not (counts.dtype == torch.float64 and counts.is_contiguous() and counts.is_cpu
                                        and tuple(counts.shape) == (n_layers, 7)):
             raise ValueError(f"counts must be a contiguous float64 CPU tensor [{n_layers}, 7]")
@@ -460,6 +466,7 @@ class SparseLayers:
             if not 0 <= l < n_layers:
                 raise IndexError(f"layer {l} outside 0..{n_layers - 1}")
             z = QSparse()
+            z.dense_above = float(dense_above)
             for g, (tp, thr) in per.items():
                 if g not in SPARSE_GROUPS:
                     raise ValueError(f"group {g!r}: one of {SPARSE_GROUPS}")

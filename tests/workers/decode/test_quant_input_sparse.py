@@ -11,6 +11,7 @@ import torch
 
 from kernels import cpu_quant
 from tests.workers.decode.test_native_layer import FORMATS_OF, _blocks, _decode_logits, _engaged, _quantized, _tiny
+from workers.decode import native_layer
 from workers.decode.latency import calibrated_input_plan
 from workers.decode.runtime import DecodeRuntime
 
@@ -89,17 +90,19 @@ def test_tiny_families_native_sparse_layers_equal_the_per_op_step(family):
         torch.set_num_threads(prev)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("sparsity", [0.2, 0.7])
-def test_native_layers_choose_dense_rows_on_a_masked_input_or_the_active_rows(sparsity):
-    """One thread: above 60 % active inputs a group runs the dense rows on its input with the inactive entries zeroed
-    (cpu_quant.c sp_begin), below it the active rows; either way the per-op step's values and counts."""
+def test_native_layers_choose_dense_rows_on_a_masked_input_or_the_active_rows(sparsity, threads):
+    """Above 60 % active inputs a group runs the dense rows on its input with the inactive entries zeroed
+    (cpu_quant.c sp_begin; on two threads O's and down's shared inputs through sp_begin_shared), below it the
+    active rows; either way the per-op step's values and counts."""
     model = _tiny("llama", head_dim=32)
     w = _quantized(model, "llama")
     plan = calibrated_input_plan(model, sparsity, n_tokens=32)
     ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(3))
     native, per_op = DecodeRuntime(w).set_plan(plan), DecodeRuntime(w, fuse=False).set_plan(plan)
     prev = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
         a, b = _decode_logits(native, ids, 5), _decode_logits(per_op, ids, 5)
     finally:
@@ -111,6 +114,34 @@ def test_native_layers_choose_dense_rows_on_a_masked_input_or_the_active_rows(sp
     assert not torch.allclose(a, dense, rtol=1e-3, atol=1e-3)          # the plan does act
     got = native.realized_sparsity()["inputs"]
     assert got < 0.4 if sparsity < 0.5 else got > 0.4, got       # each case on its side of the 60 % active choice
+
+
+def test_the_dense_choice_and_the_active_rows_give_the_same_layers(smollm2_teal):
+    """SmolLM2's layers in one call at s = 0.4 (its TEAL plan), on one and two threads:
+    every group's dense rows on the masked input (dense_above 0) and its active rows (dense_above 1) give the same
+    stream within fp32 summation order, and the same active counts."""
+    _, rt = smollm2_teal
+    n = len(rt.weights.layers)
+    groups = {l: native_layer.native_groups(rt.weights, rt.sparse_plan, l) for l in range(n)}
+    assert all(g is not None and set(g) == set(cpu_quant.SPARSE_GROUPS) for g in groups.values())
+    rt.setup(1, 16)
+    rt.prefill(torch.tensor([[504, 2365, 6354, 16438]]))
+    stack = native_layer.build(rt.weights, rt.cache)
+    x = rt.blocks.embed(rt.tok, rt.cache.pos).contiguous()
+    pos = int(rt.cache.pos)
+    prev = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out, counts = {}, {}
+            for share in (0.0, 1.0):
+                counts[share] = torch.zeros(n, 7, dtype=torch.float64)
+                out[share] = stack.run(0, n, x.clone(), pos, sparse=cpu_quant.SparseLayers(
+                    n, groups, counts[share], dense_above=share)).clone()
+            assert torch.equal(counts[0.0], counts[1.0]) and counts[0.0].sum() > 0
+            assert torch.allclose(out[0.0], out[1.0], rtol=1e-4, atol=1e-4 * float(out[1.0].abs().max())), threads
+    finally:
+        torch.set_num_threads(prev)
 
 
 @pytest.fixture(scope="module")
