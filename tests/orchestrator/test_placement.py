@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -127,8 +129,12 @@ def _probe() -> dict:
         return ray.get([a.info.remote() for a in actors], timeout=120)
 
     out: dict = {}
+    temp_dir = tempfile.mkdtemp(prefix="ray-probe-", dir="/tmp")
+    # a temp dir of its own: Ray's job supervisor finds its cluster through the newest cluster of its temp dir
+    # ("auto"), so a cluster started in the session cluster's /tmp/ray while a job is being submitted there sends
+    # that job's driver to this one, where it waits for a GCS that is gone when this probe ends
     ray.init(address="local", num_cpus=8, num_gpus=2, resources={"NPU": 2}, _memory=40 * GiB, include_dashboard=False,
-             log_to_driver=False, configure_logging=False)
+             log_to_driver=False, configure_logging=False, _temp_dir=temp_dir)
     try:
         # an actor told not to have its CUDA_VISIBLE_DEVICES set: it would compute on device 0, whichever it got.
         # (Ray alone, without the placement group, usually packs two half-GPU actors onto GPU 0 -- why the group
@@ -177,6 +183,7 @@ def _probe() -> dict:
             ray.kill(holder)
     finally:
         ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
     return out
 
 
