@@ -460,16 +460,31 @@ def _candidates(front: Front, max_loss: float) -> list[tuple[FrontRow, float]]:
 def choose(front: Front, max_loss: float) -> FrontRow | None:
     """The fastest setting within ``max_loss`` of dense (dense itself qualifies); None when none is timed.
 
-    Among deployable (not the oracle), finished settings with a latency row on the front's device: those within
-    ``LATENCY_TIE`` of the lowest p50 ms per token are the fastest; among them the better metric value, then the
-    dense setting (nothing to apply), then the label in alphabetical order. No other deployable setting beats
-    the pick on both axes; the oracle may, which is why the choice does not read ``on_front``."""
-    ok = [(r, loss) for r, loss in _candidates(front, max_loss) if r.latency_ms is not None]
+    Among deployable (not the oracle), finished settings with a latency row on the front's device: a sparse
+    setting competes only where it is faster than dense beyond the noise (``faster_than_dense``), since one
+    that only may be faster would be shipped for nothing; of the rest, those within ``LATENCY_TIE`` of the
+    lowest p50 ms per token are the fastest; among them the better metric value, then the dense setting
+    (nothing to apply), then the label in alphabetical order. No other deployable setting beats the pick on both
+    axes; the oracle may, which is why the choice does not read ``on_front``."""
+    ok = [(r, loss) for r, loss in _candidates(front, max_loss) if r.latency_ms is not None
+          and (r.setting.is_dense or faster_than_dense(front, r))]
     if not ok:
         return None
     fastest = min(r.latency_ms for r, _ in ok)
     near = [(r, loss) for r, loss in ok if _not_slower(r.latency_ms, fastest)]
     return min(near, key=lambda t: (t[1], not t[0].setting.is_dense, t[0].setting.label, t[0].latency_ms))[0]
+
+
+def faster_than_dense(front: Front, r: FrontRow) -> bool:
+    """Whether setting ``r`` decodes faster than dense beyond the noise: every repeat of its side-by-side pair
+    faster (the lowest paired speedup above 1) where its row has them, else a p50 more than ``LATENCY_TIE`` below
+    dense's (a front without a timed dense: True, nothing to compare)."""
+    if r.speedup_min is not None:
+        return r.speedup_min > 1.0
+    dense = front.dense
+    if dense is None or dense.latency_ms is None or r.latency_ms is None:
+        return True
+    return _faster(r.latency_ms, dense.latency_ms)
 
 
 def choose_sparsest(front: Front, max_loss: float) -> FrontRow | None:
