@@ -113,9 +113,11 @@ def test_bad_prologue_is_rejected(device, gen):
         T.input_sparse_linear(x, w_t, 0.5, residual=x)
 
 
+@pytest.mark.slow
 def test_fused_layer_benchmark_smoke(monkeypatch, capsys):
     """benchmarks.fused_layer on a tiny shape through the interpreted kernels: both chains run, agree, and the
-    fused one repeats bit for bit."""
+    fused one repeats bit for bit. (slow: 20 s of interpreted kernels for the benchmark script; the kernels it
+    times are the default suite's in test_runtime_fused_layer_matches_unfused.)"""
     from benchmarks import fused_layer
 
     monkeypatch.setenv("CTXSPARSE_KERNELS", "triton")
