@@ -386,6 +386,11 @@ def threshold_ffn(x, z, w_up: QuantWeight | None, w_down_t: QuantWeightT, thresh
     return _out(rows_axpy_t(u, w_down_t, rows, bias=b_down, lib=lib), x)
 
 
+def _head_rows(heads, head_dim: int):
+    """The rows of the heads ``heads`` (int64) in a [heads · head_dim, ...] matrix, head by head."""
+    return (heads[:, None] * head_dim + torch.arange(head_dim)).reshape(-1)
+
+
 def head_sparse_qkv(x, w_qkv: QuantWeight, q_idx, q_count, kv_idx, kv_count, n_heads, n_kv_heads, head_dim,
                     bias=None, *, lib=None):
     """(q [B, S, hd], k, v [B, S_kv, hd]): the rows of the active query heads ``q_idx`` and KV heads ``kv_idx`` of
@@ -395,7 +400,7 @@ def head_sparse_qkv(x, w_qkv: QuantWeight, q_idx, q_count, kv_idx, kv_count, n_h
     qh, kq = _idx64(q_idx, q_count)
     kvh, kk = _idx64(kv_idx, kv_count)
     heads = torch.cat([qh, kvh + n_heads, kvh + (n_heads + n_kv_heads)])
-    rows = (heads[:, None] * hd + torch.arange(hd)).reshape(-1)      # each head's rows (few torch ops: per layer)
+    rows = _head_rows(heads, hd)      # a few torch ops per layer
     z = _out(rows_dot(x, w_qkv, rows, rows.numel(), bias=bias, lib=lib), x)
     outs = []
     for y, slots in zip(z.split([kq * hd, kk * hd, kk * hd], 1), (q_idx.shape[0], kv_idx.shape[0],
@@ -410,7 +415,7 @@ def head_sparse_out(attn, w_o_t: QuantWeightT, q_idx, q_count=None, head_dim=Non
     """y [B, d] = b_o + Σ over the active heads' slots j of attn[:, j] · W_oᵀ[rows of head q_idx[j]]; ``attn``
     [B, S, hd] or [B, S · hd], the active heads compact."""
     heads, _ = _idx64(q_idx, q_count)
-    rows = (heads[:, None] * head_dim + torch.arange(head_dim)).reshape(-1)
+    rows = _head_rows(heads, head_dim)
     return _out(rows_axpy_t(attn.reshape(attn.shape[0], -1), w_o_t, rows, bias=bias, lib=lib), attn)
 
 

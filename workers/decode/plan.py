@@ -248,14 +248,13 @@ def _layout(L, key: str, make, *weights) -> None:
 
 def _drop_unused_layouts(rp: RuntimePlan, w: ModelWeights) -> None:
     for l, L in enumerate(w.layers):
-        need = {key for key, group, where in (("qkv_t", "qkv", rp.in_attn), ("gu_t", "gu", rp.in_ffn),
-                                              ("up_t", "up", rp.in_ffn), ("o_t", "o", rp.in_attn),
-                                              ("down_t", "down", rp.in_ffn)) if group in where.get(l, {})}
-        if w.quantized:           # output sparsity over GGUF blocks: W_downᵀ / W_oᵀ rows of the active set
-            need |= {"down_t"} if l in rp.mlp else set()
-            need |= {"o_t"} if l in rp.heads else set()
-        for key in ("qkv_t", "gu_t", "up_t", "o_t", "down_t"):
-            if key not in need:
+        attn, ffn = rp.in_attn.get(l, {}), rp.in_ffn.get(l, {})
+        out_sparse = w.quantized      # output sparsity over GGUF blocks reads W_oᵀ / W_downᵀ rows of the active set
+        used = {"qkv_t": "qkv" in attn, "gu_t": "gu" in ffn, "up_t": "up" in ffn,
+                "o_t": "o" in attn or (out_sparse and l in rp.heads),
+                "down_t": "down" in ffn or (out_sparse and l in rp.mlp)}
+        for key, keep in used.items():
+            if not keep:
                 L.layouts.pop(key, None)
 
 
