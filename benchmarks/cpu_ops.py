@@ -246,13 +246,13 @@ def fitted_plans(lm, methods: list[tuple[str, float]], calib_tokens: int) -> dic
     from workers.loading.data import token_windows
     from workers.sparsity.capture import capture_activations, sweep_components
     from workers.sparsity.fit import fit_setting
-    from workers.sparsity.predictors.base import FitContext
+    from workers.sparsity.predictors.base import CAPTURES, FitContext
 
     toks = token_windows(lm.tokenizer, "lambada", "calib", calib_tokens, 512)
     # input thresholds need the gate's and the inputs' histograms only; predictors the residual stream and more
     inputs_only = all(m in ("teal", "wina") for m, _ in methods)
-    cache = capture_activations(lm, toks, components=("gate", "inhist") if inputs_only else sweep_components(),
-                                progress=False)
+    components = ("gate", "inhist") if inputs_only else sweep_components([c for m, _ in methods for c in CAPTURES[m]])
+    cache = capture_activations(lm, toks, components=components, progress=False)
     ctx = FitContext(lm, cache, list(range(lm.dims.n_layers)))
     return {f"{m} s={sp}": fit_setting(ctx, m, sp).plan for m, sp in methods}
 

@@ -32,6 +32,7 @@ import traceback
 import torch
 
 from benchmarks.harness import Row, command_line, copy_bandwidth, device_name, time_graph, write_results
+from benchmarks.shape_plans import rank_shape_plan, rotated_shape_plan
 from kernels import ops
 from workers.decode.blocks import O_PROJ
 from workers.decode.glue import GLUES, resolve_glue
@@ -83,9 +84,21 @@ def checks(model, rt) -> dict:
     rt.set_plan(random_plan(model, 0.0, 0.0), overlap=True)
     s0_dense_path = rt.sparse_plan.dense
     s0 = rt.generate(ids[:, :24], 24)
+    # a LaRoSA plan at s = 0: every rotation and adapter folded into the weights, nothing dropped
+    rot = rotated_shape_plan(model, 0.0)
+    for per in rot.rotated.sparsity.values():
+        per.update(dict.fromkeys(per, 0.0))
+    rt.set_plan(rot)
+    rt.setup(1, 64)
+    lg = rt.prefill(ids[:, :24]).float()
+    rot_err = [(lg - ref[:, 23]).norm().item() / ref[:, 23].norm().item()]
+    for t in range(24, 32):
+        rt.tok.copy_(ids[:, t])
+        lg = rt.step(keep_logits=True).float()
+        rot_err.append((lg - ref[:, t]).norm().item() / ref[:, t].norm().item())
     rt.set_plan(None)
     return dict(max_rel_logit_err=max(err), greedy_s0_equal_dense=bool((s0 == dense).all().item()),
-                s0_runs_dense_step=s0_dense_path)
+                s0_runs_dense_step=s0_dense_path, rotated_s0_max_rel_logit_err=max(rot_err))
 
 
 POINTS = [("dense", None, None, True, "exact"),
@@ -105,7 +118,13 @@ POINTS = [("dense", None, None, True, "exact"),
           ("in.4 unfused", None, None, True, "exact"), ("in.5 unfused", None, None, True, "exact"),
           ("wina.5", None, None, True, "exact"),
           # the FFN predictors' positive-score rule (a compaction, no top-k): about half the neurons
-          ("mlp.5 pos", 0.5, None, True, "exact")]
+          ("mlp.5 pos", 0.5, None, True, "exact"),
+          # at equal bytes with in.N (N = decoder bytes skipped, extra bytes charged): LaRoSA (a rotation per
+          # layer folded into the weights, a per-token top-k, an adapter between layers) and R-Sparse (kept rows
+          # plus rank-r factors, ρ = 0.95): benchmarks.shape_plans
+          ("larosa.4", None, None, True, "exact"), ("larosa.5", None, None, True, "exact"),
+          ("rsparse.4", None, None, True, "exact"), ("rsparse.5", None, None, True, "exact")]
+EQUAL_BYTES = ("in.", "wina.", "larosa.", "rsparse.")     # points named by their fraction of bytes skipped
 # "NAME@PATH" (e.g. in.5@local): the point with the runtime's input_path set to PATH
 POINTS += [(f"{p[0]}@{path}",) + p[1:] for p in POINTS if p[0].startswith(("in.", "wina."))
            for path in ops.INPUT_PATHS if path != "auto"]
@@ -223,8 +242,12 @@ def main(argv=None):
                 rt.configure(fuse=not unfused)
             try:
                 score = "wina" if base.startswith("wina.") else "abs"
-                ins = float("0." + base.split(".")[1]) if base.startswith(("in.", "wina.")) else 0.0  # in.5: 0.5
-                if ins:
+                ins = float("0." + base.split(".")[1]) if base.startswith(EQUAL_BYTES) else 0.0  # in.5: 0.5
+                if base.startswith("larosa."):
+                    plan = rotated_shape_plan(model, ins)
+                elif base.startswith("rsparse."):
+                    plan = rank_shape_plan(model, ins)
+                elif ins:
                     plan = calibrated_input_plan(model, ins, score=score)
                 else:
                     rule = "positive" if base.endswith(" pos") else "topk"

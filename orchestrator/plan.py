@@ -130,8 +130,6 @@ def plan_units(spec: SweepSpec, described: dict[str, dict], cpu_cores: int | Non
     """All units of the sweep, in dependency order. ``described[model]`` comes from Units.describe; ``cpu_cores``:
     the CPUs of the node CPU latency is timed on (the driver: the largest node's, as Ray counts them; default: the
     cores of this process)."""
-    from workers.sparsity.predictors import MASKED_ONLY
-
     acc = spec.resources.accelerator
     data = spec.data.model_dump()
     threads = torch_threads(spec)
@@ -185,8 +183,8 @@ def plan_units(spec: SweepSpec, described: dict[str, dict], cpu_cores: int | Non
             for t in ([] if shape else spec.suites.tasks):
                 units += task_units(t, ref, acc, {**task_ev, "suite": t.name, "limit": t.limit}, fit.id,
                                     f"{ref} {tag} {t.name}", coords)
-            if spec.latency is None or st["method"] in MASKED_ONLY:
-                continue                # (a method the decode runtime does not run: accuracy rows only)
+            if spec.latency is None:
+                continue
             lat = spec.latency
             dense = st["method"] == DENSE
             for dev in lat.devices:

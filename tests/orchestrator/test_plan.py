@@ -216,15 +216,15 @@ def test_covariances_are_collected_only_for_sweeps_with_a_method_that_fits_from_
     assert set(COMPONENTS) - set(sweep_components()) == {"cov"}
 
 
-def test_methods_the_runtime_does_not_decode_get_no_latency_units():
-    """larosa and rsparse run masked only: their settings get fit and eval units, no latency unit (which would
-    fail); the other settings keep theirs."""
-    spec = parse_spec({**SPEC, "methods": SPEC["methods"] + [{"name": "rsparse", "sparsity": [0.4]}],
+def test_rotated_and_rank_sparse_methods_get_latency_units():
+    """larosa and rsparse decode on the runtime (rotations folded into the weights, low-rank terms as GEMVs):
+    their settings get latency units like every other method's."""
+    spec = parse_spec({**SPEC, "methods": SPEC["methods"] + [{"name": "rsparse", "sparsity": [0.4]},
+                                                             {"name": "larosa", "sparsity": [0.4]}],
                        "latency": LATENCY})
     units = plan_units(spec, DESCRIBED, cpu_cores=2)
-    rs = [u for u in units if u.method == "rsparse"]
-    assert rs and {u.kind for u in rs} == {"fit", "eval"}
-    assert any(u.kind == "latency" and u.method == "oracle" for u in units)
+    for method in ("rsparse", "larosa"):
+        assert {u.kind for u in units if u.method == method} == {"fit", "eval", "latency"}, method
 
 
 def test_tf32_scoring_is_a_choice_of_the_spec_that_changes_only_the_eval_units():

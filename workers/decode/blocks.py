@@ -171,18 +171,34 @@ class Blocks:
         thr, sizes = group.thresholds, group.sizes
         if isinstance(w_t, cpu_quant.TransposedParts):      # GGUF blocks (plan.py made the layout)
             assert prologue is None and residual is None, "the quantized layer fuses natively (native_layer)"
-            return cpu_quant.input_sparse_linear_parts(x, w_t, thr, bias, counts=counts)
-        if prologue is not None or residual is not None:
-            assert counts is None, "the fused layer does not count inputs"
+            y = cpu_quant.input_sparse_linear_parts(x, w_t, thr, bias, counts=counts)
+        elif prologue is not None or residual is not None:
+            assert counts is None and not group.lowrank, "the fused layer does not count inputs or add low-rank terms"
             return ops.input_sparse_linear_segments(x, w_t, thr, sizes, bias, path=self.input_path,
                                                     prologue=prologue, residual=residual)
-        if ops.backend_name(x) == "cpu":
-            return cpu_kernels.input_sparse_linear_segments(x, w_t, thr, sizes, bias, counts=counts)
-        y = ops.input_sparse_linear_segments(x, w_t, thr, sizes, bias, path=self.input_path)
-        if self.count_inputs:
-            on = x.abs().float()[:, None, :] > (thr[None, :, :] if thr.dim() == 2 else thr[None, :, None])
-            counts.add_(on.sum((0, 2)).to(counts.dtype))
-        return y
+        elif ops.backend_name(x) == "cpu":
+            y = cpu_kernels.input_sparse_linear_segments(x, w_t, thr, sizes, bias, counts=counts)
+        else:
+            y = ops.input_sparse_linear_segments(x, w_t, thr, sizes, bias, path=self.input_path)
+            if self.count_inputs:
+                on = x.abs().float()[:, None, :] > (thr[None, :, :] if thr.dim() == 2 else thr[None, :, None])
+                counts.add_(on.sum((0, 2)).to(counts.dtype))
+        return low_rank_terms(x, y, group) if group.lowrank else y
+
+    def topk_linear(self, x, w_t, top, bias=None, counts=None):
+        """x @ w_t (+ bias) over each row's inputs ``top`` [B, k] only (a rotated plan's top-k): the rows of w_t
+        [in, out] of the active inputs (the batch's union beyond batch 1), read once (``ops.gather_down``)."""
+        B = x.shape[0]
+        if B == 1:
+            idx, count = top.reshape(-1).to(torch.int32), None
+            u = x.index_select(1, idx)
+        else:
+            keep = torch.zeros(x.shape, dtype=torch.bool, device=x.device).scatter_(1, top.long(), True)
+            idx, count = ops.union_active(keep)
+            u = torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device)).index_select(1, idx.long())
+        if counts is not None:
+            counts.add_(B * top.shape[1])
+        return ops.gather_down(u.contiguous(), w_t, idx, count, bias, out_dtype=x.dtype)
 
     def ffn_input_sparse(self, L: LayerWeights, h, ent, stat_in, act_mul):
         """The FFN with input sparsity on gate|up (one pass over the shared input), fc1, and/or down;
@@ -256,6 +272,18 @@ class Blocks:
         if quant:
             return cpu_quant.head_sparse_out(a_act, _transposed(L, "o_t"), q_idx, q_count, hd, L.b_o)
         return ops.head_sparse_out(a_act, L.w_o_t, q_idx, q_count, hd, L.b_o)
+
+
+def low_rank_terms(x, y, group):
+    """y plus a rank-sparse group's terms on the inputs its thresholds drop (workers.sparsity.rank_sparse): per
+    projection with factors, y[:, lo:hi] += ((x ⊙ dropped) aᵀ) bᵀ (the kernels keep |x_i| > t_i)."""
+    thr = group.thresholds
+    for term in group.lowrank:
+        t = thr[term.j]
+        small = torch.where(x.abs() > t.to(x.dtype), torch.zeros((), dtype=x.dtype, device=x.device), x)
+        z = small.to(term.a.dtype) @ term.a.t()
+        y[:, term.lo: term.hi] += (z @ term.b.t()).to(y.dtype)
+    return y
 
 
 def _transposed(L: LayerWeights, key: str):

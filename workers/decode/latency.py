@@ -226,7 +226,7 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
 
     ``gguf`` (CPU; the file ``model`` was loaded from): dense decodes the file's quantized blocks (the fastest
     dense path a CPU user has), and so does the plan where the quantized runtime takes it (``runs_on_blocks``:
-    input sparsity, FFN and head predictors); any other plan runs over the float weights, still paired with the
+    input sparsity, R-Sparse's, FFN and head predictors); a rotated plan runs over the float weights, still paired with the
     quantized dense. Each row's ``weights`` says what it read (:func:`weights_name`).
 
     At batch > 1 (unpaired) the warm-up's realized unions decide, per layer, whether the FFN runs dense from then
@@ -259,7 +259,7 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
     sparsities: dict = {id(p): [] for p in plans}
     densified: list[int] = []
     # accelerators: the warm-up repeats count active inputs (realized sparsity), the timed ones do not
-    counted = device.type != "cuda" or plan is None or not plan.inputs
+    counted = device.type != "cuda" or plan is None or not _input_sparse(plan)
 
     def run(p, r: int):
         """Round r of plan p: prefill one prompt (timed on the host, device synchronized) and decode it."""
@@ -288,7 +288,7 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
         times = [t for _, ts in run_p for t in ts]
         sp = None
         if p is not None:   # input sparsity (alone or with predictors): fraction of decoder weight bytes skipped
-            key = "weights" if p.inputs else "mlp"
+            key = "weights" if _input_sparse(p) else "mlp"
             vals = [s[key] for s in sparsities[id(p)] if key in s]
             sp = float(sum(vals) / len(vals)) if vals else None
         extra = None
@@ -304,6 +304,11 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
         rows.append(_row(device, batch, prompt_len, gen_len, times, name, sp, extra, spread,
                          weights_name(runtimes[id(p)])))
     return rows
+
+
+def _input_sparse(plan) -> bool:
+    """Whether ``plan`` skips input channels (TEAL / WINA thresholds, a rotated top-k, rank-sparse thresholds)."""
+    return bool(plan.inputs) or plan.rotated is not None or plan.lowrank is not None
 
 
 @torch.no_grad()

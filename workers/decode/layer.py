@@ -23,6 +23,7 @@ from kernels.common import Prologue
 from kernels.reference import qk_norm_rope
 from workers.decode import native_layer
 from workers.decode.glue import EAGER, attn_prefill
+from workers.decode.weights import PROJ
 
 
 def forward(w, x, fns: dict, impl):
@@ -42,19 +43,34 @@ def forward(w, x, fns: dict, impl):
                 h = fns["norm"](x, layers[l + 1].n1, layers[l + 1].n1b, nk, eps)
             x_prev = x_in
             continue
-        o = impl.attn(l, L, h, x_in, x_prev)
+        o = impl.attn(l, L, _rotate(h, L.rot_attn), x_in, x_prev)
         if L.post_attn is not None:
             o = fns["norm"](o, L.post_attn, None, nk, eps)
-        x, h = fns["add_norm"](x, o, L.n2, L.n2b, nk, eps)
-        y = impl.ffn(l, L, h, x_in, x_prev)
+        x, h = _add_norm(fns, x, o, L.adapt_ffn, L.n2, L.n2b, nk, eps)
+        y = impl.ffn(l, L, _rotate(h, L.rot_ffn), x_in, x_prev)
         if L.post_ffn is not None:
             y = fns["norm"](y, L.post_ffn, None, nk, eps)
         if l + 1 < len(layers):
-            x, h = fns["add_norm"](x, y, layers[l + 1].n1, layers[l + 1].n1b, nk, eps)
+            nxt = layers[l + 1]
+            x, h = _add_norm(fns, x, y, nxt.adapt_attn, nxt.n1, nxt.n1b, nk, eps)
         else:
             x, h = fns["add_norm"](x, y, w.final_norm, w.final_norm_b, nk, w.final_eps)
         x_prev = x_in
     return h
+
+
+def _add_norm(fns, x, y, adapt, n, nb, nk, eps):
+    """(x + y, its norm), or with a rotated plan's change of basis of the stream between them
+    (workers.decode.rotate): x <- (x + y) @ adapt."""
+    if adapt is None:
+        return fns["add_norm"](x, y, n, nb, nk, eps)
+    x = (x + y) @ adapt
+    return x, fns["norm"](x, n, nb, nk, eps)
+
+
+def _rotate(h, q):
+    """A rotated plan's explicit rotation of a normed block input (workers.decode.rotate), or ``h`` itself."""
+    return h if q is None else h @ q
 
 
 def _none(x):
@@ -111,7 +127,8 @@ class Step:
                 and w.norm_kind in ("rms", "rms1p") and L.post_attn is None and L.post_ffn is None):
             return False
         ia, ifn = rp.in_attn.get(l) or {}, rp.in_ffn.get(l) or {}
-        return l not in rp.heads and l not in rp.mlp and {"qkv", "o"} <= ia.keys() and {"gu", "down"} <= ifn.keys()
+        return (l not in rp.heads and l not in rp.mlp and {"qkv", "o"} <= ia.keys() and {"gu", "down"} <= ifn.keys()
+                and not any(g.lowrank for g in (*ia.values(), *ifn.values())))
 
     def whole(self, x):
         """The stream after every layer in one native call, where every layer runs natively (else None)."""
@@ -138,6 +155,8 @@ class Step:
     def attn(self, l, L, h, x_in, x_prev):
         """Dense attention (input sparsity on QKV / O where the plan has it) or the active heads only."""
         self.sets.layer_start(l, len(self.b.w.layers), x_in)   # look-ahead for l+1 (from x entering l), residual for l
+        if l in self.rp.rot:
+            return self._rot_attn(l, L, h, self.rp.rot[l])
         hp = self.rp.heads.get(l)
         if hp is None:
             return self._dense_attn(l, L, h, self.rp.in_attn.get(l) or {})
@@ -160,9 +179,46 @@ class Step:
             return b.in_linear(a, L.w_o_in, ia["o"], ia["o"].counts(self.c.inputs[l]), L.b_o)
         return b.out_dense(L, a)
 
+    def _top(self, x, tk):
+        """Each row's top-k inputs [B, k] of a rotated plan's group ``tk`` (plan.TopK)."""
+        s = x.abs() if tk.scale is None else x.abs() * tk.scale
+        return self.sets.sel.topk(s, tk.k)
+
+    def _rot_linear(self, l, x, w_t, tk, bias, col, n):
+        counts = self.c.inputs[l, col: col + n] if self.b.count_inputs or x.device.type == "cpu" else None
+        return self.b.topk_linear(x, w_t, self._top(x, tk), bias, counts)
+
+    def _rot_attn(self, l, L, h, rot: dict):
+        """A rotated plan's attention: QKV on each token's top-k of the rotated input, O on its top-k (weights
+        rotated at set_plan, workers.decode.rotate)."""
+        b, cache, w = self.b, self.cache, self.b.w
+        if "attn_in" in rot:
+            qkv = self._rot_linear(l, h, L.w_qkv_t, rot["attn_in"], L.b_qkv, PROJ.index("q"), 3)
+        else:
+            qkv = b.linear(h, L.w_qkv, L.b_qkv)
+        q, k, v = split_qkv(qkv, w.dims)
+        a = self.fns["attn"](q, k, v, cache.k[l], cache.v[l], cache.pos, *(L.rope or (None, None)), L.qn, L.kn,
+                             w.eps, L.window)
+        if "o" in rot:
+            return self._rot_linear(l, a, L.w_o_t, rot["o"], L.b_o, PROJ.index("o"), 1)
+        return b.out_dense(L, a)
+
+    def _rot_ffn(self, l, L, h, rot: dict):
+        b, w = self.b, self.b.w
+        if "ffn_in" in rot:
+            gu = self._rot_linear(l, h, L.w_gu_t, rot["ffn_in"], None, PROJ.index("gate"), 2)
+        else:
+            gu = b.linear(h, L.gu())
+        a = self.fns["act_mul"](gu, w.act)
+        if "down" in rot:
+            return self._rot_linear(l, a, L.w_down_t, rot["down"], L.b_down, PROJ.index("down"), 1)
+        return b.linear_t(a, L.w_down_t, L.b_down)
+
     def ffn(self, l, L, h, x_in, x_prev):
         """Dense, input-sparse, gate-threshold, or on the predictor's active set."""
         b, rp, c = self.b, self.rp, self.c
+        if l in rp.rot:
+            return self._rot_ffn(l, L, h, rp.rot[l])
         mp = rp.mlp.get(l)
         if mp is None:
             ifn = rp.in_ffn.get(l)

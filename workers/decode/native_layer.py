@@ -103,13 +103,13 @@ _LAYOUT = dict(qkv="qkv_t", o="o_t", gu="gu_t", down="down_t")      # workers.de
 
 def native_groups(w, rp, l: int) -> dict | None:
     """Layer ``l``'s input-sparse groups as cs_q_layers takes them ({group: (TransposedParts, thresholds)}), or
-    None where the kernels cannot (a group other than QKV, O, gate|up, down; WINA's per-channel thresholds; a
-    float part; a part of outputs not a multiple of 32)."""
+    None where the kernels cannot (a group other than QKV, O, gate|up, down; WINA's per-channel thresholds;
+    low-rank terms; a float part; a part of outputs not a multiple of 32)."""
     out = {}
     L = w.layers[l]
     for g, ent in [*(rp.in_attn.get(l) or {}).items(), *(rp.in_ffn.get(l) or {}).items()]:
         tp = L.layouts.get(_LAYOUT.get(g))
-        if (g not in cpu_quant.SPARSE_GROUPS or ent.thresholds.dim() != 1
+        if (g not in cpu_quant.SPARSE_GROUPS or ent.thresholds.dim() != 1 or ent.lowrank
                 or not isinstance(tp, cpu_quant.TransposedParts) or len(tp.parts) != ent.thresholds.numel()
                 or any(t.codes is None or t.cols % 32 for t in tp.parts)):
             return None

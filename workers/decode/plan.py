@@ -37,6 +37,7 @@ from kernels.quant import QuantWeight
 from workers.decode.weights import PROJ, ModelWeights, column_norms
 from workers.sparsity.predictors.base import neuron_out_norm
 from workers.sparsity.predictors.threshold import GateThreshold
+from workers.sparsity.rotated import GROUP_PROJECTIONS, keep_count
 
 
 class InputGroup(NamedTuple):
@@ -44,6 +45,7 @@ class InputGroup(NamedTuple):
     thresholds: torch.Tensor        # [n] (one per projection) or, WINA, [n, n_in] (t / ‖W[:, i]‖ per input channel)
     sizes: tuple[int, ...]          # the output segment of each projection in the fused product
     col: int                        # the first projection's column of the input counters (PROJ); the rest follow
+    lowrank: tuple = ()             # rank-sparse: a LowRankTerm per projection with factors (the dropped inputs)
 
     @classmethod
     def of(cls, thresholds: torch.Tensor, sizes: tuple[int, ...], projections: tuple[str, ...]) -> "InputGroup":
@@ -51,6 +53,9 @@ class InputGroup(NamedTuple):
         if PROJ[col: col + len(projections)] != projections or len(sizes) != len(projections):
             raise ValueError(f"{projections}: not consecutive counter columns of {PROJ}, or not one size each")
         return cls(thresholds, tuple(sizes), col)
+
+    def with_lowrank(self, terms: tuple) -> "InputGroup":
+        return self._replace(lowrank=tuple(terms))
 
     @property
     def projections(self) -> tuple[str, ...]:
@@ -71,13 +76,16 @@ class RuntimePlan:
     thr_ffn: dict = field(default_factory=dict)
     in_attn: dict = field(default_factory=dict)
     in_ffn: dict = field(default_factory=dict)
-    inputs: dict = field(default_factory=dict)   # the active input thresholds {layer: {projection: t}}
+    inputs: dict = field(default_factory=dict)   # input-sparse projections {layer: {projection: threshold or k}}
+    rot: dict = field(default_factory=dict)      # rotated top-k: {layer: {group: TopK}} (weights rotated already)
+    lowrank: dict = field(default_factory=dict)  # rank-sparse: {layer: {group: (LowRankTerm, ...)}}
+    extra_numel: int = 0                         # weight elements a token reads beside the projections
     reports: frozenset = frozenset()
     native: dict = field(default_factory=dict, repr=False)   # packed forms for the native layers (native_layer)
 
     @property
     def dense(self) -> bool:
-        return not (self.mlp or self.heads or self.in_attn or self.in_ffn)
+        return not (self.mlp or self.heads or self.in_attn or self.in_ffn or self.rot)
 
     @property
     def dense_gate(self) -> bool:
@@ -91,15 +99,18 @@ class RuntimePlan:
 
     @classmethod
     def build(cls, plan, w: ModelWeights) -> "RuntimePlan":
+        """``w``: for a rotated plan, the weights with its rotations folded in (workers.decode.rotate)."""
         rp = cls(plan=plan)
-        if plan is not None and any(getattr(plan, part, None) is not None for part in ("rotated", "lowrank")):
-            raise ValueError("the decode runtime does not run rotated (larosa) or rank-sparse (rsparse) plans yet: "
-                             "they run in masked mode only (apply_sparsity, apply_bundle)")
         if plan is not None:
-            rp.reports = frozenset(k for k, on in (("mlp", plan.mlp), ("heads", plan.attn), ("inputs", plan.inputs))
-                                   if on)
+            rotated, lowrank = getattr(plan, "rotated", None), getattr(plan, "lowrank", None)
+            rp.reports = frozenset(k for k, on in (("mlp", plan.mlp), ("heads", plan.attn),
+                                                   ("inputs", plan.inputs or rotated or lowrank)) if on)
             _predictors(rp, plan, w)
             _inputs(rp, plan, w)
+            if rotated is not None:
+                _rotated(rp, rotated, w)
+            if lowrank is not None:
+                _lowrank(rp, lowrank, w)
         _drop_unused_layouts(rp, w)
         return rp
 
@@ -236,6 +247,125 @@ def _inputs(rp: RuntimePlan, plan, w: ModelWeights) -> None:
             rp.in_ffn[l] = ent
 
 
+class LowRankTerm(NamedTuple):
+    """A rank-sparse projection's term on the inputs its threshold drops: y[:, lo:hi] += ((x ⊙ dropped) aᵀ) bᵀ;
+    ``j`` its row of the group's thresholds."""
+    j: int
+    lo: int
+    hi: int
+    a: torch.Tensor                 # Σ_r V_rᵀ [r, in]
+    b: torch.Tensor                 # U_r [out, r]
+
+
+def _lowrank(rp: RuntimePlan, lowrank, w: ModelWeights) -> None:
+    """Per layer, a rank-sparse plan's (R-Sparse, workers.sparsity.rank_sparse) input thresholds in the groups of
+    :func:`_inputs` (one per projection; per input channel where a part scores |x_i|·‖W[:, i]‖) and each part's
+    factors as a :class:`LowRankTerm` of its group."""
+    dims, dev = w.dims, w.device
+    H, KV, hd, d, D = dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.d, dims.D
+    if not w.gated:
+        raise ValueError("rank-sparse plans run on gated FFNs in the decode runtime")
+    fdt = torch.float32 if w.quantized else w.dtype
+    for l, per in lowrank.parts.items():
+        l = int(l)
+        if not 0 <= l < len(w.layers):
+            raise ValueError(f"rank-sparse plan for layer {l}, model has {len(w.layers)}")
+        bad = set(per) - set(PROJ)
+        if bad:
+            raise ValueError(f"layer {l}: rank-sparse parts on {sorted(bad)}: not projections of this model")
+        per = {p: part for p, part in per.items() if part.threshold >= 0}
+        if not per:
+            continue
+        if l in rp.heads or l in rp.mlp or l in rp.in_attn or l in rp.in_ffn:
+            raise ValueError(f"layer {l}: a rank-sparse plan carries no other sparse part on the same layer")
+        L = w.layers[l]
+        norms = column_norms(L, w.q_fold, H * hd, KV * hd) if any(pt.score == "wina" for pt in per.values()) \
+            else None
+        rp.inputs[l] = {p: float(part.threshold) for p, part in per.items()}
+        rp.extra_numel += sum(part.numel() for part in per.values())
+
+        def group(names, n_in, sizes) -> InputGroup:
+            wina = any(p in per and per[p].score == "wina" for p in names)
+            rows, terms, lo = [], [], 0
+            for j, (p, size) in enumerate(zip(names, sizes)):
+                part = per.get(p)
+                t = -1.0 if part is None else float(part.threshold)
+                if wina:
+                    rows.append(torch.full((n_in,), t, device=dev) if part is None or part.score == "abs"
+                                else t / norms[p].clamp_min(1e-30))
+                else:
+                    rows.append(torch.tensor(t, device=dev))
+                if part is not None and part.a is not None:
+                    if tuple(part.a.shape[1:]) != (n_in,) or part.b.shape[0] != size:
+                        raise ValueError(f"layer {l} {p}: factors {tuple(part.b.shape)} @ {tuple(part.a.shape)} "
+                                         f"do not fit a [{size}, {n_in}] weight")
+                    b = part.b * w.q_fold if p == "q" else part.b     # the query rows hold the attention scale
+                    terms.append(LowRankTerm(j, lo, lo + size, part.a.to(dev, fdt).contiguous(),
+                                             b.to(dev, fdt).contiguous()))
+                lo += size
+            thr = torch.stack(rows).to(torch.float32).contiguous()
+            return InputGroup.of(thr, sizes, names).with_lowrank(terms)
+
+        ent = {}
+        if set(per) & {"q", "k", "v"}:
+            _layout(L, "qkv_t", lambda: L.w_qkv.t().contiguous(), L.w_qkv)
+            ent["qkv"] = group(("q", "k", "v"), d, (H * hd, KV * hd, KV * hd))
+        if "o" in per:
+            if w.quantized:
+                _layout(L, "o_t", None, L.w_o_t)
+            ent["o"] = group(("o",), H * hd, (d,))
+        if ent:
+            rp.in_attn[l] = ent
+        ent = {}
+        if set(per) & {"gate", "up"}:
+            _layout(L, "gu_t", lambda: torch.cat([L.w_gate, L.w_up], 0).t().contiguous(), L.w_gate, L.w_up)
+            ent["gu"] = group(("gate", "up"), d, (D, D))
+        if "down" in per:
+            if w.quantized:
+                _layout(L, "down_t", None, L.w_down_t)
+            ent["down"] = group(("down",), D, (d,))
+        if ent:
+            rp.in_ffn[l] = ent
+
+
+class TopK(NamedTuple):
+    """A rotated plan's group: each token keeps its ``k`` largest |x_j| (``scale`` None) or |x_j|·scale_j."""
+    k: int
+    scale: torch.Tensor | None
+
+
+def _rotated(rp: RuntimePlan, rotated, w: ModelWeights) -> None:
+    """Per layer, the top-k of each sparse group of a rotated plan (LaRoSA) over the rotated weights ``w``; the
+    WINA score's ‖W'[:, j]‖ over the group's consumers stacked (workers.sparsity.rotated)."""
+    dims = w.dims
+    H, KV, hd = dims.n_heads, dims.n_kv_heads, dims.head_dim
+    for l, per in rotated.sparsity.items():
+        l = int(l)
+        if not 0 <= l < len(w.layers):
+            raise ValueError(f"rotated plan for layer {l}, model has {len(w.layers)}")
+        norms = column_norms(w.layers[l], w.q_fold, H * hd, KV * hd) if rotated.score == "wina" else None
+        ent = {}
+        for g, s in per.items():
+            n = {"o": H * hd, "down": dims.D}.get(g, dims.d)
+            if s <= 0 or keep_count(s, n) >= n:
+                continue
+            scale = None
+            if norms is not None:
+                scale = torch.stack([norms[p] for p in GROUP_PROJECTIONS[g]]).pow(2).sum(0).sqrt().to(w.device, w.dtype)
+            ent[g] = TopK(keep_count(s, n), scale)
+            for p in GROUP_PROJECTIONS[g]:
+                rp.inputs.setdefault(l, {})[p] = ent[g].k
+            if g in ("attn_in", "ffn_in"):
+                key, make = ("qkv_t", lambda L: L.w_qkv.t().contiguous()) if g == "attn_in" else \
+                    ("gu_t", lambda L: torch.cat([L.w_gate, L.w_up], 0).t().contiguous())
+                L = w.layers[l]
+                _layout(L, key, lambda: make(L), L.w_qkv)
+        if ent:
+            rp.rot[l] = ent
+    rp.extra_numel += sum(t.numel() for L in w.layers for t in (L.adapt_attn, L.adapt_ffn, L.rot_attn, L.rot_ffn)
+                          if t is not None)
+
+
 def _layout(L, key: str, make, *weights) -> None:
     """Layer ``L``'s Wᵀ layout ``key`` (input sparsity; over GGUF blocks output sparsity's O / down too), made
     once: ``make()`` over float weights; over GGUF blocks (quantized ``weights``: W [out, in] each) their exact
@@ -250,7 +380,9 @@ def _drop_unused_layouts(rp: RuntimePlan, w: ModelWeights) -> None:
     for l, L in enumerate(w.layers):
         attn, ffn = rp.in_attn.get(l, {}), rp.in_ffn.get(l, {})
         out_sparse = w.quantized      # output sparsity over GGUF blocks reads W_oᵀ / W_downᵀ rows of the active set
-        used = {"qkv_t": "qkv" in attn, "gu_t": "gu" in ffn, "up_t": "up" in ffn,
+        rot = rp.rot.get(l, {})
+        used = {"qkv_t": "qkv" in attn or "attn_in" in rot, "gu_t": "gu" in ffn or "ffn_in" in rot,
+                "up_t": "up" in ffn,
                 "o_t": "o" in attn or (out_sparse and l in rp.heads),
                 "down_t": "down" in ffn or (out_sparse and l in rp.mlp)}
         for key, keep in used.items():

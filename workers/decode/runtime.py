@@ -2,7 +2,7 @@
 
     rt = DecodeRuntime.from_hf(model)                      # copies the weights (workers.decode.weights)
     rt = DecodeRuntime.from_config(config, dtype, device)  # random weights of the real shapes
-    rt.set_plan(plan, overlap=True)                        # None: dense
+    rt.set_plan(plan, overlap=True)                        # None: dense (a rotated plan: weights folded, rotate)
     rt.setup(batch=1, max_len=160)                         # static KV cache
     logits = rt.prefill(prompt_ids)                        # dense, eager; writes the cache
     tokens = rt.decode(n)                                  # greedy; one-token step, CUDA graph on CUDA
@@ -48,6 +48,7 @@ from workers.decode.graph import StepGraph
 from workers.decode.kv_cache import KVCache
 from workers.decode.layer import Prompt, Step, forward
 from workers.decode.plan import RuntimePlan
+from workers.decode.rotate import rotated_weights
 from workers.decode.select import ActiveSetSelector, Lookahead
 from workers.decode.stats import Counters, realized_sparsity
 from workers.decode.weights import ModelWeights
@@ -56,10 +57,10 @@ KV_MODES = ("exact", "active")
 
 
 def runs_on_blocks(plan) -> bool:
-    """Whether a runtime over GGUF blocks (``from_gguf``) takes ``plan``: dense, input sparsity, FFN and head
-    predictors (Deja Vu, SVD, gate thresholds: the active rows of the blocks), every plan the decode runtime
-    runs; not rotated (larosa) or rank-sparse (rsparse) plans, which it does not run over any weights."""
-    return plan is None or all(getattr(plan, part, None) is None for part in ("rotated", "lowrank"))
+    """Whether a runtime over GGUF blocks (``from_gguf``) takes ``plan``: dense, input sparsity (with R-Sparse's
+    low-rank terms), FFN and head predictors (Deja Vu, SVD, gate thresholds: the active rows of the blocks); not
+    rotated plans (LaRoSA), whose rotations fold into float weights (workers.decode.rotate)."""
+    return plan is None or getattr(plan, "rotated", None) is None
 
 
 class DecodeRuntime:
@@ -67,7 +68,8 @@ class DecodeRuntime:
                  use_graph: bool = True, select_impl: str = "auto", cpu_rows: bool | None = None,
                  count_inputs: bool = True, input_path: str = "auto", glue: str = "auto", o_proj: str = "auto",
                  fuse: bool = True):
-        self.weights = weights
+        self.weights = self.base_weights = weights
+        self._rotated = None                       # (rotated plan, its folded weights): the last one set
         self.glue = check_glue(glue)
         self.blocks = Blocks(weights, ffn_dense=ffn_dense, cpu_rows=cpu_rows, count_inputs=count_inputs, fuse=fuse,
                              input_path=input_path, o_proj=o_proj)
@@ -192,11 +194,24 @@ class DecodeRuntime:
         if kv_mode not in KV_MODES:
             raise ValueError(f"kv_mode must be one of {KV_MODES}")
         if self.weights.quantized and not runs_on_blocks(plan):
-            raise NotImplementedError("over quantized weights the runtime runs dense, input-sparsity and predictor "
-                                      "plans; this plan is rotated or rank-sparse: it runs in masked mode only "
-                                      "(apply_sparsity, apply_bundle)")
+            raise NotImplementedError("over a GGUF's blocks the runtime runs dense, input-sparsity (with low-rank "
+                                      "terms) and predictor plans; a rotated plan folds its rotations into float "
+                                      "weights: load the model with from_hf")
         if kv_mode != self.kv_mode:
             self.cache = None                      # the cache layout changes: setup() again
+        rotated = getattr(plan, "rotated", None)
+        if rotated is None:
+            weights = self.base_weights
+        elif self._rotated is not None and self._rotated[0] is rotated:
+            weights = self._rotated[1]             # the same rotated plan again (timing rounds): folded once
+        else:
+            weights = rotated_weights(self.base_weights, rotated)
+            self._rotated = (rotated, weights)
+        if weights is not self.weights:            # a rotated plan runs on its own copy of the weights
+            b = self.blocks
+            self.weights = weights
+            self.blocks = Blocks(weights, ffn_dense=b.ffn_dense, cpu_rows=b.cpu_rows, count_inputs=b.count_inputs,
+                                 input_path=b.input_path, o_proj=b.o_proj, fuse=b.fuse)
         self.sparse_plan = RuntimePlan.build(plan, self.weights)
         self.overlap, self.kv_mode = overlap, kv_mode
         self._graph.drop()

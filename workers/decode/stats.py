@@ -63,13 +63,12 @@ def _weights_skipped(rp: RuntimePlan, w: ModelWeights, c: Counters, batch: int, 
     stat = c.inputs.cpu()
     skipped_in = 0.0
     for l in range(nl):
-        for g in (*rp.in_attn.get(l, {}).values(), *rp.in_ffn.get(l, {}).values()):
-            for p, active in zip(g.projections, g.counts(stat[l]).tolist()):
-                if p not in numel or p not in rp.inputs.get(l, {}):
-                    continue
+        for p in rp.inputs.get(l, {}):
+            if p in numel:
                 n, n_in = numel[p]
-                skipped_in += (1.0 - active / (seen * n_in)) * n
-    skipped = skipped_in
+                skipped_in += (1.0 - float(stat[l, PROJ.index(p)]) / (seen * n_in)) * n
+    # what a rotated or rank-sparse plan reads beside the projections: adapters / rotations, low-rank factors
+    skipped = skipped_in - rp.extra_numel
     if "mlp" in kept:
         for l in rp.mlp:
             frac_skip = 1.0 - float(kept["mlp"][l]) / w.dims.D

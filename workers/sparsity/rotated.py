@@ -226,17 +226,68 @@ def residual_foldable(model: nn.Module) -> bool:
     return not adapter_for(model).ffn.post_norm
 
 
+def residual_bases(plan: RotatedPlan, n_layers: int, foldable: bool) -> "ResidualBases":
+    """Where the deployable form changes the residual stream's basis (module doc), the one map both the bytes
+    charged (:func:`rotation_numel`) and the decode runtime (workers.decode.rotate) follow.
+
+    Walk the block inputs in order (layer by layer, ``attn_in`` then ``ffn_in``). A rotated input wants its Q; a
+    sparse input without a rotation wants the original basis (its top-k is over the norm's own output); a dense
+    one takes whatever basis the stream is in. ``foldable`` (the residual stream can carry a basis, and the plan is
+    not ``scaled``): the stream starts in the first wanted basis (folded into the embeddings), and each input that
+    wants another basis than the stream's gets an adapter there (one d×d product on the stream); the LM head takes
+    the last basis. Otherwise the stream stays in the original basis and every rotated input is an explicit d×d
+    product on its normed input (``explicit``)."""
+    wants = []
+    for l in range(n_layers):
+        rot, sp = plan.rotations.get(l, {}), plan.sparsity.get(l, {})
+        for g in BLOCK_INPUTS:
+            q = rot.get(g)
+            wants.append(((l, g), q if q is not None else (IDENTITY if sp.get(g, 0.0) > 0 else None)))
+    if not foldable or plan.scaled:
+        return ResidualBases(explicit={key: q for key, q in wants if q is not None and q is not IDENTITY})
+    first = next((q for _, q in wants if q is not None), IDENTITY)
+    cur, at, adapters = first, {}, {}
+    for key, q in wants:
+        if q is not None and not _same(q, cur):
+            adapters[key] = (cur, q)
+            cur = q
+        at[key] = cur
+    return ResidualBases(initial=first, at=at, adapters=adapters, final=cur)
+
+
+IDENTITY = "identity"        # the original basis, in ResidualBases
+
+
+def _same(a, b) -> bool:
+    if a is IDENTITY or b is IDENTITY:
+        return a is b
+    return a is b or (a.shape == b.shape and torch.equal(a, b))
+
+
+@dataclass
+class ResidualBases:
+    """:func:`residual_bases`: ``initial`` (the embeddings'), ``at[(l, group)]`` (the stream's basis at that block
+    input, after its adapter), ``adapters[(l, group)]`` = (from, to), ``final`` (the LM head's); or, explicit form,
+    ``explicit[(l, group)]`` = Q. A basis is an orthogonal [d, d] (its columns) or ``IDENTITY``."""
+    initial: object = IDENTITY
+    at: dict = field(default_factory=dict)
+    adapters: dict = field(default_factory=dict)
+    final: object = IDENTITY
+    explicit: dict = field(default_factory=dict)
+
+    def products(self) -> int:
+        """d×d products per token: the adapters, or the explicit rotations."""
+        return len(self.adapters) + len(self.explicit)
+
+
 def rotation_numel(model: nn.Module, plan: RotatedPlan) -> int:
     """Weight elements read per token by the rotations themselves in the deployable form (module doc): d² per
-    basis change between consecutive rotated block inputs where the residual stream can carry them, else d² per
-    rotated block input. o's rotations fold into v and o: none."""
-    d = adapter_for(model).dims(model.config).d
-    seq = [plan.rotations[l][g] for l in sorted(plan.rotations) for g in BLOCK_INPUTS if g in plan.rotations[l]]
-    if residual_foldable(model) and not plan.scaled:
-        changes = sum(1 for a, b in zip(seq, seq[1:]) if not (a is b or torch.equal(a, b)))
-    else:
-        changes = len(seq)
-    return changes * d * d
+    adapter where the residual stream carries the bases, else d² per rotated block input
+    (:func:`residual_bases`). o's rotations fold into v and o: none."""
+    ad = adapter_for(model)
+    d = ad.dims(model.config).d
+    bases = residual_bases(plan, len(ad.decoder_layers(model)), residual_foldable(model))
+    return bases.products() * d * d
 
 
 # ---------------------------------------------------------------- apply

@@ -258,7 +258,7 @@ def test_runs_on_blocks_takes_predictor_plans_not_rotated_ones():
         DecodeRuntime(wq).set_plan(plan)
     rotated = SparsityPlan(rotated=object())
     assert not runs_on_blocks(rotated)
-    with pytest.raises(NotImplementedError, match="rotated or rank-sparse"):
+    with pytest.raises(NotImplementedError, match="a rotated plan folds its rotations into float"):
         DecodeRuntime(wq).set_plan(rotated)
 
 

@@ -228,6 +228,28 @@ def sparse_step():
         assert all(abs(got[path][1][k] - v) < 5e-3 for k, v in got["auto"][1].items()), (path, got)
 
 
+def rotated_step():
+    # LaRoSA and R-Sparse shape plans (benchmarks.shape_plans) through the Triton kernels against the CPU default's
+    from benchmarks.shape_plans import rank_shape_plan, rotated_shape_plan
+
+    m = tiny_model("qwen2")
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(5))
+    for make, ops_ in ((rotated_shape_plan, ("topk_select", "gather_down")), (rank_shape_plan,
+                                                                               ("input_sparse_linear_segments",))):
+        rt = DecodeRuntime.from_hf(m).set_plan(make(m, 0.3))
+        rt.setup(1, 12)
+        calls, got = spy_triton(ops_), {}
+        for backend in ("cpu", "triton"):
+            os.environ["CTXSPARSE_KERNELS"] = backend
+            calls.clear()
+            rt.prefill(ids)
+            got[backend] = (rt.step(keep_logits=True), rt.realized_sparsity())
+            assert all(calls[o] == (8 if backend == "triton" else 0) for o in ops_), (make.__name__, calls)
+        torch.testing.assert_close(got["triton"][0], got["cpu"][0], atol=1e-4, rtol=1e-3)
+        assert abs(got["triton"][1]["weights"] - got["cpu"][1]["weights"]) < 5e-3, got
+        assert abs(got["cpu"][1]["weights"] - 0.3) < 0.06, got
+
+
 results = {}
 for name in sys.argv[1:]:
     try:
@@ -252,7 +274,8 @@ def interpreted():
     root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     env.pop("CTXSPARSE_KERNELS", None)
-    r = subprocess.run([sys.executable, "-c", _INTERPRETED_PARTS, "attention", "sparse_step"], cwd=root, env=env,
+    r = subprocess.run([sys.executable, "-c", _INTERPRETED_PARTS, "attention", "sparse_step", "rotated_step"],
+                       cwd=root, env=env,
                        capture_output=True, text=True, timeout=300)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert r.returncode == 0 and lines, r.stderr[-3000:]
@@ -266,6 +289,14 @@ def test_triton_sparse_step_gives_the_reference_logits(interpreted):
     radix select's top-k indices, and input sparsity on every projection through both Triton paths ("mask",
     "local": 8 launches a step) against the CPU default's, logits and inputs counted."""
     assert interpreted["sparse_step"] == "OK", interpreted["sparse_step"]
+
+
+def test_triton_rotated_and_rank_sparse_steps_give_the_cpu_logits(interpreted):
+    """A LaRoSA plan (top-k by the Triton radix select, the kept rows of the rotated weights by the Triton down
+    kernel: 4 groups x 2 layers) and an R-Sparse plan (the input-sparse kernel on every group, the low-rank terms
+    beside it) at 30 % of the bytes, qwen2, through the Triton kernels in the interpreter: the CPU default's
+    logits and bytes skipped."""
+    assert interpreted["rotated_step"] == "OK", interpreted["rotated_step"]
 
 
 def test_triton_attention_gives_the_torch_attention_logits(interpreted):

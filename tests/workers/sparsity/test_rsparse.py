@@ -239,14 +239,3 @@ def test_registered_and_accepted_by_a_sweep_spec():
         parse_spec({"name": "ranked", "models": ["smollm2-135m"],
                     "methods": [{"name": "rsparse", "sparsity": [0.3], "options": {"rank_share": 0.1}}]})
 
-
-def test_the_decode_runtime_refuses_what_it_cannot_run(tmp_path):
-    """Rotated and rank-sparse plans run masked only: the decode runtime says so instead of timing the dense model."""
-    from workers.decode.runtime import DecodeRuntime
-
-    model = tiny_model("llama")
-    ctx = _ctx(model, tmp_path)
-    rt = DecodeRuntime.from_hf(model)
-    for plan in (fit_method("rsparse", ctx, 0.5, rho=0.9), fit_method("larosa", ctx, 0.5, rotation="none")):
-        with pytest.raises(ValueError, match="does not run rotated .* or rank-sparse"):
-            rt.set_plan(plan)

@@ -1,6 +1,6 @@
 """Sparsity predictors. Each method lives in one module and registers itself by name (see base.REGISTRY)."""
 from workers.sparsity.predictors.base import (  # noqa: F401
-    CAPTURES, MASKED_ONLY, REGISTRY, FitContext, HeadPredictor, MLPPredictor, SparsityPlan, check_option_names, fit_method,
+    CAPTURES, REGISTRY, FitContext, HeadPredictor, MLPPredictor, SparsityPlan, check_option_names, fit_method,
     get_method, register,
 )
 # importing registers; kept explicit so a sweep can name any of them

@@ -246,22 +246,18 @@ REGISTRY: dict[str, FitFn] = {}
 
 OPTIONS: dict[str, frozenset] = {}
 CAPTURES: dict[str, tuple] = {}    # the optional activation-cache components a method fits from (capture.OPTIONAL)
-MASKED_ONLY: set[str] = set()      # methods the decode runtime does not run (accuracy rows only, no latency units)
 _NOT_OPTIONS = ("ctx", "sparsity", "rank")        # fit arguments that are grid fields, not method options
 
 
-def register(name: str, options=None, captures: tuple = (), decodes: bool = True):
+def register(name: str, options=None, captures: tuple = ()):
     """Register a fit function under ``name``. Its option names are its keyword parameters (besides ctx, sparsity,
     rank), or ``options`` where it takes them as ``**kwargs`` (a spec is checked against them at submit);
-    ``captures``: the optional cache components it needs (collected only for sweeps that have the method);
-    ``decodes``: whether the decode runtime runs its plans (else its settings get no latency units)."""
+    ``captures``: the optional cache components it needs (collected only for sweeps that have the method)."""
     def deco(fn: FitFn) -> FitFn:
         if name in REGISTRY:
             raise ValueError(f"method {name!r} registered twice")
         REGISTRY[name] = fn
         CAPTURES[name] = tuple(captures)
-        if not decodes:
-            MASKED_ONLY.add(name)
         params = inspect.signature(fn).parameters.values()
         OPTIONS[name] = frozenset(options if options is not None else
                                   (p.name for p in params if p.kind is not p.VAR_KEYWORD and p.name not in _NOT_OPTIONS))

@@ -1,0 +1,134 @@
+"""Rotated input sparsity (LaRoSA, workers.sparsity.rotated) folded into the decode runtime's weights.
+
+    w2 = rotated_weights(w, plan.rotated)      # a copy of ModelWeights w in the plan's bases (w is untouched)
+
+The deployable form of workers.sparsity.rotated's module doc, built once at ``set_plan``:
+
+- **Residual stream in a basis** (Llama, Mistral, Qwen2; plan not ``scaled``): the stream is carried in the basis
+  that ``rotated.residual_bases`` assigns to each block input. A basis C (orthogonal, its columns) at a block input
+  folds the norm's gain and C into that input's consumers (W' = W diag(g) C; the gain becomes 1), and Cᵀ into the
+  rows of the projection that writes the block's output back (W_o' = Cᵀ W_o, W_down' = Cᵀ W_down, biases
+  likewise). The embeddings take the first basis (an untied copy), the final norm's gain and the last basis fold
+  into the LM head, and a change of basis is the layer's ``adapt_attn`` / ``adapt_ffn`` (x <- x @ Cᵀ_old C_new):
+  one d×d product on the stream, the bytes ``rotation_numel`` charges.
+- **Explicit** (Gemma-3's post-norms, or a ``scaled`` plan): the stream stays in the original basis and a rotated
+  input is ``rot_attn`` / ``rot_ffn`` (h <- h @ Q on the normed input; W' = W diag(g) Q with the gain 1, or W Q
+  with the gain kept where ``scaled``).
+- o's rotation R (per KV head) goes into v's rows and o's columns (attention is linear in v): no product per token.
+
+With every sparsity at 0 the rotated runtime's logits are the dense ones up to rounding (test). The top-k itself is
+the step's (workers.decode.layer, plan ``rot``): each token keeps its k largest |r| (or |r|·‖W'[:, j]‖ for the
+``wina`` score) and the consumers read those k rows of W'ᵀ only.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from workers.decode.weights import LayerWeights, ModelWeights
+from workers.sparsity.rotated import IDENTITY, ResidualBases, RotatedPlan, residual_bases
+
+
+def foldable(w: ModelWeights) -> bool:
+    """Whether the residual stream can carry a basis: block outputs go straight into it (no post-norms)."""
+    return all(L.post_attn is None and L.post_ffn is None for L in w.layers)
+
+
+def check(w: ModelWeights) -> None:
+    if w.quantized:
+        raise NotImplementedError("rotated input sparsity folds its rotations into the weights: it runs over float "
+                                  "weights (from_hf), not over a GGUF's blocks (that would requantize them)")
+    if not w.gated or w.norm_kind not in ("rms", "rms1p") or any(L.n1b is not None for L in w.layers):
+        raise ValueError("rotated input sparsity needs RMS norms and a gated FFN (Llama, Mistral, Qwen2, Gemma-3)")
+
+
+@torch.no_grad()
+def rotated_weights(w: ModelWeights, plan: RotatedPlan) -> ModelWeights:
+    """A copy of ``w`` with ``plan``'s rotations folded in (the module doc); computed in float64."""
+    check(w)
+    bases = residual_bases(plan, len(w.layers), foldable(w))
+    layers = [_layer(w, l, L, plan, bases) for l, L in enumerate(w.layers)]
+    embed, final_norm, lm_head = w.embed, w.final_norm, w.lm_head
+    if bases.initial is not IDENTITY:
+        embed = _cast(w.embed.double() @ bases.initial.to(w.device, torch.float64), w.embed)
+    if bases.final is not IDENTITY:
+        head = w.lm_head.double() * w.final_norm.to(torch.float64)[None, :]
+        lm_head = _cast(head @ bases.final.to(w.device, torch.float64), w.lm_head)
+        final_norm = torch.ones_like(w.final_norm)
+    return dataclasses.replace(w, layers=tuple(layers), embed=embed, final_norm=final_norm, lm_head=lm_head)
+
+
+def _cast(t64: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return t64.to(device=like.device, dtype=like.dtype).contiguous()
+
+
+def _q(q, w: ModelWeights):
+    return None if q is None or q is IDENTITY else q.to(w.device, torch.float64)
+
+
+def _layer(w: ModelWeights, l: int, L: LayerWeights, plan: RotatedPlan, bases: ResidualBases) -> LayerWeights:
+    dims = w.dims
+    H, KV, hd = dims.n_heads, dims.n_kv_heads, dims.head_dim
+    rot = plan.rotations.get(l, {})
+    new = {}
+    # the stream's basis at each block input (folded form) or the explicit rotation of the normed input
+    ca, cf = (_q(bases.at.get((l, g), IDENTITY), w) for g in ("attn_in", "ffn_in"))
+    ea, ef = (_q(bases.explicit.get((l, g)), w) for g in ("attn_in", "ffn_in"))
+    for g, field in (("attn_in", "adapt_attn"), ("ffn_in", "adapt_ffn")):
+        if (l, g) in bases.adapters:
+            src, dst = (_q(b, w) for b in bases.adapters[(l, g)])
+            a = dst if src is None else (dst if dst is not None else torch.eye(dims.d, dtype=torch.float64,
+                                                                                device=w.device))
+            if src is not None:
+                a = src.t() @ a
+            new[field] = _cast(a, L.w_qkv)
+    new["rot_attn"] = None if ea is None else _cast(ea, L.w_qkv)
+    new["rot_ffn"] = None if ef is None else _cast(ef, L.w_qkv)
+
+    def consumers(weight, gain, q):
+        """W diag(g) Q (the gain is kept in the norm when ``plan.scaled``)."""
+        w64 = weight.double()
+        if not plan.scaled:
+            w64 = w64 * gain.to(torch.float64)[None, :]
+        return w64 @ q
+
+    qkv = L.w_qkv.double()
+    b_qkv = None if L.b_qkv is None else L.b_qkv.double()
+    q_in = ca if ca is not None else ea
+    if q_in is not None:
+        qkv = consumers(L.w_qkv, L.n1, q_in)
+        if not plan.scaled:
+            new["n1"] = torch.ones_like(L.n1)
+    gate, up = L.w_gate.double(), L.w_up.double()
+    q_ffn = cf if cf is not None else ef
+    if q_ffn is not None:
+        gate, up = consumers(L.w_gate, L.n2, q_ffn), consumers(L.w_up, L.n2, q_ffn)
+        if not plan.scaled:
+            new["n2"] = torch.ones_like(L.n2)
+    o_t = L.w_o_t.double()
+    b_o = None if L.b_o is None else L.b_o.double()
+    r_o = rot.get("o")
+    if r_o is not None:
+        if tuple(r_o.shape) != (KV, hd, hd):
+            raise ValueError(f"layer {l}: o rotation of shape {tuple(r_o.shape)}, expected {(KV, hd, hd)}")
+        r = r_o.to(w.device, torch.float64)
+        v0 = (H + KV) * hd
+        qkv[v0:] = (r.transpose(1, 2) @ qkv[v0:].reshape(KV, hd, -1)).reshape(KV * hd, -1)
+        if b_qkv is not None:
+            b_qkv[v0:] = (r.transpose(1, 2) @ b_qkv[v0:].reshape(KV, hd, 1)).reshape(-1)
+        rq = r.repeat_interleave(H // KV, dim=0)                                 # one block per query head
+        o_t = (rq.transpose(1, 2) @ o_t.reshape(H, hd, -1)).reshape(H * hd, -1)   # rows of W_oᵀ: Rᵀ per head
+    down_t = L.w_down_t.double()
+    b_down = None if L.b_down is None else L.b_down.double()
+    if ca is not None:                   # the attention's output is written back in the stream's basis
+        o_t = o_t @ ca
+        b_o = None if b_o is None else b_o @ ca
+    if cf is not None:
+        down_t = down_t @ cf
+        b_down = None if b_down is None else b_down @ cf
+    new.update(w_qkv=_cast(qkv, L.w_qkv), w_o_t=_cast(o_t, L.w_o_t), w_gate=_cast(gate, L.w_gate),
+               w_up=_cast(up, L.w_up), w_down_t=_cast(down_t, L.w_down_t),
+               b_qkv=None if b_qkv is None else _cast(b_qkv, L.b_qkv), b_o=None if b_o is None else _cast(b_o, L.b_o),
+               b_down=None if b_down is None else _cast(b_down, L.b_down), layouts={})
+    return dataclasses.replace(L, **new)
