@@ -13,7 +13,7 @@ from workers.decode.generate import generate_with_plan, run_bundle
 from workers.loading.data import TokenSet
 from workers.loading.models import load_model
 from workers.sparsity.bundle import apply_bundle, load_bundle, save_bundle
-from workers.sparsity.capture import capture_activations
+from workers.sparsity.capture import capture_activations, sweep_components
 from workers.sparsity.predictors import FitContext, fit_method
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
@@ -78,6 +78,25 @@ def test_bundle_generates_hf_generates_tokens(tiny, method, s):
         assert abs(res.realized_sparsity[key] - s) < 0.1, res.realized_sparsity
     assert res.text == lm.tokenizer.decode(res.tokens, skip_special_tokens=True)
     assert "tokens/s on cpu" in res.summary()
+
+
+@pytest.mark.parametrize("method, options", [("larosa", {"rotate_o": False}), ("rsparse", {"rho": 0.9})])
+def test_rotated_and_rank_sparse_bundles_generate_hf_tokens(tiny, method, options):
+    """A LaRoSA bundle (rotations folded into the runtime's weights, adapters between layers, each token's top-k)
+    and an R-Sparse bundle (low-rank terms beside the input-sparse rows) generate Hugging Face's tokens with the
+    bundle applied (o's rotation off: HF's dense prompt pass then leaves the cache in the basis the runtime's
+    prefill does)."""
+    ref, lm, root = tiny
+    w = torch.randint(0, lm.model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
+    toks = TokenSet(w, "random", "calib", w.numel(), 0, "random-gen-8-32")
+    cache = capture_activations(lm, toks, root=root / "acts-cov", progress=False, dtype="float32",
+                                components=sweep_components(["cov"]))
+    plan = fit_method(method, FitContext(lm, cache, list(range(lm.dims.n_layers))), 0.4, **options)
+    path = save_bundle(plan, lm, root / f"{method}-0.4", method=method, sparsity=0.4)
+    res = run_bundle(ref, path, PROMPT, tokens=10, repeats=1)
+    ids = torch.tensor([lm.tokenizer(PROMPT)["input_ids"]])
+    assert res.tokens == _hf_greedy(lm.model, path, ids, 10)
+    assert 0.2 < res.realized_sparsity["weights"] < res.realized_sparsity["inputs"] < 0.5, res.realized_sparsity
 
 
 def test_bundle_at_s0_runs_the_dense_step(tiny):
