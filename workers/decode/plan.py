@@ -3,7 +3,9 @@
     rp = RuntimePlan.build(plan, weights)     # plan None: dense
     rp.mlp[l], rp.heads[l]                    # predictors on the runtime's device / dtype (copies)
     rp.thr_ffn[l]                             # gate-threshold fast path: (threshold, score bias)
-    rp.in_attn[l], rp.in_ffn[l]               # input sparsity: {group: InputGroup}
+    rp.in_attn[l], rp.in_ffn[l]               # input sparsity: {group: InputGroup} (R-Sparse: with low-rank terms)
+    rp.rot[l]                                 # a rotated plan's top-k: {group: TopK} (over weights rotated by
+                                              # workers.decode.rotate, which set_plan passes here)
     rp.dense                                  # nothing sparse left: the runtime runs its dense step
 
 Keep-all parts are dropped, so they run the dense code (greedy tokens at s = 0 are the dense ones on every

@@ -9,7 +9,8 @@
     tokens = rt.generate(prompt_ids, n)                    # setup (when needed) + prefill + decode
 
 The parts, each in its own module of workers/decode: ``weights`` (HF model -> frozen per-layer weight structs),
-``kv_cache`` (static cache + position counter), ``plan`` (a SparsityPlan compiled for these weights; keep-all
+``kv_cache`` (static cache + position counter), ``rotate`` (a rotated plan's rotations folded into a copy of the
+weights), ``plan`` (a SparsityPlan compiled for these weights; keep-all
 parts dropped, so a plan at s = 0 runs the dense step), ``select`` (active sets: predictor GEMVs, top-k or
 threshold rule, side-stream look-ahead), ``layer`` (the decoder layer, one function for the prefill and the
 step), ``blocks`` (dense / sparse projections, FFN variants, head-sparse attention), ``glue`` (norms, RoPE +

@@ -32,7 +32,8 @@ original basis): every rotated input is an explicit d×d product per token, d² 
 the norm's output g ⊙ n instead (``RotatedPlan.scaled``: PCA of g ⊙ n, W' = W Q); the residual stream never
 carries that basis, so it is charged d² per rotated input on every model.
 
-Masked mode only (the exact function, dense products with the dropped entries zeroed): the pre-norm is swapped
+Masked mode here (the exact function, dense products with the dropped entries zeroed; the decode runtime's
+deployable form is workers.decode.rotate): the pre-norm is swapped
 for a :class:`RotatedTopKNorm` that emits the masked r, the consumers for plain ``nn.Linear`` with the folded
 weights W', o and down for a :class:`TopKInputLinear`. The simulation rotates online at every rotated input; the
 bytes charged are those of the deployable form above. Realized sparsities are counted in
