@@ -1,7 +1,7 @@
 """The accuracy table of a published result set: one row per setting, perplexity, decoder bytes skipped and each
 multiple-choice task with its standard error, their mean and its change from dense.
 
-    python -m benchmarks.accuracy_table benchmarks/results/h200-equal-bytes-smollm2.jsonl.gz \\
+    python -m benchmarks.accuracy_table benchmarks/results/h200-equal-bytes-smollm2.jsonl \\
         [--tasks piqa,arc_easy,arc_challenge,hellaswag,winogrande] [--metric acc_norm|acc]
 
 Reads the file ``python -m db export`` writes (plain or gzipped; no store needed). ``--metric acc_norm``
