@@ -20,7 +20,7 @@ kernels.cpu.input_sparse_linear and its embedding_bag fallback. All callables ar
 (benchmarks.harness.time_cpu: each round runs each once, alternating order) with a fixed thread count;
 median and IQR in µs per pass, GB/s on the bytes actually read, and the ratio to the fastest dense candidate.
 
-``--decode --methods METHOD:S,...``: instead of the fixed-set / Deja Vu rows, plans fitted for real
+``--decode --methods METHOD:S[:KEY=VALUE+...],...``: instead of the fixed-set / Deja Vu rows, plans fitted for real
 (``workers.sparsity.fit.fit_setting``, uniform allocation) on a calibration cache of ``--calib-tokens`` lambada
 tokens, decoded from a held-out text prompt, each with its realized sparsity (FFN neurons, or for input sparsity
 the decoder weight bytes skipped) and, with ``--ppl-tokens N``, its held-out perplexity (sparse_exec, masked).
@@ -31,6 +31,7 @@ numbers noisier (see the IQR).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -225,24 +226,41 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
 
 
-def _methods(s: str) -> list[tuple[str, float]]:
+def _methods(s: str) -> list[tuple[str, float, dict]]:
+    """METHOD:S[:KEY=VALUE+KEY=VALUE...],... -> [(method, s, options)] (option values parsed as JSON where they
+    parse, else strings)."""
     out = []
     for part in (p for p in s.split(",") if p.strip()):
-        name, _, sp = part.partition(":")
+        name, _, rest = part.partition(":")
+        sp, _, opts = rest.partition(":")
         try:
             v = float(sp)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"methods are METHOD:SPARSITY, got {part!r}") from None
+            raise argparse.ArgumentTypeError(f"methods are METHOD:SPARSITY[:KEY=VALUE+...], got {part!r}") from None
         if not name or not 0.0 <= v < 1.0:
             raise argparse.ArgumentTypeError(f"methods are METHOD:SPARSITY with sparsity in [0, 1), got {part!r}")
-        out.append((name.strip(), v))
+        options = {}
+        for kv in (o for o in opts.split("+") if o):
+            key, eq, val = kv.partition("=")
+            if not key or not eq:
+                raise argparse.ArgumentTypeError(f"method options are KEY=VALUE joined by '+', got {kv!r}")
+            try:
+                options[key] = json.loads(val)
+            except ValueError:
+                options[key] = val
+        out.append((name.strip(), v, options))
     if not out:
         raise argparse.ArgumentTypeError("no methods given")
     return out
 
 
-def fitted_plans(lm, methods: list[tuple[str, float]], calib_tokens: int) -> dict:
-    """{"METHOD s=S": plan} fitted on ``calib_tokens`` lambada calibration tokens (uniform allocation)."""
+def _setting(m: str, sp: float, options: dict) -> str:
+    opts = " ".join(f"{k}={v}" for k, v in sorted(options.items()))
+    return f"{m} s={sp}" + (f" {opts}" if opts else "")
+
+
+def fitted_plans(lm, methods: list[tuple[str, float, dict]], calib_tokens: int) -> dict:
+    """{"METHOD s=S [options]": plan} fitted on ``calib_tokens`` lambada calibration tokens (uniform allocation)."""
     from workers.loading.data import token_windows
     from workers.sparsity.capture import capture_activations, sweep_components
     from workers.sparsity.fit import fit_setting
@@ -250,11 +268,12 @@ def fitted_plans(lm, methods: list[tuple[str, float]], calib_tokens: int) -> dic
 
     toks = token_windows(lm.tokenizer, "lambada", "calib", calib_tokens, 512)
     # input thresholds need the gate's and the inputs' histograms only; predictors the residual stream and more
-    inputs_only = all(m in ("teal", "wina") for m, _ in methods)
-    components = ("gate", "inhist") if inputs_only else sweep_components([c for m, _ in methods for c in CAPTURES[m]])
+    inputs_only = all(m in ("teal", "wina") for m, _, _ in methods)
+    components = ("gate", "inhist") if inputs_only else sweep_components([c for m, _, _ in methods
+                                                                          for c in CAPTURES[m]])
     cache = capture_activations(lm, toks, components=components, progress=False)
     ctx = FitContext(lm, cache, list(range(lm.dims.n_layers)))
-    return {f"{m} s={sp}": fit_setting(ctx, m, sp).plan for m, sp in methods}
+    return {_setting(m, sp, o): fit_setting(ctx, m, sp, options=o).plan for m, sp, o in methods}
 
 
 def plan_perplexity(lm, plans: dict, tokens: int) -> dict:
