@@ -14,8 +14,8 @@ from benchmarks import harness as H
 
 ROOT = Path(__file__).resolve().parents[2]
 # every script in benchmarks/ (the harness is the library they share)
-SCRIPTS = sorted(f"benchmarks.{p.stem}" for p in (ROOT / "benchmarks").glob("*.py")
-                 if p.stem not in ("__init__", "harness"))
+LIBRARIES = ("__init__", "harness", "shape_plans")      # what the scripts share, not scripts themselves
+SCRIPTS = sorted(f"benchmarks.{p.stem}" for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in LIBRARIES)
 
 
 # ---- statistics ------------------------------------------------------------------------------------------------
