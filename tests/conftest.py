@@ -122,6 +122,10 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_unconfigure(config):
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():
         sys.modules["ray"].shutdown()                  # started for the background sweeps but no test used ray_local
+    if _JOB_ADDRESS is not None:
+        from ray._private.utils import reset_ray_address
+
+        reset_ray_address()                            # the address file _init_ray wrote
     for bg in _BG.values():
         shutil.rmtree(bg.root, ignore_errors=True)
     if _PG is not None:
@@ -173,6 +177,13 @@ def _init_ray():
             finally:
                 os.dup2(saved, 2)
                 os.close(saved)
+        # A job's supervisor finds the cluster its driver joins through "auto": the address file `ray start`
+        # writes, else ANY gcs_server running on this machine. ray.init writes no such file, so while
+        # test_placement's probe cluster runs, a job submitted here could send its driver there (seen: a resumed
+        # sweep's driver joined the probe and died with it). The file names this cluster.
+        from ray._private.utils import write_ray_address
+
+        write_ray_address(ctx.address_info["gcs_address"])
         _JOB_ADDRESS = f"http://{ctx.dashboard_url}"
     return ray
 
