@@ -123,7 +123,7 @@ def pytest_unconfigure(config):
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():
         sys.modules["ray"].shutdown()                  # started for the background sweeps but no test used ray_local
     if _JOB_ADDRESS is not None:
-        from ray._private.utils import reset_ray_address
+        from ray._common.utils import reset_ray_address
 
         reset_ray_address()                            # the address file _init_ray wrote
     for bg in _BG.values():
