@@ -64,6 +64,7 @@ def pytest_collection_modifyitems(config, items):
 _BG: dict = {}            # kind -> tests.sweep_support.Background
 _PG = None                # the session's PostgreSQL cluster (tests/pg_support.py), started on first use
 _JOB_ADDRESS = None       # the session Ray cluster's job API
+_PREV_ADDRESS = None      # what Ray's address file named before the session wrote its own (None: no file)
 
 
 def _pg():
@@ -122,10 +123,13 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_unconfigure(config):
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():
         sys.modules["ray"].shutdown()                  # started for the background sweeps but no test used ray_local
-    if _JOB_ADDRESS is not None:
-        from ray._common.utils import reset_ray_address
+    if _JOB_ADDRESS is not None:                       # the address file _init_ray wrote: as it was before
+        from ray._common.utils import get_ray_address_file, reset_ray_address
 
-        reset_ray_address()                            # the address file _init_ray wrote
+        if _PREV_ADDRESS is None:
+            reset_ray_address()
+        else:
+            Path(get_ray_address_file(None)).write_text(_PREV_ADDRESS)
     for bg in _BG.values():
         shutil.rmtree(bg.root, ignore_errors=True)
     if _PG is not None:
@@ -171,7 +175,7 @@ def _init_ray():
             saved = os.dup(2)
             os.dup2(log.fileno(), 2)
             try:
-                ctx = ray.init(num_cpus=RAY_CPUS, resources={"NPU": 1}, include_dashboard=True,
+                ctx = ray.init(address="local", num_cpus=RAY_CPUS, resources={"NPU": 1}, include_dashboard=True,
                                dashboard_host="127.0.0.1", dashboard_port=free_port(), log_to_driver=False,
                                configure_logging=False)
             finally:
@@ -180,9 +184,14 @@ def _init_ray():
         # A job's supervisor finds the cluster its driver joins through "auto": the address file `ray start`
         # writes, else ANY gcs_server running on this machine. ray.init writes no such file, so while
         # test_placement's probe cluster runs, a job submitted here could send its driver there (seen: a resumed
-        # sweep's driver joined the probe and died with it). The file names this cluster.
+        # sweep's driver joined the probe and died with it). The file names this cluster for the session (and
+        # whatever it named before is put back at the end; address="local" above never reads it).
+        global _PREV_ADDRESS
+        from ray._common.utils import get_ray_address_file
         from ray._private.utils import write_ray_address
 
+        f = Path(get_ray_address_file(None))
+        _PREV_ADDRESS = f.read_text() if f.exists() else None
         write_ray_address(ctx.address_info["gcs_address"])
         _JOB_ADDRESS = f"http://{ctx.dashboard_url}"
     return ray
