@@ -141,7 +141,7 @@ def test_ops_fuses_or_composes(backend, monkeypatch, device, gen):
     assert rel_err(out, ref) <= 2 * TOL[F32]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.slow), "qwen2"])   # qwen2: + QKV bias
 def test_runtime_fused_layer_matches_unfused(family, monkeypatch):
     """The decode runtime with input sparsity on every projection, through the Triton kernels (interpreted here):
     each layer runs fused (four launches + attention, counted) and the logits and greedy tokens are those of the

@@ -274,7 +274,7 @@ def smollm2_dejavu(smollm2):
     return plan, DecodeRuntime.from_gguf(m, smollm2.source).set_plan(plan)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [pytest.param(1, marks=pytest.mark.slow), 2])     # 2: the threads' shares
 def test_smollm2_dejavu_over_blocks_decodes_the_fp32_runtimes_tokens(smollm2, smollm2_dejavu, threads):
     """Real weights: the plan over the Q4_1 blocks (layers 28-29 in the native layer) and over the fp32 weights
     decode the same greedy tokens and report the same realized sparsity; the plan acts."""

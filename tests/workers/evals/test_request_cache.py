@@ -71,7 +71,7 @@ def test_cached_rows_equal_lm_evals_pass_tiny(tiny, home, name):
     assert len(_entries(home)) == 1
 
 
-@pytest.mark.parametrize("name,limit", [("copa", 6), ("lambada_openai", 4)])
+@pytest.mark.parametrize("name,limit", [pytest.param("copa", 6, marks=pytest.mark.slow), ("lambada_openai", 4)])
 def test_cached_rows_equal_lm_evals_pass_smollm2(smollm2, home, name, limit):
     _compare(smollm2.model, smollm2.tokenizer, name, limit, batch_size=4)
 

@@ -118,7 +118,9 @@ def fresh_smollm2():
     return load_model("smollm2-135m")
 
 
-@pytest.mark.parametrize("method,options", [("rsparse", {}), ("larosa", {"rotation": "layer"})])
+# R-Sparse's bundles are also decoded by the default suite (tests/workers/decode/test_generate.py, test_qwen2_gguf.py)
+@pytest.mark.parametrize("method,options", [pytest.param("rsparse", {}, marks=pytest.mark.slow),
+                                            ("larosa", {"rotation": "layer"})])
 def test_bundle_reproduces_the_sweeps_perplexity_on_a_fresh_model(smollm2, smollm2_calib_cache, fresh_smollm2,
                                                                      tmp_path, method, options):
     """A fit (three layers of SmolLM2 from 2,048 calibration tokens; R-Sparse's recipe from 512 more), its
