@@ -167,17 +167,22 @@ class Step:
         return o
 
     def _dense_attn(self, l, L, h, ia: dict):
-        b, cache, w = self.b, self.cache, self.b.w
+        b = self.b
         if "qkv" in ia:
             qkv = b.in_linear(h, L.w_qkv_t, ia["qkv"], ia["qkv"].counts(self.c.inputs[l]), L.b_qkv)
         else:
             qkv = b.linear(h, L.w_qkv, L.b_qkv)
-        q, k, v = split_qkv(qkv, w.dims)
-        a = self.fns["attn"](q, k, v, cache.k[l], cache.v[l], cache.pos, *(L.rope or (None, None)), L.qn, L.kn,
-                             w.eps, L.window)
+        a = self._attend(l, L, qkv)
         if "o" in ia:
             return b.in_linear(a, L.w_o_in, ia["o"], ia["o"].counts(self.c.inputs[l]), L.b_o)
         return b.out_dense(L, a)
+
+    def _attend(self, l, L, qkv):
+        """RoPE, the cache write and the attention of the packed QKV product (every head)."""
+        w, cache = self.b.w, self.cache
+        q, k, v = split_qkv(qkv, w.dims)
+        return self.fns["attn"](q, k, v, cache.k[l], cache.v[l], cache.pos, *(L.rope or (None, None)), L.qn, L.kn,
+                                w.eps, L.window)
 
     def _top(self, x, tk):
         """Each row's top-k inputs [B, k] of a rotated plan's group ``tk`` (plan.TopK)."""
@@ -191,14 +196,12 @@ class Step:
     def _rot_attn(self, l, L, h, rot: dict):
         """A rotated plan's attention: QKV on each token's top-k of the rotated input, O on its top-k (weights
         rotated at set_plan, workers.decode.rotate)."""
-        b, cache, w = self.b, self.cache, self.b.w
+        b = self.b
         if "attn_in" in rot:
             qkv = self._rot_linear(l, h, L.w_qkv_t, rot["attn_in"], L.b_qkv, PROJ.index("q"), 3)
         else:
             qkv = b.linear(h, L.w_qkv, L.b_qkv)
-        q, k, v = split_qkv(qkv, w.dims)
-        a = self.fns["attn"](q, k, v, cache.k[l], cache.v[l], cache.pos, *(L.rope or (None, None)), L.qn, L.kn,
-                             w.eps, L.window)
+        a = self._attend(l, L, qkv)
         if "o" in rot:
             return self._rot_linear(l, a, L.w_o_t, rot["o"], L.b_o, PROJ.index("o"), 1)
         return b.out_dense(L, a)

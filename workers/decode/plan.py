@@ -194,7 +194,6 @@ def _inputs(rp: RuntimePlan, plan, w: ModelWeights) -> None:
     wina = plan.input_score == "wina"
     known = {"q", "k", "v", "o", "up", "down"} | ({"gate"} if w.gated else set())
     dims, dev = w.dims, w.device
-    H, KV, hd, d, D = dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.d, dims.D
     for l, per in plan.inputs.items():
         l = int(l)
         if not 0 <= l < len(w.layers):
@@ -210,8 +209,8 @@ def _inputs(rp: RuntimePlan, plan, w: ModelWeights) -> None:
             raise ValueError(f"layer {l}: input sparsity on attention projections and a head predictor on "
                              "the same layer")
         rp.inputs[l] = per
-        L = w.layers[l]
-        norms = column_norms(L, w.q_fold, H * hd, KV * hd) if wina else None
+        norms = column_norms(w.layers[l], w.q_fold, dims.n_heads * dims.head_dim,
+                             dims.n_kv_heads * dims.head_dim) if wina else None
 
         def group(names, n_in, sizes) -> InputGroup:
             """The projections ``names`` sharing one input; thresholds [len] (one each) or, WINA, [len, n_in]
@@ -224,29 +223,38 @@ def _inputs(rp: RuntimePlan, plan, w: ModelWeights) -> None:
                 thr = torch.stack(rows).to(torch.float32).contiguous()
             return InputGroup.of(thr, sizes, names)
 
-        ent = {}
-        if set(per) & {"q", "k", "v"}:
-            _layout(L, "qkv_t", lambda: L.w_qkv.t().contiguous(), L.w_qkv)
-            ent["qkv"] = group(("q", "k", "v"), d, (H * hd, KV * hd, KV * hd))
-        if "o" in per:
-            if w.quantized:
-                _layout(L, "o_t", None, L.w_o_t)
-            ent["o"] = group(("o",), H * hd, (d,))
-        if ent:
-            rp.in_attn[l] = ent
-        ent = {}
-        if w.gated and set(per) & {"gate", "up"}:
-            _layout(L, "gu_t", lambda: torch.cat([L.w_gate, L.w_up], 0).t().contiguous(), L.w_gate, L.w_up)
-            ent["gu"] = group(("gate", "up"), d, (D, D))
-        elif not w.gated and "up" in per:
-            _layout(L, "up_t", lambda: L.w_up.t().contiguous(), L.w_up)
-            ent["up"] = group(("up",), d, (D,))
-        if "down" in per:
-            if w.quantized:
-                _layout(L, "down_t", None, L.w_down_t)
-            ent["down"] = group(("down",), D, (d,))
-        if ent:
-            rp.in_ffn[l] = ent
+        _add_groups(rp, w, l, per, group)
+
+
+def _add_groups(rp: RuntimePlan, w: ModelWeights, l: int, per: dict, group) -> None:
+    """Layer ``l``'s input-sparse groups for the projections in ``per`` (QKV, O, gate|up or fc1, down), each made
+    by ``group(names, n_in, sizes)``, and the Wᵀ layouts they read."""
+    dims = w.dims
+    H, KV, hd, d, D = dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.d, dims.D
+    L = w.layers[l]
+    ent = {}
+    if set(per) & {"q", "k", "v"}:
+        _layout(L, "qkv_t", lambda: L.w_qkv.t().contiguous(), L.w_qkv)
+        ent["qkv"] = group(("q", "k", "v"), d, (H * hd, KV * hd, KV * hd))
+    if "o" in per:
+        if w.quantized:
+            _layout(L, "o_t", None, L.w_o_t)
+        ent["o"] = group(("o",), H * hd, (d,))
+    if ent:
+        rp.in_attn[l] = ent
+    ent = {}
+    if w.gated and set(per) & {"gate", "up"}:
+        _layout(L, "gu_t", lambda: torch.cat([L.w_gate, L.w_up], 0).t().contiguous(), L.w_gate, L.w_up)
+        ent["gu"] = group(("gate", "up"), d, (D, D))
+    elif not w.gated and "up" in per:
+        _layout(L, "up_t", lambda: L.w_up.t().contiguous(), L.w_up)
+        ent["up"] = group(("up",), d, (D,))
+    if "down" in per:
+        if w.quantized:
+            _layout(L, "down_t", None, L.w_down_t)
+        ent["down"] = group(("down",), D, (d,))
+    if ent:
+        rp.in_ffn[l] = ent
 
 
 class LowRankTerm(NamedTuple):
@@ -264,7 +272,6 @@ def _lowrank(rp: RuntimePlan, lowrank, w: ModelWeights) -> None:
     :func:`_inputs` (one per projection; per input channel where a part scores |x_i|·‖W[:, i]‖) and each part's
     factors as a :class:`LowRankTerm` of its group."""
     dims, dev = w.dims, w.device
-    H, KV, hd, d, D = dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.d, dims.D
     if not w.gated:
         raise ValueError("rank-sparse plans run on gated FFNs in the decode runtime")
     fdt = torch.float32 if w.quantized else w.dtype
@@ -280,9 +287,9 @@ def _lowrank(rp: RuntimePlan, lowrank, w: ModelWeights) -> None:
             continue
         if l in rp.heads or l in rp.mlp or l in rp.in_attn or l in rp.in_ffn:
             raise ValueError(f"layer {l}: a rank-sparse plan carries no other sparse part on the same layer")
-        L = w.layers[l]
-        norms = column_norms(L, w.q_fold, H * hd, KV * hd) if any(pt.score == "wina" for pt in per.values()) \
-            else None
+        wina_parts = any(pt.score == "wina" for pt in per.values())
+        norms = column_norms(w.layers[l], w.q_fold, dims.n_heads * dims.head_dim,
+                             dims.n_kv_heads * dims.head_dim) if wina_parts else None
         rp.inputs[l] = {p: float(part.threshold) for p, part in per.items()}
         rp.extra_numel += sum(part.numel() for part in per.values())
 
@@ -308,26 +315,7 @@ def _lowrank(rp: RuntimePlan, lowrank, w: ModelWeights) -> None:
             thr = torch.stack(rows).to(torch.float32).contiguous()
             return InputGroup.of(thr, sizes, names).with_lowrank(terms)
 
-        ent = {}
-        if set(per) & {"q", "k", "v"}:
-            _layout(L, "qkv_t", lambda: L.w_qkv.t().contiguous(), L.w_qkv)
-            ent["qkv"] = group(("q", "k", "v"), d, (H * hd, KV * hd, KV * hd))
-        if "o" in per:
-            if w.quantized:
-                _layout(L, "o_t", None, L.w_o_t)
-            ent["o"] = group(("o",), H * hd, (d,))
-        if ent:
-            rp.in_attn[l] = ent
-        ent = {}
-        if set(per) & {"gate", "up"}:
-            _layout(L, "gu_t", lambda: torch.cat([L.w_gate, L.w_up], 0).t().contiguous(), L.w_gate, L.w_up)
-            ent["gu"] = group(("gate", "up"), d, (D, D))
-        if "down" in per:
-            if w.quantized:
-                _layout(L, "down_t", None, L.w_down_t)
-            ent["down"] = group(("down",), D, (d,))
-        if ent:
-            rp.in_ffn[l] = ent
+        _add_groups(rp, w, l, per, group)
 
 
 class TopK(NamedTuple):
