@@ -76,13 +76,10 @@ def _layer(w: ModelWeights, l: int, L: LayerWeights, plan: RotatedPlan, bases: R
     ca, cf = (_q(bases.at.get((l, g), IDENTITY), w) for g in ("attn_in", "ffn_in"))
     ea, ef = (_q(bases.explicit.get((l, g)), w) for g in ("attn_in", "ffn_in"))
     for g, field in (("attn_in", "adapt_attn"), ("ffn_in", "adapt_ffn")):
-        if (l, g) in bases.adapters:
+        if (l, g) in bases.adapters:          # x_new = x @ C_oldᵀ C_new (an identity basis: I)
             src, dst = (_q(b, w) for b in bases.adapters[(l, g)])
-            a = dst if src is None else (dst if dst is not None else torch.eye(dims.d, dtype=torch.float64,
-                                                                                device=w.device))
-            if src is not None:
-                a = src.t() @ a
-            new[field] = _cast(a, L.w_qkv)
+            eye = torch.eye(dims.d, dtype=torch.float64, device=w.device)
+            new[field] = _cast((eye if src is None else src.t()) @ (eye if dst is None else dst), L.w_qkv)
     new["rot_attn"] = None if ea is None else _cast(ea, L.w_qkv)
     new["rot_ffn"] = None if ef is None else _cast(ef, L.w_qkv)
 
