@@ -80,7 +80,6 @@ class RuntimePlan:
     in_ffn: dict = field(default_factory=dict)
     inputs: dict = field(default_factory=dict)   # input-sparse projections {layer: {projection: threshold or k}}
     rot: dict = field(default_factory=dict)      # rotated top-k: {layer: {group: TopK}} (weights rotated already)
-    lowrank: dict = field(default_factory=dict)  # rank-sparse: {layer: {group: (LowRankTerm, ...)}}
     extra_numel: int = 0                         # weight elements a token reads beside the projections
     reports: frozenset = frozenset()
     native: dict = field(default_factory=dict, repr=False)   # packed forms for the native layers (native_layer)
@@ -209,8 +208,7 @@ def _inputs(rp: RuntimePlan, plan, w: ModelWeights) -> None:
             raise ValueError(f"layer {l}: input sparsity on attention projections and a head predictor on "
                              "the same layer")
         rp.inputs[l] = per
-        norms = column_norms(w.layers[l], w.q_fold, dims.n_heads * dims.head_dim,
-                             dims.n_kv_heads * dims.head_dim) if wina else None
+        norms = _column_norms(w, l) if wina else None
 
         def group(names, n_in, sizes) -> InputGroup:
             """The projections ``names`` sharing one input; thresholds [len] (one each) or, WINA, [len, n_in]
@@ -234,7 +232,7 @@ def _add_groups(rp: RuntimePlan, w: ModelWeights, l: int, per: dict, group) -> N
     L = w.layers[l]
     ent = {}
     if set(per) & {"q", "k", "v"}:
-        _layout(L, "qkv_t", lambda: L.w_qkv.t().contiguous(), L.w_qkv)
+        _qkv_t(L)
         ent["qkv"] = group(("q", "k", "v"), d, (H * hd, KV * hd, KV * hd))
     if "o" in per:
         if w.quantized:
@@ -244,7 +242,7 @@ def _add_groups(rp: RuntimePlan, w: ModelWeights, l: int, per: dict, group) -> N
         rp.in_attn[l] = ent
     ent = {}
     if w.gated and set(per) & {"gate", "up"}:
-        _layout(L, "gu_t", lambda: torch.cat([L.w_gate, L.w_up], 0).t().contiguous(), L.w_gate, L.w_up)
+        _gu_t(L)
         ent["gu"] = group(("gate", "up"), d, (D, D))
     elif not w.gated and "up" in per:
         _layout(L, "up_t", lambda: L.w_up.t().contiguous(), L.w_up)
@@ -271,7 +269,7 @@ def _lowrank(rp: RuntimePlan, lowrank, w: ModelWeights) -> None:
     """Per layer, a rank-sparse plan's (R-Sparse, workers.sparsity.rank_sparse) input thresholds in the groups of
     :func:`_inputs` (one per projection; per input channel where a part scores |x_i|·‖W[:, i]‖) and each part's
     factors as a :class:`LowRankTerm` of its group."""
-    dims, dev = w.dims, w.device
+    dev = w.device
     if not w.gated:
         raise ValueError("rank-sparse plans run on gated FFNs in the decode runtime")
     fdt = torch.float32 if w.quantized else w.dtype
@@ -287,9 +285,7 @@ def _lowrank(rp: RuntimePlan, lowrank, w: ModelWeights) -> None:
             continue
         if l in rp.heads or l in rp.mlp or l in rp.in_attn or l in rp.in_ffn:
             raise ValueError(f"layer {l}: a rank-sparse plan carries no other sparse part on the same layer")
-        wina_parts = any(pt.score == "wina" for pt in per.values())
-        norms = column_norms(w.layers[l], w.q_fold, dims.n_heads * dims.head_dim,
-                             dims.n_kv_heads * dims.head_dim) if wina_parts else None
+        norms = _column_norms(w, l) if any(pt.score == "wina" for pt in per.values()) else None
         rp.inputs[l] = {p: float(part.threshold) for p, part in per.items()}
         rp.extra_numel += sum(part.numel() for part in per.values())
 
@@ -328,28 +324,26 @@ def _rotated(rp: RuntimePlan, rotated, w: ModelWeights) -> None:
     """Per layer, the top-k of each sparse group of a rotated plan (LaRoSA) over the rotated weights ``w``; the
     WINA score's ‖W'[:, j]‖ over the group's consumers stacked (workers.sparsity.rotated)."""
     dims = w.dims
-    H, KV, hd = dims.n_heads, dims.n_kv_heads, dims.head_dim
     for l, per in rotated.sparsity.items():
         l = int(l)
         if not 0 <= l < len(w.layers):
             raise ValueError(f"rotated plan for layer {l}, model has {len(w.layers)}")
-        norms = column_norms(w.layers[l], w.q_fold, H * hd, KV * hd) if rotated.score == "wina" else None
+        norms = _column_norms(w, l) if rotated.score == "wina" else None
         ent = {}
         for g, s in per.items():
-            n = {"o": H * hd, "down": dims.D}.get(g, dims.d)
+            n = {"o": dims.n_heads * dims.head_dim, "down": dims.D}.get(g, dims.d)
             if s <= 0 or keep_count(s, n) >= n:
                 continue
-            scale = None
+            scale = None          # ‖W'[:, j]‖ over the group's consumers stacked
             if norms is not None:
-                scale = torch.stack([norms[p] for p in GROUP_PROJECTIONS[g]]).pow(2).sum(0).sqrt().to(w.device, w.dtype)
-            ent[g] = TopK(keep_count(s, n), scale)
+                scale = torch.stack([norms[p] for p in GROUP_PROJECTIONS[g]]).pow(2).sum(0).sqrt()
+            ent[g] = TopK(keep_count(s, n), None if scale is None else scale.to(w.device, w.dtype))
             for p in GROUP_PROJECTIONS[g]:
                 rp.inputs.setdefault(l, {})[p] = ent[g].k
-            if g in ("attn_in", "ffn_in"):
-                key, make = ("qkv_t", lambda L: L.w_qkv.t().contiguous()) if g == "attn_in" else \
-                    ("gu_t", lambda L: torch.cat([L.w_gate, L.w_up], 0).t().contiguous())
-                L = w.layers[l]
-                _layout(L, key, lambda: make(L), L.w_qkv)
+            if g == "attn_in":
+                _qkv_t(w.layers[l])
+            elif g == "ffn_in":
+                _gu_t(w.layers[l])
         if ent:
             rp.rot[l] = ent
     rp.extra_numel += sum(t.numel() for L in w.layers for t in (L.adapt_attn, L.adapt_ffn, L.rot_attn, L.rot_ffn)
@@ -364,6 +358,22 @@ def _layout(L, key: str, make, *weights) -> None:
     if key not in L.layouts:
         quant = isinstance(weights[0], QuantWeight)
         L.layouts[key] = cpu_quant.TransposedParts.of(*weights) if quant else make()
+
+
+def _qkv_t(L) -> None:
+    """QKV's Wᵀ (one copy for q, k and v, which read one input)."""
+    _layout(L, "qkv_t", lambda: L.w_qkv.t().contiguous(), L.w_qkv)
+
+
+def _gu_t(L) -> None:
+    """gate|up's Wᵀ (one copy for both, which read one input)."""
+    _layout(L, "gu_t", lambda: torch.cat([L.w_gate, L.w_up], 0).t().contiguous(), L.w_gate, L.w_up)
+
+
+def _column_norms(w: ModelWeights, l: int) -> dict[str, torch.Tensor]:
+    """‖W[:, i]‖₂ of layer ``l``'s projections (the WINA scores' weights; weights.column_norms)."""
+    d = w.dims
+    return column_norms(w.layers[l], w.q_fold, d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim)
 
 
 def _drop_unused_layouts(rp: RuntimePlan, w: ModelWeights) -> None:
