@@ -1,6 +1,7 @@
 """Rotated input sparsity (LaRoSA, workers.sparsity.rotated) folded into the decode runtime's weights.
 
-    w2 = rotated_weights(w, plan.rotated)      # a copy of ModelWeights w in the plan's bases (w is untouched)
+    w2 = rotated_weights(w, plan.rotated)      # ModelWeights in the plan's bases (w is untouched; what no rotation
+                                               # changes is shared with it)
 
 The deployable form of workers.sparsity.rotated's module doc, built once at ``set_plan``:
 
@@ -45,7 +46,8 @@ def check(w: ModelWeights) -> None:
 
 @torch.no_grad()
 def rotated_weights(w: ModelWeights, plan: RotatedPlan) -> ModelWeights:
-    """A copy of ``w`` with ``plan``'s rotations folded in (the module doc); computed in float64."""
+    """``w`` with ``plan``'s rotations folded in (the module doc): the tensors they change recomputed in float64,
+    the others shared with ``w``."""
     check(w)
     bases = residual_bases(plan, len(w.layers), foldable(w))
     layers = [_layer(w, l, L, plan, bases) for l, L in enumerate(w.layers)]
@@ -90,42 +92,44 @@ def _layer(w: ModelWeights, l: int, L: LayerWeights, plan: RotatedPlan, bases: R
             w64 = w64 * gain.to(torch.float64)[None, :]
         return w64 @ q
 
-    qkv = L.w_qkv.double()
-    b_qkv = None if L.b_qkv is None else L.b_qkv.double()
+    # only what a rotation changes is recomputed (float64) and replaced; the rest stays shared with ``w``
     q_in = ca if ca is not None else ea
-    if q_in is not None:
-        qkv = consumers(L.w_qkv, L.n1, q_in)
-        if not plan.scaled:
-            new["n1"] = torch.ones_like(L.n1)
-    gate, up = L.w_gate.double(), L.w_up.double()
+    r_o = rot.get("o")
+    if r_o is not None and tuple(r_o.shape) != (KV, hd, hd):
+        raise ValueError(f"layer {l}: o rotation of shape {tuple(r_o.shape)}, expected {(KV, hd, hd)}")
+    r = None if r_o is None else r_o.to(w.device, torch.float64)
+    if q_in is not None or r is not None:
+        qkv = L.w_qkv.double() if q_in is None else consumers(L.w_qkv, L.n1, q_in)
+        b_qkv = None if L.b_qkv is None else L.b_qkv.double()
+        if r is not None:                    # v's rows: Rᵀ per KV head (attention is linear in v)
+            v0 = (H + KV) * hd
+            qkv[v0:] = (r.transpose(1, 2) @ qkv[v0:].reshape(KV, hd, -1)).reshape(KV * hd, -1)
+            if b_qkv is not None:
+                b_qkv[v0:] = (r.transpose(1, 2) @ b_qkv[v0:].reshape(KV, hd, 1)).reshape(-1)
+        new["w_qkv"] = _cast(qkv, L.w_qkv)
+        new["b_qkv"] = None if b_qkv is None else _cast(b_qkv, L.b_qkv)
+    if q_in is not None and not plan.scaled:
+        new["n1"] = torch.ones_like(L.n1)
     q_ffn = cf if cf is not None else ef
     if q_ffn is not None:
-        gate, up = consumers(L.w_gate, L.n2, q_ffn), consumers(L.w_up, L.n2, q_ffn)
+        new["w_gate"] = _cast(consumers(L.w_gate, L.n2, q_ffn), L.w_gate)
+        new["w_up"] = _cast(consumers(L.w_up, L.n2, q_ffn), L.w_up)
         if not plan.scaled:
             new["n2"] = torch.ones_like(L.n2)
-    o_t = L.w_o_t.double()
-    b_o = None if L.b_o is None else L.b_o.double()
-    r_o = rot.get("o")
-    if r_o is not None:
-        if tuple(r_o.shape) != (KV, hd, hd):
-            raise ValueError(f"layer {l}: o rotation of shape {tuple(r_o.shape)}, expected {(KV, hd, hd)}")
-        r = r_o.to(w.device, torch.float64)
-        v0 = (H + KV) * hd
-        qkv[v0:] = (r.transpose(1, 2) @ qkv[v0:].reshape(KV, hd, -1)).reshape(KV * hd, -1)
-        if b_qkv is not None:
-            b_qkv[v0:] = (r.transpose(1, 2) @ b_qkv[v0:].reshape(KV, hd, 1)).reshape(-1)
-        rq = r.repeat_interleave(H // KV, dim=0)                                 # one block per query head
-        o_t = (rq.transpose(1, 2) @ o_t.reshape(H, hd, -1)).reshape(H * hd, -1)   # rows of W_oᵀ: Rᵀ per head
-    down_t = L.w_down_t.double()
-    b_down = None if L.b_down is None else L.b_down.double()
-    if ca is not None:                   # the attention's output is written back in the stream's basis
-        o_t = o_t @ ca
-        b_o = None if b_o is None else b_o @ ca
-    if cf is not None:
-        down_t = down_t @ cf
-        b_down = None if b_down is None else b_down @ cf
-    new.update(w_qkv=_cast(qkv, L.w_qkv), w_o_t=_cast(o_t, L.w_o_t), w_gate=_cast(gate, L.w_gate),
-               w_up=_cast(up, L.w_up), w_down_t=_cast(down_t, L.w_down_t),
-               b_qkv=None if b_qkv is None else _cast(b_qkv, L.b_qkv), b_o=None if b_o is None else _cast(b_o, L.b_o),
-               b_down=None if b_down is None else _cast(b_down, L.b_down), layouts={})
+    if r is not None or ca is not None:
+        o_t = L.w_o_t.double()
+        b_o = None if L.b_o is None else L.b_o.double()
+        if r is not None:                    # W_oᵀ's rows: Rᵀ per query head of the group
+            rq = r.repeat_interleave(H // KV, dim=0)
+            o_t = (rq.transpose(1, 2) @ o_t.reshape(H, hd, -1)).reshape(H * hd, -1)
+        if ca is not None:                   # the attention's output is written back in the stream's basis
+            o_t = o_t @ ca
+            b_o = None if b_o is None else b_o @ ca
+        new["w_o_t"] = _cast(o_t, L.w_o_t)
+        new["b_o"] = None if b_o is None else _cast(b_o, L.b_o)
+    if cf is not None:                       # the FFN's output likewise
+        new["w_down_t"] = _cast(L.w_down_t.double() @ cf, L.w_down_t)
+        if L.b_down is not None:
+            new["b_down"] = _cast(L.b_down.double() @ cf, L.b_down)
+    new["layouts"] = {}                      # the copy's own Wᵀ layouts (set_plan makes them)
     return dataclasses.replace(L, **new)

@@ -45,7 +45,7 @@ def _ids(seed=11, n=18):
 
 @pytest.mark.parametrize("family,rotation,basis", [
     ("llama", "layer", "normed"), ("llama", "block", "normed"), ("qwen2", "model", "normed"),
-    ("llama", "layer", "scaled"), ("gemma3", "layer", "normed"),
+    ("llama", "layer", "scaled"), ("gemma3", "layer", "normed"), ("qwen2", "none", "normed"),
 ])
 def test_rotated_runtime_is_exact_at_zero_sparsity(tmp_path, family, rotation, basis):
     """Every rotation, adapter and gain folded into the runtime's copy of the weights: at s = 0 its logits are the
@@ -62,6 +62,9 @@ def test_rotated_runtime_is_exact_at_zero_sparsity(tmp_path, family, rotation, b
         assert rt.weights.layers[0].adapt_ffn is not None and rt.weights.layers[1].adapt_attn is not None
     if family == "gemma3" or basis == "scaled":
         assert rt.weights.layers[0].rot_attn is not None and rt.weights.layers[0].adapt_ffn is None
+    if rotation == "none":      # only o's rotation (into v and o): the FFN's tensors are shared, not copied
+        L, L0 = rt.weights.layers[0], base.layers[0]
+        assert L.w_gate is L0.w_gate and L.w_down_t is L0.w_down_t and L.w_qkv is not L0.w_qkv
     rotated = _runtime_decode(rt, ids, 10)
     for a, b in zip(rotated, dense, strict=True):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
