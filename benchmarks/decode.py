@@ -123,8 +123,10 @@ POINTS = [("dense", None, None, True, "exact"),
           # layer folded into the weights, a per-token top-k, an adapter between layers) and R-Sparse (kept rows
           # plus rank-r factors, ρ = 0.95): benchmarks.shape_plans
           ("larosa.4", None, None, True, "exact"), ("larosa.5", None, None, True, "exact"),
+          # LaRoSA's rotation "none": each token's top-k of the plain inputs, no adapter
+          ("larosa-none.4", None, None, True, "exact"), ("larosa-none.5", None, None, True, "exact"),
           ("rsparse.4", None, None, True, "exact"), ("rsparse.5", None, None, True, "exact")]
-EQUAL_BYTES = ("in.", "wina.", "larosa.", "rsparse.")     # points named by their fraction of bytes skipped
+EQUAL_BYTES = ("in.", "wina.", "larosa.", "larosa-none.", "rsparse.")   # points named by their bytes skipped
 # "NAME@PATH" (e.g. in.5@local): the point with the runtime's input_path set to PATH
 POINTS += [(f"{p[0]}@{path}",) + p[1:] for p in POINTS if p[0].startswith(("in.", "wina."))
            for path in ops.INPUT_PATHS if path != "auto"]
@@ -243,8 +245,8 @@ def main(argv=None):
             try:
                 score = "wina" if base.startswith("wina.") else "abs"
                 ins = float("0." + base.split(".")[1]) if base.startswith(EQUAL_BYTES) else 0.0  # in.5: 0.5
-                if base.startswith("larosa."):
-                    plan = rotated_shape_plan(model, ins)
+                if base.startswith(("larosa.", "larosa-none.")):
+                    plan = rotated_shape_plan(model, ins, rotation="none" if "-none" in base else "layer")
                 elif base.startswith("rsparse."):
                     plan = rank_shape_plan(model, ins)
                 elif ins:

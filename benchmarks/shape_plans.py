@@ -2,6 +2,7 @@
 bytes skipped with their extra bytes charged: what ``benchmarks.decode`` times beside TEAL at equal bytes.
 
     plan = rotated_shape_plan(model, 0.4)     # one random rotation per layer, every group at the same top-k
+    plan = rotated_shape_plan(model, 0.4, rotation="none")   # each token's top-k of the plain inputs
     plan = rank_shape_plan(model, 0.4)        # every projection at s = 0.4, a share ρ of it on W's columns
 
 The values are random (a shape has no calibration data); what is timed is what a fitted plan of that shape reads:
@@ -27,15 +28,18 @@ def _orthogonal(n: int, g: torch.Generator, device) -> torch.Tensor:
     return (q * torch.sign(torch.diagonal(r))[None, :]).float().to(device)
 
 
-def rotated_shape_plan(model, net: float, seed: int = 0) -> SparsityPlan:
+def rotated_shape_plan(model, net: float, seed: int = 0, rotation: str = "layer") -> SparsityPlan:
     """A LaRoSA plan (rotation per layer, shared by its two block inputs; o rotated per KV head) whose every group
     keeps the same share, chosen so that the projections' bytes skipped minus the L - 1 adapters' (d² each) is
-    ``net`` of the decoder's projection bytes."""
+    ``net`` of the decoder's projection bytes. ``rotation="none"``: no block-input rotation and no adapter (each
+    token's top-k of the plain inputs, o still rotated per KV head: free), every group at s = ``net``."""
+    if rotation not in ("layer", "none"):
+        raise ValueError(f"rotation must be 'layer' or 'none', got {rotation!r}")
     ad = adapter_for(model)
     dims = ad.dims(model.config)
     layers = ad.decoder_layers(model)
     per_layer = sum(linear_weight(m).numel() for m in projection_modules(ad, layers[0]).values())
-    s = net + (len(layers) - 1) * dims.d ** 2 / (len(layers) * per_layer)
+    s = net + (len(layers) - 1) * dims.d ** 2 / (len(layers) * per_layer) if rotation == "layer" else net
     if not 0 < s < 1:
         raise ValueError(f"{net:.0%} of the bytes net of the adapters needs a sparsity of {s:.3f}")
     g = torch.Generator().manual_seed(seed)
@@ -44,7 +48,7 @@ def rotated_shape_plan(model, net: float, seed: int = 0) -> SparsityPlan:
     for l in range(len(layers)):
         q = _orthogonal(dims.d, g, dev)
         r_o = torch.stack([_orthogonal(dims.head_dim, g, dev) for _ in range(dims.n_kv_heads)])
-        rot.rotations[l] = {"attn_in": q, "ffn_in": q, "o": r_o}
+        rot.rotations[l] = {"attn_in": q, "ffn_in": q, "o": r_o} if rotation == "layer" else {"o": r_o}
         rot.sparsity[l] = {grp: s for grp in GROUPS}
     return SparsityPlan(rotated=rot)
 

@@ -28,5 +28,6 @@ from .ops import (  # noqa: F401
     sparse_ffn,
     sparse_mlp,
     topk_select,
+    topk_threshold,
     union_active,
 )

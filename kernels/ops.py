@@ -45,6 +45,7 @@ OPS = {
     "input_sparse_linear": "input_sparse_triton",
     "input_sparse_linear_segments": "input_sparse_triton",
     "topk_select": "select_triton",
+    "topk_threshold": "select_triton",
 }
 _TRITON = None
 
@@ -232,3 +233,9 @@ def topk_select(scores, k, *, multi=None):
     if backend_name(scores) != "triton":
         raise ValueError(f"multi={multi!r} is a Triton kernel choice; backend here: {backend_name(scores)}")
     return _op(scores, "topk_select")(scores, k, multi=multi)
+
+
+def topk_threshold(x, k, nseg=1):
+    """Each row's threshold keeping its ``k`` largest |x_j| under the input-sparse kernels' rule |x_j| > t:
+    fp32 [B, nseg] (kernels.reference.topk_threshold; one launch where the Triton kernels run)."""
+    return _op(x, "topk_threshold")(x, k, nseg)

@@ -233,6 +233,17 @@ def topk_select(scores, k):
     return order.sort(dim=-1).values.to(torch.int32)
 
 
+def topk_threshold(x, k, nseg=1):
+    """Each row's threshold for its ``k`` largest |x_j|: fp32 [B, nseg] (``nseg`` equal copies, one per output
+    segment of an input-sparse product), the float just below the k-th largest |x_j| (-1 where that is 0), so
+    that the input-sparse kernels' rule |x_j| > t keeps exactly those k (and any entry tied with the k-th).
+    Same output as kernels.select_triton.topk_threshold."""
+    a = (x[None] if x.dim() == 1 else x).abs().float()
+    kth = a.kthvalue(a.shape[-1] - k + 1, dim=-1).values
+    t = torch.where(kth > 0, torch.nextafter(kth, torch.zeros((), device=a.device)), torch.full_like(kth, -1.0))
+    return t[:, None].expand(-1, nseg).contiguous()
+
+
 # ------------------------------------------------------------------------------------------------
 # decode-step glue: RMS norms and one-token attention (the reference of kernels.decode_attn_triton and of the
 # CPU backend's native glue)

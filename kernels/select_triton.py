@@ -1,6 +1,7 @@
 """Device-side top-k selection for the predictor's scores (CUDA; CPU through TRITON_INTERPRET=1).
 
     topk_select(scores, k) -> idx [B, k] int32, ascending per row
+    topk_threshold(x, k, nseg) -> t [B, nseg] fp32: |x_j| > t keeps each row's k largest |x_j|
 
 The k largest scores of each row, as indices in ascending order (a fixed-size buffer: k is static per layer, so
 the op is CUDA-graph capturable). Ties at the k-th value go to the lowest indices, so the result is
@@ -48,6 +49,27 @@ MULTI_MIN_N = 4096
 
 
 @triton.jit
+def _kth_key(key, k, KEY_BITS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """The k-th largest of the non-negative keys [BLOCK] (padding -1): the largest T with #(key >= T) >= k,
+    BITS bits at a time from the top, one packed reduction per step."""
+    T = tl.zeros([], dtype=key.dtype)
+    NC: tl.constexpr = (1 << BITS) - 1
+    for step in tl.static_range(KEY_BITS // BITS):
+        sh = KEY_BITS - BITS * (step + 1)
+        packed = tl.zeros([BLOCK], dtype=tl.int64)
+        for c in tl.static_range(1, NC + 1):
+            cand = T | (tl.full([], c, key.dtype) << sh)
+            packed += tl.where(key >= cand, 1, 0).to(tl.int64) << (21 * (c - 1))
+        tot = tl.sum(packed, axis=0)
+        best = tl.zeros([], dtype=key.dtype)
+        for c in tl.static_range(1, NC + 1):
+            cnt = (tot >> (21 * (c - 1))) & 0x1FFFFF
+            best = tl.where(cnt >= k, c, best)                          # counts fall with c: the last hit wins
+        T = T | (best << sh)
+    return T
+
+
+@triton.jit
 def _topk_select_kernel(s_ptr, stride_s, out_ptr, stride_o, n, k,
                         KEY_BITS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -63,21 +85,7 @@ def _topk_select_kernel(s_ptr, stride_s, out_ptr, stride_o, n, k,
         s = tl.where(s == -2147483648, 0, s)
         key = (s ^ ((s >> 31) & 0x7FFFFFFF)).to(tl.int64) + tl.full([], 1 << 31, tl.int64)   # in [0, 2^32)
     key = tl.where(m, key, -1)
-    # k-th largest key: the largest T with #(key >= T) >= k, BITS bits at a time from the top
-    T = tl.zeros([], dtype=key.dtype)
-    NC: tl.constexpr = (1 << BITS) - 1
-    for step in tl.static_range(KEY_BITS // BITS):
-        sh = KEY_BITS - BITS * (step + 1)
-        packed = tl.zeros([BLOCK], dtype=tl.int64)
-        for c in tl.static_range(1, NC + 1):
-            cand = T | (tl.full([], c, key.dtype) << sh)
-            packed += tl.where(key >= cand, 1, 0).to(tl.int64) << (21 * (c - 1))
-        tot = tl.sum(packed, axis=0)
-        best = tl.zeros([], dtype=key.dtype)
-        for c in tl.static_range(1, NC + 1):
-            cnt = (tot >> (21 * (c - 1))) & 0x1FFFFF
-            best = tl.where(cnt >= k, c, best)                          # counts fall with c: the last hit wins
-        T = T | (best << sh)
+    T = _kth_key(key, k, KEY_BITS, BITS, BLOCK)
     gt = key > T
     eq = key == T
     if BLOCK <= 32768:
@@ -221,3 +229,37 @@ def topk_select(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None
         _topk_select_kernel[(B,)](s, s.stride(0), out, out.stride(0), n, k,
                                   KEY_BITS=key_bits, BITS=bits, BLOCK=block, num_warps=num_warps)
     return out[0] if one else out
+
+
+@triton.jit
+def _topk_threshold_kernel(x_ptr, stride_x, out_ptr, n, k, NSEG: tl.constexpr, NSEG_P: tl.constexpr,
+                           BITS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    j = tl.arange(0, BLOCK)
+    m = j < n
+    a = tl.abs(tl.load(x_ptr + row * stride_x + j, mask=m, other=0.0).to(tl.float32))
+    bits = a.to(tl.int32, bitcast=True)                     # |x| >= 0: its bits are in value order
+    key = tl.where(m, tl.where(bits < 0, 0, bits), -1).to(tl.int64)   # |-0.0| -> 0; padding -1
+    T = _kth_key(key, k, 32, BITS, BLOCK).to(tl.int32)      # bits of the k-th largest |x| (< 2^31)
+    t = tl.where(T > 0, (T - 1).to(tl.float32, bitcast=True), -1.0)   # the float just below it
+    c = tl.arange(0, NSEG_P)
+    tl.store(out_ptr + row * NSEG + c, tl.zeros([NSEG_P], dtype=tl.float32) + t, mask=c < NSEG)
+
+
+def topk_threshold(x: torch.Tensor, k: int, nseg: int = 1) -> torch.Tensor:
+    """Each row's threshold keeping its ``k`` largest |x_j| under the input-sparse kernels' rule |x_j| > t: the
+    float just below the k-th largest |x_j| (-1 where that is 0), fp32 [B, nseg] (``nseg`` copies, one per
+    output segment). One launch, one CTA per row; the same radix search as the top-k select."""
+    s = x[None] if x.dim() == 1 else x
+    assert s.dim() == 2 and s.dtype in (torch.float16, torch.bfloat16, torch.float32), \
+        f"x must be [n] or [B, n] fp16/bf16/fp32, got {tuple(x.shape)} {x.dtype}"
+    B, n = s.shape
+    assert 1 <= n <= MAX_N and 1 <= k <= n, f"n={n} must be in [1, {MAX_N}] and k={k} in [1, n]"
+    if s.stride(1) != 1:
+        s = s.contiguous()
+    out = torch.empty(B, nseg, device=s.device, dtype=torch.float32)
+    block = next_pow2(n)
+    num_warps = next(w for lim, w in NUM_WARPS if block <= lim)
+    _topk_threshold_kernel[(B,)](s, s.stride(0), out, n, k, NSEG=nseg, NSEG_P=next_pow2(nseg), BITS=BITS,
+                                 BLOCK=block, num_warps=num_warps)
+    return out

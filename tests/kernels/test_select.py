@@ -134,3 +134,39 @@ def test_multi_cta_at_production_settings(device, gen, dtype, ks):
         for b in range(2):
             assert torch.equal(idx[b], _by_the_tie_rule(s[b], k)), (b, k)
         assert torch.equal(idx, ref.topk_select(s, k).cpu()), k
+
+
+# ---- topk_threshold: each row's k-th largest |x| as the input-sparse kernels' threshold ----
+def _thr(x, k, nseg=1):
+    from kernels.select_triton import topk_threshold
+
+    return topk_threshold(x, k, nseg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("nk", [(8, 1), (576, 403), (1536, 922), (3000, 1)])
+def test_threshold_keeps_the_top_k(device, gen, dtype, nk):
+    n, k = nk
+    x = torch.randn(2, n, generator=gen).to(dtype)
+    x[1, :3] = 0.0
+    x[1, 3] = -0.0
+    x = x.to(device)
+    t = _thr(x, k, 3)
+    assert t.dtype == torch.float32 and t.shape == (2, 3)
+    assert torch.equal(t.cpu(), ref.topk_threshold(x, k, 3).cpu())
+    a = x.abs().float().cpu()
+    kept = a > t[:, :1].cpu()
+    kth = torch.topk(a, k, dim=1).values[:, -1:]
+    # exactly the entries >= the k-th largest |x|: k of them, more only where the k-th value is tied
+    assert torch.equal(kept, a >= kth)
+    if dtype == torch.float32:          # distinct values: exactly k per row
+        assert (kept.sum(1) == k).all()
+
+
+def test_threshold_ties_and_zero_kth(device):
+    x = torch.tensor([[0.0, -2.0, 2.0, 1.0, -0.0, 0.0, 0.5, -1.0]]).to(device)
+    for k, kept in ((1, 2), (2, 2), (3, 4), (5, 5), (6, 8), (8, 8)):   # the tied k-th value keeps its ties
+        t = _thr(x, k)
+        assert torch.equal(t.cpu(), ref.topk_threshold(x, k).cpu()), k
+        assert int((x.abs().cpu() > t.cpu()).sum()) == kept, k
+    assert float(_thr(x, 8)) == -1.0                               # the k-th largest is 0: keep everything

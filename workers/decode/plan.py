@@ -315,9 +315,17 @@ def _lowrank(rp: RuntimePlan, lowrank, w: ModelWeights) -> None:
 
 
 class TopK(NamedTuple):
-    """A rotated plan's group: each token keeps its ``k`` largest |x_j| (``scale`` None) or |x_j|·scale_j."""
+    """A rotated plan's group: each token keeps its ``k`` largest |x_j| (``scale`` None) or |x_j|·scale_j;
+    ``sizes`` the output segment of each of its projections in the fused product (as InputGroup's)."""
     k: int
     scale: torch.Tensor | None
+    sizes: tuple[int, ...]
+
+
+def _out_features(dims, p: str) -> int:
+    """Projection ``p``'s output size (PROJ's names)."""
+    return {"q": dims.n_heads * dims.head_dim, "k": dims.n_kv_heads * dims.head_dim,
+            "v": dims.n_kv_heads * dims.head_dim, "o": dims.d, "down": dims.d}.get(p, dims.D)
 
 
 def _rotated(rp: RuntimePlan, rotated, w: ModelWeights) -> None:
@@ -337,7 +345,8 @@ def _rotated(rp: RuntimePlan, rotated, w: ModelWeights) -> None:
             scale = None          # ‖W'[:, j]‖ over the group's consumers stacked
             if norms is not None:
                 scale = torch.stack([norms[p] for p in GROUP_PROJECTIONS[g]]).pow(2).sum(0).sqrt()
-            ent[g] = TopK(keep_count(s, n), None if scale is None else scale.to(w.device, w.dtype))
+            ent[g] = TopK(keep_count(s, n), None if scale is None else scale.to(w.device, w.dtype),
+                          tuple(_out_features(dims, p) for p in GROUP_PROJECTIONS[g]))
             for p in GROUP_PROJECTIONS[g]:
                 rp.inputs.setdefault(l, {})[p] = ent[g].k
             if g == "attn_in":

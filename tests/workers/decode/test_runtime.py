@@ -233,18 +233,21 @@ def rotated_step():
     from benchmarks.shape_plans import rank_shape_plan, rotated_shape_plan
 
     m = tiny_model("qwen2")
-    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(5))
-    for make, ops_ in ((rotated_shape_plan, ("topk_select", "gather_down")), (rank_shape_plan,
-                                                                               ("input_sparse_linear_segments",))):
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(5))
+    # one token: LaRoSA's k-th value as the input-sparse kernels' threshold; two: each token's top-k and the
+    # union's rows by the down kernel
+    for make, B, ops_ in ((rotated_shape_plan, 1, ("topk_threshold", "input_sparse_linear_segments")),
+                          (rotated_shape_plan, 2, ("topk_select", "gather_down")),
+                          (rank_shape_plan, 1, ("input_sparse_linear_segments",))):
         rt = DecodeRuntime.from_hf(m).set_plan(make(m, 0.3))
-        rt.setup(1, 12)
+        rt.setup(B, 12)
         calls, got = spy_triton(ops_), {}
         for backend in ("cpu", "triton"):
             os.environ["CTXSPARSE_KERNELS"] = backend
             calls.clear()
-            rt.prefill(ids)
+            rt.prefill(ids[:B])
             got[backend] = (rt.step(keep_logits=True), rt.realized_sparsity())
-            assert all(calls[o] == (8 if backend == "triton" else 0) for o in ops_), (make.__name__, calls)
+            assert all(calls[o] == (8 if backend == "triton" else 0) for o in ops_), (make.__name__, B, calls)
         torch.testing.assert_close(got["triton"][0], got["cpu"][0], atol=1e-4, rtol=1e-3)
         assert abs(got["triton"][1]["weights"] - got["cpu"][1]["weights"]) < 5e-3, got
         assert abs(got["cpu"][1]["weights"] - 0.3) < 0.06, got
@@ -292,8 +295,9 @@ def test_triton_sparse_step_gives_the_reference_logits(interpreted):
 
 
 def test_triton_rotated_and_rank_sparse_steps_give_the_cpu_logits(interpreted):
-    """A LaRoSA plan (top-k by the Triton radix select, the kept rows of the rotated weights by the Triton down
-    kernel: 4 groups x 2 layers) and an R-Sparse plan (the input-sparse kernel on every group, the low-rank terms
+    """A LaRoSA plan (batch 1: each token's k-th value by the Triton threshold kernel into the input-sparse kernel;
+    batch 2: top-k by the Triton radix select, the kept rows of the rotated weights by the Triton down kernel:
+    4 groups x 2 layers) and an R-Sparse plan (the input-sparse kernel on every group, the low-rank terms
     beside it) at 30 % of the bytes, qwen2, through the Triton kernels in the interpreter: the CPU default's
     logits and bytes skipped."""
     assert interpreted["rotated_step"] == "OK", interpreted["rotated_step"]
