@@ -103,17 +103,19 @@ def _build() -> ctypes.CDLL | None:
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.cs_rows_dot.argtypes = [P, P, P, I64, I64, P, I64, I64, P, I64, I, P, P, I]
     lib.cs_rows_axpy.argtypes = [P, I64, I64, I64, P, P, I64, P, I64, I, P, P, P, I]
-    lib.cs_input_sparse_seg.argtypes = [P, I64, I64, I64, P, I64, I, P, P, P, P, P, P, I]
+    lib.cs_input_sparse_seg.argtypes = [P, I64, I64, I64, P, I64, I, P, P, P, P, P, P, I64, I]
     lib.cs_pair_dot.argtypes = [P, P, I64, I64, P, P, I64, P, P, I]
     lib.cs_ffn.argtypes = [P, P, P, P, P, I64, I64, P, I64, P, I64, I, P, P, I]
     lib.cs_ffn_thr.argtypes = [P, I64, ctypes.c_float, I, P, P, P, P, P, I64, P, I64, P, P, P, P, P, I]
+    lib.cs_topk_threshold.argtypes = [P, I64, I64, I64, I, P]
     F = ctypes.c_float
     lib.cs_add_rmsnorm.argtypes = [P, P, P, P, P, I64, I64, F, I]
     lib.cs_add_rmsnorm.restype = None
     lib.cs_decode_attn.argtypes = [P, I64, I64, P, I64, I64, P, I64, I64, P, P, I64, I64, I64, I64, I64, P, P, P,
                                    P, F, P, I64, P, I64, I64, I64, I64, I64, I64, I64, I]
     lib.cs_decode_attn.restype = I
-    for f in (lib.cs_rows_dot, lib.cs_rows_axpy, lib.cs_input_sparse_seg, lib.cs_pair_dot, lib.cs_ffn):
+    for f in (lib.cs_rows_dot, lib.cs_rows_axpy, lib.cs_input_sparse_seg, lib.cs_pair_dot, lib.cs_ffn,
+              lib.cs_topk_threshold):
         f.restype = I
     lib.cs_ffn_thr.restype = I64
     return lib
@@ -414,6 +416,19 @@ def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_n
 
 # ---------------------------------------------------------------------------------------------------------
 # input sparsity and per-token sets
+def topk_threshold(x, k, nseg=1):
+    """kernels.reference.topk_threshold (each row's threshold keeping its k largest |x|): a quickselect in C."""
+    xc = x[None] if x.dim() == 1 else x
+    B, n = xc.shape
+    if not 1 <= k <= n:
+        raise ValueError(f"k={k} must be in [1, n={n}]")
+    if not _use_native(xc):
+        return _ref.topk_threshold(x, k, nseg)
+    out = torch.empty(B, nseg, dtype=_F32)
+    _check(_native().cs_topk_threshold(_p(xc), B, n, k, nseg, _p(out)))
+    return out
+
+
 def input_sparse_linear(x, w_t, threshold, bias=None, *, config=None, counts=None):
     """y = (x · [|x| > t]) @ w_t (+ bias): only the rows of ``w_t`` = Wᵀ [in, out] of the active inputs are read
     (each once for the batch). x [B, in]; ``threshold`` a float, a one-element tensor, or a tensor [in] of one
@@ -461,12 +476,14 @@ def _seg_thresholds(thresholds, nseg: int, n_in: int):
     return None, torch.stack(rows)
 
 
-def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, config=None, counts=None):
+def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, config=None, counts=None, topk=None):
     """Projections sharing x with Wᵀ concatenated along out (fused QKV): segment j (``sizes[j]`` columns) keeps
     input i iff |x_i| > its threshold, ``thresholds[j]``: a float / one-element tensor, or a tensor [in] (one
-    threshold per input channel). ``thresholds`` may also be one tensor [nseg] or [nseg, in]. The active rows
-    are read once, in place, each token adding its own active segments. ``counts``: float64 CPU tensor [nseg]
-    to which the active (token, input) entries of each segment are added."""
+    threshold per input channel). ``thresholds`` may also be one tensor [nseg] or [nseg, in]. ``topk`` (then
+    ``thresholds`` None): every segment keeps each token's own ``topk`` largest |x_i| (the threshold of
+    ``topk_threshold``, computed in the kernel). The active rows are read once, in place, each token adding its
+    own active segments. ``counts``: float64 CPU tensor [nseg] to which the active (token, input) entries of each
+    segment are added."""
     sizes = [int(s) for s in sizes]
     if x.dim() != 2 or w_t.dim() != 2 or x.shape[1] != w_t.shape[0]:
         raise ValueError(f"x must be [B, in] and w_t [in, out]; got {tuple(x.shape)} and {tuple(w_t.shape)}")
@@ -477,7 +494,11 @@ def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, config
         raise ValueError(f"1 to 8 segments, got {nseg}")
     B, n_in = x.shape
     n = w_t.shape[1]
-    thr, tvec = _seg_thresholds(thresholds, nseg, n_in)
+    if (topk is None) == (thresholds is None):
+        raise ValueError("give thresholds or topk, not both")
+    if topk is not None and not 1 <= topk <= n_in:
+        raise ValueError(f"topk={topk} must be in [1, in={n_in}]")
+    thr, tvec = _seg_thresholds(thresholds, nseg, n_in) if topk is None else (None, None)
     xc = x.contiguous()
     if counts is not None and not (counts.dtype == torch.float64 and counts.is_cpu and counts.is_contiguous()
                                    and counts.numel() == nseg):
@@ -485,13 +506,14 @@ def input_sparse_linear_segments(x, w_t, thresholds, sizes, bias=None, *, config
     if _use_native(xc, bias, rows_t=w_t):
         y = torch.empty(B, n, dtype=_F32)
         rc = _native().cs_input_sparse_seg(_p(w_t), n_in, n, w_t.stride(0), _p(xc), B, nseg, _p(_seg_bounds(sizes)),
-                                           _p(thr), _p(tvec), _p(bias), _p(y), _p(counts), _threads())
+                                           _p(thr), _p(tvec), _p(bias), _p(y), _p(counts), topk or 0, _threads())
         if rc != 0:
             raise RuntimeError("input-sparse kernel failed (segment bounds or memory)")
         return y.to(x.dtype)
+    t_tok = None if topk is None else _ref.topk_threshold(x, topk)   # [B, 1]: each token's own
     outs, lo = [], 0
     for j, s in enumerate(sizes):
-        t = tvec[j] if tvec is not None else thr[j]
+        t = t_tok if t_tok is not None else tvec[j] if tvec is not None else thr[j]
         keep = x.abs() > t.to(x.dtype if x.dtype == torch.float64 else _F32)
         if counts is not None:
             counts[j] += float(keep.sum())

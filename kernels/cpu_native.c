@@ -8,7 +8,7 @@
  *               (a weighted sum of rows of Wt = W^T [in, out]: the down projection over the active neurons)
  * and three fused ops built on them: the whole FFN over an active set (cs_ffn), the FFN after a dense gate
  * kept by a threshold on |act(gate)| (cs_ffn_thr), input sparsity with one threshold (or one threshold per
- * input channel) per output segment (cs_input_sparse_seg).
+ * input channel) per output segment, or each token's own top-k (cs_input_sparse_seg).
  * Each thread takes a contiguous range of the active rows (streaming reads of whole rows) and keeps its own
  * partial sums; the partials are added at the end (input sparsity: each thread its own output columns). With
  * one thread nothing enters an OpenMP region: the loop body runs directly. Errors (an index out of range)
@@ -228,13 +228,54 @@ static void in_sparse_body(const float *Wt, int64_t in, int64_t n, int64_t ld, c
     }
 }
 
+/* The threshold keeping the k largest |x| of a row under the rule |x| > t: the float just below the k-th
+ * largest |x| (-1 where that is 0). A quickselect on a copy of |x| in buf [n] (Hoare partitions, median of
+ * three). */
+static float topk_thr_row(const float *x, int64_t n, int64_t k, float *a) {
+    for (int64_t i = 0; i < n; ++i) a[i] = fabsf(x[i]);
+    int64_t lo = 0, hi = n - 1;
+    const int64_t want = k - 1;                          /* position of the k-th largest, descending */
+    while (hi > lo) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        const float p0 = a[lo], p1 = a[mid], p2 = a[hi];
+        const float piv = p0 > p1 ? (p1 > p2 ? p1 : (p0 > p2 ? p2 : p0)) : (p0 > p2 ? p0 : (p1 > p2 ? p2 : p1));
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > piv) ++i;
+            while (a[j] < piv) --j;
+            if (i <= j) { const float t = a[i]; a[i] = a[j]; a[j] = t; ++i; --j; }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else break;                                      /* between j and i: every entry equals the pivot */
+    }
+    return a[want] > 0.0f ? nextafterf(a[want], 0.0f) : -1.0f;
+}
+
+/* Each row's topk_thr_row, nseg copies per row (kernels.reference.topk_threshold). */
+int cs_topk_threshold(const float *x, int64_t B, int64_t n, int64_t k, int nseg, float *out) {
+    if (k < 1 || k > n || nseg < 1) return -1;
+    float *a = (float *)malloc((size_t)n * sizeof(float));
+    if (!a) return -1;
+    for (int64_t b = 0; b < B; ++b) {
+        const float t = topk_thr_row(x + b * n, n, k, a);
+        for (int s = 0; s < nseg; ++s) out[b * nseg + s] = t;
+    }
+    free(a);
+    return 0;
+}
+
 int cs_input_sparse_seg(const float *Wt, int64_t in, int64_t n, int64_t ld, const float *x, int64_t B, int nseg,
                         const int64_t *seg, const float *thr, const float *tvec, const float *bias, float *y,
-                        double *stats, int nt) {
-    if (nseg < 1 || nseg > 8 || seg[0] != 0 || seg[nseg] != n) return -1;
+                        double *stats, int64_t topk, int nt) {
+    if (nseg < 1 || nseg > 8 || seg[0] != 0 || seg[nseg] != n || topk > in) return -1;
     int64_t *list = (int64_t *)malloc((size_t)in * sizeof(int64_t));
     unsigned char *mb = (unsigned char *)malloc((size_t)(B * in) + 1);
-    if (!list || !mb) { free(list); free(mb); return -1; }
+    /* topk > 0: each token's own threshold, its k-th largest |x| (every segment) */
+    float *tok = topk > 0 ? (float *)malloc((size_t)(B + in) * sizeof(float)) : NULL;
+    if (!list || !mb || (topk > 0 && !tok)) { free(list); free(mb); free(tok); return -1; }
+    if (tok)
+        for (int64_t b = 0; b < B; ++b) tok[b] = topk_thr_row(x + b * in, in, topk, tok + B);
     int64_t cnt[8] = {0};
     int64_t np = 0;
     for (int64_t i = 0; i < in; ++i) {
@@ -243,7 +284,7 @@ int cs_input_sparse_seg(const float *Wt, int64_t in, int64_t n, int64_t ld, cons
             const float a = fabsf(x[b * in + i]);
             unsigned char bits = 0;
             for (int s = 0; s < nseg; ++s) {
-                const float t = tvec ? tvec[(int64_t)s * in + i] : thr[s];
+                const float t = tok ? tok[b] : tvec ? tvec[(int64_t)s * in + i] : thr[s];
                 if (a > t) { bits |= (unsigned char)(1u << s); ++cnt[s]; }
             }
             mb[b * in + i] = bits;
@@ -267,6 +308,7 @@ int cs_input_sparse_seg(const float *Wt, int64_t in, int64_t n, int64_t ld, cons
     }
     free(list);
     free(mb);
+    free(tok);
     return 0;
 }
 

@@ -182,3 +182,45 @@ def test_dispatch_cpu_backend(monkeypatch):
     assert ops.backend_name(torch.zeros(1)) == "cpu" and ops.backend(torch.zeros(1)) is K
     monkeypatch.setenv("CTXSPARSE_KERNELS", "reference")
     assert ops.backend(torch.zeros(1)) is R
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_topk_threshold_is_the_reference(path, batch, gen):
+    """Each row's k-th largest |x| as the input-sparse threshold (the C quickselect and the fallback): the
+    reference's value on distinct values, ties, zeros and a row of zeros, for every k of a short row and a few of a
+    long one; |x| > t keeps exactly the entries >= the k-th largest."""
+    rows = [torch.randn(batch, 37, generator=gen), torch.randint(-3, 4, (batch, 37), generator=gen).float(),
+            torch.zeros(batch, 37)]
+    for x in rows:
+        for k in range(1, 38):
+            t = K.topk_threshold(x, k, 3)
+            assert t.shape == (batch, 3) and torch.equal(t, R.topk_threshold(x, k, 3)), k
+            kth = x.abs().topk(k, dim=1).values[:, -1:]
+            assert torch.equal(x.abs() > t[:, :1], x.abs() >= kth), k
+    x = torch.randn(batch, 1536, generator=gen)
+    for k in (1, 614, 1535):
+        t = K.topk_threshold(x, k)
+        assert torch.equal(t, R.topk_threshold(x, k)) and ((x.abs() > t).sum(1) == k).all(), k
+    with pytest.raises(ValueError, match="k=0"):
+        K.topk_threshold(x, 0)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_input_sparse_segments_on_each_tokens_top_k(path, batch, gen):
+    """``topk``: every segment keeps each token's own k largest |x_i| (the threshold found in the kernel): the
+    reference product on the top-k mask, and k inputs counted per token and segment."""
+    n_in, sizes = 150, [30, 25, 15]
+    x = rnd((batch, n_in), gen, torch.float32, "cpu")
+    w_t = rnd((n_in, sum(sizes)), gen, torch.float32, "cpu")
+    bias = rnd((sum(sizes),), gen, torch.float32, "cpu")
+    for k in (1, 60, 150):
+        keep = torch.zeros(batch, n_in).scatter_(1, x.abs().topk(k, dim=1).indices, 1.0)
+        counts = torch.zeros(3, dtype=torch.float64)
+        got = K.input_sparse_linear_segments(x, w_t, None, sizes, bias, counts=counts, topk=k)
+        assert rel_err(got, (up(x) * up(keep)) @ up(w_t) + up(bias)) <= TOL, k
+        assert counts.tolist() == [batch * k] * 3, k
+    for bad in ({"topk": 0}, {"topk": 151}):
+        with pytest.raises(ValueError, match="topk="):
+            K.input_sparse_linear_segments(x, w_t, None, sizes, **bad)
+    with pytest.raises(ValueError, match="not both"):
+        K.input_sparse_linear_segments(x, w_t, torch.zeros(3), sizes, topk=5)

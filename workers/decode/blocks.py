@@ -26,6 +26,7 @@ from kernels import cpu_quant, ops
 from kernels.common import ACTS, MAX_BATCH, apply_act
 from kernels.configs import O_KERNEL_MAX_BATCH, use_dense
 from kernels.quant import QuantWeight
+from workers.decode.plan import InputGroup
 from workers.decode.weights import LayerWeights, ModelWeights
 from workers.loading.adapters import activation_fn
 
@@ -184,6 +185,16 @@ class Blocks:
                 on = x.abs().float()[:, None, :] > (thr[None, :, :] if thr.dim() == 2 else thr[None, :, None])
                 counts.add_(on.sum((0, 2)).to(counts.dtype))
         return low_rank_terms(x, y, group) if group.lowrank else y
+
+    def topk_in_linear(self, x, w_t, k, sizes, col, bias=None, counts=None):
+        """x @ w_t (+ bias) over each token's ``k`` largest |x_j|, through the input-sparse kernels (TEAL's): on
+        the CPU the kernel finds each token's threshold itself (any batch); elsewhere one token's threshold comes
+        from ``ops.topk_threshold`` (one launch). ``sizes`` / ``col``: the group's segments and first counter."""
+        if ops.backend_name(x) == "cpu":
+            return cpu_kernels.input_sparse_linear_segments(x, w_t, None, sizes, bias, counts=counts, topk=k)
+        assert x.shape[0] == 1, "one threshold per segment: beyond one token, topk_linear"
+        thr = ops.topk_threshold(x, k, len(sizes))[0]
+        return self.in_linear(x, w_t, InputGroup(thr, tuple(sizes), col), counts, bias)
 
     def topk_linear(self, x, w_t, top, bias=None, counts=None):
         """x @ w_t (+ bias) over each row's inputs ``top`` [B, k] only (a rotated plan's top-k): the rows of w_t

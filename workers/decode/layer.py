@@ -23,7 +23,6 @@ from kernels.common import Prologue
 from kernels.reference import qk_norm_rope
 from workers.decode import native_layer
 from workers.decode.glue import EAGER, attn_prefill
-from workers.decode.plan import InputGroup
 from workers.decode.weights import PROJ
 
 
@@ -192,11 +191,10 @@ class Step:
 
     def _rot_linear(self, l, x, w_t, tk, bias, col, n):
         counts = self.c.inputs[l, col: col + n] if self.b.count_inputs or x.device.type == "cpu" else None
-        if x.shape[0] == 1 and tk.scale is None:
-            # one token: its k-th largest |x_j| as the threshold of the input-sparse kernels (TEAL's), which
-            # keep exactly its top-k (and any entry tied with the k-th) without a top-k or a gather
-            thr = ops.topk_threshold(x, tk.k, len(tk.sizes))[0]
-            return self.b.in_linear(x, w_t, InputGroup(thr, tk.sizes, col), counts, bias)
+        if tk.scale is None and (x.shape[0] == 1 or ops.backend_name(x) == "cpu"):
+            # each token's k-th largest |x_j| as the input-sparse kernels' threshold: exactly its top-k (and any
+            # entry tied with the k-th), without a top-k or a gather
+            return self.b.topk_in_linear(x, w_t, tk.k, tk.sizes, col, bias, counts)
         return self.b.topk_linear(x, w_t, self._top(x, tk), bias, counts)
 
     def _rot_attn(self, l, L, h, rot: dict):
