@@ -29,6 +29,7 @@ _ctxsparse_setup() (
   stamp="$SITE/.ctxsparse-ship-$(sha256sum "$manifest" | cut -c1-16)"
   if [ -f "$stamp" ]; then echo "bare_host: $SITE already set up from this shipment"; exit 0; fi
   stage="$SITE.stage"
+  echo "bare_host: $(date +%T) assembling $SHIP"     # each step's time: the set-up's cost shows in the log
   # joins pieces, checks each piece's and each file's sha256; exits non-zero naming every bad or missing piece
   "$PY" -m orchestrator.ship assemble "$SHIP" "$stage"
   rm -rf "$SITE"; mkdir -p "$SITE/bin"; touch "$SITE/.ctxsparse-site"
@@ -38,6 +39,7 @@ _ctxsparse_setup() (
   else  # a wheel is a zip of importable files: unpacking it installs it (no console scripts)
     "$PY" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' "$SITE" "$stage"/*.whl
   fi
+  echo "bare_host: $(date +%T) wheels installed; unpacking Ray"
   tar -xJf "$stage"/ray-*.tar.xz -C "$SITE"
   for z in "$stage"/tokenizer-*.zip; do   # the builder's tokenizers, by GGUF sha256 (CTXSPARSE_TOKENIZERS)
     [ -e "$z" ] || continue
@@ -72,7 +74,7 @@ EOF
   rm -rf "$stage"
   git_rev=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["git_rev"])' "$manifest")
   echo "$git_rev" > "$stamp"
-  echo "bare_host: $SITE set up from $SHIP"
+  echo "bare_host: $(date +%T) $SITE set up from $SHIP"
 )
 
 _ctxsparse_env() {

@@ -141,6 +141,11 @@ def cases() -> list[Case]:
             out.append(_case("select_triton", "_topk_select_kernel", dt, dict(KEY_BITS=key_bits, BITS=bits,
                                                                               BLOCK=16384),
                              ptrs={"s_ptr": "*" + dt, "out_ptr": "*i32"}, num_warps=16))
+    # the k-th largest |x| as a threshold (LaRoSA's top-k into the input-sparse kernels): every activation dtype
+    for dt, nseg in (("fp16", 3), ("bf16", 1), ("fp32", 2)):
+        out.append(_case("select_triton", "_topk_threshold_kernel", dt,
+                         dict(NSEG=nseg, NSEG_P=4 if nseg == 3 else nseg, BITS=2, BLOCK=16384),
+                         ptrs={"x_ptr": "*" + dt, "out_ptr": "*fp32"}, num_warps=16))
     # the multi-CTA select's three kernels (16-bit keys)
     for dt in ("fp16", "bf16"):
         ptrs = {"s_ptr": "*" + dt, "out_ptr": "*i32"}

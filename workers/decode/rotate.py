@@ -19,7 +19,8 @@ The deployable form of workers.sparsity.rotated's module doc, built once at ``se
 
 With every sparsity at 0 the rotated runtime's logits are the dense ones up to rounding (test). The top-k itself is
 the step's (workers.decode.layer, plan ``rot``): each token keeps its k largest |r| (or |r|·‖W'[:, j]‖ for the
-``wina`` score) and the consumers read those k rows of W'ᵀ only.
+``wina`` score) and the consumers read those k rows of W'ᵀ only (for |r|: the input-sparse kernels with the k-th
+largest as the threshold, workers.decode.blocks.topk_in_linear).
 """
 from __future__ import annotations
 
