@@ -142,10 +142,11 @@ def cases() -> list[Case]:
                                                                               BLOCK=16384),
                              ptrs={"s_ptr": "*" + dt, "out_ptr": "*i32"}, num_warps=16))
     # the k-th largest |x| as a threshold (LaRoSA's top-k into the input-sparse kernels): every activation dtype
-    for dt, nseg in (("fp16", 3), ("bf16", 1), ("fp32", 2)):
+    # (the longest row at its 16 warps once; shorter rows for the other dtypes)
+    for dt, nseg, block, warps in (("fp16", 3, 16384, 16), ("bf16", 1, 1024, 4), ("fp32", 2, 4096, 8)):
         out.append(_case("select_triton", "_topk_threshold_kernel", dt,
-                         dict(NSEG=nseg, NSEG_P=4 if nseg == 3 else nseg, BITS=2, BLOCK=16384),
-                         ptrs={"x_ptr": "*" + dt, "out_ptr": "*fp32"}, num_warps=16))
+                         dict(NSEG=nseg, NSEG_P=4 if nseg == 3 else nseg, BITS=2, BLOCK=block),
+                         ptrs={"x_ptr": "*" + dt, "out_ptr": "*fp32"}, num_warps=warps))
     # the multi-CTA select's three kernels (16-bit keys)
     for dt in ("fp16", "bf16"):
         ptrs = {"s_ptr": "*" + dt, "out_ptr": "*i32"}
