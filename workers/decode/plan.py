@@ -227,32 +227,46 @@ def _inputs(rp: RuntimePlan, plan, w: ModelWeights) -> None:
 def _add_groups(rp: RuntimePlan, w: ModelWeights, l: int, per: dict, group) -> None:
     """Layer ``l``'s input-sparse groups for the projections in ``per`` (QKV, O, gate|up or fc1, down), each made
     by ``group(names, n_in, sizes)``, and the Wᵀ layouts they read."""
-    dims = w.dims
-    H, KV, hd, d, D = dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.d, dims.D
     L = w.layers[l]
+
+    def add(names):
+        return group(names, _in_features(w.dims, names[0]), _out_sizes(w.dims, names))
+
     ent = {}
     if set(per) & {"q", "k", "v"}:
         _qkv_t(L)
-        ent["qkv"] = group(("q", "k", "v"), d, (H * hd, KV * hd, KV * hd))
+        ent["qkv"] = add(("q", "k", "v"))
     if "o" in per:
         if w.quantized:
             _layout(L, "o_t", None, L.w_o_t)
-        ent["o"] = group(("o",), H * hd, (d,))
+        ent["o"] = add(("o",))
     if ent:
         rp.in_attn[l] = ent
     ent = {}
     if w.gated and set(per) & {"gate", "up"}:
         _gu_t(L)
-        ent["gu"] = group(("gate", "up"), d, (D, D))
+        ent["gu"] = add(("gate", "up"))
     elif not w.gated and "up" in per:
         _layout(L, "up_t", lambda: L.w_up.t().contiguous(), L.w_up)
-        ent["up"] = group(("up",), d, (D,))
+        ent["up"] = add(("up",))
     if "down" in per:
         if w.quantized:
             _layout(L, "down_t", None, L.w_down_t)
-        ent["down"] = group(("down",), D, (d,))
+        ent["down"] = add(("down",))
     if ent:
         rp.in_ffn[l] = ent
+
+
+def _in_features(dims, p: str) -> int:
+    """Projection ``p``'s input size (PROJ's names)."""
+    return {"o": dims.n_heads * dims.head_dim, "down": dims.D}.get(p, dims.d)
+
+
+def _out_sizes(dims, names) -> tuple[int, ...]:
+    """The output size of each projection of ``names`` (PROJ's names): a fused product's segments."""
+    out = {"q": dims.n_heads * dims.head_dim, "k": dims.n_kv_heads * dims.head_dim,
+           "v": dims.n_kv_heads * dims.head_dim, "o": dims.d, "down": dims.d}
+    return tuple(out.get(p, dims.D) for p in names)
 
 
 class LowRankTerm(NamedTuple):
@@ -322,12 +336,6 @@ class TopK(NamedTuple):
     sizes: tuple[int, ...]
 
 
-def _out_features(dims, p: str) -> int:
-    """Projection ``p``'s output size (PROJ's names)."""
-    return {"q": dims.n_heads * dims.head_dim, "k": dims.n_kv_heads * dims.head_dim,
-            "v": dims.n_kv_heads * dims.head_dim, "o": dims.d, "down": dims.d}.get(p, dims.D)
-
-
 def _rotated(rp: RuntimePlan, rotated, w: ModelWeights) -> None:
     """Per layer, the top-k of each sparse group of a rotated plan (LaRoSA) over the rotated weights ``w``; the
     WINA score's ‖W'[:, j]‖ over the group's consumers stacked (workers.sparsity.rotated)."""
@@ -339,15 +347,16 @@ def _rotated(rp: RuntimePlan, rotated, w: ModelWeights) -> None:
         norms = _column_norms(w, l) if rotated.score == "wina" else None
         ent = {}
         for g, s in per.items():
-            n = {"o": dims.n_heads * dims.head_dim, "down": dims.D}.get(g, dims.d)
+            names = GROUP_PROJECTIONS[g]
+            n = _in_features(dims, names[0])
             if s <= 0 or keep_count(s, n) >= n:
                 continue
             scale = None          # ‖W'[:, j]‖ over the group's consumers stacked
             if norms is not None:
-                scale = torch.stack([norms[p] for p in GROUP_PROJECTIONS[g]]).pow(2).sum(0).sqrt()
+                scale = torch.stack([norms[p] for p in names]).pow(2).sum(0).sqrt()
             ent[g] = TopK(keep_count(s, n), None if scale is None else scale.to(w.device, w.dtype),
-                          tuple(_out_features(dims, p) for p in GROUP_PROJECTIONS[g]))
-            for p in GROUP_PROJECTIONS[g]:
+                          _out_sizes(dims, names))
+            for p in names:
                 rp.inputs.setdefault(l, {})[p] = ent[g].k
             if g == "attn_in":
                 _qkv_t(w.layers[l])

@@ -23,9 +23,9 @@ TEAL's) and the factors, r·(in + out) elements (``lowrank_numel``, charged in "
 ``SparseStats.extra_numel``, as LaRoSA's rotations are). A kernel could read only A's columns of the dropped
 inputs; the full factors are charged, as the reference's budget does.
 
-Masked mode here (the decode runtime's form: workers.decode.plan's low-rank terms beside its input-sparse
-products) (the exact function: dense products, the dropped inputs zeroed in W's product and the kept ones
-in the low-rank term): :class:`RankSparseLinear` replaces each planned projection; ``.revert()`` restores the model.
+Masked mode here, the exact function: dense products, the dropped inputs zeroed in W's product and the kept ones
+in the low-rank term (the decode runtime's form is workers.decode.plan's low-rank terms beside its input-sparse
+products): :class:`RankSparseLinear` replaces each planned projection; ``.revert()`` restores the model.
 """
 from __future__ import annotations
 
