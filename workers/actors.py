@@ -139,10 +139,7 @@ class _UnitActor:
             if self.torch_threads:
                 torch.set_num_threads(self.torch_threads)
             st = stamp()
-            assigned = ray.get_runtime_context().get_assigned_resources()
-            share = assigned.get(RAY_RESOURCE.get(self.device_type, "")) or 1.0
-            self._units = Units(_torch_device(self.device_type), st["package_versions"], st["git_rev"],
-                                memory_share=min(1.0, share))
+            self._units = Units(_torch_device(self.device_type), st["package_versions"], st["git_rev"])
             self._engine = get_engine(self.db_url)
         return self._units
 

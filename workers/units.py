@@ -84,19 +84,6 @@ class UnitOutput:
     summary: dict = field(default_factory=dict)      # a few figures for the driver's progress log
 
 
-LOGITS_SHARE = 0.5      # of an evaluator's device memory, for a scoring forward's logits (the rest: weights, cache)
-
-
-def accelerator_memory(device: str) -> int | None:
-    """Total memory of the accelerator ``device`` names (bytes); None for the CPU."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return torch.cuda.get_device_properties(dev.index if dev.index is not None else 0).total_memory
-    if dev.type == "npu":
-        return torch.npu.get_device_properties(dev.index if dev.index is not None else 0).total_memory
-    return None
-
-
 @contextmanager
 def matmul_precision(precision: str):
     """CUDA float32 matrix products at ``precision`` inside the block (an eval unit's ``matmul``: fp32 or tf32),
@@ -122,10 +109,8 @@ def matmul_precision(precision: str):
 class Units:
     """Computes units; caches loaded models (by ref and device) across calls."""
 
-    def __init__(self, device: str = "cpu", versions: dict[str, str] | None = None, git_rev: str | None = None,
-                 memory_share: float = 1.0):
+    def __init__(self, device: str = "cpu", versions: dict[str, str] | None = None, git_rev: str | None = None):
         self.device = device
-        self.memory_share = float(memory_share)      # of the accelerator's memory: this actor's (Ray's num_gpus)
         self.versions, self.git_rev = dict(versions or {}), git_rev   # stamped into bundles
         self._lms: dict[str, object] = {}
 
@@ -321,13 +306,13 @@ class Units:
 
                 k, n = cfg["shard"]
                 sc = score_shard(lm.model, lm.tokenizer, cfg["suite"], cfg.get("limit"), k, n,
-                                 batch_size=cfg.get("batch_size", 8), logits_budget=self.logits_budget())
+                                 batch_size=cfg.get("batch_size", 8), batch_tokens=cfg.get("batch_tokens"))
                 out.scores = [{"request": r, "loglikelihood": v, "greedy": g}
                               for r, v, g in zip(sc.request, sc.loglikelihood, sc.greedy)]
                 out.summary = {"shard": f"{k + 1}/{n}", "requests": len(sc.request)}
             else:
                 rows = run_suite(lm.model, lm.tokenizer, [cfg["suite"]], cfg.get("limit"),
-                                 batch_size=cfg.get("batch_size", 8), logits_budget=self.logits_budget())
+                                 batch_size=cfg.get("batch_size", 8), batch_tokens=cfg.get("batch_tokens"))
                 out.accuracy += task_rows(rows)
                 out.summary = {r.metric: round(r.value, 3) for r in rows}
         return out
@@ -344,12 +329,6 @@ class Units:
         rows = assemble_shards(lm.model, lm.tokenizer, cfg["suite"], cfg.get("limit"), shard_scores)
         return UnitOutput(accuracy=task_rows(rows), summary={**{r.metric: round(r.value, 3) for r in rows},
                                                              "shards": len(shard_scores)})
-
-    def logits_budget(self) -> int | None:
-        """Bytes an evaluation forward's logits may take on an accelerator: LOGITS_SHARE of this actor's share of
-        the device memory (None on the CPU: the batch as planned)."""
-        total = accelerator_memory(self.device)
-        return None if total is None else int(total * self.memory_share * LOGITS_SHARE)
 
     def latency(self, unit_id: str, cfg: dict) -> UnitOutput:
         from workers.decode.latency import bench_decode, bench_llama_cpp, random_plan

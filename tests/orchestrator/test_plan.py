@@ -53,9 +53,12 @@ def test_evaluation_on_an_accelerator_runs_on_it_with_larger_batches():
     ev_gpu = {u.config["suite"]: u for u in gpu if u.kind == "eval" and u.method == "oracle"}
     assert set(ev) == set(ev_gpu) == {"perplexity", "piqa"}
     assert ev["piqa"].config["exec_mode"] == "masked" and "batch_size" not in ev["piqa"].config
-    assert ev_gpu["piqa"].config["exec_mode"] == "masked" and ev_gpu["piqa"].config["batch_size"] == 32
+    assert "batch_tokens" not in ev["piqa"].config
+    assert ev_gpu["piqa"].config["exec_mode"] == "masked" and ev_gpu["piqa"].config["batch_size"] == 64
+    assert ev_gpu["piqa"].config["batch_tokens"] == 32768
     assert ev_gpu["piqa"].device_type == "cuda" and ev_gpu["piqa"].id != ev["piqa"].id
     assert "batch_size" not in ev_gpu["perplexity"].config      # one window per forward on every device
+    assert "batch_tokens" not in ev_gpu["perplexity"].config
 
 
 def test_every_config_field_is_part_of_the_unit_id():

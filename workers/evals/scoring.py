@@ -1,17 +1,21 @@
 """The lm-eval model we score with: lm-eval's ``HFLM`` with two changes to how it runs log-likelihood requests, none
 to what they mean.
 
-- *Batches sized from a logits budget* (``budget_batch``): Gemma-3's 262k-entry vocabulary makes a 32-sequence
-  forward of long requests ask for tens of GiB; the batch of each stretch of the length-sorted requests is computed
-  from its longest request instead of probed by out-of-memory trials (lm-eval's ``auto:N`` schedule).
+- *Batches sized in tokens* (``batch_tokens``, ``token_batches``): on an accelerator a forward of 32 short
+  sequences (HellaSwag's windows average 78 tokens) is a few thousand tokens, far too few to fill an H200, so the
+  windows (sorted longest first) go into batches of at most ``batch_tokens`` padded tokens each: many short
+  windows per forward, few long ones. A function of the windows' lengths only, so a run's batches (and numbers)
+  do not depend on what else shares the device.
 - *One device round trip per batch* (``ScoringLM._loglikelihood_tokens``). lm-eval's loop scores each request with
   its own small tensor ops and two host syncs (``float(sum)``, ``bool(all)``), and takes the log-softmax of every
-  position of the batch. Here the model computes logits only for the positions that predict a continuation token
-  (``logits_to_keep``: the batch's rows share their right end, so that is the last stretch of the padded window),
-  one gather picks each continuation token's row, log-softmax and argmax run on those rows only, and one copy
-  brings the batch's values to the host. Same requests, same order (lm-eval's ``Collator``: longest first, one
-  forward per group of requests that share context + continuation[:-1]), same sums; the values equal lm-eval's
-  loop to rounding (``tests/workers/evals/test_suites.py`` checks both against a plain forward per request).
+  position of the batch. Here the decoder's hidden states are gathered at the positions that predict a
+  continuation token, and only those go through the output head, in slices of ``HEAD_BYTES`` of logits (Gemma-3's
+  262k-entry vocabulary: a few hundred positions a slice), each slice's log-softmax, gather and argmax on the
+  device, and one copy brings the batch's values to the host. Models whose logits are not the head of the
+  decoder's output (checked on a short input when the scorer is made, ``_split_head``) take the whole forward's
+  logits instead. Same requests, same order (lm-eval's ``Collator``: longest first, one forward per group of
+  requests that share context + continuation[:-1]), same sums; the values equal lm-eval's loop to rounding
+  (``tests/workers/evals/test_scoring.py`` checks both against lm-eval's own loop).
 - *Requests given as tokens in their scoring order* (``score_request_set``): the requests of a packaged task as
   ``workers.evals.request_cache`` keeps them (templated, tokenized and put in the order above once per task and
   tokenizer) are scored by the same batches and the same forward as lm-eval's requests would be, without lm-eval's
@@ -24,7 +28,6 @@ to what they mean.
 from __future__ import annotations
 
 import functools
-import inspect
 import time
 from typing import Sequence
 
@@ -36,17 +39,39 @@ BATCHED_FOR = ("0.4.13",)   # lm-eval versions whose HFLM internals (Collator, b
 # log-softmax of the scored positions, the gather; on a GPU the download waits for the device): what the host waits
 # for, as opposed to what it does (``benchmarks.scoring``)
 device_clock = {"seconds": 0.0, "forwards": 0}
-LOGIT_BYTES = 12        # per (position, vocabulary entry) of a scoring forward: the logits, an fp32 copy and
+LOGIT_BYTES = 12        # per (position, vocabulary entry) of the output head: the logits, an fp32 copy and
                         # its log-softmax
-BUDGET_SCHEDULE = 4     # the batch is re-sized this many times along the requests (sorted longest first)
+HEAD_BYTES = 1 << 30    # the output head runs on slices of the scored positions of about this many logit bytes
 
 
-def budget_batch(length: int, vocab: int, budget_bytes: int, max_batch: int) -> int:
-    """Sequences per scoring forward so that the logits of ``length`` positions over ``vocab`` entries stay within
-    ``budget_bytes``: at least 1, at most ``max_batch``. A function of the request lengths only, so a run's
-    batches (and numbers) do not depend on what else shares the device."""
-    per_seq = max(1, length) * vocab * LOGIT_BYTES
-    return max(1, min(max_batch, budget_bytes // per_seq))
+def head_slice(vocab: int) -> int:
+    """Scored positions per slice of the output head (``HEAD_BYTES`` of logits over ``vocab`` entries)."""
+    return max(1, HEAD_BYTES // (max(1, vocab) * LOGIT_BYTES))
+
+
+def token_batches(lengths: Sequence[int], batch_tokens: int) -> list[int]:
+    """Sizes of consecutive batches of windows of ``lengths`` (tokens each) so that each batch's padded tokens
+    (windows x its longest window) stay within ``batch_tokens``; a window longer than that is a batch of its own.
+    Greedy in order: the scoring order sorts windows longest first, so each batch is as full as it can be."""
+    if isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1:
+        raise ValueError(f"batch_tokens must be a positive int, not {batch_tokens!r}")
+    sizes, i, n = [], 0, len(lengths)
+    while i < n:
+        j, longest = i + 1, max(1, int(lengths[i]))
+        while j < n and (j - i + 1) * max(longest, int(lengths[j])) <= batch_tokens:
+            longest = max(longest, int(lengths[j]))
+            j += 1
+        sizes.append(j - i)
+        i = j
+    return sizes
+
+
+def _cut(items: Sequence, sizes: Sequence[int]) -> list[list]:
+    out, at = [], 0
+    for k in sizes:
+        out.append(list(items[at:at + k]))
+        at += k
+    return out
 
 
 def _sort_key(request):
@@ -115,12 +140,37 @@ def _check(ctx, cont, max_length: int) -> None:
                          f"most {max_length})")
 
 
-def _keeps_logits(model) -> bool:
-    """Whether the model's forward takes ``logits_to_keep`` (the HF causal LMs of transformers ≥ 4.50 do)."""
+def _split_head(model):
+    """(decoder, output head, final-logit soft cap) of an HF causal LM whose logits are its output head applied to
+    its decoder's last hidden state (soft-capped where the config says so, as Gemma's are), else None. Checked on a
+    short input against the model's own forward, so a family that scales or post-processes its logits another way
+    is scored from its whole forward instead."""
+    import torch
+
     try:
-        return "logits_to_keep" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
+        decoder, head = model.get_decoder(), model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    if decoder is None or head is None or decoder is model:
+        return None
+    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    vocab = head.weight.shape[0]
+    ids = (torch.arange(1, 9, device=head.weight.device) * 7919 % vocab)[None]
+    with torch.no_grad():
+        try:
+            want = model(ids, use_cache=False).logits[0]
+            got = _capped(head(decoder(input_ids=ids, use_cache=False).last_hidden_state[0]), cap)
+        except (AttributeError, TypeError):
+            return None
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-3, atol=1e-3 * max(1.0, float(want.abs().max()))):
+        return None
+    return decoder, head, cap
+
+
+def _capped(logits, cap):
+    import torch
+
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 @functools.cache
@@ -134,55 +184,44 @@ def scoring_lm():
     from tqdm import tqdm
 
     class ScoringLM(HFLM):
-        """``HFLM`` over a given model; ``budget_bytes`` (optional) sizes the batches as ``budget_batch`` does."""
+        """``HFLM`` over a given model; ``batch_tokens`` (optional): log-likelihood batches of at most that many
+        padded tokens (``token_batches``) instead of ``batch_size`` sequences."""
 
-        def __init__(self, *args, budget_bytes: int | None = None, **kwargs):
+        def __init__(self, *args, batch_tokens: int | None = None, **kwargs):
             super().__init__(*args, **kwargs)
-            self.budget_bytes = budget_bytes
-            self._generating = False
-            self._keep = _keeps_logits(self.model)
+            if batch_tokens is not None:
+                token_batches([], batch_tokens)            # checks it
+            self.batch_tokens = batch_tokens
             self.batched = self.backend == "causal" and lm_eval.__version__ in BATCHED_FOR
+            self._split = _split_head(self.model) if self.batched else None
             self._encoded: list | None = None
 
-        # ------------------------------------------------------------------------------ batch sizing
-        def generate_until(self, requests, disable_tqdm: bool = False):
-            self._generating = True
-            try:
-                return super().generate_until(requests, disable_tqdm)
-            finally:
-                self._generating = False
-
-        def _detect_batch_size(self, requests=None, pos: int = 0):
-            if self.budget_bytes is None:
-                return super()._detect_batch_size(requests, pos)
-            if requests:
-                _, context_enc, continuation_enc = requests[pos]
-                length = len((context_enc + continuation_enc)[-(self.max_length + 1):][:-1])
-            elif self._generating:         # generation keeps the logits of one position per sequence and step
-                return self.max_batch_size
-            else:                          # rolling log-likelihood: windows of up to max_length
-                length = self.max_length
-            vocab = self.model.get_output_embeddings().weight.shape[0]
-            return budget_batch(length, vocab, self.budget_bytes, self.max_batch_size)
+        def _batch_sizes(self, lengths: Sequence[int]) -> list[int]:
+            """Windows per forward along windows of ``lengths`` tokens (in scoring order)."""
+            if self.batch_tokens is not None:
+                return token_batches(lengths, self.batch_tokens)
+            if not isinstance(self.batch_size, int):
+                raise RuntimeError(f"the batched scorer runs a fixed batch_size or batch_tokens, not "
+                                   f"batch_size={self.batch_size!r}")
+            n, k = len(lengths), self.batch_size
+            return [min(k, n - i) for i in range(0, n, k)]
 
         # ------------------------------------------------------------------------------ scoring
         def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
             if self._encoded is not None:          # encode(): the requests as lm-eval tokenized them, no scores
                 self._encoded.extend(requests)
                 return [(0.0, False)] * len(requests)
-            if not self.batched:
+            if not self.batched or (self.batch_tokens is None and not isinstance(self.batch_size, int)):
                 return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
             collator = Collator(requests, sort_fn=_sort_key, group_by="contexts" if self.logits_cache else None,
                                 group_fn=_group_key)
-            batch_fn = (self._batch_scheduler if self.batch_size == "auto" and len(collator) and not override_bs
-                        else None)
-            if batch_fn is not None:
-                self.batch_sizes = {}      # sized afresh for these requests (lm-eval does the same)
-            size = self.batch_size if self.batch_size != "auto" else (override_bs or 0)
+            reps = [r for chunk in collator.get_batched(n=0) for r in chunk]     # every window, in scoring order
+            keep = self.max_length + 1
+            lengths = [len((ctx + cont)[-keep:]) - 1 for _, ctx, cont in reps]
             res: list[tuple[float, bool]] = []
             pbar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
                         desc="Running loglikelihood requests")
-            for chunk in collator.get_batched(n=size, batch_fn=batch_fn):
+            for chunk in _cut(reps, self._batch_sizes(lengths)):
                 res += self._score_batch(collator, chunk)
                 pbar.update(len(chunk))
             pbar.close()
@@ -212,33 +251,42 @@ def scoring_lm():
             continuation tokens) the sum of log p(continuation) and whether greedy decoding gives it, in order. A
             continuation of c tokens is predicted by the last c positions of its row's (unpadded) window."""
             lens = np.fromiter((len(w) for w in windows), dtype=np.int64, count=len(windows))
-            width = int(lens.max())
-            ids = np.zeros((len(windows), width), dtype=np.int64)
+            ids = np.zeros((len(windows), int(lens.max())), dtype=np.int64)
             for row, w in enumerate(windows):
                 ids[row, :lens[row]] = w
             hit_rows = np.fromiter((row for row, _ in hits), dtype=np.int64, count=len(hits))
             n = np.fromiter((len(c) for _, c in hits), dtype=np.int64, count=len(hits))
-            ends = lens[hit_rows]                  # a hit's continuation ends where its row's window ends
-            first = int((ends - n).min())
-            starts = np.repeat(ends - n - first, n)    # column of each continuation token among the kept logits
             offsets = np.repeat(np.cumsum(n) - n, n)
-            cols = starts + np.arange(len(starts)) - offsets
+            # a hit's continuation ends where its row's window ends: token j of it is predicted at end - n + j
+            cols = np.repeat(lens[hit_rows] - n, n) + np.arange(int(n.sum())) - offsets
             toks = np.concatenate([np.asarray(c, dtype=np.int64) for _, c in hits])
             index = np.stack([np.repeat(hit_rows, n), cols, toks])
             t0 = time.perf_counter()
             with torch.no_grad():
                 ids = torch.from_numpy(ids).to(self.device)
-                # no KV cache: a scoring forward is never continued (HF builds one by default, per layer)
-                if self._keep:
-                    logits = self.model(ids, logits_to_keep=width - first, use_cache=False).logits
-                else:
-                    logits = self.model(ids, use_cache=False).logits[:, first:]
                 index = torch.from_numpy(index).to(self.device)
-                picked = F.log_softmax(logits[index[0], index[1]], dim=-1, dtype=self.softmax_dtype)
-                token_lp = picked.gather(1, index[2][:, None])[:, 0].float()
-                greedy = (picked.argmax(dim=-1) == index[2]).float()
+                # no KV cache: a scoring forward is never continued (HF builds one by default, per layer)
+                if self._split is not None:
+                    decoder, head, cap = self._split
+                    rows = decoder(input_ids=ids, use_cache=False).last_hidden_state[index[0], index[1]]
+                    vocab = head.weight.shape[0]
+                else:
+                    head, cap = None, None
+                    rows = self.model(ids, use_cache=False).logits[index[0], index[1]]
+                    vocab = rows.shape[-1]
+                token_lp = torch.empty(len(toks), dtype=torch.float32, device=rows.device)
+                greedy = torch.empty(len(toks), dtype=torch.float32, device=rows.device)
+                step = head_slice(vocab)
+                for at in range(0, len(toks), step):
+                    sl = slice(at, at + step)
+                    logits = rows[sl] if head is None else _capped(head(rows[sl]), cap)
+                    picked = F.log_softmax(logits, dim=-1, dtype=self.softmax_dtype)
+                    target = index[2, sl]
+                    token_lp[sl] = picked.gather(1, target[:, None])[:, 0].float()
+                    greedy[sl] = (picked.argmax(dim=-1) == target).float()
+                    del logits, picked
                 values = torch.stack([token_lp, greedy]).cpu()
-                del logits, picked
+                del rows
             device_clock["seconds"] += time.perf_counter() - t0
             device_clock["forwards"] += 1
             token_lp, greedy = values.tolist()
@@ -294,17 +342,14 @@ def scoring_lm():
 
         def request_set_batches(self, rs) -> list[list[int]]:
             """The scoring windows of ``rs`` (indices into ``rs.row_off``) in the batches ``score_request_set`` runs:
-            ``batch_size`` windows each, or as the logits budget sizes them (a function of the windows' lengths)."""
+            ``batch_size`` windows each, or at most ``batch_tokens`` padded tokens each (``token_batches`` over the
+            windows' lengths)."""
             if not self.scores_request_sets:
                 raise RuntimeError("this lm-eval version or configuration scores requests its own way")
             n_rows = len(rs.row_off) - 1
-            view = _Windows(rs)
-            batch_fn = None
-            if self.batch_size == "auto" and n_rows:
-                self.batch_sizes = {}
-                batch_fn = lambda pos, _rows: self._batch_scheduler(pos, view)     # noqa: E731
-            size = self.batch_size if self.batch_size != "auto" else 0
-            return list(Collator.get_chunks(range(n_rows), n=size, fn=batch_fn))
+            lengths = [window_length(rs, p, self.max_length) for p in range(n_rows)] if self.batch_tokens else \
+                [0] * n_rows
+            return _cut(range(n_rows), self._batch_sizes(lengths))
 
         def _score_rows(self, rs, chunk, ll: np.ndarray, greedy: np.ndarray) -> list[int]:
             """Score one batch of windows into ``ll`` / ``greedy``; the requests it answered."""
@@ -323,18 +368,5 @@ def scoring_lm():
             for m, (value, is_greedy) in zip(answered, self._score_windows(windows, hits)):
                 ll[m], greedy[m] = value, is_greedy
             return answered
-
-    class _Windows:
-        """The windows of a request set as ``_detect_batch_size`` reads them: (strings, context, continuation)."""
-
-        def __init__(self, rs):
-            self.rs = rs
-
-        def __len__(self):
-            return len(self.rs.row_off) - 1
-
-        def __getitem__(self, pos):
-            first = int(self.rs.members[self.rs.row_off[pos]])
-            return None, self.rs.context(first).tolist(), self.rs.continuation(first).tolist()
 
     return ScoringLM

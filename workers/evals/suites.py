@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from workers.evals import request_cache as rc
-from workers.evals.scoring import BATCHED_FOR, BUDGET_SCHEDULE, scoring_lm
+from workers.evals.scoring import BATCHED_FOR, scoring_lm
 from workers.evals.tasks import (
     LM_EVAL_PREFIX,
     SUITES,
@@ -303,7 +303,7 @@ def _mean_stderr(values: Sequence[float]) -> float | None:
 
 
 def run_suite(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, batch_size: int = 8,
-              seed: int = 0, keep_items: bool = False, logits_budget: int | None = None,
+              seed: int = 0, keep_items: bool = False, batch_tokens: int | None = None,
               request_cache: bool = True) -> list[SuiteResult]:
     """Score ``model`` (any HF causal LM module, dense or sparse) on tasks; one row per (task, metric).
 
@@ -312,12 +312,11 @@ def run_suite(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, b
     ``None``: every item. ``batch_size`` sequences per forward. ``keep_items``: attach the per-item scores to each
     row. ``request_cache``: score packaged log-likelihood tasks from their cached requests, each on its own (see
     the module doc); the other tasks run in one lm-eval pass (requests of every task batched together).
-    ``logits_budget`` (bytes): at most ``batch_size`` sequences per forward, fewer where the longest request of a
-    stretch would need more than this for its logits (``budget_batch``: Gemma-3's 262k-entry vocabulary makes a
-    32-sequence forward of long requests ask for tens of GiB).
+    ``batch_tokens``: log-likelihood forwards of at most this many padded tokens each instead of ``batch_size``
+    sequences (``token_batches``: how an accelerator is filled; ``batch_size`` still sizes generation).
     """
     names = check_task_names(tasks)
-    _check_run_args(limit, batch_size, logits_budget)
+    _check_run_args(limit, batch_size, batch_tokens)
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -327,7 +326,7 @@ def run_suite(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, b
     by_name: dict[str, list[SuiteResult]] = {}
     with _in_process_bootstrap(), _lean_lm_eval():
         try:
-            hflm = _scorer(model, tokenizer, batch_size, logits_budget)
+            hflm = _scorer(model, tokenizer, batch_size, batch_tokens)
             cached: dict[str, tuple] = {}        # name -> (request set, log-likelihoods, greedy)
             if request_cache and hflm.scores_request_sets:
                 for n in names:
@@ -370,22 +369,20 @@ def run_suite(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, b
     return [r for n in names for r in by_name[n]]
 
 
-def _check_run_args(limit, batch_size, logits_budget) -> None:
+def _check_run_args(limit, batch_size, batch_tokens) -> None:
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise SuiteError(f"limit must be a positive int or None (all items), not {limit!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise SuiteError(f"batch_size must be a positive int, not {batch_size!r}")
-    if logits_budget is not None and (isinstance(logits_budget, bool) or not isinstance(logits_budget, int)
-                                      or logits_budget < 1):
-        raise SuiteError(f"logits_budget must be a positive int (bytes), not {logits_budget!r}")
+    if batch_tokens is not None and (isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int)
+                                     or batch_tokens < 1):
+        raise SuiteError(f"batch_tokens must be a positive int, not {batch_tokens!r}")
 
 
-def _scorer(model, tokenizer, batch_size: int, logits_budget: int | None):
+def _scorer(model, tokenizer, batch_size: int, batch_tokens: int | None):
     """The ``ScoringLM`` over ``model`` that ``run_suite`` scores with: ``batch_size`` sequences per forward, or
-    batches sized by the logits budget (at most ``batch_size``)."""
-    batching = (dict(batch_size=batch_size) if logits_budget is None else
-                dict(batch_size=f"auto:{BUDGET_SCHEDULE}", max_batch_size=batch_size))
-    return scoring_lm()(pretrained=model, tokenizer=tokenizer, budget_bytes=logits_budget, **batching)
+    log-likelihood batches of at most ``batch_tokens`` padded tokens."""
+    return scoring_lm()(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, batch_tokens=batch_tokens)
 
 
 # --------------------------------------------------------------------------------------------- shards
@@ -419,19 +416,19 @@ def _request_set(hflm, name: str, limit: int | None, seed: int):
 
 
 def score_shard(model, tokenizer, task: str, limit: int | None, shard: int, n_shards: int, batch_size: int = 8,
-                seed: int = 0, logits_budget: int | None = None) -> ShardScores:
+                seed: int = 0, batch_tokens: int | None = None) -> ShardScores:
     """Score shard ``shard`` of ``n_shards`` of a packaged log-likelihood task: the contiguous run of the task's
     scoring batches that ``ScoringLM.score_request_shard`` gives it, each batch exactly as ``run_suite`` runs it
-    (same ``batch_size`` / ``logits_budget``, same seed), so :func:`assemble_shards` of every shard's scores gives
+    (same ``batch_size`` / ``batch_tokens``, same seed), so :func:`assemble_shards` of every shard's scores gives
     ``run_suite``'s rows bit for bit."""
-    _check_run_args(limit, batch_size, logits_budget)
+    _check_run_args(limit, batch_size, batch_tokens)
     if isinstance(n_shards, bool) or not isinstance(n_shards, int) or n_shards < 1 or \
             isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < n_shards:
         raise SuiteError(f"shard {shard!r} of {n_shards!r}: shards are numbered 0 .. n_shards - 1")
     was_training = model.training
     model.eval()
     try:
-        hflm = _scorer(model, tokenizer, batch_size, logits_budget)
+        hflm = _scorer(model, tokenizer, batch_size, batch_tokens)
         rs = _request_set(hflm, task, limit, seed)
         _seed_all(seed)                         # as run_suite does before it scores
         req, ll, greedy = hflm.score_request_shard(rs, shard, n_shards)

