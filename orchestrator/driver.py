@@ -5,11 +5,13 @@
 2. Ask a collector actor for each model's and data's fingerprints; plan the units (``orchestrator.plan``)
    and register them under the sweep (idempotent: units finished by any earlier sweep stay finished). A task split
    into shards runs its shard units, then its own unit, which assembles their scores (shards of a task already
-   done are not planned). Units of ``only: front`` tasks wait: once every other eval unit of their model has
-   finished, the front of the recorded rows against weights skipped (``orchestrator.pareto.front_pick``) picks the
-   settings they run for (dense always); those are registered and run, the rest never are.
+   done are not planned). Units of ``only: front`` tasks run for dense at once; the others wait: once every other
+   eval unit of their model has finished, the front of the recorded rows against weights skipped
+   (``orchestrator.pareto.front_pick``) picks the settings they run for; those are registered and run, the rest
+   never are.
 3. Run what is not done, in dependency order, on actor pools (``workers.actors``), at most one unit in flight
-   per actor (backpressure through ``ray.wait``). Actors write each unit's rows the moment it finishes. A dead
+   per actor (backpressure through ``ray.wait``); among ready units of one kind, the lower ``priority`` first (the
+   plan starts fits from activation statistics first, then the longest, ``orchestrator.plan.fit_priority``). Actors write each unit's rows the moment it finishes. A dead
    actor is replaced and its unit retried (up to ``resources.max_attempts``); a unit that raises is recorded as
    failed with its traceback, and what depends on it is marked failed too (a resume retries them).
 4. Units for a device type the cluster does not have (no ``GPU`` / ``NPU`` resource) stay pending, and the log
@@ -36,7 +38,7 @@ from orchestrator.placement import DevicePlacement, alive_nodes, pool_sizes
 from orchestrator.pareto import FrontPick
 from orchestrator.plan import PlannedUnit, node_cores, plan_units, without_needless_shards
 from orchestrator.spec import SpecError, SweepSpec, check_inputs, load_spec, parse_spec
-from workers.names import RAY_RESOURCE
+from workers.names import DENSE, RAY_RESOURCE
 
 log = logging.getLogger("ctxsparse.driver")
 
@@ -291,10 +293,21 @@ def front_units(engine, held: list[PlannedUnit], gate: set[str]) -> tuple[list[P
     return [u for u in held if u.config["fit_unit"] in chosen], pick
 
 
+def enqueue(queue: deque, unit: PlannedUnit) -> None:
+    """Put a ready unit into its queue behind every unit of its priority or a lower one (first come, first served
+    within a priority; ``PlannedUnit.priority``)."""
+    i = len(queue)
+    while i and queue[i - 1].priority > unit.priority:
+        i -= 1
+    queue.insert(i, unit)
+
+
 class FrontWait:
     """A sweep's ``only: front`` units, held per model until every other eval unit of that model (the units that
     draw the front) has finished; then :func:`front_units` picks those that run, which are registered under the
-    sweep. The others are never registered: the sweep's progress counts what it runs."""
+    sweep. The others are never registered: the sweep's progress counts what it runs. Dense's units run whatever
+    the front is: they are released on the first call, so that they run beside the other evaluations instead of
+    after them."""
 
     def __init__(self, engine, spec: SweepSpec, described: dict[str, dict], sweep_id: int,
                  units: list[PlannedUnit]):
@@ -305,11 +318,14 @@ class FrontWait:
                 self.held[u.model].append(u)
         self.gates = {m: {u.id for u in units if u.model == m and u.kind == "eval" and not u.only}
                       for m in self.held}
+        self.early = [u for mine in self.held.values() for u in mine if u.method == DENSE]
+        self.released = {u.id for u in self.early}
 
     def release(self, finished: set[str]) -> tuple[list[PlannedUnit], dict[str, str]]:
-        """(the units the front picks, registered now, and their statuses in the store) for every model whose
-        front-defining units are all in ``finished`` (done, failed or never placeable); each model once."""
-        out: list[PlannedUnit] = []
+        """(the units released now, registered under the sweep, and their statuses in the store): dense's on the
+        first call; then those the front picks, for every model whose front-defining units are all in
+        ``finished`` (done, failed or never placeable), each model once."""
+        out, self.early = self.early, []
         for m in [m for m, gate in self.gates.items() if gate <= finished]:
             gate, mine = self.gates.pop(m), self.held.pop(m)
             chosen, pick = front_units(self.engine, mine, gate)
@@ -317,7 +333,7 @@ class FrontWait:
             log.info("%s: the front of %s vs %s: %d of %d settings (%s); 'only: front' units of dense and the "
                      "front: %d of %d", m, pick.metric or "(no front-defining rows)", pick.axis, len(pick.front),
                      len({u.config["fit_unit"] for u in mine}), on, len(chosen), len(mine))
-            out += chosen
+            out += [u for u in chosen if u.id not in self.released]
         if not out:
             return [], {}
         with session_scope(self.engine) as s:
@@ -398,7 +414,7 @@ def _execute(ray, engine, pools: _Pools, spec: SweepSpec, sweep_id: int, units: 
                 _fail(engine, u, f"not run: a unit it depends on failed ({[d for d in u.deps if d in failed]})")
                 failed.add(uid)
             elif all(d in done for d in u.deps):
-                ready[(u.kind, u.device_type)].append(waiting.pop(uid))
+                enqueue(ready[(u.kind, u.device_type)], waiting.pop(uid))
 
     def dispatch():
         # latency is timed alone when the spec says so: no other unit of this sweep runs beside a bencher

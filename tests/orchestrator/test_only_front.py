@@ -137,6 +137,9 @@ def test_front_units_are_registered_once_when_the_front_is_drawn(tmp_path):
     wait = FrontWait(engine, spec, DESCRIBED, sweep_id, units)
     gate = sorted(u.id for u in units if u.kind == "eval" and not u.only)
     assert len(gate) == 8
+    early, statuses = wait.release(set())                       # dense's run whatever the front: at once
+    assert [(u.method, u.config["suite"]) for u in early] == [("dense", "gsm8k_cot")]
+    assert statuses == {early[0].id: "pending"}
     finished = set()
     for u in (u for u in units if u.kind == "eval" and not u.only):
         ppl, skipped, acc = ROWS[(u.method, u.sparsity)]
@@ -147,13 +150,13 @@ def test_front_units_are_registered_once_when_the_front_is_drawn(tmp_path):
         if len(finished) < len(gate):
             assert wait.release(finished) == ([], {})            # the front waits for every front-defining unit
     chosen, statuses = wait.release(finished)
-    assert sorted((u.method, u.sparsity) for u in chosen) == [("dense", 0.0), ("threshold", 0.5), ("threshold", 0.7)]
+    assert sorted((u.method, u.sparsity) for u in chosen) == [("threshold", 0.5), ("threshold", 0.7)]  # dense ran
     assert statuses == {u.id: "pending" for u in chosen}
     assert wait.release(finished) == ([], {})                   # once
     with session_scope(engine) as s:
-        assert queries.sweep_progress(s, sweep_id) == (8, 0, 1 + 4 + 8 + 3)   # collect, fits, evals, 3 picked
+        assert queries.sweep_progress(s, sweep_id) == (8, 0, 1 + 4 + 8 + 3)   # collect, fits, evals, dense + 2
     again = FrontWait(engine, spec, DESCRIBED, sweep_id, units)   # a resumed sweep picks the same units
-    assert [u.id for u in again.release(finished)[0]] == [u.id for u in chosen]
+    assert [u.id for u in again.release(finished)[0]] == [u.id for u in early + chosen]
 
 
 def test_a_front_without_rows_still_runs_dense(tmp_path):
@@ -165,3 +168,6 @@ def test_a_front_without_rows_still_runs_dense(tmp_path):
         _finish(engine, u, None)
     chosen, _ = FrontWait(engine, spec, DESCRIBED, sweep_id, units).release({u.id for u in gate})
     assert [(u.method, u.config["suite"]) for u in chosen] == [("dense", "gsm8k_cot")]
+    wait = FrontWait(engine, spec, DESCRIBED, sweep_id, units)
+    assert [u.method for u in wait.release(set())[0]] == ["dense"]
+    assert wait.release({u.id for u in gate}) == ([], {})           # dense's already out; no front, nothing more

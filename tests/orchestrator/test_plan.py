@@ -264,3 +264,26 @@ def test_an_eval_units_matmul_precision_holds_inside_it_and_is_restored_after():
     with pytest.raises(ValueError, match="matmul precision 'bf16': fp32 or tf32"):
         with matmul_precision("bf16"):
             pass
+
+
+def test_fits_start_cheapest_first_then_longest():
+    """Known order: the statistics fits (dense, oracle, threshold, TEAL) first, then Deja Vu's training, then the
+    SVD predictor's and R-Sparse's decompositions; ready units of one priority keep their order."""
+    from collections import deque
+
+    from orchestrator.driver import enqueue
+    from orchestrator.plan import fit_priority
+
+    assert [fit_priority(m) for m in ("dense", "oracle", "threshold", "teal", "wina", "static")] == [0] * 6
+    assert fit_priority("dejavu") == 1 and fit_priority("svd") == fit_priority("rsparse") == \
+        fit_priority("larosa") == 2
+    spec = parse_spec({**SPEC, "methods": [{"name": "svd", "sparsity": [0.5], "rank": [8]},
+                                            {"name": "dejavu", "sparsity": [0.5], "rank": [8]},
+                                            {"name": "teal", "sparsity": [0.3, 0.5]}]})
+    fits = [u for u in plan_units(spec, DESCRIBED) if u.kind == "fit"]
+    assert [u.method for u in fits] == ["dense", "svd", "dejavu", "teal", "teal"]     # the plan's own order
+    q = deque()
+    for u in fits:                  # as they become ready, in plan order
+        enqueue(q, u)
+    assert [(u.method, u.sparsity) for u in q] == [("dense", 0.0), ("teal", 0.3), ("teal", 0.5),
+                                                    ("dejavu", 0.5), ("svd", 0.5)]

@@ -77,3 +77,11 @@ def test_the_spec_takes_its_allocations_from_the_pipeline():
     with pytest.raises(SpecError) as e:
         parse_spec(good)
     assert f"methods.0.allocation: Value error, {UNKNOWN}" in str(e.value)
+
+
+def test_a_methods_fit_cost_is_a_known_rank():
+    from workers.sparsity.predictors import FIT_COST, register
+
+    assert FIT_COST["dejavu"] == 2 and FIT_COST["svd"] == 1 and FIT_COST["oracle"] == 0
+    with pytest.raises(ValueError, match="fit_cost of 'slow' must be one of"):
+        register("slow", fit_cost=3)

@@ -246,18 +246,27 @@ REGISTRY: dict[str, FitFn] = {}
 
 OPTIONS: dict[str, frozenset] = {}
 CAPTURES: dict[str, tuple] = {}    # the optional activation-cache components a method fits from (capture.OPTIONAL)
+# how long a method's fit runs, as a rank: 0 statistics of the captured activations (seconds), 1 a decomposition or
+# a search per layer (minutes on a busy GPU), 2 training per layer (the longest); orchestrator.plan.fit_priority
+FIT_COST: dict[str, int] = {}
+FIT_COSTS = (0, 1, 2)
 _NOT_OPTIONS = ("ctx", "sparsity", "rank")        # fit arguments that are grid fields, not method options
 
 
-def register(name: str, options=None, captures: tuple = ()):
+def register(name: str, options=None, captures: tuple = (), fit_cost: int = 0):
     """Register a fit function under ``name``. Its option names are its keyword parameters (besides ctx, sparsity,
     rank), or ``options`` where it takes them as ``**kwargs`` (a spec is checked against them at submit);
-    ``captures``: the optional cache components it needs (collected only for sweeps that have the method)."""
+    ``captures``: the optional cache components it needs (collected only for sweeps that have the method);
+    ``fit_cost``: how long its fit runs, a rank in ``FIT_COSTS`` (see ``FIT_COST``)."""
+    if fit_cost not in FIT_COSTS:
+        raise ValueError(f"fit_cost of {name!r} must be one of {FIT_COSTS}, not {fit_cost!r}")
+
     def deco(fn: FitFn) -> FitFn:
         if name in REGISTRY:
             raise ValueError(f"method {name!r} registered twice")
         REGISTRY[name] = fn
         CAPTURES[name] = tuple(captures)
+        FIT_COST[name] = fit_cost
         params = inspect.signature(fn).parameters.values()
         OPTIONS[name] = frozenset(options if options is not None else
                                   (p.name for p in params if p.kind is not p.VAR_KEYWORD and p.name not in _NOT_OPTIONS))

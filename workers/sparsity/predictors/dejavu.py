@@ -437,7 +437,7 @@ def _fit_head_layer(ctx: FitContext, layer: int, s_attn: float, rank: int, opts:
     return pred, info
 
 
-@register("dejavu", options=DEFAULTS)
+@register("dejavu", options=DEFAULTS, fit_cost=2)
 def fit_dejavu(ctx: FitContext, sparsity: dict[int, float], rank: int | None = None, **options) -> SparsityPlan:
     """Fit Deja Vu MLP predictors for the layers of ``sparsity`` and, with ``attn_sparsity``, head predictors.
 

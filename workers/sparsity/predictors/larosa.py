@@ -77,7 +77,7 @@ def _kept_variance(ev: torch.Tensor, s: float) -> float:
     return round(float(ev[:keep_count(s, ev.shape[-1])].sum() / ev.sum()), 5)
 
 
-@register("larosa", captures=("cov",))
+@register("larosa", captures=("cov",), fit_cost=1)
 def fit_larosa(ctx: FitContext, sparsity: dict[int, float], rank=None, rotation: str = "layer",
                rotate_o: bool = True, score: str = "abs", projections=None, basis: str = "normed",
                **unknown) -> SparsityPlan:

@@ -184,7 +184,7 @@ def _hook(acc, combos, sig, vh, mod, prefix_len, dev):
 
 
 # ---------------------------------------------------------------- the fit
-@register("rsparse")
+@register("rsparse", fit_cost=1)
 def fit_rsparse(ctx: FitContext, sparsity: dict[int, float], rank=None, rho="search", allocate: str = "layer",
                 score: str = "auto", projections=None, **unknown) -> SparsityPlan:
     if unknown:

@@ -162,7 +162,7 @@ class LayerFit(NamedTuple):
     seq_filter: float | None      # plan.seq_filter[layer] in sequential mode
 
 
-@register("svd")
+@register("svd", fit_cost=1)
 def fit_svd(ctx: FitContext, sparsity: dict[int, float], rank: int | None = None, damage: str = "full",
             target: str | None = None, input_kind: str = "ffn_in", max_tokens: int | None = None,
             mode: str = "parallel", rank_up: int | None = None, q_steps: int = Q_STEPS, seq_tol: float = 1e-4,
