@@ -84,6 +84,17 @@ class UnitOutput:
     summary: dict = field(default_factory=dict)      # a few figures for the driver's progress log
 
 
+def release_cached_memory(device: str) -> None:
+    """Give the blocks this process's allocator keeps cached on an accelerator back to the device. Many actors share
+    one GPU, and each one's cache grows to its own peak: on an H200 with 16 actors the device was 142.5 of 143.7 GB
+    full. Released after every unit, a unit's peak is lent to the others, not kept."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        torch.cuda.empty_cache()
+    elif kind == "npu":
+        torch.npu.empty_cache()
+
+
 @contextmanager
 def matmul_precision(precision: str):
     """CUDA float32 matrix products at ``precision`` inside the block (an eval unit's ``matmul``: fp32 or tf32),
@@ -191,9 +202,12 @@ class Units:
             raise ValueError(f"a {kind} unit has no shards to assemble")
         if cfg.get("threads") is not None:      # before anything computes (see the module docstring)
             torch.set_num_threads(int(cfg["threads"]))
-        if shard_scores is not None:
-            return self.assemble(unit_id, cfg, shard_scores)
-        return fn(unit_id, cfg)
+        try:
+            if shard_scores is not None:
+                return self.assemble(unit_id, cfg, shard_scores)
+            return fn(unit_id, cfg)
+        finally:
+            release_cached_memory(self.device)
 
     def collect(self, unit_id: str, cfg: dict) -> UnitOutput:
         _, calib, held = self._caches(cfg)
