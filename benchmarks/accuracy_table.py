@@ -1,5 +1,5 @@
-"""The accuracy table of a published result set: one row per setting, perplexity, decoder bytes skipped and each
-multiple-choice task with its standard error, their mean and its change from dense.
+"""The accuracy tables of a published result set: for each model, one row per setting, perplexity, decoder bytes
+skipped and each multiple-choice task with its standard error, their mean and its change from dense.
 
     python -m benchmarks.accuracy_table benchmarks/results/h200-equal-bytes-smollm2.jsonl \\
         [--tasks piqa,arc_easy,arc_challenge,hellaswag,winogrande] [--metric acc_norm|acc]
@@ -41,9 +41,11 @@ def setting_name(cfg: dict) -> str:
     return f"{name} ({opts})" if opts else name
 
 
-def settings(rows: dict[str, list[dict]], tasks, metric: str) -> dict[str, dict]:
-    """{setting: {"bytes", "ppl", task: (value, stderr, n)}} over the set's evaluation rows."""
+def settings(rows: dict[str, list[dict]], tasks, metric: str) -> dict[str, dict[str, dict]]:
+    """{model: {setting: {"bytes", "ppl", task: (value, stderr, n, metric)}}} over the set's evaluation rows (a set
+    without a models table: one model, "?")."""
     units = {u["id"]: u for u in rows["work_units"]}
+    names = {m["id"]: m["name"] for m in rows.get("models", [])}
     best: dict = {}
     for r in rows["accuracy_results"]:
         u = units.get(r["unit_id"])
@@ -51,19 +53,19 @@ def settings(rows: dict[str, list[dict]], tasks, metric: str) -> dict[str, dict]
             continue
         fit = units.get(u["config"].get("fit_unit"))
         name = setting_name(fit["config"]) if fit is not None else "dense"
-        key = (name, r["task"], r["metric"])
+        key = (names.get(u.get("model_id"), "?"), name, r["task"], r["metric"])
         if key not in best or r["n"] > best[key]["n"]:       # a sharded task: its assembled row
             best[key] = r
-    out: dict[str, dict] = defaultdict(dict)
-    for (name, task, m), r in best.items():
+    out: dict[str, dict] = defaultdict(lambda: defaultdict(dict))
+    for (model, name, task, m), r in best.items():
         if m == "weight_skipped":
-            out[name]["bytes"] = r["value"]
+            out[model][name]["bytes"] = r["value"]
         elif m == "ppl":
-            out[name]["ppl"] = r["value"]
+            out[model][name]["ppl"] = r["value"]
         elif task in tasks and m in (metric, "acc"):
-            cur = out[name].get(task)
+            cur = out[model][name].get(task)
             if cur is None or m == metric:                 # acc_norm where the task has it
-                out[name][task] = (r["value"], r["stderr"], r["n"], m)
+                out[model][name][task] = (r["value"], r["stderr"], r["n"], m)
     return out
 
 
@@ -91,7 +93,8 @@ def table(per: dict[str, dict], tasks) -> str:
         cells.append("–" if d_mean is None or name == "dense" else
                      f"{100 * (m - d_mean[0]):+.2f} ({100 * math.hypot(se, d_mean[1]):.2f})")
         lines.append("| " + " | ".join(cells) + " |")
-    metrics = {t: next(iter(per.values()))[t][3] for t in tasks if t in next(iter(per.values()))}
+    metrics = {t: next(row[t][3] for row in per.values() if t in row) for t in tasks
+               if any(t in row for row in per.values())}
     lines.append("")
     lines.append("metrics: " + ", ".join(f"{t} {m}" for t, m in metrics.items()))
     return "\n".join(lines)
@@ -112,7 +115,8 @@ def main(argv=None) -> int:
     if not rows.get("accuracy_results"):
         print(f"accuracy_table: {a.resultset} has no accuracy rows", file=sys.stderr)
         return 2
-    print(table(settings(rows, tasks, a.metric), tasks))
+    for model, per in sorted(settings(rows, tasks, a.metric).items()):
+        print(f"{model}\n\n{table(per, tasks)}\n")
     return 0
 
 

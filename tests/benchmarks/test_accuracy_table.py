@@ -1,4 +1,5 @@
-"""benchmarks.accuracy_table on a hand-built result set: known means, standard errors and the assembled shard row."""
+"""benchmarks.accuracy_table on hand-built result sets: known means, standard errors, the assembled shard row, and
+one table per model of a two-model set."""
 from __future__ import annotations
 
 import gzip
@@ -33,6 +34,8 @@ def test_table_of_a_hand_built_set(tmp_path, capsys):
     path = tmp_path / "set.jsonl.gz"
     _set(path)
     per = accuracy_table.settings(accuracy_table.read_rows(str(path)), ("piqa", "hellaswag"), "acc_norm")
+    assert set(per) == {"?"}                                              # no models table: one model
+    per = per["?"]
     assert set(per) == {"dense", "teal s=0.4"}
     assert per["teal s=0.4"]["hellaswag"][:3] == (0.3, 0.03, 100)        # the assembled row, acc_norm
     assert per["teal s=0.4"]["bytes"] == 0.41 and per["dense"]["ppl"] == 50.0
@@ -51,3 +54,23 @@ def test_bad_input_is_an_error(tmp_path, capsys):
     empty.write_text(json.dumps({"format": "ctxsparse-resultset-1"}) + "\n")
     assert accuracy_table.main([str(empty)]) == 2
     assert "no accuracy rows" in capsys.readouterr().err
+
+
+def test_a_two_model_set_gives_a_table_per_model(tmp_path, capsys):
+    """Both models' dense rows share a setting name: each model's table has its own, never the other's."""
+    units = [{"id": f"f{m}", "kind": "fit", "model_id": m, "config": {"method": "dense", "sparsity": 0.0}}
+             for m in (1, 2)]
+    units += [{"id": f"e{m}", "kind": "eval", "model_id": m, "config": {"fit_unit": f"f{m}"}} for m in (1, 2)]
+    acc = [{"unit_id": f"e{m}", "task": "piqa", "metric": "acc", "value": v, "stderr": 0.01, "n": 10}
+           for m, v in ((1, 0.6), (2, 0.7))]
+    path = tmp_path / "two.jsonl"
+    with open(path, "w") as f:
+        for t, rows in (("models", [{"id": 1, "name": "small"}, {"id": 2, "name": "large"}]),
+                        ("work_units", units), ("accuracy_results", acc)):
+            for r in rows:
+                f.write(json.dumps({"table": t, "row": r}) + "\n")
+    per = accuracy_table.settings(accuracy_table.read_rows(str(path)), ("piqa",), "acc")
+    assert {m: per[m]["dense"]["piqa"][0] for m in per} == {"small": 0.6, "large": 0.7}
+    assert accuracy_table.main([str(path), "--tasks", "piqa", "--metric", "acc"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("large") < out.index("70.0 (1.0)") < out.index("small") < out.index("60.0 (1.0)")
