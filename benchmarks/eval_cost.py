@@ -5,10 +5,14 @@ task, dense and every (setting, mode) are evaluated back to back, so drift and l
 computes the FFN / head parts as dense products with the unselected entries zeroed, ``kernel`` with the
 token-sparse products (``workers.sparsity.sparse_exec``); the selection is the same, so their accuracy values
 may differ only by summation order. Bundles and activation caches stay under ``$CTXSPARSE_HOME`` (a re-run fits
-nothing again).
+nothing again). ``--batchings`` times each task under several scoring batchings, side by side (their order
+reversed from one task to the next): ``N`` sequences per forward, ``tN`` forwards of at most N padded tokens (the
+GPU sweep's is ``t32768``); each is compared with dense under the same batching and with the first batching.
 
     python -m benchmarks.eval_cost --device cuda --settings oracle:0.5,threshold:0.5,svd:0.5:256 \\
         --tasks perplexity,piqa:1000,arc_easy,lambada_openai:2000,gsm8k_cot:20 --json eval_cost.json
+    python -m benchmarks.eval_cost --device cuda --settings oracle:0.5,teal:0.5 --modes masked --matmul tf32 \\
+        --tasks hellaswag:2000,mmlu:20,piqa --batchings 32,t8192,t32768,t65536 --json eval_batching.json
 """
 from __future__ import annotations
 
@@ -60,44 +64,64 @@ def _main_value(out) -> tuple[str, float, float | None]:
     return row["metric"], row["value"], row.get("stderr")
 
 
+def _batching(spec: str) -> dict:
+    """``N``: N sequences per forward; ``tN``: forwards of at most N padded tokens (``scoring.token_batches``)."""
+    try:
+        n = int(spec[1:] if spec.startswith("t") else spec)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"batching {spec!r}: N (sequences per forward) or tN (padded tokens per forward), N >= 1")
+    return {"batch_tokens": n} if spec.startswith("t") else {"batch_size": n}
+
+
 def _report(a, lm, fits: dict, tasks: list, modes: list, rows: list, final: bool) -> None:
-    """Sums, ratios to dense and mode agreement over the tasks measured so far; written after every task (a cut
-    run keeps what it measured), printed at the end."""
+    """Sums, ratios to dense (under the same batching) and to the first batching, and mode agreement over the
+    tasks measured so far; written after every task (a cut run keeps what it measured), printed at the end."""
     done = [t for t in tasks if any(r["task"] == t[0] for r in rows)]
     summary = []
-    dense_s = {r["task"]: r["seconds"] for r in rows if r["setting"] == DENSE}
+    dense_s = {(r["task"], r["batching"]): r["seconds"] for r in rows if r["setting"] == DENSE}
+    first = {(r["setting"], r["mode"], r["task"]): r["seconds"] for r in rows if r["batching"] == a.batchings[0]}
     for label in fits:
         for mode in (["masked"] if label == DENSE else modes):
-            mine = [r for r in rows if r["setting"] == label and r["mode"] == mode and r["task"] in dense_s]
-            if not mine:
-                continue
-            total = sum(r["seconds"] for r in mine)
-            summary.append({"setting": label, "mode": mode, "seconds": total,
-                            "x_dense": total / sum(dense_s[r["task"]] for r in mine),
-                            "x_dense_by_task": {r["task"]: r["seconds"] / dense_s[r["task"]] for r in mine}})
+            for b in a.batchings:
+                mine = [r for r in rows if r["setting"] == label and r["mode"] == mode and r["batching"] == b
+                        and (r["task"], b) in dense_s]
+                if not mine:
+                    continue
+                total = sum(r["seconds"] for r in mine)
+                base = [first.get((label, mode, r["task"])) for r in mine]
+                summary.append({"setting": label, "mode": mode, "batching": b, "seconds": total,
+                                "x_dense": total / sum(dense_s[(r["task"], b)] for r in mine),
+                                "x_dense_by_task": {r["task"]: r["seconds"] / dense_s[(r["task"], b)] for r in mine},
+                                "x_first_batching": sum(base) / total if None not in base else None})
     agree = []
     if set(modes) == set(MODES):
-        by = {(r["setting"], r["mode"], r["task"]): r for r in rows}
+        by = {(r["setting"], r["mode"], r["task"], r["batching"]): r for r in rows}
         for label in fits:
             for name, _ in done:
-                if label != DENSE and all((label, md, name) in by for md in MODES):
-                    m, k = by[(label, "masked", name)], by[(label, "kernel", name)]
-                    agree.append({"setting": label, "task": name, "masked": m["value"], "kernel": k["value"],
-                                  "diff": k["value"] - m["value"]})
+                for b in a.batchings:
+                    if label != DENSE and all((label, md, name, b) in by for md in MODES):
+                        m, k = by[(label, "masked", name, b)], by[(label, "kernel", name, b)]
+                        agree.append({"setting": label, "task": name, "batching": b, "masked": m["value"],
+                                      "kernel": k["value"], "diff": k["value"] - m["value"]})
     if final:
-        print("\nsetting                mode     seconds  x dense")
+        print("\nsetting                mode     batching  seconds  x dense  first batching / this")
         for s in summary:
-            print(f"{s['setting']:<22} {s['mode']:<7} {s['seconds']:8.1f}  {s['x_dense']:.2f}")
+            xb = "" if s["x_first_batching"] is None else f"{s['x_first_batching']:.2f}"
+            print(f"{s['setting']:<22} {s['mode']:<7} {s['batching']:<9} {s['seconds']:8.1f}  {s['x_dense']:.2f}"
+                  f"     {xb}")
         if agree:
             print("largest |kernel - masked| per task:",
                   {t: max(abs(g["diff"]) for g in agree if g["task"] == t) for t, _ in done})
     if a.json:
         path = write_results(a.json, [], command=command_line("benchmarks.eval_cost"), device=a.device,
                              meta={"model": a.model, "fingerprint": lm.fingerprint, "threads": a.threads,
-                                   "complete": final},
+                                   "matmul": a.matmul, "complete": final},
                              sections={"evals": rows, "summary": summary, "agreement": agree,
-                                       "median_x_dense": {f"{s['setting']} {s['mode']}": statistics.median(
-                                           s["x_dense_by_task"].values()) for s in summary}})
+                                       "median_x_dense": {f"{s['setting']} {s['mode']} {s['batching']}":
+                                                          statistics.median(s["x_dense_by_task"].values())
+                                                          for s in summary}})
         if final:
             print(f"wrote {path}")
 
@@ -113,7 +137,11 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="masked,kernel")
     p.add_argument("--calib-tokens", type=int, default=8192)
     p.add_argument("--heldout-tokens", type=int, default=8192)
-    p.add_argument("--batch-size", type=int, default=32, help="sequences per lm-eval forward (the GPU sweep's)")
+    p.add_argument("--batch-size", type=int, default=32, help="sequences per generation batch (and per forward "
+                   "where --batchings does not say)")
+    p.add_argument("--batchings", default="32", help="comma list of N (sequences per forward) and tN (padded tokens "
+                   "per forward), timed side by side")
+    p.add_argument("--matmul", default="fp32", choices=("fp32", "tf32"), help="the eval forwards' float32 products")
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--json", default=None, help="result file (a bare name goes under benchmarks/results/)")
     a = p.parse_args(argv)
@@ -121,6 +149,10 @@ def main(argv=None) -> int:
         settings = [_setting(s) for s in a.settings.split(",") if s]
         tasks = [task_limit(t) for t in a.tasks.split(",") if t]   # 'perplexity': the held-out run
         modes = [m for m in a.modes.split(",") if m]
+        a.batchings = [b for b in a.batchings.split(",") if b]
+        batchings = {b: {"batch_size": a.batch_size, **_batching(b)} for b in a.batchings}
+        if not a.batchings or len(batchings) != len(a.batchings):
+            raise ValueError(f"--batchings {','.join(a.batchings)!r}: give each batching once")
         if not set(modes) <= set(MODES):
             raise ValueError(f"modes must be among {MODES}, got {modes}")
         check_task_names([n for n, _ in tasks if n != "perplexity"])
@@ -153,23 +185,26 @@ def main(argv=None) -> int:
             t0 = time.time()
             how = prepare_requests(lm.model, lm.tokenizer, [name], limit)[name]
             print(f"requests of {name}: {how} ({time.time() - t0:.1f} s)", flush=True)
-    for name, limit in tasks:
-        for label, fit_id in fits.items():
-            for mode in (["masked"] if label == DENSE else modes):
-                cfg = {**base, "fit_unit": fit_id, "exec_mode": mode}
-                cfg.update({"suite": "perplexity", "perplexity": ppl_cfg} if name == "perplexity" else
-                           {"suite": name, "limit": limit, "batch_size": a.batch_size})
-                if a.device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                out = units.run("eval", _id(cfg), cfg)
-                if a.device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-                metric, value, stderr = _main_value(out)
-                rows.append({"task": name, "limit": limit, "setting": label, "mode": mode, "seconds": dt,
-                             "metric": metric, "value": value, "stderr": stderr})
-                print(f"{name:<11} {label:<22} {mode:<7} {dt:7.2f} s  {metric} {value:.4f}", flush=True)
+    for i, (name, limit) in enumerate(tasks):
+        order = a.batchings if i % 2 == 0 else a.batchings[::-1]     # side by side: the order alternates
+        for b in (order if name != "perplexity" else a.batchings[:1]):   # perplexity runs its own windows
+            for label, fit_id in fits.items():
+                for mode in (["masked"] if label == DENSE else modes):
+                    cfg = {**base, "fit_unit": fit_id, "exec_mode": mode,
+                           **({"matmul": a.matmul} if a.matmul != "fp32" else {})}
+                    cfg.update({"suite": "perplexity", "perplexity": ppl_cfg} if name == "perplexity" else
+                               {"suite": name, "limit": limit, **batchings[b]})
+                    if a.device.startswith("cuda"):
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    out = units.run("eval", _id(cfg), cfg)
+                    if a.device.startswith("cuda"):
+                        torch.cuda.synchronize()
+                    dt = time.perf_counter() - t0
+                    metric, value, stderr = _main_value(out)
+                    rows.append({"task": name, "limit": limit, "setting": label, "mode": mode, "batching": b,
+                                 "seconds": dt, "metric": metric, "value": value, "stderr": stderr})
+                    print(f"{name:<11} {label:<22} {mode:<7} {b:<7} {dt:7.2f} s  {metric} {value:.4f}", flush=True)
         _report(a, lm, fits, tasks, modes, rows, final=False)
 
     _report(a, lm, fits, tasks, modes, rows, final=True)
