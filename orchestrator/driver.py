@@ -11,9 +11,10 @@
    never are.
 3. Run what is not done, in dependency order, on actor pools (``workers.actors``), at most one unit in flight
    per actor (backpressure through ``ray.wait``); among ready units of one kind, the lower ``priority`` first (the
-   plan starts fits from activation statistics first, then the longest, ``orchestrator.plan.fit_priority``). Actors write each unit's rows the moment it finishes. A dead
-   actor is replaced and its unit retried (up to ``resources.max_attempts``); a unit that raises is recorded as
-   failed with its traceback, and what depends on it is marked failed too (a resume retries them).
+   plan starts fits from activation statistics first, then the longest, ``orchestrator.plan.fit_priority``).
+   Actors write each unit's rows the moment it finishes. A dead actor is replaced and its unit retried (up to
+   ``resources.max_attempts``); a unit that raises is recorded as failed with its traceback, and what depends on
+   it is marked failed too (a resume retries them).
 4. Units for a device type the cluster does not have (no ``GPU`` / ``NPU`` resource) stay pending, and the log
    says so: no latency is ever invented.
 5. Print the Pareto front per model and device type.

@@ -67,6 +67,7 @@ def token_batches(lengths: Sequence[int], batch_tokens: int) -> list[int]:
 
 
 def _cut(items: Sequence, sizes: Sequence[int]) -> list[list]:
+    """``items`` in consecutive lists of ``sizes``."""
     out, at = [], 0
     for k in sizes:
         out.append(list(items[at:at + k]))
@@ -162,7 +163,8 @@ def _split_head(model):
             got = _capped(head(decoder(input_ids=ids, use_cache=False).last_hidden_state[0]), cap)
         except (AttributeError, TypeError):
             return None
-    if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-3, atol=1e-3 * max(1.0, float(want.abs().max()))):
+    scale = max(1.0, float(want.abs().max()))
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-3, atol=1e-3 * scale):
         return None
     return decoder, head, cap
 
