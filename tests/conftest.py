@@ -107,11 +107,18 @@ def pytest_collection_finish(session):
                 _background(kind, ray)
             except RuntimeError:
                 pass            # (PostgreSQL unavailable) its fixture says so, failing its tests
+    if any(_uses(item, "probe") for item in session.items):
+        from tests import probe_support
+
+        probe_support.start()   # after the session cluster wrote its address file (_init_ray): jobs go there
 
 
 def pytest_sessionfinish(session, exitstatus):
     for bg in _BG.values():
         bg.stop()                                      # a run cut short: no driver outlives the session
+    from tests import probe_support
+
+    probe_support.stop()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -3,25 +3,22 @@
 The sizes are checked on hand-built node resources with known answers. The spread is checked on a real Ray
 cluster that declares two fake GPUs and two fake NPUs (``ray.init(num_gpus=2, resources={"NPU": 2})``): no CUDA
 tensor is made, each actor reports the device ids Ray assigned it and its visible-devices variable. That cluster
-runs in a child process (``python -m tests.orchestrator.test_placement``): this process may hold the session's
-CPU-only cluster already, and a process joins one cluster only.
+runs in a child process (``python -m tests.orchestrator.test_placement``, started when collection ends:
+``tests/probe_support.py``): this process may hold the session's CPU-only cluster already, and a process joins
+one cluster only.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 
 from orchestrator.placement import auto_size, pool_sizes, room
 from orchestrator.spec import SpecError, parse_spec
 
-REPO = Path(__file__).resolve().parents[2]
 GiB = 2**30
 GOOD = {"name": "ok", "models": ["smollm2-135m"], "methods": [{"name": "oracle", "sparsity": [0.5]}]}
 H200_HOST = {"CPU": 16, "GPU": 1, "memory": 90 * GiB}           # one H200, 16 cores
@@ -189,12 +186,10 @@ def _probe() -> dict:
 
 @pytest.fixture(scope="module")
 def probe() -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    env.pop("RAY_ADDRESS", None)
-    p = subprocess.run([sys.executable, "-m", "tests.orchestrator.test_placement"], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    """The probe's answer; its process started when collection ended (tests/probe_support.py)."""
+    from tests import probe_support
+
+    return probe_support.result()
 
 
 @pytest.mark.timeout(300)
