@@ -12,7 +12,10 @@ GPU sweep's is ``t32768``); each is compared with dense under the same batching 
     python -m benchmarks.eval_cost --device cuda --settings oracle:0.5,threshold:0.5,svd:0.5:256 \\
         --tasks perplexity,piqa:1000,arc_easy,lambada_openai:2000,gsm8k_cot:20 --json eval_cost.json
     python -m benchmarks.eval_cost --device cuda --settings oracle:0.5,teal:0.5 --modes masked --matmul tf32 \\
-        --tasks hellaswag:2000,mmlu:20,piqa --batchings 32,t8192,t32768,t65536 --json eval_batching.json
+        --tasks hellaswag:2000,mmlu:20,piqa --batchings 32,t8192,t32768,t65536 --profile --json eval_batching.json
+
+``--profile`` runs each (setting, mode, batching) of the first task once more under ``torch.profiler``, untimed,
+and keeps its ops by device time: where a scoring forward's time goes.
 """
 from __future__ import annotations
 
@@ -75,7 +78,26 @@ def _batching(spec: str) -> dict:
     return {"batch_tokens": n} if spec.startswith("t") else {"batch_size": n}
 
 
-def _report(a, lm, fits: dict, tasks: list, modes: list, rows: list, final: bool) -> None:
+def _profiled(units, cfg: dict, device: str, top: int = 25) -> list[dict]:
+    """One more run of an eval unit under torch.profiler: its ``top`` ops by time on the device (CPU time on a
+    CPU), with their calls and share of the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        units.run("eval", _id(cfg), cfg)
+        if cuda:
+            torch.cuda.synchronize()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    ev = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
+    total = sum(getattr(e, attr) for e in ev) or 1
+    ev.sort(key=lambda e: -getattr(e, attr))
+    return [{"op": e.key, "calls": e.count, "ms": getattr(e, attr) / 1e3, "share": getattr(e, attr) / total}
+            for e in ev[:top]]
+
+
+def _report(a, lm, fits: dict, tasks: list, modes: list, rows: list, final: bool, profiles=()) -> None:
     """Sums, ratios to dense (under the same batching) and to the first batching, and mode agreement over the
     tasks measured so far; written after every task (a cut run keeps what it measured), printed at the end."""
     done = [t for t in tasks if any(r["task"] == t[0] for r in rows)]
@@ -114,11 +136,16 @@ def _report(a, lm, fits: dict, tasks: list, modes: list, rows: list, final: bool
         if agree:
             print("largest |kernel - masked| per task:",
                   {t: max(abs(g["diff"]) for g in agree if g["task"] == t) for t, _ in done})
+        for pr in profiles:
+            print(f"\nprofile: {pr['task']} {pr['setting']} {pr['mode']} {pr['batching']}")
+            for op in pr["ops"][:12]:
+                print(f"  {100 * op['share']:5.1f} %  {op['ms']:9.1f} ms  {op['calls']:7d}  {op['op'][:70]}")
     if a.json:
         path = write_results(a.json, [], command=command_line("benchmarks.eval_cost"), device=a.device,
                              meta={"model": a.model, "fingerprint": lm.fingerprint, "threads": a.threads,
                                    "matmul": a.matmul, "complete": final},
                              sections={"evals": rows, "summary": summary, "agreement": agree,
+                                       "profile": list(profiles),
                                        "median_x_dense": {f"{s['setting']} {s['mode']} {s['batching']}":
                                                           statistics.median(s["x_dense_by_task"].values())
                                                           for s in summary}})
@@ -144,6 +171,8 @@ def main(argv=None) -> int:
     p.add_argument("--matmul", default="fp32", choices=("fp32", "tf32"), help="the eval forwards' float32 products")
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--json", default=None, help="result file (a bare name goes under benchmarks/results/)")
+    p.add_argument("--profile", action="store_true", help="also run each (setting, mode, batching) of the first "
+                   "task once more under torch.profiler, untimed: its ops by device time (the result's 'profile')")
     a = p.parse_args(argv)
     try:
         settings = [_setting(s) for s in a.settings.split(",") if s]
@@ -163,7 +192,7 @@ def main(argv=None) -> int:
     lm = units.lm(a.model)
     data = {"source": "lambada", "calib_tokens": a.calib_tokens, "metric_tokens": 1024, "seq_len": 512}
     base = {"model": a.model, "model_fp": lm.fingerprint, "data": data, "threads": a.threads, "seed": 0}
-    fits, rows = {}, []
+    fits, rows, profiles = {}, [], []
     for st in [{"method": DENSE, "sparsity": 0.0, "rank": None, "options": {}}, *settings]:
         cfg = {**base, **st, "attn_sparsity": None}
         t0 = time.time()
@@ -204,10 +233,13 @@ def main(argv=None) -> int:
                     metric, value, stderr = _main_value(out)
                     rows.append({"task": name, "limit": limit, "setting": label, "mode": mode, "batching": b,
                                  "seconds": dt, "metric": metric, "value": value, "stderr": stderr})
+                    if a.profile and i == 0:
+                        profiles.append({"task": name, "setting": label, "mode": mode, "batching": b,
+                                         "ops": _profiled(units, cfg, a.device)})
                     print(f"{name:<11} {label:<22} {mode:<7} {b:<7} {dt:7.2f} s  {metric} {value:.4f}", flush=True)
-        _report(a, lm, fits, tasks, modes, rows, final=False)
+        _report(a, lm, fits, tasks, modes, rows, final=False, profiles=profiles)
 
-    _report(a, lm, fits, tasks, modes, rows, final=True)
+    _report(a, lm, fits, tasks, modes, rows, final=True, profiles=profiles)
     return 0
 
 
