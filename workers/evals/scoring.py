@@ -349,8 +349,7 @@ def scoring_lm():
             if not self.scores_request_sets:
                 raise RuntimeError("this lm-eval version or configuration scores requests its own way")
             n_rows = len(rs.row_off) - 1
-            lengths = [window_length(rs, p, self.max_length) for p in range(n_rows)] if self.batch_tokens else \
-                [0] * n_rows
+            lengths = [window_length(rs, p, self.max_length) for p in range(n_rows)]
             return _cut(range(n_rows), self._batch_sizes(lengths))
 
         def _score_rows(self, rs, chunk, ll: np.ndarray, greedy: np.ndarray) -> list[int]:

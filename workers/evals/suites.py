@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from workers.evals import request_cache as rc
-from workers.evals.scoring import BATCHED_FOR, scoring_lm
+from workers.evals.scoring import BATCHED_FOR, scoring_lm, token_batches
 from workers.evals.tasks import (
     LM_EVAL_PREFIX,
     SUITES,
@@ -374,9 +374,11 @@ def _check_run_args(limit, batch_size, batch_tokens) -> None:
         raise SuiteError(f"limit must be a positive int or None (all items), not {limit!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise SuiteError(f"batch_size must be a positive int, not {batch_size!r}")
-    if batch_tokens is not None and (isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int)
-                                     or batch_tokens < 1):
-        raise SuiteError(f"batch_tokens must be a positive int, not {batch_tokens!r}")
+    if batch_tokens is not None:
+        try:
+            token_batches([], batch_tokens)        # the scorer's own check of it
+        except ValueError as e:
+            raise SuiteError(str(e)) from None
 
 
 def _scorer(model, tokenizer, batch_size: int, batch_tokens: int | None):
