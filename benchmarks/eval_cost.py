@@ -7,12 +7,14 @@ token-sparse products (``workers.sparsity.sparse_exec``); the selection is the s
 may differ only by summation order. Bundles and activation caches stay under ``$CTXSPARSE_HOME`` (a re-run fits
 nothing again). ``--batchings`` times each task under several scoring batchings, side by side (their order
 reversed from one task to the next): ``N`` sequences per forward, ``tN`` forwards of at most N padded tokens (the
-GPU sweep's is ``t32768``); each is compared with dense under the same batching and with the first batching.
+GPU sweep's is ``t32768``), either with ``@bf16`` (or ``@tf32``, ``@fp32``: the forward precision, ``--matmul``
+where it is left out); each is compared with dense under the same batching and with the first batching.
 
     python -m benchmarks.eval_cost --device cuda --settings oracle:0.5,threshold:0.5,svd:0.5:256 \\
         --tasks perplexity,piqa:1000,arc_easy,lambada_openai:2000,gsm8k_cot:20 --json eval_cost.json
     python -m benchmarks.eval_cost --device cuda --settings oracle:0.5,teal:0.5 --modes masked --matmul tf32 \\
-        --tasks hellaswag:2000,mmlu:20,piqa --batchings 32,t8192,t32768,t65536 --profile --json eval_batching.json
+        --tasks hellaswag:2000,mmlu:20,piqa --batchings 32,t8192,t32768,t65536,t32768@bf16 --profile \\
+        --json eval_batching.json
 
 ``--profile`` runs each (setting, mode, batching) of the first task once more under ``torch.profiler``, untimed,
 and keeps its ops by device time: where a scoring forward's time goes.
@@ -31,11 +33,12 @@ import torch
 from benchmarks.harness import command_line, task_limit, write_results
 from workers.evals.suites import prepare_requests
 from workers.evals.tasks import SuiteError, check_task_names
-from workers.names import DENSE
+from workers.names import DENSE, MATMUL_BF16, MATMUL_FP32, MATMUL_TF32
 from workers.sparsity.sparse_exec import EXEC_MODES as MODES
 from workers.units import Units
 
 OPTIONS = {"svd": {"target": "product"}}      # the settings the GPU sweep publishes
+MATMULS = (MATMUL_FP32, MATMUL_TF32, MATMUL_BF16)
 
 
 def _setting(spec: str) -> dict:
@@ -67,15 +70,21 @@ def _main_value(out) -> tuple[str, float, float | None]:
     return row["metric"], row["value"], row.get("stderr")
 
 
-def _batching(spec: str) -> dict:
-    """``N``: N sequences per forward; ``tN``: forwards of at most N padded tokens (``scoring.token_batches``)."""
+def _batching(spec: str, matmul: str) -> dict:
+    """``N``: N sequences per forward; ``tN``: forwards of at most N padded tokens (``scoring.token_batches``);
+    either one ``@fp32|@tf32|@bf16``: the forward precision (``suites.matmul``) instead of ``matmul``."""
+    size, _, precision = spec.partition("@")
+    precision = precision or matmul
+    if precision not in MATMULS:
+        raise ValueError(f"batching {spec!r}: precision {precision!r} is not one of {MATMULS}")
     try:
-        n = int(spec[1:] if spec.startswith("t") else spec)
+        n = int(size[1:] if size.startswith("t") else size)
     except ValueError:
         n = 0
     if n < 1:
         raise ValueError(f"batching {spec!r}: N (sequences per forward) or tN (padded tokens per forward), N >= 1")
-    return {"batch_tokens": n} if spec.startswith("t") else {"batch_size": n}
+    return {("batch_tokens" if size.startswith("t") else "batch_size"): n,
+            **({"matmul": precision} if precision != MATMUL_FP32 else {})}
 
 
 def _profiled(units, cfg: dict, device: str, top: int = 25) -> list[dict]:
@@ -167,8 +176,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=32, help="sequences per generation batch (and per forward "
                    "where --batchings does not say)")
     p.add_argument("--batchings", default="32", help="comma list of N (sequences per forward) and tN (padded tokens "
-                   "per forward), timed side by side")
-    p.add_argument("--matmul", default="fp32", choices=("fp32", "tf32"), help="the eval forwards' float32 products")
+                   "per forward), each with an optional @fp32|@tf32|@bf16 (its forward precision), timed side by side")
+    p.add_argument("--matmul", default=MATMUL_FP32, choices=MATMULS, help="the eval forwards' precision where a "
+                   "batching does not give its own (suites.matmul)")
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--json", default=None, help="result file (a bare name goes under benchmarks/results/)")
     p.add_argument("--profile", action="store_true", help="also run each (setting, mode, batching) of the first "
@@ -179,7 +189,7 @@ def main(argv=None) -> int:
         tasks = [task_limit(t) for t in a.tasks.split(",") if t]   # 'perplexity': the held-out run
         modes = [m for m in a.modes.split(",") if m]
         a.batchings = [b for b in a.batchings.split(",") if b]
-        batchings = {b: {"batch_size": a.batch_size, **_batching(b)} for b in a.batchings}
+        batchings = {b: {"batch_size": a.batch_size, **_batching(b, a.matmul)} for b in a.batchings}
         if not a.batchings or len(batchings) != len(a.batchings):
             raise ValueError(f"--batchings {','.join(a.batchings)!r}: give each batching once")
         if not set(modes) <= set(MODES):
@@ -219,10 +229,10 @@ def main(argv=None) -> int:
         for b in (order if name != "perplexity" else a.batchings[:1]):   # perplexity runs its own windows
             for label, fit_id in fits.items():
                 for mode in (["masked"] if label == DENSE else modes):
-                    cfg = {**base, "fit_unit": fit_id, "exec_mode": mode,
-                           **({"matmul": a.matmul} if a.matmul != "fp32" else {})}
-                    cfg.update({"suite": "perplexity", "perplexity": ppl_cfg} if name == "perplexity" else
-                               {"suite": name, "limit": limit, **batchings[b]})
+                    precision = {k: v for k, v in batchings[b].items() if k == "matmul"}
+                    cfg = {**base, "fit_unit": fit_id, "exec_mode": mode, **precision}
+                    cfg.update({"suite": "perplexity", "perplexity": ppl_cfg, **precision} if name == "perplexity"
+                               else {"suite": name, "limit": limit, **batchings[b]})
                     if a.device.startswith("cuda"):
                         torch.cuda.synchronize()
                     t0 = time.perf_counter()

@@ -209,19 +209,32 @@ class _Pools:
         if self.placements.get(device) is not None:
             self.placements[device].release(dead)
 
-    def describe(self, ref: str, spec: SweepSpec) -> dict:
+    def describe(self, refs: list[str], spec: SweepSpec) -> dict[str, dict]:
+        """Each model's description (``Units.describe``), the models on collectors of their own at once where the
+        pool has room: a model's first load on a host converts its GGUF, so the models' loads overlap."""
         from ray.exceptions import RayTaskError
 
-        a = self.take("collect", spec.resources.accelerator)
-        if a is None:
-            raise SweepSetupError(f"no room for a collector on {spec.resources.accelerator} in this cluster")
+        device = spec.resources.accelerator
+        actors = []
+        while len(actors) < len(refs) and (a := self.take("collect", device)) is not None:
+            actors.append(a)
+        if not actors:
+            raise SweepSetupError(f"no room for a collector on {device} in this cluster")
+        ppl = spec.suites.perplexity.model_dump() if spec.suites.perplexity else None
+        out: dict[str, dict] = {}
         try:
-            ppl = spec.suites.perplexity.model_dump() if spec.suites.perplexity else None
-            return self.ray.get(a.describe.remote(ref, spec.data.model_dump(), ppl))
-        except RayTaskError as e:
-            raise SweepSetupError(f"model {ref} with data {spec.data.source!r}: {reason(e)}") from None
+            for at in range(0, len(refs), len(actors)):
+                running = {ref: a.describe.remote(ref, spec.data.model_dump(), ppl)
+                           for ref, a in zip(refs[at:at + len(actors)], actors)}
+                for ref, future in running.items():
+                    try:
+                        out[ref] = self.ray.get(future)
+                    except RayTaskError as e:
+                        raise SweepSetupError(f"model {ref} with data {spec.data.source!r}: {reason(e)}") from None
         finally:
-            self.give_back("collect", spec.resources.accelerator, a)
+            for a in actors:
+                self.give_back("collect", device, a)
+        return out
 
     def shutdown(self) -> None:
         for actors in self.actors.values():
@@ -351,7 +364,7 @@ def run_sweep(spec: SweepSpec, db_url: str | None = None, submission_id: str | N
     log.info("cluster: %s; pools %s", ", ".join(f"{res[k]:g} {k}" for k in (*RAY_RESOURCE.values(), "CPU") if res.get(k)),
              pools.plan.summary(spec.resources))
     try:
-        described = {ref: pools.describe(ref, spec) for ref in spec.models}
+        described = pools.describe(list(spec.models), spec)
         for ref, d in described.items():
             data = (f"calibration data {d['calib_fp'][:12]} ({d['calib_n_tokens']} tokens)" if d["calib_fp"]
                     else "random weights: latency only")

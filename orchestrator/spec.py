@@ -30,7 +30,7 @@ import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator,
                       model_serializer, model_validator)
 
-from workers.names import DEVICE_TYPES, SHAPE_PREFIX, is_shape, shape_name
+from workers.names import DEVICE_TYPES, MATMUL_BF16, MATMUL_FP32, MATMUL_TF32, SHAPE_PREFIX, is_shape, shape_name
 
 DeviceType = Literal[DEVICE_TYPES]
 Fraction = Annotated[float, Field(ge=0.0, lt=1.0)]
@@ -210,17 +210,16 @@ class TaskSpec(_Strict):
         return out
 
 
-MATMUL_FP32, MATMUL_TF32 = "fp32", "tf32"
-
-
 class SuitesSpec(_Strict):
-    """The accuracy suites. ``matmul``: the precision of the evaluation forwards' float32 matrix products on CUDA
-    GPUs: ``fp32`` (the default: exact fp32) or ``tf32`` (tensor cores: inputs rounded to 10 mantissa bits,
-    fp32 sums; several times the fp32 throughput of an H100/H200). Collection and fitting stay fp32. Left out of
-    the canonical form at its default, so specs without it keep their hash."""
+    """The accuracy suites. ``matmul``: the precision of the evaluation forwards: ``fp32`` (the default: exact
+    fp32), ``tf32`` (CUDA: the float32 products on tensor cores, inputs rounded to 10 mantissa bits, fp32 sums;
+    several times the fp32 throughput of an H100/H200) or ``bf16`` (CUDA, NPU: the forward under bfloat16
+    autocast: products and attention in bf16 with fp32 sums, norms, softmax and the residual stream in fp32; the
+    weights stay fp32). Collection and fitting stay fp32. Left out of the canonical form at its default, so specs
+    without it keep their hash."""
     perplexity: PerplexitySpec | None = PerplexitySpec()
     tasks: list[TaskSpec] = Field(default_factory=list)
-    matmul: Literal["fp32", "tf32"] = MATMUL_FP32
+    matmul: Literal["fp32", "tf32", "bf16"] = MATMUL_FP32
 
     @model_validator(mode="after")
     def _something(self) -> "SuitesSpec":
@@ -354,6 +353,9 @@ class SweepSpec(_Strict):
         if self.suites.matmul == MATMUL_TF32 and self.resources.accelerator != "cuda":
             raise ValueError(f"suites.matmul: tf32 is a CUDA GPU's precision; resources.accelerator is "
                              f"{self.resources.accelerator!r} (give fp32, or accelerator: cuda)")
+        if self.suites.matmul == MATMUL_BF16 and self.resources.accelerator == "cpu":
+            raise ValueError("suites.matmul: bf16 is an accelerator's precision (cuda, npu); resources.accelerator "
+                             "is 'cpu' (give fp32)")
         return self
 
     def canonical(self) -> dict:

@@ -15,6 +15,10 @@ UNIT_KINDS = ("collect", "fit", "eval", "latency")
 # Hugging Face generate and llama.cpp on the model's GGUF (the baselines)
 RUNTIME_DENSE, RUNTIME_SPARSE, RUNTIME_DENSE_PAIRED, RUNTIME_HF, RUNTIME_LLAMA_CPP = (
     "ctxsparse-dense", "ctxsparse-sparse", "ctxsparse-dense-paired", "hf-generate", "llama.cpp")
+# an eval unit's forward precision (``suites.matmul``): exact fp32; fp32 products on TF32 tensor cores (CUDA);
+# the forward under bfloat16 autocast (CUDA, NPU: products and attention in bf16, norms, softmax and the residual
+# stream in fp32)
+MATMUL_FP32, MATMUL_TF32, MATMUL_BF16 = "fp32", "tf32", "bf16"
 SHAPE_PREFIX = "shape:"                      # "shape:llama2-7b": the real shapes with random weights (GPU latency)
 # the ``suite`` of a task's accuracy rows, the kind of task (workers.evals.tasks.task_kind): one multiple-choice
 # task (the only ones the mean task accuracy averages), MMLU, LAMBADA, generation, other log-likelihood tasks,

@@ -29,14 +29,15 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from workers.host import available_cores
-from workers.names import DENSE, RUNTIME_LLAMA_CPP, UNIT_KINDS, is_shape, shape_name
+from workers.names import (DENSE, MATMUL_BF16, MATMUL_FP32, MATMUL_TF32, RUNTIME_LLAMA_CPP, UNIT_KINDS, is_shape,
+                           shape_name)
 from workers.names import shape_identity as _shape_identity
 from workers.paths import home, sha256_file
 
@@ -96,20 +97,24 @@ def release_cached_memory(device: str) -> None:
 
 
 @contextmanager
-def matmul_precision(precision: str):
-    """CUDA float32 matrix products at ``precision`` inside the block (an eval unit's ``matmul``: fp32 or tf32),
-    restored after it; every unit sets it, so an actor's previous unit never leaks its choice."""
-    if precision not in ("fp32", "tf32"):
-        raise ValueError(f"matmul precision {precision!r}: fp32 or tf32")
+def matmul_precision(precision: str, device: str = "cpu"):
+    """An eval unit's forward precision (``matmul``, ``workers.names``) inside the block, restored after it; every
+    unit sets it, so an actor's previous unit never leaks its choice. fp32 and tf32: CUDA's float32 products
+    exact or on TF32 tensor cores. bf16: also ``torch.autocast`` to bfloat16 on ``device``'s type."""
+    if precision not in (MATMUL_FP32, MATMUL_TF32, MATMUL_BF16):
+        raise ValueError(f"matmul precision {precision!r}: {MATMUL_FP32}, {MATMUL_TF32} or {MATMUL_BF16}")
     m = torch.backends.cuda.matmul
     new_api = hasattr(m, "fp32_precision")     # torch >= 2.9 (mixing it with allow_tf32 raises)
     before = m.fp32_precision if new_api else m.allow_tf32
     if new_api:
-        m.fp32_precision = "tf32" if precision == "tf32" else "ieee"
+        m.fp32_precision = "tf32" if precision == MATMUL_TF32 else "ieee"
     else:
-        m.allow_tf32 = precision == "tf32"
+        m.allow_tf32 = precision == MATMUL_TF32
+    autocast = (torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if precision == MATMUL_BF16
+                else nullcontext())
     try:
-        yield
+        with autocast:
+            yield
     finally:
         if new_api:
             m.fp32_precision = before
@@ -291,7 +296,7 @@ class Units:
         # fingerprint compared in _bundle (cached on lm); exec_mode: how the rows are computed (plan.py says why)
         applied = apply_bundle(lm.model, b, check_model=False, mode=cfg.get("exec_mode", "auto"))
         out = UnitOutput()
-        with applied, matmul_precision(cfg.get("matmul", "fp32")):
+        with applied, matmul_precision(cfg.get("matmul", MATMUL_FP32), self.device):
             if cfg["suite"] == "perplexity":
                 p = cfg["perplexity"]
                 toks = token_windows(lm.tokenizer, cfg["data"]["source"], "heldout", p["tokens"], p["seq_len"])

@@ -247,23 +247,12 @@ def test_tf32_scoring_is_a_choice_of_the_spec_that_changes_only_the_eval_units()
     with pytest.raises(ValueError, match="tf32 is a CUDA GPU's precision; resources.accelerator is 'cpu'"):
         parse_spec({**SPEC, "suites": {**SPEC["suites"], "matmul": "tf32"}})
     with pytest.raises(ValueError, match="matmul"):
-        parse_spec({**gpu, "suites": {**SPEC["suites"], "matmul": "bf16"}})
-
-
-def test_an_eval_units_matmul_precision_holds_inside_it_and_is_restored_after():
-    from workers.units import matmul_precision
-
-    m = torch.backends.cuda.matmul
-    before = m.fp32_precision
-    with matmul_precision("tf32"):
-        assert m.fp32_precision == "tf32"
-        with matmul_precision("fp32"):
-            assert m.fp32_precision == "ieee"
-        assert m.fp32_precision == "tf32"
-    assert m.fp32_precision == before
-    with pytest.raises(ValueError, match="matmul precision 'bf16': fp32 or tf32"):
-        with matmul_precision("bf16"):
-            pass
+        parse_spec({**gpu, "suites": {**SPEC["suites"], "matmul": "fp16"}})
+    with pytest.raises(ValueError, match="bf16 is an accelerator's precision"):
+        parse_spec({**SPEC, "suites": {**SPEC["suites"], "matmul": "bf16"}})
+    bf16 = plan_units(parse_spec({**gpu, "suites": {**SPEC["suites"], "matmul": "bf16"}}), DESCRIBED)
+    assert {u.config["matmul"] for u in bf16 if u.kind == "eval"} == {"bf16"}
+    assert {u.id for u in bf16 if u.kind == "eval"}.isdisjoint(u.id for u in tf32)
 
 
 def test_fits_start_cheapest_first_then_longest():

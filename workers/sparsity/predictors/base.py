@@ -167,8 +167,8 @@ class FitContext:
     """What a method fits from: the model (weights, adapter, dims) and the calibration activations.
 
     Fitting computes on the CPU, where the activation cache is read (the weights are copied there whatever the
-    model's device); ``device`` is where iterative training runs (Deja Vu's predictors: a GPU actor trains on
-    its GPU), its results coming back to the CPU."""
+    model's device); ``device`` is where iterative training runs (Deja Vu's predictors: a GPU actor computes a
+    layer's labels, regression start and training on its GPU), its results coming back to the CPU."""
     lm: object                    # workers.loading.models.LoadedModel
     cache: object                 # workers.sparsity.capture.ActivationCache
     layers: list[int]

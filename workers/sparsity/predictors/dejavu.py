@@ -201,7 +201,7 @@ class DejaVuHeadPredictor(_LowRank, HeadPredictor):
 # labels, loss, recall
 def topk_labels(values: torch.Tensor, k: int) -> torch.Tensor:
     """bool [N, n]: the k largest ``|values|`` of each row."""
-    m = torch.zeros(values.shape, dtype=torch.bool)
+    m = torch.zeros(values.shape, dtype=torch.bool, device=values.device)
     if k:
         m.scatter_(1, values.float().abs().topk(k, dim=1).indices, True)
     return m
@@ -268,7 +268,7 @@ def svd_init(module: _LowRank, x: torch.Tensor, y: torch.Tensor, ridge: float = 
     x = x.float()
     G = (x.T @ x).double()                             # the big products in float32, the small solves in float64
     lam = ridge * float(G.diagonal().mean()) + 1e-12
-    G = G + lam * torch.eye(G.shape[0], dtype=G.dtype)
+    G = G + lam * torch.eye(G.shape[0], dtype=G.dtype, device=G.device)
     W = torch.cholesky_solve((x.T @ y.float()).double(), L := torch.linalg.cholesky(G))  # [d, n_out]
     Z = L.T @ W                                                                         # [d, n_out]
     evals, U = torch.linalg.eigh(Z @ Z.T)
@@ -289,9 +289,13 @@ def _train(model, x_tr, y_tr, x_val, y_val, *, epochs: int, lr: float, batch_siz
            neg_offset: float, patience: int, generator: torch.Generator, device: str,
            stop_recall: float = 0.99, d_tr: torch.Tensor | None = None, d_val: torch.Tensor | None = None) -> dict:
     """Deja Vu's loop (trainer_mlp.py / trainer_att.py): keep the best validation recall, early stopping.
-    With damage (``d_tr`` / ``d_val``): damage-weighted BCE, and the recall is the share of squared damage kept."""
+    With damage (``d_tr`` / ``d_val``): damage-weighted BCE, and the recall is the share of squared damage kept.
+    The training set moves to ``device`` once and its batches are gathered there: an epoch's steps queue without
+    a host round trip (on a GPU that other processes keep busy, a copy per step waited for their kernels each
+    time); the batches are the same rows in the same order, so the fit is the same."""
     model.to(device)
-    x_val, y_val = x_val.to(device), y_val.to(device)
+    x_tr, y_tr, x_val, y_val = (t.to(device) for t in (x_tr, y_tr, x_val, y_val))
+    d_tr = None if d_tr is None else d_tr.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     model.eval()
     best = recall(model, x_val, y_val, d_val)
@@ -302,11 +306,10 @@ def _train(model, x_tr, y_tr, x_val, y_val, *, epochs: int, lr: float, batch_siz
         if best > stop_recall:
             break
         model.train()
-        perm = torch.randperm(n, generator=generator)
+        perm = torch.randperm(n, generator=generator).to(device)
         for i in range(0, n, batch_size):
             idx = perm[i:i + batch_size]
-            xb, yb = x_tr[idx].to(device), y_tr[idx].to(device)
-            loss = dejavu_loss(model.scores(xb), yb, neg_offset, None if d_tr is None else d_tr[idx].to(device))
+            loss = dejavu_loss(model.scores(x_tr[idx]), y_tr[idx], neg_offset, None if d_tr is None else d_tr[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -382,16 +385,19 @@ def _load_input(ctx: FitContext, layer: int, kind: str, max_tokens: int | None) 
 
 
 def _fit_mlp_layer(ctx: FitContext, layer: int, s: float, rank: int, opts: dict, label_kind: str):
+    """The layer's labels, regression start and training on ``ctx.device``."""
     t0 = time.perf_counter()
     x, src = _load_input(ctx, layer, opts["input_kind"], opts["max_tokens"])
-    inter = ctx.cache.load(layer, "inter", max_tokens=opts["max_tokens"])
+    x = x.to(ctx.device)
+    inter = ctx.cache.load(layer, "inter", max_tokens=opts["max_tokens"]).to(ctx.device)
     if inter.shape[0] != x.shape[0]:
         raise ValueError(f"dejavu: layer {layer}: {x.shape[0]} input tokens but {inter.shape[0]} labels")
     D = inter.shape[1]
     k = k_for(s, D)
     dmg = None
     if label_kind == "damage":
-        y, dmg = damage_targets(output_damage(inter, ctx.ffn_weights(layer)["down"], ctx.ffn_out_gain(layer)), k)
+        y, dmg = damage_targets(output_damage(inter, ctx.ffn_weights(layer, ctx.device)["down"],
+                                              ctx.ffn_out_gain(layer)), k)
     else:
         y = active_labels(inter) if label_kind == "active" else topk_labels(inter, k)
     del inter
@@ -399,6 +405,7 @@ def _fit_mlp_layer(ctx: FitContext, layer: int, s: float, rank: int, opts: dict,
     gen = torch.Generator().manual_seed(_layer_seed(ctx.seed, layer, 0))
     pred = DejaVuMLPPredictor(x.shape[1], rank, D, k, opts["input_kind"], label_kind)
     pred.reset_random(gen)
+    pred.to(ctx.device)
     if opts["init"] == "svd":
         svd_init(pred, x[:n_tr], (y if dmg is None else dmg)[:n_tr])
     res = _train(pred, x[:n_tr], y[:n_tr], x[n_tr:], y[n_tr:], epochs=opts["epochs"], lr=opts["lr"],
@@ -412,10 +419,12 @@ def _fit_mlp_layer(ctx: FitContext, layer: int, s: float, rank: int, opts: dict,
 
 
 def _fit_head_layer(ctx: FitContext, layer: int, s_attn: float, rank: int, opts: dict):
+    """The layer's labels, regression start and training on ``ctx.device``."""
     t0 = time.perf_counter()
     kind = opts["attn_input_kind"]
     x, src = _load_input(ctx, layer, kind, opts["max_tokens"])
-    hn = ctx.cache.load(layer, "head_norm", max_tokens=opts["max_tokens"]).float()
+    x = x.to(ctx.device)
+    hn = ctx.cache.load(layer, "head_norm", max_tokens=opts["max_tokens"]).float().to(ctx.device)
     H = hn.shape[1]
     k = k_for(s_attn, H)
     label_k = min(H, max(1, math.ceil(opts["attn_label_frac"] * H - 1e-9)))
@@ -424,6 +433,7 @@ def _fit_head_layer(ctx: FitContext, layer: int, s_attn: float, rank: int, opts:
     gen = torch.Generator().manual_seed(_layer_seed(ctx.seed, layer, 1))
     pred = DejaVuHeadPredictor(x.shape[1], rank, H, k, kind, label_k)
     pred.reset_random(gen)
+    pred.to(ctx.device)
     if opts["init"] == "svd":
         svd_init(pred, x[:n_tr], y[:n_tr])
     res = _train(pred, x[:n_tr], y[:n_tr], x[n_tr:], y[n_tr:], epochs=opts["epochs"], lr=opts["attn_lr"],
@@ -433,7 +443,7 @@ def _fit_head_layer(ctx: FitContext, layer: int, s_attn: float, rank: int, opts:
     true_topk = topk_labels(hn[n_tr:], k)
     info = {"target_sparsity": s_attn, "k": k, "label_k": label_k, "rank": rank, "input_kind": kind,
             "input_layer": src, "init": opts["init"], **res,
-            "val_recall_topk": recall(pred, x[n_tr:], true_topk), "fit_s": round(time.perf_counter() - t0, 3)}
+            "val_recall_topk": recall(pred, x[n_tr:].cpu(), true_topk), "fit_s": round(time.perf_counter() - t0, 3)}
     return pred, info
 
 
