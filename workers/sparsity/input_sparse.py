@@ -135,7 +135,7 @@ class InputSparseLinear(nn.Module):
         keep = input_score(x2, self.scale) > self.threshold
         self._stats.add(self.layer, self.proj, keep.numel(), keep.sum())      # counted on the device
         if self.mode == "masked" or x2.shape[0] > MAX_BATCH:
-            return self.orig(x * keep.reshape(shape).to(x.dtype))
+            return self.orig(torch.where(keep.reshape(shape), x, 0))      # one kernel: no float copy of the mask
         from kernels import ops, reference
 
         fn = getattr(ops, "input_sparse_linear", None) or reference.input_sparse_linear

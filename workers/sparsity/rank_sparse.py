@@ -106,7 +106,7 @@ class RankSparseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         keep = input_score(x, self.scale) > self.threshold
         self._stats.add(self.layer, self.proj, keep.numel(), keep.sum())      # counted on the device
-        y = self.orig(x * keep.to(x.dtype))
+        y = self.orig(torch.where(keep, x, 0))
         if self.a is None:
             return y
         small = x * (~keep).to(x.dtype)

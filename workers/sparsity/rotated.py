@@ -164,7 +164,7 @@ class TopKInputLinear(nn.Module):
         keep = topk_keep(score.reshape(-1, x.shape[-1]), self.k).reshape(x.shape)
         t = keep.shape[:-1].numel()
         self._stats.add(self.layer, self.proj, t * x.shape[-1], t * self.k)
-        return self.lin(x * keep.to(x.dtype))
+        return self.lin(torch.where(keep, x, 0))
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, proj={self.proj}, k={self.k}, score={'wina' if self.scale is not None else 'abs'}"

@@ -207,6 +207,20 @@ def test_damage_targets_known_answer():
     torch.testing.assert_close(norm, torch.tensor([[0.4, 1.2, 0.8], [1.6, 0.4, 0.4]]))
 
 
+def test_the_damage_labels_are_computed_where_the_activations_are():
+    """A GPU fitter computes a layer's labels on its GPU while the post-FFN norm's gain comes from the model on the
+    CPU: the gain follows the activations (``meta`` stands in for the GPU: mixing it with the CPU raises the same
+    error a CUDA device does)."""
+    from workers.sparsity.predictors.base import output_damage
+
+    inter, down, gain = torch.randn(5, 8), torch.randn(4, 8), torch.rand(4) + 0.5
+    want = output_damage(inter, down, gain)
+    got = output_damage(inter.to("meta"), down.to("meta"), gain)
+    assert got.device.type == "meta" and got.shape == want.shape
+    y, norm = dv.damage_targets(want, 3)
+    assert y.sum(1).tolist() == [3] * 5 and dv.topk_labels(want.to("meta"), 3).device.type == "meta"
+
+
 def test_damage_weighted_loss_and_recall():
     logits = torch.tensor([[5.0, -5.0, 0.0]])
     y = torch.tensor([[True, True, False]])

@@ -210,16 +210,15 @@ def predictor_inputs(cache, layer: int, input_kind: str, max_tokens: int | None 
 
 def neuron_out_norm(down: torch.Tensor, gain: torch.Tensor | None = None) -> torch.Tensor:
     """c_i = ‖g ⊙ W_down[:, i]‖ (‖W_down[:, i]‖ without a norm on the FFN's output), [D]: the size of what neuron i
-    adds to the residual stream per unit of its intermediate value. ``down`` [d, D], ``gain`` [d] or None."""
-    return (down if gain is None else gain[:, None].to(down.dtype) * down).norm(dim=0)
+    adds to the residual stream per unit of its intermediate value. ``down`` [d, D], ``gain`` [d] or None (on any
+    device: it is moved to ``down``'s)."""
+    return (down if gain is None else gain[:, None].to(down.device, down.dtype) * down).norm(dim=0)
 
 
 def layer_out_norms(adapter, layer: nn.Module) -> torch.Tensor:
     """:func:`neuron_out_norm` of a model's decoder layer, from its own down weights and post-FFN norm gain (in the
     weights' dtype, on their device)."""
-    down = adapter.ffn_weights(layer)["down"].detach()
-    gain = adapter.ffn_out_gain(layer)
-    return neuron_out_norm(down, None if gain is None else gain.to(down.device))
+    return neuron_out_norm(adapter.ffn_weights(layer)["down"].detach(), adapter.ffn_out_gain(layer))
 
 
 def output_damage(inter: torch.Tensor, down: torch.Tensor, gain: torch.Tensor | None = None) -> torch.Tensor:
