@@ -12,6 +12,10 @@
 # their files through package metadata), unpack Ray's slim .tar.xz there, then import-check the result. A second
 # set-up from the same shipment does nothing. Environment: SHIP (default .gpuship in the repository), SITE (default
 # /tmp/ctxsparse-site; replaced), PYTHON (default python3), CTXSPARSE_HOME (caches; the model cache is its models/).
+#
+# CTXSPARSE_MPS=1 (a sweep): its GPU processes are the clients of an NVIDIA MPS server started for it and stopped
+# after it, so their kernels overlap (four scoring processes on an H200: 17-27 % more work per second, BENCHMARKS.md).
+# Without nvidia-cuda-mps-control on PATH it stops before the set-up.
 _ctxsparse_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 _ctxsparse_setup() (
@@ -94,8 +98,16 @@ if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then  # sourced: set up, export the enviro
 fi
 set -euo pipefail
 case "${1:-}" in
-  "" | -h | --help) sed -n '2,15p' "$0"; [ -n "${1:-}" ]; exit ;;
+  "" | -h | --help) sed -n '2,18p' "$0"; [ -n "${1:-}" ]; exit ;;
   --setup-only) _ctxsparse_setup; exit ;;
+esac
+mps=${CTXSPARSE_MPS:-0}
+case "$mps" in
+  0) ;;
+  1) command -v nvidia-cuda-mps-control > /dev/null || {
+       echo "bare_host: CTXSPARSE_MPS=1 but nvidia-cuda-mps-control is not on PATH (it comes with the NVIDIA driver)" >&2
+       exit 2; } ;;
+  *) echo "bare_host: CTXSPARSE_MPS is 0 or 1, not '$mps'" >&2; exit 2 ;;
 esac
 _ctxsparse_setup
 _ctxsparse_env
@@ -104,4 +116,13 @@ spec=$(realpath "$1"); shift
 cd "$_ctxsparse_root"
 # a shipment built for another spec (make ship SPEC=...) may lack this one's models or task data: say so now
 "${PYTHON:-python3}" -m orchestrator.ship check-spec "$spec" --ship "$(realpath -m "${SHIP:-$_ctxsparse_root/.gpuship}")"
-exec "${PYTHON:-python3}" -m orchestrator.driver "$spec" ${1:+--db "$1"}
+if [ "$mps" = 0 ]; then
+  exec "${PYTHON:-python3}" -m orchestrator.driver "$spec" ${1:+--db "$1"}
+fi
+export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/ctxsparse-mps/pipe}
+export CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/ctxsparse-mps/log}
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+nvidia-cuda-mps-control -d
+trap 'echo quit | nvidia-cuda-mps-control' EXIT       # the server lives as long as the sweep
+echo "bare_host: $(date +%T) MPS server started ($CUDA_MPS_PIPE_DIRECTORY)"
+"${PYTHON:-python3}" -m orchestrator.driver "$spec" ${1:+--db "$1"}

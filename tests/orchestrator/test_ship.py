@@ -116,6 +116,24 @@ def test_bare_host_stops_on_a_damaged_piece_before_installing(tmp_path):
     assert not (tmp_path / "site").exists()
 
 
+@pytest.mark.parametrize("mps, message", [("1", "CTXSPARSE_MPS=1 but nvidia-cuda-mps-control is not on PATH"),
+                                          ("yes", "CTXSPARSE_MPS is 0 or 1, not 'yes'")])
+def test_bare_host_refuses_mps_it_cannot_start_before_the_set_up(tmp_path, mps, message):
+    """``CTXSPARSE_MPS=1`` needs the NVIDIA driver's MPS control program (this machine has none): the sweep stops at
+    once, naming it, with nothing installed."""
+    out, _, _ = _shipment(tmp_path)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: x\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(SHIP=str(out), SITE=str(tmp_path / "site"), PYTHON=shutil.which("python") or "python3",
+               CTXSPARSE_MPS=mps, PATH="/usr/bin:/bin")
+    assert shutil.which("nvidia-cuda-mps-control", path=env["PATH"]) is None
+    r = subprocess.run(["bash", str(ROOT / "orchestrator" / "bare_host.sh"), str(spec)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr
+    assert not (tmp_path / "site").exists()
+
+
 def test_images_install_what_make_install_installs():
     """docker/install.sh is the images' one recipe; its torch and model/data pins are the Makefile's."""
     make = (ROOT / "Makefile").read_text()
