@@ -200,14 +200,21 @@ def test_qwen2_gguf_loads_as_the_model_it_was_written_from(qwen2, smol_tok):
 def test_qwen2_gguf_q8_0_with_a_tied_embedding(tmp_path, monkeypatch, smol_tok):
     """Q8_0 matrices and no ``output.weight`` (Qwen2-0.5B's layout): the loaded model's matrices are the gguf
     package's Q8_0 round trip of the HF model's, its norms and biases the HF model's (F32), its head tied to the
-    embedding; the runtime's blocks dequantize bit for bit to those matrices and its LM head is the embedding's."""
+    embedding; the runtime's blocks dequantize bit for bit to those matrices and its LM head is the embedding's.
+    Converting the file to the float cache parses it once."""
     import gguf
 
     from workers.decode.quant_weights import from_gguf
     from workers.loading.gguf_tensors import read_gguf_matrices
 
     monkeypatch.setenv("CTXSPARSE_MODEL_CACHE", str(tmp_path / "model-cache"))
+    parses = []
+    real = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda p, *a, **k: parses.append(p) or real(p, *a, **k))
     hf, path, lm = _written(tmp_path, smol_tok, SMALL_VOCAB, tied=True, qtype="Q8_0")
+    # transformers reads the file for the tokenizer, the config and the weights: the conversion parses it once
+    assert len(parses) == 1
+    monkeypatch.setattr(gguf, "GGUFReader", real)
     assert lm.family == "qwen2" and lm.model.config.tie_word_embeddings
     assert lm.model.lm_head.weight.data_ptr() == lm.model.model.embed_tokens.weight.data_ptr()
     q8 = gguf.GGMLQuantizationType.Q8_0

