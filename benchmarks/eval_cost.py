@@ -8,12 +8,13 @@ may differ only by summation order. Bundles and activation caches stay under ``$
 nothing again). ``--batchings`` times each task under several scoring batchings, side by side (their order
 reversed from one task to the next): ``N`` sequences per forward, ``tN`` forwards of at most N padded tokens (the
 GPU sweep's is ``t32768``), either with ``@bf16`` (or ``@tf32``, ``@fp32``: the forward precision, ``--matmul``
-where it is left out); each is compared with dense under the same batching and with the first batching.
+where it is left out) and ``+fused`` (the norms and rotary embedding as one kernel each,
+``workers.evals.fused_forward``); each is compared with dense under the same batching and with the first.
 
     python -m benchmarks.eval_cost --device cuda --settings oracle:0.5,threshold:0.5,svd:0.5:256 \\
         --tasks perplexity,piqa:1000,arc_easy,lambada_openai:2000,gsm8k_cot:20 --json eval_cost.json
     python -m benchmarks.eval_cost --device cuda --settings oracle:0.5,teal:0.5 --modes masked --matmul tf32 \\
-        --tasks hellaswag:2000,mmlu:20,piqa --batchings 32,t8192,t32768,t65536,t32768@bf16 --profile \\
+        --tasks hellaswag:2000,mmlu:20,piqa --batchings 32,t8192,t32768,t65536,t32768@bf16,t32768+fused --profile \\
         --json eval_batching.json
 
 ``--profile`` runs each (setting, mode, batching) of the first task once more under ``torch.profiler``, untimed,
@@ -72,7 +73,11 @@ def _main_value(out) -> tuple[str, float, float | None]:
 
 def _batching(spec: str, matmul: str) -> dict:
     """``N``: N sequences per forward; ``tN``: forwards of at most N padded tokens (``scoring.token_batches``);
-    either one ``@fp32|@tf32|@bf16``: the forward precision (``suites.matmul``) instead of ``matmul``."""
+    either one ``@fp32|@tf32|@bf16``: the forward precision (``suites.matmul``) instead of ``matmul``; a final
+    ``+fused``: the norms and rotary embedding fused (``workers.evals.fused_forward``)."""
+    spec, plus, extra = spec.partition("+")
+    if plus and extra != "fused":
+        raise ValueError(f"batching {spec}+{extra}: the only suffix is +fused")
     size, _, precision = spec.partition("@")
     precision = precision or matmul
     if precision not in MATMULS:
@@ -84,7 +89,7 @@ def _batching(spec: str, matmul: str) -> dict:
     if n < 1:
         raise ValueError(f"batching {spec!r}: N (sequences per forward) or tN (padded tokens per forward), N >= 1")
     return {("batch_tokens" if size.startswith("t") else "batch_size"): n,
-            **({"matmul": precision} if precision != MATMUL_FP32 else {})}
+            **({"matmul": precision} if precision != MATMUL_FP32 else {}), **({"fused": True} if plus else {})}
 
 
 def _profiled(units, cfg: dict, device: str, top: int = 25) -> list[dict]:
@@ -176,7 +181,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=32, help="sequences per generation batch (and per forward "
                    "where --batchings does not say)")
     p.add_argument("--batchings", default="32", help="comma list of N (sequences per forward) and tN (padded tokens "
-                   "per forward), each with an optional @fp32|@tf32|@bf16 (its forward precision), timed side by side")
+                   "per forward), each with an optional @fp32|@tf32|@bf16 (its forward precision) and +fused, "
+                   "timed side by side")
     p.add_argument("--matmul", default=MATMUL_FP32, choices=MATMULS, help="the eval forwards' precision where a "
                    "batching does not give its own (suites.matmul)")
     p.add_argument("--threads", type=int, default=4)
@@ -229,9 +235,9 @@ def main(argv=None) -> int:
         for b in (order if name != "perplexity" else a.batchings[:1]):   # perplexity runs its own windows
             for label, fit_id in fits.items():
                 for mode in (["masked"] if label == DENSE else modes):
-                    precision = {k: v for k, v in batchings[b].items() if k == "matmul"}
-                    cfg = {**base, "fit_unit": fit_id, "exec_mode": mode, **precision}
-                    cfg.update({"suite": "perplexity", "perplexity": ppl_cfg, **precision} if name == "perplexity"
+                    forward = {k: v for k, v in batchings[b].items() if k in ("matmul", "fused")}
+                    cfg = {**base, "fit_unit": fit_id, "exec_mode": mode, **forward}
+                    cfg.update({"suite": "perplexity", "perplexity": ppl_cfg} if name == "perplexity"
                                else {"suite": name, "limit": limit, **batchings[b]})
                     if a.device.startswith("cuda"):
                         torch.cuda.synchronize()

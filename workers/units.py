@@ -287,6 +287,7 @@ class Units:
 
     def evaluate(self, unit_id: str, cfg: dict) -> UnitOutput:
         from workers.loading.data import token_windows
+        from workers.evals.fused_forward import fused_elementwise
         from workers.evals.perplexity import perplexity
         from workers.evals.suites import run_suite
 
@@ -296,7 +297,8 @@ class Units:
         # fingerprint compared in _bundle (cached on lm); exec_mode: how the rows are computed (plan.py says why)
         applied = apply_bundle(lm.model, b, check_model=False, mode=cfg.get("exec_mode", "auto"))
         out = UnitOutput()
-        with applied, matmul_precision(cfg.get("matmul", MATMUL_FP32), self.device):
+        fused = fused_elementwise(lm.model) if cfg.get("fused") else nullcontext()     # eval_cost's "+fused"
+        with applied, matmul_precision(cfg.get("matmul", MATMUL_FP32), self.device), fused:
             if cfg["suite"] == "perplexity":
                 p = cfg["perplexity"]
                 toks = token_windows(lm.tokenizer, cfg["data"]["source"], "heldout", p["tokens"], p["seq_len"])

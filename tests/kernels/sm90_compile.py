@@ -154,6 +154,10 @@ def cases() -> list[Case]:
                          num_warps=MULTI_WARPS))
         for kern in ("_multi_hist_lo_kernel", "_multi_write_kernel"):
             out.append(_case("select_triton", kern, dt, dict(P_PAD=64, CHUNK=MULTI_CHUNK), ptrs, num_warps=MULTI_WARPS))
+    # the scoring forward's fused RMS norm (Llama's gain; Gemma's 1 + w) and rotary embedding (head_dim 64)
+    for one_plus in (False, True):
+        out.append(_case("norm_rope_triton", "_rms_norm_kernel", "fp32", dict(ONE_PLUS=one_plus, BLOCK=1024)))
+    out.append(_case("norm_rope_triton", "_rope_kernel", "fp32", dict(BLOCK=32), num_warps=1))
     return out
 
 
