@@ -107,10 +107,11 @@ def pytest_collection_finish(session):
                 _background(kind, ray)
             except RuntimeError:
                 pass            # (PostgreSQL unavailable) its fixture says so, failing its tests
-    if any(_uses(item, "probe") for item in session.items):
-        from tests import probe_support
+    from tests import probe_support
 
-        probe_support.start()   # after the session cluster wrote its address file (_init_ray): jobs go there
+    for name in probe_support.CHILDREN:
+        if any(_uses(item, name) for item in session.items):
+            probe_support.start(name)   # after the session cluster wrote its address file (_init_ray): jobs go there
 
 
 def pytest_sessionfinish(session, exitstatus):

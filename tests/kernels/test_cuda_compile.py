@@ -1,15 +1,10 @@
 """The interpreter runs a kernel's Python, not its compilation: every Triton kernel of kernels/ is compiled here for
 sm_90 with its GPU launch options (tests/kernels/sm90_compile.py: Triton's own LLVM and ptxas, no GPU needed), in a
-fresh process without TRITON_INTERPRET and with an empty Triton cache (nothing from an earlier run is reused)."""
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
+fresh process without TRITON_INTERPRET and with an empty Triton cache (nothing from an earlier run is reused),
+started when collection ends so that it compiles beside the other tests (tests/probe_support.py)."""
+import pytest
 
 from tests.kernels import sm90_compile as S
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_kernel_has_a_compile_case():
@@ -22,11 +17,13 @@ def test_every_kernel_has_a_compile_case():
     assert missing == ["decode_attn_triton._decode_attn_kernel"] and orphans == ["decode_attn_triton._prep"]
 
 
-def test_kernels_compile_for_hopper():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    with tempfile.TemporaryDirectory(prefix="ctxsparse-triton-cache-") as cache:
-        env["TRITON_CACHE_DIR"] = cache
-        r = subprocess.run([sys.executable, "-m", "tests.kernels.sm90_compile"], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+@pytest.fixture
+def sm90_compiled() -> str:
+    """The compile's output; its process started when collection ended (tests/probe_support.py)."""
+    from tests import probe_support
+
+    return probe_support.output("sm90_compiled")
+
+
+def test_kernels_compile_for_hopper(sm90_compiled):
+    assert "OK" in sm90_compiled
