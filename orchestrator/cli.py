@@ -404,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prompt", required=True, help="text to continue")
     sp.add_argument("--tokens", type=int, default=32, help="tokens to generate (default: 32)")
     sp.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    sp.add_argument("--repeats", type=int, default=3, help="timed rounds of dense and sparse (default: 3)")
+    sp.add_argument("--repeats", type=int, default=7, help="timed rounds of dense and sparse, interleaved (default: 7)")
     sp.add_argument("--threads", type=_threads, default=None,
                     help="CPU threads (default: the count the bundle's setting was timed at in the sweep, which "
                          "`bundle export` records; else every core)")

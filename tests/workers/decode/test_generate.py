@@ -63,6 +63,20 @@ def _hf_greedy(model, bundle, ids, n):
     return gen[0, ids.shape[1]:].tolist()
 
 
+def test_the_summary_of_a_dense_bundle_says_its_ratio_is_noise():
+    from workers.decode.generate import GenerateResult
+
+    def summary(sparsity: dict) -> str:
+        return GenerateResult("x", [1, 2, 3], [1, 2, 3], 100.0, 112.0, sparsity, "cpu",
+                              {"repeats": 3, "threads": 2, "threads_from": "given"}).summary()
+
+    dense = summary({})
+    assert "(1.12x), median of 3 interleaved rounds of 2 decode steps" in dense
+    assert dense.endswith("realized sparsity: none; same tokens as dense; the bundle is dense, so the ratio is the "
+                          "timing's noise")
+    assert summary({"weights": 0.3}).endswith("realized sparsity: weights 0.300; same tokens as dense")
+
+
 @pytest.mark.parametrize("method, s", [("threshold", 0.5), ("teal", 0.4), ("static", 0.5), ("svd", 0.5)])
 def test_bundle_generates_hf_generates_tokens(tiny, method, s):
     ref, lm, root = tiny
