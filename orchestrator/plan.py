@@ -183,6 +183,8 @@ def plan_units(spec: SweepSpec, described: dict[str, dict], cpu_cores: int | Non
             ev = {**base, "fit_unit": fit.id, "threads": threads, "exec_mode": "masked"}
             if spec.suites.matmul != MATMUL_FP32:     # absent at the default: the units keep their ids
                 ev["matmul"] = spec.suites.matmul
+            if spec.suites.fused:                     # likewise
+                ev["fused"] = True
             if shape:
                 pass
             elif spec.suites.perplexity is not None:

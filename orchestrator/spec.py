@@ -215,11 +215,13 @@ class SuitesSpec(_Strict):
     fp32), ``tf32`` (CUDA: the float32 products on tensor cores, inputs rounded to 10 mantissa bits, fp32 sums;
     several times the fp32 throughput of an H100/H200) or ``bf16`` (CUDA, NPU: the forward under bfloat16
     autocast: products and attention in bf16 with fp32 sums, norms, softmax and the residual stream in fp32; the
-    weights stay fp32). Collection and fitting stay fp32. Left out of the canonical form at its default, so specs
-    without it keep their hash."""
+    weights stay fp32). Collection and fitting stay fp32. ``fused`` (CUDA): the forwards' RMS norms and rotary
+    embedding as one Triton kernel each (``workers.evals.fused_forward``; the same functions, summed in another
+    order). Both are left out of the canonical form at their defaults, so specs without them keep their hash."""
     perplexity: PerplexitySpec | None = PerplexitySpec()
     tasks: list[TaskSpec] = Field(default_factory=list)
     matmul: Literal["fp32", "tf32", "bf16"] = MATMUL_FP32
+    fused: bool = False
 
     @model_validator(mode="after")
     def _something(self) -> "SuitesSpec":
@@ -237,6 +239,8 @@ class SuitesSpec(_Strict):
         out = handler(self)
         if isinstance(out, dict) and out.get("matmul") == MATMUL_FP32:
             out.pop("matmul")
+        if isinstance(out, dict) and out.get("fused") is False:
+            out.pop("fused")
         return out
 
 
@@ -356,6 +360,9 @@ class SweepSpec(_Strict):
         if self.suites.matmul == MATMUL_BF16 and self.resources.accelerator == "cpu":
             raise ValueError("suites.matmul: bf16 is an accelerator's precision (cuda, npu); resources.accelerator "
                              "is 'cpu' (give fp32)")
+        if self.suites.fused and self.resources.accelerator != "cuda":
+            raise ValueError(f"suites.fused: the fused norm and rotary kernels are Triton kernels for CUDA GPUs; "
+                             f"resources.accelerator is {self.resources.accelerator!r}")
         return self
 
     def canonical(self) -> dict:

@@ -297,7 +297,7 @@ class Units:
         # fingerprint compared in _bundle (cached on lm); exec_mode: how the rows are computed (plan.py says why)
         applied = apply_bundle(lm.model, b, check_model=False, mode=cfg.get("exec_mode", "auto"))
         out = UnitOutput()
-        fused = fused_elementwise(lm.model) if cfg.get("fused") else nullcontext()     # eval_cost's "+fused"
+        fused = fused_elementwise(lm.model) if cfg.get("fused") else nullcontext()     # suites.fused
         with applied, matmul_precision(cfg.get("matmul", MATMUL_FP32), self.device), fused:
             if cfg["suite"] == "perplexity":
                 p = cfg["perplexity"]

@@ -255,6 +255,25 @@ def test_tf32_scoring_is_a_choice_of_the_spec_that_changes_only_the_eval_units()
     assert {u.id for u in bf16 if u.kind == "eval"}.isdisjoint(u.id for u in tf32)
 
 
+def test_fused_scoring_is_a_cuda_choice_of_the_spec_that_changes_only_the_eval_units():
+    """``suites.fused: true`` puts ``fused`` into every eval unit's config (rows of their own), leaves the other
+    units as they were, stays out of the hash at its default, and is refused off CUDA."""
+    gpu = {**SPEC, "resources": {"accelerator": "cuda"}}
+    plain = plan_units(parse_spec(gpu), DESCRIBED)
+    fused = plan_units(parse_spec({**gpu, "suites": {**SPEC["suites"], "fused": True}}), DESCRIBED)
+    assert [u.kind for u in plain] == [u.kind for u in fused]
+    for a, b in zip(plain, fused):
+        if a.kind == "eval":
+            assert b.config["fused"] is True and "fused" not in a.config and a.id != b.id
+        else:
+            assert a.id == b.id and "fused" not in b.config
+    assert parse_spec({**gpu, "suites": {**SPEC["suites"], "fused": False}}).spec_hash() == \
+        parse_spec(gpu).spec_hash()
+    for accelerator in ("cpu", "npu"):
+        with pytest.raises(ValueError, match=f"Triton kernels for CUDA GPUs; resources.accelerator is '{accelerator}'"):
+            parse_spec({**SPEC, "resources": {"accelerator": accelerator}, "suites": {**SPEC["suites"], "fused": True}})
+
+
 def test_fits_start_cheapest_first_then_longest():
     """Known order: the statistics fits (dense, oracle, threshold, TEAL) first, then Deja Vu's training, then the
     SVD predictor's and R-Sparse's decompositions; ready units of one priority keep their order."""
