@@ -83,7 +83,8 @@ def fit_priority(method: str) -> int:
     """The order a sweep's ready fits start in (lower first): fits from activation statistics first (seconds
     each: their settings' evaluations start at once), then the longest (training before decompositions), so the
     fits that gate the last evaluations start early. Measured on an H200 with the GPU busy evaluating: Deja Vu's
-    fits took 6-14 minutes, SVD's 2, the others under a minute."""
+    and SVD's fits take about 2 minutes each (Deja Vu's took 6-14 before its training moved onto the fitter's
+    device), the others under a minute."""
     from workers.sparsity.predictors import FIT_COST, FIT_COSTS
 
     cost = FIT_COST.get(method, 0)
