@@ -41,7 +41,7 @@ log = logging.getLogger("ctxsparse.plan")
 
 CODE_VERSION = "sweep-2"      # bump when a unit's computation changes meaning (old rows then stop matching)
 
-EVAL_BATCH_ACCELERATOR = 64   # sequences per generation batch on GPUs / NPUs
+EVAL_BATCH_ACCELERATOR = 64   # sequences per generation batch on GPUs / NPUs (suites.generation_batch: another)
 EVAL_TOKENS_ACCELERATOR = 32768     # padded tokens per log-likelihood forward on GPUs / NPUs (scoring.token_batches)
 
 
@@ -194,10 +194,10 @@ def plan_units(spec: SweepSpec, described: dict[str, dict], cpu_cores: int | Non
                                                       "heldout_fp": d["heldout_fp"]},
                                    [fit.id], f"{ref} {tag} perplexity", **coords))
             # accelerators score log-likelihoods in forwards of up to 32,768 padded tokens and generate 64
-            # sequences at a time (8 sequences on the CPU: the keys are left out there, so CPU units keep their
-            # ids); batching changes only summation order
-            task_ev = ev if acc == "cpu" else {**ev, "batch_size": EVAL_BATCH_ACCELERATOR,
-                                               "batch_tokens": EVAL_TOKENS_ACCELERATOR}
+            # sequences at a time, or suites.generation_batch (8 sequences on the CPU: the keys are left out there,
+            # so CPU units keep their ids); batching changes only summation order
+            gen_batch = spec.suites.generation_batch or EVAL_BATCH_ACCELERATOR
+            task_ev = ev if acc == "cpu" else {**ev, "batch_size": gen_batch, "batch_tokens": EVAL_TOKENS_ACCELERATOR}
             for t in ([] if shape else spec.suites.tasks):
                 units += task_units(t, ref, acc, {**task_ev, "suite": t.name, "limit": t.limit}, fit.id,
                                     f"{ref} {tag} {t.name}", coords)

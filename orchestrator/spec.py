@@ -217,11 +217,14 @@ class SuitesSpec(_Strict):
     autocast: products and attention in bf16 with fp32 sums, norms, softmax and the residual stream in fp32; the
     weights stay fp32). Collection and fitting stay fp32. ``fused`` (CUDA): the forwards' RMS norms and rotary
     embedding as one Triton kernel each (``workers.evals.fused_forward``; the same functions, summed in another
-    order). Both are left out of the canonical form at their defaults, so specs without them keep their hash."""
+    order). ``generation_batch`` (GPUs, NPUs): sequences per generation batch of a generation task (GSM8K);
+    ``None``: 64. The three are left out of the canonical form at their defaults, so specs without them keep their
+    hash."""
     perplexity: PerplexitySpec | None = PerplexitySpec()
     tasks: list[TaskSpec] = Field(default_factory=list)
     matmul: Literal["fp32", "tf32", "bf16"] = MATMUL_FP32
     fused: bool = False
+    generation_batch: Annotated[int, Field(ge=1, le=4096)] | None = None
 
     @model_validator(mode="after")
     def _something(self) -> "SuitesSpec":
@@ -241,6 +244,8 @@ class SuitesSpec(_Strict):
             out.pop("matmul")
         if isinstance(out, dict) and out.get("fused") is False:
             out.pop("fused")
+        if isinstance(out, dict) and out.get("generation_batch") is None:
+            out.pop("generation_batch", None)
         return out
 
 
@@ -363,6 +368,9 @@ class SweepSpec(_Strict):
         if self.suites.fused and self.resources.accelerator != "cuda":
             raise ValueError(f"suites.fused: the fused norm and rotary kernels are Triton kernels for CUDA GPUs; "
                              f"resources.accelerator is {self.resources.accelerator!r}")
+        if self.suites.generation_batch is not None and self.resources.accelerator == "cpu":
+            raise ValueError("suites.generation_batch sizes an accelerator's generation batches (cuda, npu); on the "
+                             "CPU a task's batch is 8 sequences: leave it out")
         return self
 
     def canonical(self) -> dict:

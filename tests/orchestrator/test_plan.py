@@ -274,6 +274,30 @@ def test_fused_scoring_is_a_cuda_choice_of_the_spec_that_changes_only_the_eval_u
             parse_spec({**SPEC, "resources": {"accelerator": accelerator}, "suites": {**SPEC["suites"], "fused": True}})
 
 
+def test_generation_batch_sizes_the_accelerator_task_units_only():
+    """``suites.generation_batch: 128`` gives the task units of an accelerator sweep 128 sequences per generation
+    batch (64 without it), leaves perplexity, fit and latency units as they were, stays out of the hash when left
+    out, and is refused on a CPU sweep (whose tasks run 8 sequences per forward)."""
+    gpu = {**SPEC, "resources": {"accelerator": "cuda"}}
+    plain = plan_units(parse_spec(gpu), DESCRIBED)
+    big = plan_units(parse_spec({**gpu, "suites": {**SPEC["suites"], "generation_batch": 128}}), DESCRIBED)
+    assert [u.kind for u in plain] == [u.kind for u in big]
+    tasks = 0
+    for a, b in zip(plain, big):
+        if a.kind == "eval" and a.config["suite"] != "perplexity":
+            tasks += 1
+            assert a.config["batch_size"] == 64 and b.config["batch_size"] == 128 and a.id != b.id
+        else:
+            assert a.id == b.id
+    assert tasks > 0
+    assert parse_spec({**gpu, "suites": {**SPEC["suites"], "generation_batch": None}}).spec_hash() == \
+        parse_spec(gpu).spec_hash()
+    with pytest.raises(ValueError, match="suites.generation_batch sizes an accelerator's generation batches"):
+        parse_spec({**SPEC, "suites": {**SPEC["suites"], "generation_batch": 128}})
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        parse_spec({**gpu, "suites": {**SPEC["suites"], "generation_batch": 0}})
+
+
 def test_fits_start_cheapest_first_then_longest():
     """Known order: the statistics fits (dense, oracle, threshold, TEAL) first, then Deja Vu's training, then the
     SVD predictor's and R-Sparse's decompositions; ready units of one priority keep their order."""
