@@ -61,4 +61,5 @@ def test_scores_at_decode_equal_the_batched_scores(monkeypatch):
             n = len(calls)
             one = torch.cat([pred.scores(x[i:i + 1]) for i in range(4)])
         assert len(calls) > n
-        torch.testing.assert_close(one, batch[:4], rtol=1e-4, atol=1e-4)
+        # the SVD product's scores reach about 1e4 here: fp32 summation order moves them by ulps of that scale
+        torch.testing.assert_close(one, batch[:4], rtol=1e-4, atol=1e-6 * float(batch.abs().max()) + 1e-6)
