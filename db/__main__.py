@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         if name == "export":
             p.add_argument("sweep", help="sweep name (the newest of that name) or id")
             p.add_argument("file", help="the .jsonl file to write")
+            p.add_argument("--all-request-scores", action="store_true",
+                           help="also the scored requests of shards whose task is assembled (left out by default: "
+                                "the task's rows hold what they give)")
         elif name == "load":
             p.add_argument("file", help="a .jsonl file written by export")
         p.add_argument("--db", dest="db", default=None, metavar="URL",
@@ -74,7 +77,7 @@ def _resultset(args, url: str) -> int:
                 raise ResultSetError("the store is empty (no schema)")
             with session_scope(get_engine(url, read_only=True)) as s:
                 sweep = int(args.sweep) if args.sweep.isdigit() else args.sweep
-                n = write_jsonl(export_sweep(s, sweep, rev), args.file)
+                n = write_jsonl(export_sweep(s, sweep, rev, args.all_request_scores), args.file)
             print(f"{args.file}: {n - 1} rows of sweep {args.sweep} from {_safe(url)}")
         else:
             records = read_jsonl(args.file)

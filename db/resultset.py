@@ -2,8 +2,9 @@
 
 A result set is what a store knows about one sweep: the sweep, its units (status, config, worker, timings,
 errors), the models and datasets they point at, and every accuracy, latency and per-layer row of those units, and
-the scored requests of task shards (so a sweep loaded elsewhere can still assemble a task whose shards are done).
-Artifacts are left out: they name files on the host that ran the sweep (activation caches, bundles).
+the scored requests of the task shards whose task is not assembled yet (so a sweep loaded elsewhere can still
+assemble it; ``all_request_scores``: every shard's, which a full grid makes millions of rows). Artifacts are left
+out: they name files on the host that ran the sweep (activation caches, bundles).
 
     {"format": "ctxsparse-resultset-1", "sweep": NAME, "schema_revision": REV, "exported_at": ISO}
     {"table": "models", "row": {...}}
@@ -47,8 +48,21 @@ def _row(obj) -> dict[str, Any]:
     return out
 
 
-def export_sweep(session: Session, sweep: str | int, schema_revision: str | None = None) -> Iterator[dict]:
-    """The records of one sweep (by name, newest of that name, or id): a header, then rows in TABLES order."""
+def _assembled_shards(units: list) -> set[str]:
+    """The shard units (eval config with ``shard``) whose task's unit (the same config without it: the id of the
+    unsharded unit, ``orchestrator.plan.task_units``) is done among ``units``: nothing reads their scores again."""
+    def key(cfg: dict) -> str:
+        return json.dumps({k: v for k, v in cfg.items() if k != "shard"}, sort_keys=True)
+
+    done = {key(u.config) for u in units
+            if u.kind == "eval" and u.status == "done" and "shard" not in (u.config or {})}
+    return {u.id for u in units if u.kind == "eval" and "shard" in (u.config or {}) and key(u.config) in done}
+
+
+def export_sweep(session: Session, sweep: str | int, schema_revision: str | None = None,
+                 all_request_scores: bool = False) -> Iterator[dict]:
+    """The records of one sweep (by name, newest of that name, or id): a header, then rows in TABLES order.
+    Request scores only of the shards whose task is not assembled yet, unless ``all_request_scores``."""
     stmt = select(Sweep).where(Sweep.id == sweep) if isinstance(sweep, int) else \
         select(Sweep).where(Sweep.name == sweep).order_by(Sweep.id.desc()).limit(1)
     sw = session.scalars(stmt).first()
@@ -71,8 +85,10 @@ def export_sweep(session: Session, sweep: str | int, schema_revision: str | None
         yield {"table": "work_units", "row": _row(u)}
     for uid in unit_ids:
         yield {"table": "sweep_units", "row": {"sweep_id": sw.id, "unit_id": uid}}
+    skip = set() if all_request_scores else _assembled_shards(units)
     for name, entity in RESULT_TABLES.items():
-        for r in session.scalars(select(entity).where(entity.unit_id.in_(unit_ids))
+        ids = [u for u in unit_ids if u not in skip] if entity is RequestScore else unit_ids
+        for r in session.scalars(select(entity).where(entity.unit_id.in_(ids))
                                  .order_by(entity.unit_id, entity.id)):
             yield {"table": name, "row": _row(r)}
 

@@ -2,6 +2,7 @@
 results, loading twice adds nothing, and a bad file writes nothing and names its line."""
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -138,3 +139,47 @@ def test_cli_takes_the_store_as_db_or_last_and_refuses_two(tmp_path, capsys, mon
     monkeypatch.setenv("CTXSPARSE_DB_URL", f"sqlite:///{other}")
     assert db_main(["load", str(out)]) == 0 and other.exists()
     assert "4 work_units" in capsys.readouterr().out
+
+
+def test_request_scores_of_assembled_tasks_stay_out_unless_asked(tmp_path):
+    """Task A's unit is done (assembled from its two shards): its shards' scores are left out of the export, as
+    nothing reads them again. Task B's unit is not done: its done shard's scores travel, so a store that loads the
+    file can assemble B. ``all_request_scores`` (``--all-request-scores``) exports every shard's."""
+    from tests.db.db_support import unit_spec
+
+    eng = get_engine(f"sqlite:///{tmp_path / 'shards.db'}")
+    upgrade(eng)
+    task_a, task_b = {"suite": "mmlu", "fit_unit": "f1"}, {"suite": "hellaswag", "fit_unit": "f1"}
+    cfgs = {"a": task_a, "a0": {**task_a, "shard": [0, 2]}, "a1": {**task_a, "shard": [1, 2]},
+            "b": task_b, "b0": {**task_b, "shard": [0, 2]}, "b1": {**task_b, "shard": [1, 2]}}
+    ids = {k: hashlib.sha256(k.encode()).hexdigest()[:16] for k in cfgs}
+    with session_scope(eng) as s:
+        model = q.upsert_model(s, name="m", fingerprint="fp-m", family="llama")
+        sid, _ = q.get_or_create_sweep(s, name="sh", spec_hash="c" * 64, spec={"name": "sh"})
+        q.register_units(s, sid, [unit_spec(i, model, id=ids[k], config=c) for i, (k, c) in enumerate(cfgs.items())])
+    for k in ("a0", "a1", "b0", "a"):
+        with session_scope(eng) as s:
+            q.mark_running(s, ids[k], worker="w")
+        with session_scope(eng) as s:
+            scores = [{"request": r, "loglikelihood": -1.0 - r, "greedy": r % 2 == 0} for r in range(5)] \
+                if "shard" in cfgs[k] else []
+            assert q.finish_unit(s, ids[k], request_scores=scores, duration_s=1.0)
+
+    def exported(**kw) -> dict[str, int]:
+        with session_scope(eng) as s:
+            recs = list(export_sweep(s, "sh", **kw))
+        per: dict[str, int] = {}
+        for r in recs[1:]:
+            if r["table"] == "request_scores":
+                per[r["row"]["unit_id"]] = per.get(r["row"]["unit_id"], 0) + 1
+        return per
+
+    assert exported() == {ids["b0"]: 5}
+    assert exported(all_request_scores=True) == {ids["a0"]: 5, ids["a1"]: 5, ids["b0"]: 5}
+    src = f"sqlite:///{tmp_path / 'shards.db'}"
+    assert db_main(["export", "sh", str(tmp_path / "lean.jsonl"), src]) == 0
+    assert db_main(["export", "sh", str(tmp_path / "full.jsonl"), src, "--all-request-scores"]) == 0
+    lean = (tmp_path / "lean.jsonl").read_text().count('"request_scores"')
+    full = (tmp_path / "full.jsonl").read_text().count('"request_scores"')
+    assert (lean, full) == (5, 15)
+    eng.dispose()
