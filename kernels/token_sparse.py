@@ -112,10 +112,10 @@ def token_sparse_head_out(attn: torch.Tensor, w_o: torch.Tensor, head_mask: torc
 
 
 def masked_token_ffn(x, w_up, w_down_t, mask, act, w_gate=None, b_up=None, b_down=None, filter_threshold=None,
-                     filter_weight=None):
+                     filter_weight=None, count: bool = True):
     """``token_sparse_ffn``'s function and counts as dense products with the unselected (token, neuron) entries
     zeroed (the evaluation path where dense is cheaper than the sparse products; ``sparse_exec`` mode "masked").
-    The counts stay tensors on x's device: no host sync per call."""
+    The counts stay tensors on x's device: no host sync per call. ``count=False``: no counts (None, None)."""
     _check_filter(w_gate, filter_threshold, filter_weight)
     if w_gate is not None:
         a = apply_act(x @ w_gate.t(), act)
@@ -124,7 +124,8 @@ def masked_token_ffn(x, w_up, w_down_t, mask, act, w_gate=None, b_up=None, b_dow
     h = a * (x @ w_up.t()) if w_gate is not None else a
     keep = mask if filter_threshold is None else mask & _passes_filter(a, h, filter_threshold, filter_weight)
     y = (h * keep) @ w_down_t
-    return (y + b_down if b_down is not None else y), mask.sum(), keep.sum()
+    y = y + b_down if b_down is not None else y
+    return (y, mask.sum(), keep.sum()) if count else (y, None, None)
 
 
 def reference_token_sparse_ffn(x, w_up, w_down_t, mask, act, w_gate=None, b_up=None, b_down=None,

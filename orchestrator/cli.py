@@ -155,11 +155,30 @@ def submit_spec(args, spec, resume: bool = False) -> int:
     runtime_env = {"env_vars": env}
     if args.working_dir:
         runtime_env["working_dir"] = args.working_dir
-    client.submit_job(entrypoint="python -m orchestrator.driver -", submission_id=sid, runtime_env=runtime_env,
-                      metadata={"sweep": spec.name, "spec_hash": spec.spec_hash()})
+    submit_job(client, entrypoint="python -m orchestrator.driver -", submission_id=sid, runtime_env=runtime_env,
+               metadata={"sweep": spec.name, "spec_hash": spec.spec_hash()})
     print(json.dumps({"submission_id": sid, "status": "PENDING", "submitted": True, "address": _address(args),
                       "previous": previous}))
     return _follow(client, sid) if args.follow else 0
+
+
+AGENT_NOT_UP = "No available agent to submit job"    # Ray's answer while the head's job agent is starting
+AGENT_WAIT_S = 60.0
+
+
+def submit_job(client, wait_s: float = AGENT_WAIT_S, pause_s: float = 2.0, **job) -> str:
+    """``client.submit_job(**job)``, asked again every ``pause_s`` for up to ``wait_s`` while Ray answers that no
+    job agent is available yet (a cluster seconds after ``ray start``: Ray says to try again later); any other
+    error, or that one after ``wait_s``, is raised."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return client.submit_job(**job)
+        except RuntimeError as e:
+            if AGENT_NOT_UP not in str(e) or time.monotonic() + pause_s > deadline:
+                raise
+            print(f"Ray's job agent is not up yet; asking again in {pause_s:g} s", file=sys.stderr)
+            time.sleep(pause_s)
 
 
 def _follow(client, sid: str) -> int:

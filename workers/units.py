@@ -296,6 +296,8 @@ class Units:
         lm, b = self._bundle(cfg)
         # fingerprint compared in _bundle (cached on lm); exec_mode: how the rows are computed (plan.py says why)
         applied = apply_bundle(lm.model, b, check_model=False, mode=cfg.get("exec_mode", "auto"))
+        # only the perplexity unit reports the realized sparsity: the task units' forwards count nothing
+        applied.stats.counting = cfg["suite"] == "perplexity"
         out = UnitOutput()
         fused = fused_elementwise(lm.model) if cfg.get("fused") else nullcontext()     # suites.fused
         with applied, matmul_precision(cfg.get("matmul", MATMUL_FP32), self.device), fused:

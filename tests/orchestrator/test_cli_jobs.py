@@ -257,3 +257,34 @@ def test_submit_rejects_budgets_smaller_than_one_window(tmp_path, capsys):
     assert "Traceback" not in err and "Ray" not in err, err
     assert "suites.perplexity" in err and "tokens (256) is smaller than seq_len (512)" in err, err
     assert "data" in err and "calib_tokens (512) is smaller than seq_len (1024)" in err, err
+
+
+def test_submit_asks_again_while_rays_job_agent_is_starting(capsys):
+    """Seconds after ``ray start`` the head answers a job submission with 'No available agent to submit job,
+    please try again later' (HTTP 500, Ray's SDK raises RuntimeError): ``submit_job`` asks again until the agent
+    answers; any other error, and that one once the wait is over, is raised. (Against the real cluster, the
+    suite's resumed sweep submits right after its first run.)"""
+    from orchestrator.cli import submit_job
+
+    agent_down = RuntimeError("Request failed with status code 500: No available agent to submit job, please try "
+                              "again later..")
+
+    class Head:      # the answers of Ray's job API while the head's agent starts
+        def __init__(self, failures, error=agent_down):
+            self.failures, self.error, self.calls = failures, error, 0
+
+        def submit_job(self, **job):
+            self.calls += 1
+            if self.calls <= self.failures:
+                raise self.error
+            return job["submission_id"]
+
+    head = Head(2)
+    assert submit_job(head, pause_s=0.01, submission_id="sweep-1") == "sweep-1" and head.calls == 3
+    assert capsys.readouterr().err.count("job agent is not up yet") == 2
+    with pytest.raises(RuntimeError, match="No available agent"):
+        submit_job(Head(5), wait_s=0.03, pause_s=0.02, submission_id="sweep-1")
+    bad = Head(1, RuntimeError("Request failed with status code 400: runtime_env is invalid."))
+    with pytest.raises(RuntimeError, match="runtime_env is invalid"):
+        submit_job(bad, pause_s=0.01, submission_id="sweep-1")
+    assert bad.calls == 1

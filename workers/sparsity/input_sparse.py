@@ -72,9 +72,12 @@ class InputStats:
     """Per (layer, projection): weight elements, and (token, input) entries seen / kept.
 
     ``add`` takes the kept count as a number or as a tensor on the model's device; tensors are summed there and
-    read back only when ``seen`` is read (one copy per projection then, not one host sync per forward)."""
+    read back only when ``seen`` is read (one copy per projection then, not one host sync per forward).
+    ``counting = False``: the projections count nothing (no reduction per forward), for runs whose rows do not
+    report the realized sparsity (an evaluation's task units; its perplexity unit counts)."""
     numel: dict[tuple[int, str], int] = field(default_factory=dict)   # every projection of the model
     _seen: dict[tuple[int, str], list] = field(default_factory=dict)
+    counting: bool = True
 
     @property
     def seen(self) -> dict[tuple[int, str], list[int]]:
@@ -133,7 +136,8 @@ class InputSparseLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         keep = input_score(x2, self.scale) > self.threshold
-        self._stats.add(self.layer, self.proj, keep.numel(), keep.sum())      # counted on the device
+        if self._stats.counting:
+            self._stats.add(self.layer, self.proj, keep.numel(), keep.sum())      # counted on the device
         if self.mode == "masked" or x2.shape[0] > MAX_BATCH:
             return self.orig(torch.where(keep.reshape(shape), x, 0))      # one kernel: no float copy of the mask
         from kernels import ops, reference

@@ -26,6 +26,7 @@ runtime accounts for the K/V cost in its latency rows.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -98,6 +99,15 @@ class SparseStats:
         self.layers.clear()
         self.inputs.reset()
 
+    @property
+    def counting(self) -> bool:
+        """Whether the swapped modules count what they keep (``InputStats.counting``; one switch for every part)."""
+        return self.inputs.counting
+
+    @counting.setter
+    def counting(self, on: bool) -> None:
+        self.inputs.counting = bool(on)
+
     def input_sparsity(self, proj: str | None = None) -> float:
         """Realized fraction of projection inputs dropped (input sparsity), over the input-sparse projections."""
         return self.inputs.sparsity(proj)
@@ -166,11 +176,13 @@ class SparseFFN(nn.Module):
         kind = self.predictor.input_kind
         pin = x2 if kind == "ffn_in" else self._taps.get(self.layer, kind).reshape(-1, shape[-1])
         mask = self.predictor.mask(pin)
-        ffn = masked_token_ffn if self.mode == "masked" else token_sparse_ffn
+        count = self._stats.counting
+        ffn = functools.partial(masked_token_ffn, count=count) if self.mode == "masked" else token_sparse_ffn
         y, n_first, n_kept = ffn(x2, self.w_up, self.w_down_t, mask, self.act, w_gate=self.w_gate,
                                  b_up=self.b_up, b_down=self.b_down, filter_threshold=self.filter_threshold,
                                  filter_weight=self.filter_weight)
-        self._stats.layers.setdefault(self.layer, LayerStats()).add_ffn(x2.shape[0], n_first, n_kept)
+        if count:
+            self._stats.layers.setdefault(self.layer, LayerStats()).add_ffn(x2.shape[0], n_first, n_kept)
         return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
 
 
@@ -198,7 +210,8 @@ class TokenSparseHeadOut(nn.Module):
         else:
             y = token_sparse_head_out(a2, linear_weight(self.orig), mask, self.head_dim,
                                       getattr(self.orig, "bias", None))
-        self._stats.layers.setdefault(self.layer, LayerStats()).add_heads(a2.shape[0], mask.sum())
+        if self._stats.counting:
+            self._stats.layers.setdefault(self.layer, LayerStats()).add_heads(a2.shape[0], mask.sum())
         return y.reshape(*shape[:-1], y.shape[-1]).to(attn.dtype)
 
 

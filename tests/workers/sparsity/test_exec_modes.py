@@ -102,3 +102,28 @@ def test_weights_skipped_counts_up_on_the_superset_with_the_damage_filter():
         st.layers[0] = LayerStats()
         st.layers[0].add_ffn(100, 700, 500)
         assert st.weight_skipped() == pytest.approx(want / total, rel=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["masked", "kernel"])
+def test_counting_off_gives_the_same_logits_and_counts_nothing(mode):
+    """``stats.counting = False`` (an evaluation's task units): every part (FFN, heads, input-sparse
+    projections) computes the same logits as with counting on, and no count is taken; switched back on, the
+    counts are the ones a counted forward takes."""
+    model = tiny_model("llama")
+    plan = random_plan(model, 0.5, 0.5, rank=8, input_kind="residual", seed=4)
+    plan.inputs = {l: {"q": 0.3, "k": 0.3, "v": 0.3} for l in plan.mlp}
+    toks = _tokens(n_windows=2, seq_len=16)
+    with torch.no_grad(), apply_sparsity(model, plan, mode=mode) as applied:
+        counted = model(input_ids=toks.windows).logits
+        ref = (applied.stats.mlp_sparsity(), applied.stats.head_sparsity(), applied.stats.input_sparsity())
+        assert 0 < ref[2] < 1 and ref[0] > 0 and ref[1] > 0
+        applied.stats.reset()
+        applied.stats.counting = False
+        assert applied.stats.inputs.counting is False
+        quiet = model(input_ids=toks.windows).logits
+        assert applied.stats.layers == {} and applied.stats.inputs.seen == {}
+        applied.stats.counting = True
+        model(input_ids=toks.windows)
+        again = (applied.stats.mlp_sparsity(), applied.stats.head_sparsity(), applied.stats.input_sparsity())
+    torch.testing.assert_close(quiet, counted, rtol=0, atol=0)
+    assert again == ref
