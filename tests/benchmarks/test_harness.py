@@ -96,10 +96,13 @@ def test_copy_bandwidth_on_cpu_is_no_faster_than_the_fastest_copy():
     import torch
 
     n = 16 << 20
-    src = torch.randint(0, 255, (n,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
 
     def fastest(k: int = 8) -> float:
+        # fresh buffers each time, as the probe allocates its own (a copy between buffers allocated once at the
+        # start of the test once ran at a fifth of the probe's rate)
+        src = torch.randint(0, 255, (n,), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
         ts = []
         for _ in range(k):
             t0 = time.perf_counter()
@@ -107,11 +110,12 @@ def test_copy_bandwidth_on_cpu_is_no_faster_than_the_fastest_copy():
             ts.append(time.perf_counter() - t0)
         return 2 * n / min(ts) / 1e9
 
-    dst.copy_(src)
-    before = fastest()
-    bw = H.copy_bandwidth(n, reps=5, warmup=1, device="cpu")
-    own = max(before, fastest())
-    assert 0 < bw <= 1.5 * own, (bw, own)
+    # interleaved rounds, so that a shift of the shared machine's speed during the test hits both
+    probes, own = [], [fastest()]
+    for _ in range(3):
+        probes.append(H.copy_bandwidth(n, reps=5, warmup=1, device="cpu"))
+        own.append(fastest())
+    assert 0 < min(probes) <= 1.5 * max(own), (probes, own)
 
 
 # ---- the row schema and the writer -----------------------------------------------------------------------------
