@@ -139,6 +139,10 @@ def test_topk_keeps_exactly_k_entries_per_token(tmp_path):
     for p, n in (("q", d), ("k", d), ("v", d), ("o", n_o), ("gate", d), ("up", d), ("down", D)):
         assert st.sparsity(proj=p) == pytest.approx(1 - keep_count(s, n) / n, abs=1e-12)
     assert keep_count(s, d) == 29 and keep_count(s, D) == 48
+    with torch.no_grad(), apply_sparsity(model, plan) as applied:     # counting off (a task unit): nothing counted
+        applied.stats.counting = False
+        model(input_ids=ids)
+        assert applied.stats.inputs.seen == {}
 
 
 # ---------------------------------------------------------------- bytes
