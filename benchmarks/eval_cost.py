@@ -92,6 +92,11 @@ def _batching(spec: str, matmul: str) -> dict:
             **({"matmul": precision} if precision != MATMUL_FP32 else {}), **({"fused": True} if plus else {})}
 
 
+def _forward(batching: dict) -> dict:
+    """What of a batching (``_batching``) changes the forward itself rather than its batches: precision, fusion."""
+    return {k: v for k, v in batching.items() if k in ("matmul", "fused")}
+
+
 def _profiled(units, cfg: dict, device: str, top: int = 25) -> list[dict]:
     """One more run of an eval unit under torch.profiler: its ``top`` ops by time on the device (CPU time on a
     CPU), with their calls and share of the total."""
@@ -224,8 +229,7 @@ def main(argv=None) -> int:
     # templates and reads the data on a task's first call in a process, and a fused forward compiles its Triton
     # kernels on its first call; that cost would otherwise land on whichever setting ran first), and its requests
     # built once into the request cache (as a sweep's first unit of the task does; every timed run reads them)
-    forwards = {json.dumps({k: v for k, v in b.items() if k in ("matmul", "fused")}, sort_keys=True)
-                for b in batchings.values()}
+    forwards = {json.dumps(_forward(b), sort_keys=True) for b in batchings.values()}
     for name, limit in tasks:
         if name != "perplexity":
             for fw in sorted(forwards):
@@ -239,8 +243,7 @@ def main(argv=None) -> int:
         for b in (order if name != "perplexity" else a.batchings[:1]):   # perplexity runs its own windows
             for label, fit_id in fits.items():
                 for mode in (["masked"] if label == DENSE else modes):
-                    forward = {k: v for k, v in batchings[b].items() if k in ("matmul", "fused")}
-                    cfg = {**base, "fit_unit": fit_id, "exec_mode": mode, **forward}
+                    cfg = {**base, "fit_unit": fit_id, "exec_mode": mode, **_forward(batchings[b])}
                     cfg.update({"suite": "perplexity", "perplexity": ppl_cfg} if name == "perplexity"
                                else {"suite": name, "limit": limit, **batchings[b]})
                     if a.device.startswith("cuda"):

@@ -240,12 +240,10 @@ class SuitesSpec(_Strict):
     @model_serializer(mode="wrap")
     def _canonical(self, handler):
         out = handler(self)
-        if isinstance(out, dict) and out.get("matmul") == MATMUL_FP32:
-            out.pop("matmul")
-        if isinstance(out, dict) and out.get("fused") is False:
-            out.pop("fused")
-        if isinstance(out, dict) and out.get("generation_batch") is None:
-            out.pop("generation_batch", None)
+        if isinstance(out, dict):       # the later fields, at their defaults, stay out (spec hashes and unit ids)
+            for key, default in (("matmul", MATMUL_FP32), ("fused", False), ("generation_batch", None)):
+                if key in out and out[key] == default:
+                    del out[key]
         return out
 
 

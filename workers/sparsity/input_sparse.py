@@ -90,9 +90,16 @@ class InputStats:
         self._seen.clear()
 
     def add(self, layer: int, proj: str, n: int, kept: "int | torch.Tensor") -> None:
+        if not self.counting:
+            return
         s = self._seen.setdefault((layer, proj), [0, 0])
         s[0] += n
         s[1] = s[1] + kept
+
+    def add_mask(self, layer: int, proj: str, keep: torch.Tensor) -> None:
+        """``add`` of a boolean mask of the kept entries; its count is reduced only while counting."""
+        if self.counting:
+            self.add(layer, proj, keep.numel(), keep.sum())       # counted on the device
 
     def sparsity(self, proj: str | None = None, layer: int | None = None) -> float:
         """Realized fraction of (token, input) entries dropped, over the swapped projections selected."""
@@ -136,8 +143,7 @@ class InputSparseLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         keep = input_score(x2, self.scale) > self.threshold
-        if self._stats.counting:
-            self._stats.add(self.layer, self.proj, keep.numel(), keep.sum())      # counted on the device
+        self._stats.add_mask(self.layer, self.proj, keep)
         if self.mode == "masked" or x2.shape[0] > MAX_BATCH:
             return self.orig(torch.where(keep.reshape(shape), x, 0))      # one kernel: no float copy of the mask
         from kernels import ops, reference

@@ -105,8 +105,7 @@ class RankSparseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         keep = input_score(x, self.scale) > self.threshold
-        if self._stats.counting:
-            self._stats.add(self.layer, self.proj, keep.numel(), keep.sum())      # counted on the device
+        self._stats.add_mask(self.layer, self.proj, keep)
         y = self.orig(torch.where(keep, x, 0))
         if self.a is None:
             return y

@@ -141,7 +141,7 @@ class RotatedTopKNorm(nn.Module):
         score = r.abs() if self.scale is None else r.abs() * self.scale.to(r.dtype)
         keep = topk_keep(score.reshape(-1, r.shape[-1]), self.k).reshape(r.shape)
         t = keep.shape[:-1].numel()
-        for p in self.projections if self._stats.counting else ():
+        for p in self.projections:
             self._stats.add(self.layer, p, t * r.shape[-1], t * self.k)
         return (r * keep).to(h.dtype)
 
@@ -163,8 +163,7 @@ class TopKInputLinear(nn.Module):
         score = x.abs() if self.scale is None else x.abs() * self.scale.to(x.dtype)
         keep = topk_keep(score.reshape(-1, x.shape[-1]), self.k).reshape(x.shape)
         t = keep.shape[:-1].numel()
-        if self._stats.counting:
-            self._stats.add(self.layer, self.proj, t * x.shape[-1], t * self.k)
+        self._stats.add(self.layer, self.proj, t * x.shape[-1], t * self.k)
         return self.lin(torch.where(keep, x, 0))
 
     def extra_repr(self) -> str:
