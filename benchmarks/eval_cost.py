@@ -8,14 +8,18 @@ may differ only by summation order. Bundles and activation caches stay under ``$
 nothing again). ``--batchings`` times each task under several scoring batchings, side by side (their order
 reversed from one task to the next): ``N`` sequences per forward, ``tN`` forwards of at most N padded tokens (the
 GPU sweep's is ``t32768``), either with ``@bf16`` (or ``@tf32``, ``@fp32``: the forward precision, ``--matmul``
-where it is left out) and ``+fused`` (the norms and rotary embedding as one kernel each,
-``workers.evals.fused_forward``); each is compared with dense under the same batching and with the first.
+where it is left out), ``+fused`` (the norms and rotary embedding as one kernel each,
+``workers.evals.fused_forward``) and ``+lmeval`` (generation tasks by lm-eval's own loop instead of batches refilled
+as sequences finish, ``workers.evals.generation``); each is compared with dense under the same batching and with
+the first.
 
     python -m benchmarks.eval_cost --device cuda --settings oracle:0.5,threshold:0.5,svd:0.5:256 \\
         --tasks perplexity,piqa:1000,arc_easy,lambada_openai:2000,gsm8k_cot:20 --json eval_cost.json
     python -m benchmarks.eval_cost --device cuda --settings oracle:0.5,teal:0.5 --modes masked --matmul tf32 \\
         --tasks hellaswag:2000,mmlu:20,piqa --batchings 32,t8192,t32768,t65536,t32768@bf16,t32768+fused --profile \\
         --json eval_batching.json
+    python -m benchmarks.eval_cost --device cuda --settings '' --modes masked --matmul tf32 \\
+        --tasks gsm8k_cot:256 --batchings 128,128+lmeval --json eval_generation.json
 
 ``--profile`` runs each (setting, mode, batching) of the first task once more under ``torch.profiler``, untimed,
 and keeps its ops by device time: where a scoring forward's time goes.
@@ -40,6 +44,7 @@ from workers.units import Units
 
 OPTIONS = {"svd": {"target": "product"}}      # the settings the GPU sweep publishes
 MATMULS = (MATMUL_FP32, MATMUL_TF32, MATMUL_BF16)
+SUFFIXES = {"fused", "lmeval"}                # of a batching: fused norms and rotary; lm-eval's generation loop
 
 
 def _setting(spec: str) -> dict:
@@ -73,11 +78,13 @@ def _main_value(out) -> tuple[str, float, float | None]:
 
 def _batching(spec: str, matmul: str) -> dict:
     """``N``: N sequences per forward; ``tN``: forwards of at most N padded tokens (``scoring.token_batches``);
-    either one ``@fp32|@tf32|@bf16``: the forward precision (``suites.matmul``) instead of ``matmul``; a final
-    ``+fused``: the norms and rotary embedding fused (``workers.evals.fused_forward``)."""
-    spec, plus, extra = spec.partition("+")
-    if plus and extra != "fused":
-        raise ValueError(f"batching {spec}+{extra}: the only suffix is +fused")
+    either one ``@fp32|@tf32|@bf16``: the forward precision (``suites.matmul``) instead of ``matmul``; then
+    ``+fused``: the norms and rotary embedding fused (``workers.evals.fused_forward``), ``+lmeval``: generation by
+    lm-eval's own loop (``scoring.GENERATION_LOOPS``), either or both."""
+    spec, _, extra = spec.partition("+")
+    suffixes = extra.split("+") if extra else []
+    if not set(suffixes) <= SUFFIXES or len(set(suffixes)) != len(suffixes):
+        raise ValueError(f"batching {spec}+{extra}: suffixes are {sorted(SUFFIXES)}, each at most once")
     size, _, precision = spec.partition("@")
     precision = precision or matmul
     if precision not in MATMULS:
@@ -89,12 +96,15 @@ def _batching(spec: str, matmul: str) -> dict:
     if n < 1:
         raise ValueError(f"batching {spec!r}: N (sequences per forward) or tN (padded tokens per forward), N >= 1")
     return {("batch_tokens" if size.startswith("t") else "batch_size"): n,
-            **({"matmul": precision} if precision != MATMUL_FP32 else {}), **({"fused": True} if plus else {})}
+            **({"matmul": precision} if precision != MATMUL_FP32 else {}),
+            **({"fused": True} if "fused" in suffixes else {}),
+            **({"generation": "lm_eval"} if "lmeval" in suffixes else {})}
 
 
 def _forward(batching: dict) -> dict:
-    """What of a batching (``_batching``) changes the forward itself rather than its batches: precision, fusion."""
-    return {k: v for k, v in batching.items() if k in ("matmul", "fused")}
+    """What of a batching (``_batching``) changes how it runs rather than its batches: precision, fusion, the
+    generation loop."""
+    return {k: v for k, v in batching.items() if k in ("matmul", "fused", "generation")}
 
 
 def _profiled(units, cfg: dict, device: str, top: int = 25) -> list[dict]:

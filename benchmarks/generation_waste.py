@@ -1,14 +1,16 @@
-"""How much of a GSM8K generation batch's work its answers use. lm-eval's loop (what a sweep runs) ends a batch of
-greedy ``generate_until`` requests only once every sequence has emitted the same stop string, or after
-``max_gen_toks`` new tokens (256). Every sequence of the batch is computed for as many steps as the batch runs.
-This script runs the first ``--limit`` items at ``--batch`` sequences per batch and reports:
-- the steps each batch ran;
+"""How much of a GSM8K generation batch's work its answers use, in lm-eval's loop and in batches refilled as
+sequences finish, side by side on the same items.
+
+lm-eval's loop (``--loops lm_eval``) ends a batch of greedy ``generate_until`` requests only once every sequence
+has emitted the same stop string, or after ``max_gen_toks`` new tokens (256): every sequence of the batch is
+computed for as many steps as the batch runs. The refilled loop (``rounds``, ``workers.evals.generation``, what
+``ScoringLM`` runs by default) retires finished sequences and refills their rows. For each loop the script runs
+the first ``--limit`` items at ``--batch`` sequences per batch and reports:
+- its seconds and its steps (one decoder forward of the batch each);
 - the tokens each answer needed (its text up to the first stop string, re-tokenized; the whole generation for an
   answer that never stopped);
-- the useful fraction: needed tokens over sequences × steps.
-
-A generation loop that retired finished sequences and refilled their rows would need about "needed / batch" steps
-instead.
+- the useful fraction: needed tokens over the sequence-steps computed;
+- whether the texts of the two loops are equal, item by item.
 
     python -m benchmarks.generation_waste --device cpu --limit 16 --batch 16 --threads 2 \\
         --json generation_waste_cpu.json
@@ -25,6 +27,7 @@ import torch
 from benchmarks.harness import command_line, write_results
 
 TASK = "gsm8k_cot"
+MAX_GEN = 256          # the task's max_gen_toks
 
 
 def main(argv=None) -> int:
@@ -34,50 +37,72 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=16, help="the first N GSM8K items")
     p.add_argument("--batch", type=int, default=16, help="sequences per generation batch")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--loops", default="lm_eval,rounds", help="comma list of generation loops, run in this order "
+                   "(scoring.GENERATION_LOOPS)")
     p.add_argument("--json", default=None, help="result file (a bare name goes under benchmarks/results/)")
     a = p.parse_args(argv)
     if a.limit < 1 or a.batch < 1:
         p.error("--limit and --batch must be at least 1")
+    from workers.evals.scoring import GENERATION_LOOPS
+
+    a.loops = [x for x in a.loops.split(",") if x]
+    if not a.loops or not set(a.loops) <= set(GENERATION_LOOPS) or len(set(a.loops)) != len(a.loops):
+        p.error(f"--loops: each of {GENERATION_LOOPS} at most once")
+    from workers.evals import generation
     from workers.evals.suites import run_suite
     from workers.units import Units
 
     torch.set_num_threads(a.threads)
     lm = Units(device=a.device).lm(a.model)
     model, tok = lm.model, lm.tokenizer
-    steps: list[tuple[int, int]] = []        # (sequences, steps) per batch
-    real_generate = model.generate
+    results = {}
+    for loop in a.loops:
+        steps: list[tuple[int, int]] = []        # lm-eval's loop: (sequences, steps) per batch
+        stats: dict[str, int] = {}               # the refilled loop's counts
+        real_generate, real_refilling = model.generate, generation.refilling_greedy
 
-    def counted(*args, **kwargs):
-        out = real_generate(*args, **kwargs)
-        steps.append((int(out.shape[0]), int(out.shape[1] - kwargs["input_ids"].shape[1])))
-        return out
+        def counted(*args, **kwargs):
+            out = real_generate(*args, **kwargs)
+            steps.append((int(out.shape[0]), int(out.shape[1] - kwargs["input_ids"].shape[1])))
+            return out
 
-    model.generate = counted
-    try:
-        t0 = time.perf_counter()
-        rows = run_suite(model, tok, [TASK], limit=a.limit, batch_size=a.batch, keep_items=True)
-        if a.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-    finally:
-        model.generate = real_generate
-    # the texts lm-eval kept are cut at the first stop string; one that never stopped is the whole generation
-    needed = []
-    for it in rows[0].items:
-        needed.append(min(len(tok.encode(it.outputs["raw"], add_special_tokens=False)), max(s for _, s in steps)))
-    computed = sum(b * s for b, s in steps)
-    useful = sum(needed) / computed if computed else 0.0
-    print(f"{TASK}, first {a.limit} items, {a.batch} per batch, {seconds:.1f} s")
-    print(f"  steps per batch: {[s for _, s in steps]}")
-    print(f"  tokens the answers needed: median {statistics.median(needed):.0f}, mean {statistics.mean(needed):.1f}, "
-          f"sorted {sorted(needed)}")
-    print(f"  useful fraction of the computed sequence-steps: {useful:.2f} ({sum(needed)} of {computed})")
+        def refilling(*args, **kwargs):
+            return real_refilling(*args[:7], stats=stats)
+
+        model.generate, generation.refilling_greedy = counted, refilling
+        try:
+            t0 = time.perf_counter()
+            rows = run_suite(model, tok, [TASK], limit=a.limit, batch_size=a.batch, keep_items=True, generation=loop)
+            if a.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+        finally:
+            model.generate, generation.refilling_greedy = real_generate, real_refilling
+        if loop == "lm_eval":
+            n_steps, computed = sum(s for _, s in steps), sum(b * s for b, s in steps)
+        else:
+            n_steps, computed = stats["steps"], stats["row_steps"]
+        # the texts lm-eval kept are cut at the first stop string; one that never stopped is the whole generation
+        texts = [it.outputs["raw"] for it in rows[0].items]
+        needed = [min(len(tok.encode(t, add_special_tokens=False)), MAX_GEN) for t in texts]
+        useful = sum(needed) / computed if computed else 0.0
+        results[loop] = {"seconds": seconds, "steps": n_steps, "sequence_steps": computed, "useful_fraction": useful,
+                         "needed_tokens": needed, "texts": texts, "counts": stats or None,
+                         "steps_per_batch": steps or None, "scores": [(r.metric, r.value) for r in rows]}
+        print(f"{TASK} by {loop}: first {a.limit} items, {a.batch} rows, {seconds:.1f} s, {n_steps} steps; "
+              f"useful fraction {useful:.2f} ({sum(needed)} of {computed} sequence-steps)", flush=True)
+        print(f"  tokens the answers needed: median {statistics.median(needed):.0f}, mean "
+              f"{statistics.mean(needed):.1f}; scores {results[loop]['scores']}", flush=True)
+    if len(results) == 2:
+        a_, b_ = (results[k]["texts"] for k in a.loops)
+        same = sum(x == y for x, y in zip(a_, b_))
+        print(f"texts equal in both loops: {same} of {len(a_)}; steps {a.loops[0]} / {a.loops[1]}: "
+              f"{results[a.loops[0]]['steps'] / max(1, results[a.loops[1]]['steps']):.2f}, seconds: "
+              f"{results[a.loops[0]]['seconds'] / results[a.loops[1]]['seconds']:.2f}")
     if a.json:
         path = write_results(a.json, [], command=command_line("benchmarks.generation_waste"), device=a.device,
                              meta={"model": a.model, "threads": a.threads, "limit": a.limit, "batch": a.batch},
-                             sections={"seconds": seconds, "steps_per_batch": steps, "needed_tokens": needed,
-                                       "useful_fraction": useful,
-                                       "scores": [(r.metric, r.value) for r in rows]})
+                             sections={"loops": results})
         print(f"wrote {path}")
     return 0
 

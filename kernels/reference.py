@@ -262,6 +262,15 @@ def add_rms_norm(x, y, w, eps: float, one_plus: bool = False):
     return x, rms_norm(x, w, eps, one_plus)
 
 
+def masked_inputs(x, threshold: float, scale=None):
+    """An input-sparse projection's masked input: x where its score (|x|, or |x| · scale: WINA) exceeds
+    ``threshold``, else 0 (``workers.sparsity.input_sparse``'s masked mode)."""
+    a = x.abs()
+    if scale is not None:
+        a = a * scale.to(a.dtype)
+    return torch.where(a > threshold, x, 0)
+
+
 def rot_half(t):
     h = t.shape[-1] // 2
     return torch.cat((-t[..., h:], t[..., :h]), dim=-1)

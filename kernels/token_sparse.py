@@ -115,13 +115,17 @@ def masked_token_ffn(x, w_up, w_down_t, mask, act, w_gate=None, b_up=None, b_dow
                      filter_weight=None, count: bool = True):
     """``token_sparse_ffn``'s function and counts as dense products with the unselected (token, neuron) entries
     zeroed (the evaluation path where dense is cheaper than the sparse products; ``sparse_exec`` mode "masked").
-    The counts stay tensors on x's device: no host sync per call. ``count=False``: no counts (None, None)."""
+    The counts stay tensors on x's device: no host sync per call. ``count=False``: no counts (None, None).
+    ``mask``: bool [T, D], or a function of the activations (a = act(first projection), h = what down reads) that
+    gives it (a predictor whose scores are those activations: not computed twice)."""
     _check_filter(w_gate, filter_threshold, filter_weight)
     if w_gate is not None:
         a = apply_act(x @ w_gate.t(), act)
     else:
         a = apply_act(x @ w_up.t() + (b_up if b_up is not None else 0), act)
     h = a * (x @ w_up.t()) if w_gate is not None else a
+    if callable(mask):
+        mask = mask(a, h)
     keep = mask if filter_threshold is None else mask & _passes_filter(a, h, filter_threshold, filter_weight)
     y = (h * keep) @ w_down_t
     y = y + b_down if b_down is not None else y

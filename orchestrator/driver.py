@@ -317,11 +317,15 @@ def enqueue(queue: deque, unit: PlannedUnit) -> None:
 
 
 class FrontWait:
-    """A sweep's ``only: front`` units, held per model until every other eval unit of that model (the units that
-    draw the front) has finished; then :func:`front_units` picks those that run, which are registered under the
-    sweep. The others are never registered: the sweep's progress counts what it runs. Dense's units run whatever
-    the front is: they are released on the first call, so that they run beside the other evaluations instead of
-    after them."""
+    """A sweep's ``only: front`` units, held until every other eval unit of every model of the sweep (the units that
+    draw the fronts) has finished; then :func:`front_units` picks those that run for each model (dense's and the
+    front's), which are registered under the sweep. The others are never registered: the sweep's progress counts
+    what it runs.
+
+    Why all models, and dense's too: these units generate (GSM8K), and a decode step is hundreds of small dependent
+    kernels. Beside other processes' scoring forwards on a shared accelerator each of them waits its turn: on an
+    H200 under MPS, dense's GSM8K started with the sweep ran 16-21x slower than alone and was the sweep's last unit
+    to finish (BENCHMARKS.md). Held to the end, they run together on a device of their own."""
 
     def __init__(self, engine, spec: SweepSpec, described: dict[str, dict], sweep_id: int,
                  units: list[PlannedUnit]):
@@ -332,22 +336,22 @@ class FrontWait:
                 self.held[u.model].append(u)
         self.gates = {m: {u.id for u in units if u.model == m and u.kind == "eval" and not u.only}
                       for m in self.held}
-        self.early = [u for mine in self.held.values() for u in mine if u.method == DENSE]
-        self.released = {u.id for u in self.early}
 
     def release(self, finished: set[str]) -> tuple[list[PlannedUnit], dict[str, str]]:
-        """(the units released now, registered under the sweep, and their statuses in the store): dense's on the
-        first call; then those the front picks, for every model whose front-defining units are all in
-        ``finished`` (done, failed or never placeable), each model once."""
-        out, self.early = self.early, []
-        for m in [m for m, gate in self.gates.items() if gate <= finished]:
+        """(the units released now, registered under the sweep, and their statuses in the store): once every
+        model's front-defining units are in ``finished`` (done, failed or never placeable), dense's and the
+        front's of each model; nothing before, and nothing after that once."""
+        if not self.gates or not all(gate <= finished for gate in self.gates.values()):
+            return [], {}
+        out = []
+        for m in list(self.gates):
             gate, mine = self.gates.pop(m), self.held.pop(m)
             chosen, pick = front_units(self.engine, mine, gate)
             on = ", ".join(pick.labels.get(k, k[:12]) for k in pick.front) or "none"
             log.info("%s: the front of %s vs %s: %d of %d settings (%s); 'only: front' units of dense and the "
                      "front: %d of %d", m, pick.metric or "(no front-defining rows)", pick.axis, len(pick.front),
                      len({u.config["fit_unit"] for u in mine}), on, len(chosen), len(mine))
-            out += [u for u in chosen if u.id not in self.released]
+            out += chosen
         if not out:
             return [], {}
         with session_scope(self.engine) as s:

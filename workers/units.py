@@ -335,7 +335,8 @@ class Units:
                 out.summary = {"shard": f"{k + 1}/{n}", "requests": len(sc.request)}
             else:
                 rows = run_suite(lm.model, lm.tokenizer, [cfg["suite"]], cfg.get("limit"),
-                                 batch_size=cfg.get("batch_size", 8), batch_tokens=cfg.get("batch_tokens"))
+                                 batch_size=cfg.get("batch_size", 8), batch_tokens=cfg.get("batch_tokens"),
+                                 generation=cfg.get("generation", "rounds"))
                 out.accuracy += task_rows(rows)
                 out.summary = {r.metric: round(r.value, 3) for r in rows}
         return out

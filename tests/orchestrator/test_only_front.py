@@ -2,8 +2,8 @@
 when those are done. The pick on hand-built settings (``orchestrator.pareto.front_pick``: known answers, dense
 always, the oracle never keeping a deployable setting off, nominal sparsity where a realized one is missing), the
 spec's checks, and the driver's hold-and-release of those units (``orchestrator.driver.FrontWait``) on a real
-SQLite store with hand-built rows: exactly the expected units are registered, once, and a front with no row still
-runs dense.
+SQLite store with hand-built rows: exactly the expected units are registered, once, only after every model's
+front-defining units are done, and a front with no row still runs dense.
 """
 from __future__ import annotations
 
@@ -137,9 +137,7 @@ def test_front_units_are_registered_once_when_the_front_is_drawn(tmp_path):
     wait = FrontWait(engine, spec, DESCRIBED, sweep_id, units)
     gate = sorted(u.id for u in units if u.kind == "eval" and not u.only)
     assert len(gate) == 8
-    early, statuses = wait.release(set())                       # dense's run whatever the front: at once
-    assert [(u.method, u.config["suite"]) for u in early] == [("dense", "gsm8k_cot")]
-    assert statuses == {early[0].id: "pending"}
+    assert wait.release(set()) == ([], {})                      # dense's too wait for the scoring to end
     finished = set()
     for u in (u for u in units if u.kind == "eval" and not u.only):
         ppl, skipped, acc = ROWS[(u.method, u.sparsity)]
@@ -150,13 +148,13 @@ def test_front_units_are_registered_once_when_the_front_is_drawn(tmp_path):
         if len(finished) < len(gate):
             assert wait.release(finished) == ([], {})            # the front waits for every front-defining unit
     chosen, statuses = wait.release(finished)
-    assert sorted((u.method, u.sparsity) for u in chosen) == [("threshold", 0.5), ("threshold", 0.7)]  # dense ran
+    assert sorted((u.method, u.sparsity) for u in chosen) == [("dense", 0.0), ("threshold", 0.5), ("threshold", 0.7)]
     assert statuses == {u.id: "pending" for u in chosen}
     assert wait.release(finished) == ([], {})                   # once
     with session_scope(engine) as s:
         assert queries.sweep_progress(s, sweep_id) == (8, 0, 1 + 4 + 8 + 3)   # collect, fits, evals, dense + 2
     again = FrontWait(engine, spec, DESCRIBED, sweep_id, units)   # a resumed sweep picks the same units
-    assert [u.id for u in again.release(finished)[0]] == [u.id for u in early + chosen]
+    assert [u.id for u in again.release(finished)[0]] == [u.id for u in chosen]
 
 
 def test_a_front_without_rows_still_runs_dense(tmp_path):
@@ -169,5 +167,31 @@ def test_a_front_without_rows_still_runs_dense(tmp_path):
     chosen, _ = FrontWait(engine, spec, DESCRIBED, sweep_id, units).release({u.id for u in gate})
     assert [(u.method, u.config["suite"]) for u in chosen] == [("dense", "gsm8k_cot")]
     wait = FrontWait(engine, spec, DESCRIBED, sweep_id, units)
-    assert [u.method for u in wait.release(set())[0]] == ["dense"]
-    assert wait.release({u.id for u in gate}) == ([], {})           # dense's already out; no front, nothing more
+    assert wait.release(set()) == ([], {})
+    assert [u.method for u in wait.release({u.id for u in gate})[0]] == ["dense"]
+    assert wait.release({u.id for u in gate}) == ([], {})           # once
+
+
+def test_the_front_units_wait_for_every_models_scoring(tmp_path):
+    """Two models: the first one's front-defining units all done is not enough; its front is released with the
+    second's, once that one's are done too."""
+    spec = parse_spec({**copy.deepcopy(BASE), "models": ["smollm2-135m", "gemma3-270m"]})
+    described = {**DESCRIBED, "gemma3-270m": {**DESCRIBED["smollm2-135m"], "fingerprint": "fp-front-2",
+                                              "name": "gemma3-270m", "family": "gemma3"}}
+    engine = get_engine(f"sqlite:///{tmp_path / 'front2.db'}")
+    upgrade(engine)
+    units = plan_units(spec, described)
+    sweep_id = register(engine, spec, described, units, None)
+    gates = {m: [u for u in units if u.model == m and u.kind == "eval" and not u.only] for m in spec.models}
+    for u in gates["smollm2-135m"]:
+        _finish(engine, u, None)
+    wait = FrontWait(engine, spec, described, sweep_id, units)
+    first = {u.id for u in gates["smollm2-135m"]}
+    assert wait.release(first) == ([], {})
+    everything = first | {u.id for u in gates["gemma3-270m"][:-1]}
+    assert wait.release(everything) == ([], {})                  # one of the second model's units still runs
+    for u in gates["gemma3-270m"]:
+        _finish(engine, u, None)
+    chosen, statuses = wait.release(everything | {gates["gemma3-270m"][-1].id})
+    assert sorted((u.model, u.method) for u in chosen) == [("gemma3-270m", "dense"), ("smollm2-135m", "dense")]
+    assert set(statuses.values()) == {"pending"}

@@ -39,6 +39,7 @@ BATCHED_FOR = ("0.4.13",)   # lm-eval versions whose HFLM internals (Collator, b
 # log-softmax of the scored positions, the gather; on a GPU the download waits for the device): what the host waits
 # for, as opposed to what it does (``benchmarks.scoring``)
 device_clock = {"seconds": 0.0, "forwards": 0}
+GENERATION_LOOPS = ("rounds", "lm_eval")   # ScoringLM's greedy generation: refilled batches, or lm-eval's loop
 LOGIT_BYTES = 12        # per (position, vocabulary entry) of the output head: the logits, an fp32 copy and
                         # its log-softmax
 HEAD_BYTES = 1 << 30    # the output head runs on slices of the scored positions of about this many logit bytes
@@ -187,13 +188,18 @@ def scoring_lm():
 
     class ScoringLM(HFLM):
         """``HFLM`` over a given model; ``batch_tokens`` (optional): log-likelihood batches of at most that many
-        padded tokens (``token_batches``) instead of ``batch_size`` sequences."""
+        padded tokens (``token_batches``) instead of ``batch_size`` sequences; ``generation``: greedy generation
+        in batches refilled as sequences finish (``"rounds"``) or lm-eval's own loop (``"lm_eval"``)."""
 
-        def __init__(self, *args, batch_tokens: int | None = None, **kwargs):
+        def __init__(self, *args, batch_tokens: int | None = None, generation: str = "rounds", **kwargs):
             super().__init__(*args, **kwargs)
             if batch_tokens is not None:
                 token_batches([], batch_tokens)            # checks it
+            if generation not in GENERATION_LOOPS:
+                raise ValueError(f"generation must be one of {GENERATION_LOOPS}, not {generation!r}")
             self.batch_tokens = batch_tokens
+            self.generation = generation
+            self.generation_stats: dict[str, int] = {}    # refilling_greedy's counts, summed over calls
             self.batched = self.backend == "causal" and lm_eval.__version__ in BATCHED_FOR
             self._split = _split_head(self.model) if self.batched else None
             self._encoded: list | None = None
@@ -297,6 +303,53 @@ def scoring_lm():
                 out.append((sum(token_lp[at:at + k]), all(greedy[at:at + k])))
                 at += k
             return out
+
+        # ------------------------------------------------------------------------------ generation
+        def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+            """lm-eval's ``generate_until`` for greedy requests, its batches refilled as sequences finish
+            (``workers.evals.generation.refilling_greedy``): the same prompts (lm-eval's order, tokenization and
+            left truncation), the same stop strings and end-of-text, the same text kept. ``generation =
+            "lm_eval"``, sampling, thinking tokens or another lm-eval version: lm-eval's own loop."""
+            from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, \
+                postprocess_generated_text
+            from workers.evals.generation import refilling_greedy
+
+            args = [r.args for r in requests]
+            kwargs = [normalize_gen_kwargs(dict(g), self.max_gen_toks) for _, g in args]
+            if (self.generation != "rounds" or not self.batched or not isinstance(self.batch_size, int)
+                    or self.think_end_token is not None
+                    or any(k.get("do_sample") or k.get("temperature", 0.0) for k in kwargs)):
+                return super().generate_until(requests, disable_tqdm)
+            collator = Collator(args, sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]), group_by="gen_kwargs",
+                                group_fn=lambda r: r[1])
+            eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
+            eos_ids = self.model.generation_config.eos_token_id
+            eos_ids = [self.eot_token_id] if eos_ids is None else [eos_ids] if isinstance(eos_ids, int) else eos_ids
+            pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot_token_id
+            res = []
+            for group in collator.get_batched(n=0):
+                contexts = [c for c, _ in group]
+                kw = normalize_gen_kwargs(dict(group[0][1]), self.max_gen_toks)
+                until = handle_stop_sequences(kw.pop("until", None), eos=eos)
+                max_new = kw.pop("max_gen_toks")
+                prompts = []
+                for at in range(0, len(contexts), self.batch_size):      # lm-eval's batches: same tokenization
+                    ids, mask = self.tok_batch_encode(contexts[at:at + self.batch_size],
+                                                      left_truncate_len=self.max_length - max_new,
+                                                      truncation=self.truncation)
+                    prompts += [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+                looks = [(s, len(self.tokenizer.encode(s, add_special_tokens=False)) + 2) for s in until if s]
+
+                def stop(toks: list[int]) -> bool:      # lm-eval's test: the stop string in the last few tokens
+                    return any(s in self.tokenizer.decode(toks[-n:]) for s, n in looks)
+
+                outs = refilling_greedy(self.model, prompts, self.batch_size, max_new, stop, eos_ids, pad_id,
+                                        self.generation_stats)
+                for context, gen_kwargs_, toks in zip(contexts, [g for _, g in group], outs):
+                    s = postprocess_generated_text(self.tok_decode(toks), until, None)
+                    res.append(s)
+                    self.cache_hook.add_partial("generate_until", (context, gen_kwargs_), s)
+            return collator.get_original(res)
 
         # ------------------------------------------------------------------------------ requests as tokens
         def encode(self, instances) -> list:

@@ -304,7 +304,7 @@ def _mean_stderr(values: Sequence[float]) -> float | None:
 
 def run_suite(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, batch_size: int = 8,
               seed: int = 0, keep_items: bool = False, batch_tokens: int | None = None,
-              request_cache: bool = True) -> list[SuiteResult]:
+              request_cache: bool = True, generation: str = "rounds") -> list[SuiteResult]:
     """Score ``model`` (any HF causal LM module, dense or sparse) on tasks; one row per (task, metric).
 
     ``tasks``: packaged names, ``lm_eval:NAME`` or ``yaml:PATH`` (see the module doc).
@@ -314,6 +314,8 @@ def run_suite(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, b
     the module doc); the other tasks run in one lm-eval pass (requests of every task batched together).
     ``batch_tokens``: log-likelihood forwards of at most this many padded tokens each instead of ``batch_size``
     sequences (``token_batches``: how an accelerator is filled; ``batch_size`` still sizes generation).
+    ``generation``: greedy generation in batches refilled as sequences finish (``"rounds"``) or in lm-eval's loop
+    (``"lm_eval"``; ``scoring.GENERATION_LOOPS``).
     """
     names = check_task_names(tasks)
     _check_run_args(limit, batch_size, batch_tokens)
@@ -326,7 +328,7 @@ def run_suite(model, tokenizer, tasks: Sequence[str] | str, limit: int | None, b
     by_name: dict[str, list[SuiteResult]] = {}
     with _in_process_bootstrap(), _lean_lm_eval():
         try:
-            hflm = _scorer(model, tokenizer, batch_size, batch_tokens)
+            hflm = _scorer(model, tokenizer, batch_size, batch_tokens, generation)
             cached: dict[str, tuple] = {}        # name -> (request set, log-likelihoods, greedy)
             if request_cache and hflm.scores_request_sets:
                 for n in names:
@@ -381,10 +383,11 @@ def _check_run_args(limit, batch_size, batch_tokens) -> None:
             raise SuiteError(str(e)) from None
 
 
-def _scorer(model, tokenizer, batch_size: int, batch_tokens: int | None):
+def _scorer(model, tokenizer, batch_size: int, batch_tokens: int | None, generation: str = "rounds"):
     """The ``ScoringLM`` over ``model`` that ``run_suite`` scores with: ``batch_size`` sequences per forward, or
-    log-likelihood batches of at most ``batch_tokens`` padded tokens."""
-    return scoring_lm()(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, batch_tokens=batch_tokens)
+    log-likelihood batches of at most ``batch_tokens`` padded tokens; greedy generation by ``generation``."""
+    return scoring_lm()(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, batch_tokens=batch_tokens,
+                        generation=generation)
 
 
 # --------------------------------------------------------------------------------------------- shards

@@ -118,6 +118,15 @@ class InputStats:
         return sum(self.numel.values())
 
 
+def _one_pass(x: torch.Tensor) -> bool:
+    """Whether a masked input is made by one Triton pass (:mod:`kernels.input_mask_triton`, the same values bit for
+    bit): float32 activations where :mod:`kernels.ops` picks Triton (CUDA, or ``CTXSPARSE_KERNELS=triton`` with
+    Triton's interpreter)."""
+    from kernels.ops import backend_name
+
+    return x.dtype == torch.float32 and backend_name(x) == "triton"
+
+
 class InputSparseLinear(nn.Module):
     """A projection that uses only the inputs whose score exceeds ``threshold`` (see the module doc)."""
 
@@ -142,9 +151,14 @@ class InputSparseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        masked = self.mode == "masked" or x2.shape[0] > MAX_BATCH
+        if masked and not self._stats.counting and _one_pass(x):
+            from kernels.input_mask_triton import masked_inputs
+
+            return self.orig(masked_inputs(x, self.threshold, self.scale))    # abs, compare and where in one pass
         keep = input_score(x2, self.scale) > self.threshold
         self._stats.add_mask(self.layer, self.proj, keep)
-        if self.mode == "masked" or x2.shape[0] > MAX_BATCH:
+        if masked:
             return self.orig(torch.where(keep.reshape(shape), x, 0))      # one kernel: no float copy of the mask
         from kernels import ops, reference
 

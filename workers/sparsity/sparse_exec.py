@@ -174,8 +174,12 @@ class SparseFFN(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         kind = self.predictor.input_kind
-        pin = x2 if kind == "ffn_in" else self._taps.get(self.layer, kind).reshape(-1, shape[-1])
-        mask = self.predictor.mask(pin)
+        pred = self.predictor
+        if self.mode == "masked" and kind == "ffn_in" and pred.reads_ffn:
+            mask = lambda a, h: pred.select(pred.scores_from_ffn(a, h))     # from the FFN's own activations
+        else:
+            pin = x2 if kind == "ffn_in" else self._taps.get(self.layer, kind).reshape(-1, shape[-1])
+            mask = pred.mask(pin)
         count = self._stats.counting
         ffn = functools.partial(masked_token_ffn, count=count) if self.mode == "masked" else token_sparse_ffn
         y, n_first, n_kept = ffn(x2, self.w_up, self.w_down_t, mask, self.act, w_gate=self.w_gate,

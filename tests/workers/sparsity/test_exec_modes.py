@@ -127,3 +127,35 @@ def test_counting_off_gives_the_same_logits_and_counts_nothing(mode):
         again = (applied.stats.mlp_sparsity(), applied.stats.head_sparsity(), applied.stats.input_sparsity())
     torch.testing.assert_close(quiet, counted, rtol=0, atol=0)
     assert again == ref
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "opt"])
+def test_oracle_and_threshold_select_from_the_ffns_own_activations(family, monkeypatch):
+    """In masked mode the oracle's and the threshold's sets come from the activations the FFN computes anyway
+    (``reads_ffn``): the same logits, bit for bit, as when the predictor computes its scores from the FFN input
+    again, and the kernel mode's to rounding."""
+    from workers.loading.adapters import adapter_for
+    from workers.sparsity.predictors.base import MLPPredictor, SparsityPlan, k_for
+    from workers.sparsity.predictors.oracle import OracleMLP
+    from workers.sparsity.predictors.threshold import GateThreshold
+
+    model = tiny_model(family)
+    ad = adapter_for(model)
+    act = ad.act_name(model.config)
+    toks = _tokens()
+    for make in ("oracle", "threshold"):
+        plan = SparsityPlan()
+        for l, layer in enumerate(ad.decoder_layers(model)):
+            w = ad.ffn_weights(layer)
+            plan.mlp[l] = (OracleMLP(w, act, k_for(0.5, w["up"].shape[0])) if make == "oracle" else
+                           GateThreshold(w.get("gate", w["up"]), act, 0.02, None if "gate" in w else w.get("b_up")))
+        assert all(p.reads_ffn for p in plan.mlp.values())
+        _, fast, _, counts, sp = _run(model, plan, "masked", toks)
+        _, kernel, _, _, _ = _run(model, plan, "kernel", toks)
+        with monkeypatch.context() as m:
+            m.setattr(type(plan.mlp[0]), "reads_ffn", False)      # the scores computed from the FFN input again
+            _, again, _, counts_again, _ = _run(model, plan, "masked", toks)
+        assert torch.equal(fast, again) and counts == counts_again
+        torch.testing.assert_close(fast, kernel, atol=1e-5, rtol=1e-4)
+        assert 0.2 < sp[0] < 0.8                                       # a real selection, not all or nothing
+    assert MLPPredictor.reads_ffn is False

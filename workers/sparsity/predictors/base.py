@@ -62,15 +62,28 @@ class MLPPredictor(nn.Module):
     def scores(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] -> [T, D]
         raise NotImplementedError
 
+    # whether ``scores_from_ffn`` gives the scores from the layer's own FFN activations (the oracle, the threshold):
+    # a masked FFN that computes those activations anyway then selects from them instead of computing them again
+    reads_ffn: bool = False
+
+    def scores_from_ffn(self, a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The scores from the FFN's activations of the same tokens: ``a`` = act(first projection), ``h`` = what
+        down reads (a · up, gated; a, not gated); the same values ``scores`` computes from the FFN input."""
+        raise NotImplementedError(f"{self.method}'s scores are not the FFN's own activations")
+
     @torch.no_grad()
     def mask(self, x: torch.Tensor) -> torch.Tensor:
         """[T, d] -> bool [T, D]: the neurons each token computes."""
-        s = self.scores(x)
+        return self.select(self.scores(x))
+
+    @torch.no_grad()
+    def select(self, s: torch.Tensor) -> torch.Tensor:
+        """The rule applied to scores [T, D]: bool [T, D]."""
         if self.rule == "positive":
             return s > 0
         m = torch.zeros_like(s, dtype=torch.bool)
         if self.k:
-            m.scatter_(1, s.topk(self.k, dim=1).indices, True)
+            m.scatter_(1, s.topk(self.k, dim=1, sorted=False).indices, True)
         return m
 
     # ---- serialization (bundles): tensors + JSON config, never pickle ----
@@ -108,7 +121,7 @@ class HeadPredictor(nn.Module):
         s = self.scores(x)
         m = torch.zeros_like(s, dtype=torch.bool)
         if self.k:
-            m.scatter_(1, s.topk(self.k, dim=1).indices, True)
+            m.scatter_(1, s.topk(self.k, dim=1, sorted=False).indices, True)
         return m
 
     def config(self) -> dict:

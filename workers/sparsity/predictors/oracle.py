@@ -31,6 +31,11 @@ class OracleMLP(MLPPredictor):
         z = x @ self._up.t() + (self._b_up if self._b_up is not None else 0)
         return apply_act(z, self.act).abs()
 
+    reads_ffn = True
+
+    def scores_from_ffn(self, a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return h.abs()          # |act(gate) · up|, or |act(fc1)| (then h is a)
+
     def config(self) -> dict:
         return {**super().config(), "act": self.act}
 

@@ -44,6 +44,11 @@ class GateThreshold(MLPPredictor):
             z = z + self._b
         return apply_act(z, self.act).abs() - self.threshold
 
+    reads_ffn = True
+
+    def scores_from_ffn(self, a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return a.abs() - self.threshold
+
     def config(self) -> dict:
         return {**super().config(), "act": self.act, "threshold": self.threshold}
 

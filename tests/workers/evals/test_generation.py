@@ -1,0 +1,90 @@
+"""Greedy generation in refilled batches (``workers.evals.generation``): every sequence's tokens are its own greedy
+continuation, whatever it shared its batch with, and ``ScoringLM.generate_until`` keeps lm-eval's texts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.evals.generation import refilling_greedy
+
+PROMPTS = [[5, 17, 99, 3], [64, 2, 8, 120, 33, 7, 41, 12, 9], [11], [90, 91, 92, 93, 94, 95], [3, 3, 3, 3, 3, 3, 3],
+           [77, 18]]
+
+
+def _alone(model, prompt, max_new, stop, eos):
+    """Greedy continuation of one prompt, each step a whole forward over the sequence so far (no cache, no
+    padding, no batch)."""
+    seq, out = list(prompt), []
+    with torch.no_grad():
+        while len(out) < max_new:
+            t = int(model(torch.tensor([seq])).logits[0, -1].argmax())
+            seq.append(t)
+            out.append(t)
+            if t in eos or stop(out):
+                break
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "opt", "gpt2"])
+def test_each_row_is_its_own_greedy_continuation(family):
+    """Six prompts through two rows (refilled four times, rows carried over to a re-prefill), a stop rule, an
+    end-of-text token and a cap: each continuation equals the prompt's own greedy one. Gemma-3's tiny model has a
+    16-token sliding window, which the longer sequences pass."""
+    from tests.workers.tiny_model_support import tiny_model
+
+    model = tiny_model(family)
+    free = [_alone(model, p, 30, lambda t: False, set()) for p in PROMPTS]
+    # end-of-text: a token the continuations produce; the stop rule a function of the continuation so far (as a
+    # stop string is): some sequences stop early, some run to the cap
+    rules = [((free[0][5],), 61), ((free[1][8], free[4][2]), 89)]
+    lengths = []
+    for max_new in (30, 0):
+        for eos, mod in rules:
+            def stop(toks, m=mod):
+                return len(toks) > 1 and sum(toks) % m == 0
+
+            stats: dict = {}
+            got = refilling_greedy(model, PROMPTS, rows=2, max_new=max_new, stop=stop, eos_ids=eos, pad_id=0,
+                                   stats=stats)
+            want = [_alone(model, p, max_new, stop, set(eos)) for p in PROMPTS]
+            assert got == want
+            if max_new:
+                lengths += [len(o) for o in want]
+                assert stats["rounds"] >= 3                     # rows were refilled
+                assert stats["useful_row_steps"] == sum(map(len, want)) <= stats["row_steps"]
+    assert max(lengths) > 16 and min(lengths) < 16          # some ran past Gemma-3's window, some stopped early
+
+
+def test_bad_arguments():
+    from tests.workers.tiny_model_support import tiny_model
+
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="rows"):
+        refilling_greedy(model, PROMPTS, rows=0, max_new=4, stop=lambda t: False, eos_ids=(), pad_id=0)
+    with pytest.raises(ValueError, match="max_new"):
+        refilling_greedy(model, PROMPTS, rows=2, max_new=-1, stop=lambda t: False, eos_ids=(), pad_id=0)
+    with pytest.raises(ValueError, match="no tokens"):
+        refilling_greedy(model, [[1], []], rows=2, max_new=4, stop=lambda t: False, eos_ids=(), pad_id=0)
+
+
+def test_generate_until_keeps_lm_evals_texts(smollm2):
+    """SmolLM2, five prompts, two rows: the refilled loop's texts equal lm-eval's own loop's (same stop strings,
+    same cap, same truncation of the text at the first stop)."""
+    from lm_eval.api.instance import Instance
+
+    from workers.evals.scoring import scoring_lm
+
+    prompts = ["Question: What is 2 + 3?\nAnswer:", "The capital of France is", "Once upon a time, there",
+               "def add(a, b):\n   ", "Q: Name a colour.\nA:"]
+    kwargs = {"until": ["\n\n", "Question:"], "max_gen_toks": 24, "do_sample": False}
+    reqs = [Instance(request_type="generate_until", doc={}, arguments=(p, dict(kwargs)), idx=0) for p in prompts]
+    texts = {}
+    for loop in ("rounds", "lm_eval"):
+        lm = scoring_lm()(pretrained=smollm2.model, tokenizer=smollm2.tokenizer, batch_size=2, generation=loop)
+        texts[loop] = lm.generate_until(reqs, disable_tqdm=True)
+        if loop == "rounds":
+            assert lm.generation_stats["rounds"] >= 2
+    assert texts["rounds"] == texts["lm_eval"]
+    assert len({t for t in texts["rounds"]}) == len(prompts) and all("\n\n" not in t for t in texts["rounds"])
+    with pytest.raises(ValueError, match="generation"):
+        scoring_lm()(pretrained=smollm2.model, tokenizer=smollm2.tokenizer, batch_size=2, generation="beam")
