@@ -9,9 +9,11 @@ nothing again). ``--batchings`` times each task under several scoring batchings,
 reversed from one task to the next): ``N`` sequences per forward, ``tN`` forwards of at most N padded tokens (the
 GPU sweep's is ``t32768``), either with ``@bf16`` (or ``@tf32``, ``@fp32``: the forward precision, ``--matmul``
 where it is left out), ``+fused`` (the norms and rotary embedding as one kernel each,
-``workers.evals.fused_forward``) and ``+lmeval`` (generation tasks by lm-eval's own loop instead of batches refilled
-as sequences finish, ``workers.evals.generation``); each is compared with dense under the same batching and with
-the first.
+``workers.evals.fused_forward``), ``+lmeval`` (generation tasks by lm-eval's own loop instead of batches refilled
+as sequences finish, ``workers.evals.generation``) and ``+eager`` (the sparse settings' masks made the way they were
+before they were fused, the baseline of that change: the oracle and the threshold computing their scores from the
+FFN input again, TEAL's and WINA's masked inputs in three or four eager kernels, top-k sorted); each is compared
+with dense under the same batching and with the first.
 
     python -m benchmarks.eval_cost --device cuda --settings oracle:0.5,threshold:0.5,svd:0.5:256 \\
         --tasks perplexity,piqa:1000,arc_easy,lambada_openai:2000,gsm8k_cot:20 --json eval_cost.json
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+from contextlib import contextmanager
 import json
 import statistics
 import sys
@@ -44,7 +47,8 @@ from workers.units import Units
 
 OPTIONS = {"svd": {"target": "product"}}      # the settings the GPU sweep publishes
 MATMULS = (MATMUL_FP32, MATMUL_TF32, MATMUL_BF16)
-SUFFIXES = {"fused", "lmeval"}                # of a batching: fused norms and rotary; lm-eval's generation loop
+SUFFIXES = {"fused", "lmeval", "eager"}       # of a batching: fused norms and rotary; lm-eval's generation loop; the
+                                              # masks made as before they were fused
 
 
 def _setting(spec: str) -> dict:
@@ -80,7 +84,8 @@ def _batching(spec: str, matmul: str) -> dict:
     """``N``: N sequences per forward; ``tN``: forwards of at most N padded tokens (``scoring.token_batches``);
     either one ``@fp32|@tf32|@bf16``: the forward precision (``suites.matmul``) instead of ``matmul``; then
     ``+fused``: the norms and rotary embedding fused (``workers.evals.fused_forward``), ``+lmeval``: generation by
-    lm-eval's own loop (``scoring.GENERATION_LOOPS``), either or both."""
+    lm-eval's own loop (``scoring.GENERATION_LOOPS``), ``+eager``: the masks made as before they were fused
+    (``_eager_masks``); any of them, each once."""
     spec, _, extra = spec.partition("+")
     suffixes = extra.split("+") if extra else []
     if not set(suffixes) <= SUFFIXES or len(set(suffixes)) != len(suffixes):
@@ -98,13 +103,46 @@ def _batching(spec: str, matmul: str) -> dict:
     return {("batch_tokens" if size.startswith("t") else "batch_size"): n,
             **({"matmul": precision} if precision != MATMUL_FP32 else {}),
             **({"fused": True} if "fused" in suffixes else {}),
-            **({"generation": "lm_eval"} if "lmeval" in suffixes else {})}
+            **({"generation": "lm_eval"} if "lmeval" in suffixes else {}),
+            **({"eager_masks": True} if "eager" in suffixes else {})}
 
 
 def _forward(batching: dict) -> dict:
     """What of a batching (``_batching``) changes how it runs rather than its batches: precision, fusion, the
     generation loop."""
-    return {k: v for k, v in batching.items() if k in ("matmul", "fused", "generation")}
+    return {k: v for k, v in batching.items() if k in ("matmul", "fused", "generation", "eager_masks")}
+
+
+@contextmanager
+def _eager_masks(on: bool):
+    """Inside the block (``on``), the sparse settings' masks are made as they were before they were fused: the
+    oracle's and the threshold's scores computed again from the FFN input (``MLPPredictor.reads_ffn`` off), TEAL's
+    and WINA's masked inputs by eager abs / multiply / compare / where (``input_sparse._one_pass`` off), top-k
+    sorted. The same selections (the test suite checks each against its fused form); only the time differs."""
+    if not on:
+        yield
+        return
+    from workers.sparsity import input_sparse
+    from workers.sparsity.predictors.base import MLPPredictor
+    from workers.sparsity.predictors.oracle import OracleMLP
+    from workers.sparsity.predictors.threshold import GateThreshold
+
+    def sorted_select(self, s):
+        if self.rule == "positive":
+            return s > 0
+        m = torch.zeros_like(s, dtype=torch.bool)
+        if self.k:
+            m.scatter_(1, s.topk(self.k, dim=1).indices, True)
+        return m
+
+    saved = (OracleMLP.reads_ffn, GateThreshold.reads_ffn, input_sparse._one_pass, MLPPredictor.select)
+    OracleMLP.reads_ffn = GateThreshold.reads_ffn = False
+    input_sparse._one_pass = lambda x: False
+    MLPPredictor.select = sorted_select
+    try:
+        yield
+    finally:
+        OracleMLP.reads_ffn, GateThreshold.reads_ffn, input_sparse._one_pass, MLPPredictor.select = saved
 
 
 def _profiled(units, cfg: dict, device: str, top: int = 25) -> list[dict]:
@@ -243,8 +281,10 @@ def main(argv=None) -> int:
     for name, limit in tasks:
         if name != "perplexity":
             for fw in sorted(forwards):
-                units.run("eval", "warm", {**base, "fit_unit": fits[DENSE], "exec_mode": "masked", "suite": name,
-                                           "limit": 2, "batch_size": a.batch_size, **json.loads(fw)})
+                fw = json.loads(fw)
+                with _eager_masks(fw.pop("eager_masks", False)):
+                    units.run("eval", "warm", {**base, "fit_unit": fits[DENSE], "exec_mode": "masked", "suite": name,
+                                               "limit": 2, "batch_size": a.batch_size, **fw})
             t0 = time.time()
             how = prepare_requests(lm.model, lm.tokenizer, [name], limit)[name]
             print(f"requests of {name}: {how} ({time.time() - t0:.1f} s)", flush=True)
@@ -258,8 +298,10 @@ def main(argv=None) -> int:
                                else {"suite": name, "limit": limit, **batchings[b]})
                     if a.device.startswith("cuda"):
                         torch.cuda.synchronize()
+                    eager = cfg.pop("eager_masks", False)      # how the masks are made, not a unit config key
                     t0 = time.perf_counter()
-                    out = units.run("eval", _id(cfg), cfg)
+                    with _eager_masks(eager):
+                        out = units.run("eval", _id({**cfg, "eager_masks": eager}), cfg)
                     if a.device.startswith("cuda"):
                         torch.cuda.synchronize()
                     dt = time.perf_counter() - t0
@@ -267,8 +309,9 @@ def main(argv=None) -> int:
                     rows.append({"task": name, "limit": limit, "setting": label, "mode": mode, "batching": b,
                                  "seconds": dt, "metric": metric, "value": value, "stderr": stderr})
                     if a.profile and i == 0:
-                        profiles.append({"task": name, "setting": label, "mode": mode, "batching": b,
-                                         "ops": _profiled(units, cfg, a.device)})
+                        with _eager_masks(eager):
+                            profiles.append({"task": name, "setting": label, "mode": mode, "batching": b,
+                                             "ops": _profiled(units, cfg, a.device)})
                     print(f"{name:<11} {label:<22} {mode:<7} {b:<7} {dt:7.2f} s  {metric} {value:.4f}", flush=True)
         _report(a, lm, fits, tasks, modes, rows, final=False, profiles=profiles)
 

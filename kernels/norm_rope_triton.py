@@ -7,7 +7,7 @@ Both compute in fp32 and take fp32 tensors (the float32 scoring forwards; other 
 ``rms_norm``: one program per row of the last dim, y = x / rms(x) * w (Llama, Qwen2), or * (1 + w) with
 ``one_plus`` (Gemma-3); the reference is :func:`kernels.reference.rms_norm`. ``rotary``: x [B, H, T, D] with any
 strides but a unit last one (the transposed view attention makes of its projections), cos / sin [B, T, D]; one
-program per (b, h, t) row: y = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]), the
+program per (b, t), every head of it: y = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]), the
 reference :func:`kernels.reference.rot_half`. In eager PyTorch the norm is five kernels over the activations
 (pow, mean, add and rsqrt, two multiplies) and the rotary embedding of q and k ten (slices, a negation, a
 concatenation, multiplies, adds); here they read and write each activation once.
@@ -34,23 +34,25 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_out, eps, O
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, T, sxb, sxh, sxt, scb, sct, HALF, BLOCK: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, T, sxb, sxh, sxt, scb, sct, HALF, BLOCK_H: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)     # one (b, t): every head of the token, its cos / sin row read once
     t = pid % T
-    h = (pid // T) % H
-    b = pid // (T * H)
-    i = tl.arange(0, BLOCK)
-    live = i < HALF
+    b = pid // T
+    h = tl.arange(0, BLOCK_H)[:, None]
+    i = tl.arange(0, BLOCK)[None, :]
+    col = i < HALF
+    live = (h < H) & col
     xp = x_ptr + b * sxb + h * sxh + t * sxt
     cp = cos_ptr + b * scb + t * sct
     sp = sin_ptr + b * scb + t * sct
     x1 = tl.load(xp + i, mask=live, other=0.0)
     x2 = tl.load(xp + HALF + i, mask=live, other=0.0)
-    c1 = tl.load(cp + i, mask=live, other=0.0)
-    c2 = tl.load(cp + HALF + i, mask=live, other=0.0)
-    s1 = tl.load(sp + i, mask=live, other=0.0)
-    s2 = tl.load(sp + HALF + i, mask=live, other=0.0)
-    op = out_ptr + pid * (2 * HALF)
+    c1 = tl.load(cp + i, mask=col, other=0.0)
+    c2 = tl.load(cp + HALF + i, mask=col, other=0.0)
+    s1 = tl.load(sp + i, mask=col, other=0.0)
+    s2 = tl.load(sp + HALF + i, mask=col, other=0.0)
+    op = out_ptr + ((b * H + h) * T + t) * (2 * HALF)
     tl.store(op + i, x1 * c1 - x2 * s1, mask=live)
     tl.store(op + HALF + i, x2 * c2 + x1 * s2, mask=live)
 
@@ -96,7 +98,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty((B, H, T, D), dtype=torch.float32, device=x.device)
     if out.numel():
-        block = triton.next_power_of_2(D // 2)
-        _rope_kernel[(B * H * T,)](x, cos, sin, out, H, T, x.stride(0), x.stride(1), x.stride(2), cos.stride(0),
-                                   cos.stride(1), D // 2, BLOCK=block, num_warps=_warps(block))
+        block, block_h = triton.next_power_of_2(D // 2), triton.next_power_of_2(H)
+        _rope_kernel[(B * T,)](x, cos, sin, out, H, T, x.stride(0), x.stride(1), x.stride(2), cos.stride(0),
+                               cos.stride(1), D // 2, BLOCK_H=block_h, BLOCK=block, num_warps=_warps(block * block_h))
     return out

@@ -157,7 +157,7 @@ def cases() -> list[Case]:
     # the scoring forward's fused RMS norm (Llama's gain; Gemma's 1 + w) and rotary embedding (head_dim 64)
     for one_plus in (False, True):
         out.append(_case("norm_rope_triton", "_rms_norm_kernel", "fp32", dict(ONE_PLUS=one_plus, BLOCK=1024)))
-    out.append(_case("norm_rope_triton", "_rope_kernel", "fp32", dict(BLOCK=32), num_warps=1))
+    out.append(_case("norm_rope_triton", "_rope_kernel", "fp32", dict(BLOCK_H=16, BLOCK=32), num_warps=4))
     # an input-sparse projection's masked input in one pass (TEAL's |x|, WINA's |x| · column norm)
     for has_scale in (False, True):
         out.append(_case("input_mask_triton", "_masked_inputs_kernel", "fp32", dict(HAS_SCALE=has_scale, BLOCK=2048),

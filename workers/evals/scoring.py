@@ -338,10 +338,15 @@ def scoring_lm():
                                                       left_truncate_len=self.max_length - max_new,
                                                       truncation=self.truncation)
                     prompts += [row[m.bool()].tolist() for row, m in zip(ids, mask)]
-                looks = [(s, len(self.tokenizer.encode(s, add_special_tokens=False)) + 2) for s in until if s]
+                # lm-eval's test, a stop string in the last len(its tokens) + 2 tokens, with one decode of the
+                # widest of those windows for all of them: a wider window sees a stop string no sooner than it is
+                # there, and the text kept ends before the first one anyway
+                stops = [s for s in until if s]
+                look = max((len(self.tokenizer.encode(s, add_special_tokens=False)) + 2 for s in stops), default=1)
 
-                def stop(toks: list[int]) -> bool:      # lm-eval's test: the stop string in the last few tokens
-                    return any(s in self.tokenizer.decode(toks[-n:]) for s, n in looks)
+                def stop(toks: list[int]) -> bool:
+                    text = self.tokenizer.decode(toks[-look:])
+                    return any(s in text for s in stops)
 
                 outs = refilling_greedy(self.model, prompts, self.batch_size, max_new, stop, eos_ids, pad_id,
                                         self.generation_stats)
