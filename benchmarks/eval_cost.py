@@ -273,18 +273,22 @@ def main(argv=None) -> int:
         print(f"fit {label}: {time.time() - t0:.1f} s {out.summary}", flush=True)
 
     ppl_cfg = {"tokens": a.heldout_tokens, "seq_len": 512}
-    # untimed: each task once on two items under each forward option of the batchings (lm-eval builds its
-    # templates and reads the data on a task's first call in a process, and a fused forward compiles its Triton
-    # kernels on its first call; that cost would otherwise land on whichever setting ran first), and its requests
-    # built once into the request cache (as a sweep's first unit of the task does; every timed run reads them)
+    # untimed: each task once on two items for every setting and mode under each forward option of the batchings
+    # (lm-eval builds its templates and reads the data on a task's first call in a process, and a Triton kernel
+    # compiles on its first call: the fused norms, a sparse setting's masks; that cost would otherwise land on
+    # whichever run came first), and its requests built once into the request cache (as a sweep's first unit of
+    # the task does; every timed run reads them)
     forwards = {json.dumps(_forward(b), sort_keys=True) for b in batchings.values()}
     for name, limit in tasks:
         if name != "perplexity":
             for fw in sorted(forwards):
                 fw = json.loads(fw)
-                with _eager_masks(fw.pop("eager_masks", False)):
-                    units.run("eval", "warm", {**base, "fit_unit": fits[DENSE], "exec_mode": "masked", "suite": name,
-                                               "limit": 2, "batch_size": a.batch_size, **fw})
+                for label, fit_id in fits.items():
+                    for mode in (["masked"] if label == DENSE else modes):
+                        with _eager_masks(fw.get("eager_masks", False)):
+                            units.run("eval", "warm", {**base, "fit_unit": fit_id, "exec_mode": mode, "suite": name,
+                                                       "limit": 2, "batch_size": a.batch_size,
+                                                       **{k: v for k, v in fw.items() if k != "eager_masks"}})
             t0 = time.time()
             how = prepare_requests(lm.model, lm.tokenizer, [name], limit)[name]
             print(f"requests of {name}: {how} ({time.time() - t0:.1f} s)", flush=True)

@@ -88,3 +88,34 @@ def test_generate_until_keeps_lm_evals_texts(smollm2):
     assert len({t for t in texts["rounds"]}) == len(prompts) and all("\n\n" not in t for t in texts["rounds"])
     with pytest.raises(ValueError, match="generation"):
         scoring_lm()(pretrained=smollm2.model, tokenizer=smollm2.tokenizer, batch_size=2, generation="beam")
+
+
+class _SmallDevice(torch.nn.Module):
+    """A model whose forwards of more than ``limit`` rows run out of memory (``prefill``: prefills too, else only
+    the decode steps), as on a device shared with other processes."""
+
+    def __init__(self, model, limit: int, prefill: bool):
+        super().__init__()
+        self.model, self.limit, self.prefill, self.refused = model, limit, prefill, 0
+
+    def forward(self, input_ids, past_key_values=None, **kw):
+        if input_ids.shape[0] > self.limit and (self.prefill or past_key_values is not None):
+            self.refused += 1
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return self.model(input_ids=input_ids, past_key_values=past_key_values, **kw)
+
+
+@pytest.mark.parametrize("prefill", [True, False], ids=["at_prefill", "mid_round"])
+def test_out_of_memory_halves_the_rows_and_keeps_every_token(prefill):
+    from tests.workers.tiny_model_support import tiny_model
+
+    model = tiny_model("llama")
+    stop = lambda toks: len(toks) > 1 and sum(toks) % 61 == 0     # noqa: E731
+    want = [_alone(model, p, 20, stop, {0}) for p in PROMPTS]
+    small = _SmallDevice(model, 2, prefill)
+    stats: dict = {}
+    got = refilling_greedy(small, PROMPTS, rows=8, max_new=20, stop=stop, eos_ids=(0,), pad_id=0, stats=stats)
+    assert got == want
+    assert stats["backoffs"] == 2 and small.refused == 2             # 8 rows (6 prompts), 4: too many; 2 fit
+    with pytest.raises(torch.OutOfMemoryError):
+        refilling_greedy(_SmallDevice(model, 0, True), PROMPTS, rows=4, max_new=5, stop=stop, eos_ids=(0,), pad_id=0)
