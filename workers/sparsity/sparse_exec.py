@@ -169,13 +169,16 @@ class SparseFFN(nn.Module):
         self.w_up = weights["up"]
         self.register_buffer("w_down_t", weights["down"].t().contiguous(), persistent=False)
         self.b_up, self.b_down = weights.get("b_up"), weights.get("b_down")
+        # masked, a predictor whose scores are this FFN's own activations selects from them (computed anyway)
+        self._from_ffn = (mode == "masked" and predictor.input_kind == "ffn_in" and predictor.reads_ffn
+                          and predictor.same_ffn(weights))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         kind = self.predictor.input_kind
         pred = self.predictor
-        if self.mode == "masked" and kind == "ffn_in" and pred.reads_ffn:
+        if self._from_ffn and pred.reads_ffn:
             mask = lambda a, h: pred.select(pred.scores_from_ffn(a, h))     # from the FFN's own activations
         else:
             pin = x2 if kind == "ffn_in" else self._taps.get(self.layer, kind).reshape(-1, shape[-1])

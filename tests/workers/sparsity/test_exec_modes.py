@@ -149,7 +149,8 @@ def test_oracle_and_threshold_select_from_the_ffns_own_activations(family, monke
             w = ad.ffn_weights(layer)
             plan.mlp[l] = (OracleMLP(w, act, k_for(0.5, w["up"].shape[0])) if make == "oracle" else
                            GateThreshold(w.get("gate", w["up"]), act, 0.02, None if "gate" in w else w.get("b_up")))
-        assert all(p.reads_ffn for p in plan.mlp.values())
+        assert all(p.reads_ffn and p.same_ffn(ad.ffn_weights(layer))
+                   for p, layer in zip(plan.mlp.values(), ad.decoder_layers(model)))
         _, fast, _, counts, sp = _run(model, plan, "masked", toks)
         _, kernel, _, _, _ = _run(model, plan, "kernel", toks)
         with monkeypatch.context() as m:
@@ -159,3 +160,9 @@ def test_oracle_and_threshold_select_from_the_ffns_own_activations(family, monke
         torch.testing.assert_close(fast, kernel, atol=1e-5, rtol=1e-4)
         assert 0.2 < sp[0] < 0.8                                       # a real selection, not all or nothing
     assert MLPPredictor.reads_ffn is False
+    w = ad.ffn_weights(ad.decoder_layers(model)[0])
+    other = {k: v.clone() for k, v in w.items()}                    # equal values, other memory: not assumed
+    assert not OracleMLP(other, act, 4).same_ffn(w) and not GateThreshold(other.get("gate", other["up"]), act,
+                                                                           0.02).same_ffn(w)
+    if "b_up" in w:      # a threshold without fc1's bias (as fitted) scores something else than the FFN's act
+        assert not GateThreshold(w["up"], act, 0.02).same_ffn(w)

@@ -44,6 +44,15 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
+def same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Both None, or views of the same memory with the same layout and dtype (the same values, without comparing
+    them)."""
+    if a is None or b is None:
+        return a is None and b is None
+    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.data_ptr() == b.data_ptr())
+
+
 class MLPPredictor(nn.Module):
     """Scores FFN neurons per token; ``mask(x)`` is the selected set. Subclasses define ``scores``."""
 
@@ -62,14 +71,20 @@ class MLPPredictor(nn.Module):
     def scores(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] -> [T, D]
         raise NotImplementedError
 
-    # whether ``scores_from_ffn`` gives the scores from the layer's own FFN activations (the oracle, the threshold):
-    # a masked FFN that computes those activations anyway then selects from them instead of computing them again
+    # whether ``scores_from_ffn`` can give the scores from the layer's own FFN activations (the oracle, the
+    # threshold): a masked FFN that computes those activations anyway then selects from them instead of computing
+    # them again, where ``same_ffn`` says the predictor reads that very FFN's weights
     reads_ffn: bool = False
 
     def scores_from_ffn(self, a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The scores from the FFN's activations of the same tokens: ``a`` = act(first projection), ``h`` = what
         down reads (a · up, gated; a, not gated); the same values ``scores`` computes from the FFN input."""
         raise NotImplementedError(f"{self.method}'s scores are not the FFN's own activations")
+
+    def same_ffn(self, weights: dict[str, torch.Tensor]) -> bool:
+        """Whether ``scores`` computes its activations from exactly these FFN weights (``ffn_weights`` layout:
+        the same tensors, bias included), so that ``scores_from_ffn`` gives the same values."""
+        return False
 
     @torch.no_grad()
     def mask(self, x: torch.Tensor) -> torch.Tensor:

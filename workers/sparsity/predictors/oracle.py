@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 from kernels.common import apply_act
-from workers.sparsity.predictors.base import FitContext, HeadPredictor, MLPPredictor, SparsityPlan, k_for, register
+from workers.sparsity.predictors.base import (
+    FitContext, HeadPredictor, MLPPredictor, SparsityPlan, k_for, register, same_tensor,
+)
 
 
 class OracleMLP(MLPPredictor):
@@ -35,6 +37,12 @@ class OracleMLP(MLPPredictor):
 
     def scores_from_ffn(self, a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return h.abs()          # |act(gate) · up|, or |act(fc1)| (then h is a)
+
+    def same_ffn(self, weights: dict[str, torch.Tensor]) -> bool:
+        if self._gate is not None:          # gated: act(x gateᵀ) · (x upᵀ), no bias
+            return same_tensor(self._gate, weights.get("gate")) and same_tensor(self._up, weights["up"])
+        return (weights.get("gate") is None and same_tensor(self._up, weights["up"])
+                and same_tensor(self._b_up, weights.get("b_up")))
 
     def config(self) -> dict:
         return {**super().config(), "act": self.act}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels.common import apply_act
-from workers.sparsity.predictors.base import FitContext, MLPPredictor, SparsityPlan, register
+from workers.sparsity.predictors.base import FitContext, MLPPredictor, SparsityPlan, register, same_tensor
 
 
 class GateThreshold(MLPPredictor):
@@ -48,6 +48,11 @@ class GateThreshold(MLPPredictor):
 
     def scores_from_ffn(self, a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return a.abs() - self.threshold
+
+    def same_ffn(self, weights: dict[str, torch.Tensor]) -> bool:
+        if weights.get("gate") is not None:     # gated: act(x gateᵀ), no bias
+            return same_tensor(self._w, weights["gate"]) and self._b is None
+        return same_tensor(self._w, weights["up"]) and same_tensor(self._b, weights.get("b_up"))
 
     def config(self) -> dict:
         return {**super().config(), "act": self.act, "threshold": self.threshold}
