@@ -40,6 +40,9 @@ BATCHED_FOR = ("0.4.13",)   # lm-eval versions whose HFLM internals (Collator, b
 # for, as opposed to what it does (``benchmarks.scoring``)
 device_clock = {"seconds": 0.0, "forwards": 0}
 GENERATION_LOOPS = ("rounds", "lm_eval")   # ScoringLM's greedy generation: refilled batches, or lm-eval's loop
+# the generation kwargs the refilled loop honours (after lm-eval's normalize_gen_kwargs); any other (beams, a
+# repetition penalty, ...) goes to lm-eval's loop, which hands them to HF generate
+GREEDY_KWARGS = frozenset({"until", "max_gen_toks", "do_sample", "temperature"})
 LOGIT_BYTES = 12        # per (position, vocabulary entry) of the output head: the logits, an fp32 copy and
                         # its log-softmax
 HEAD_BYTES = 1 << 30    # the output head runs on slices of the scored positions of about this many logit bytes
@@ -318,7 +321,8 @@ def scoring_lm():
             kwargs = [normalize_gen_kwargs(dict(g), self.max_gen_toks) for _, g in args]
             if (self.generation != "rounds" or not self.batched or not isinstance(self.batch_size, int)
                     or self.think_end_token is not None
-                    or any(k.get("do_sample") or k.get("temperature", 0.0) for k in kwargs)):
+                    or any(k.get("do_sample") or k.get("temperature", 0.0) or set(k) - GREEDY_KWARGS
+                           for k in kwargs)):
                 return super().generate_until(requests, disable_tqdm)
             collator = Collator(args, sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]), group_by="gen_kwargs",
                                 group_fn=lambda r: r[1])
@@ -350,10 +354,10 @@ def scoring_lm():
 
                 outs = refilling_greedy(self.model, prompts, self.batch_size, max_new, stop, eos_ids, pad_id,
                                         self.generation_stats)
-                for context, gen_kwargs_, toks in zip(contexts, [g for _, g in group], outs):
+                for (context, gen_kwargs), toks in zip(group, outs):
                     s = postprocess_generated_text(self.tok_decode(toks), until, None)
                     res.append(s)
-                    self.cache_hook.add_partial("generate_until", (context, gen_kwargs_), s)
+                    self.cache_hook.add_partial("generate_until", (context, gen_kwargs), s)
             return collator.get_original(res)
 
         # ------------------------------------------------------------------------------ requests as tokens

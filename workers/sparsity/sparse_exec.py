@@ -178,7 +178,7 @@ class SparseFFN(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         kind = self.predictor.input_kind
         pred = self.predictor
-        if self._from_ffn and pred.reads_ffn:
+        if self._from_ffn and pred.reads_ffn:       # (reads_ffn again: a benchmark may switch it off for a run)
             mask = lambda a, h: pred.select(pred.scores_from_ffn(a, h))     # from the FFN's own activations
         else:
             pin = x2 if kind == "ffn_in" else self._taps.get(self.layer, kind).reshape(-1, shape[-1])

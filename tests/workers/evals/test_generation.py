@@ -85,6 +85,11 @@ def test_generate_until_keeps_lm_evals_texts(smollm2):
         if loop == "rounds":
             assert lm.generation_stats["rounds"] >= 2
     assert texts["rounds"] == texts["lm_eval"]
+    lm = scoring_lm()(pretrained=smollm2.model, tokenizer=smollm2.tokenizer, batch_size=2)
+    other = {**kwargs, "max_gen_toks": 4, "repetition_penalty": 1.3}     # a kwarg the refilled loop does not do
+    lm.generate_until([Instance(request_type="generate_until", doc={}, arguments=(prompts[0], other), idx=0)],
+                      disable_tqdm=True)
+    assert lm.generation_stats == {}                                  # lm-eval's loop ran it
     assert len({t for t in texts["rounds"]}) == len(prompts) and all("\n\n" not in t for t in texts["rounds"])
     with pytest.raises(ValueError, match="generation"):
         scoring_lm()(pretrained=smollm2.model, tokenizer=smollm2.tokenizer, batch_size=2, generation="beam")
