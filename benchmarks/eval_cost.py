@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-from contextlib import contextmanager
 import json
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 

@@ -13,11 +13,11 @@ Here a batch of ``rows`` sequences runs in rounds:
   3. the round ends when no more than half the rows are unfinished and prompts are still waiting (or when every
      row is finished): finished rows leave, waiting prompts take their places, and the rows still going carry
      their tokens into the next round's prefill.
-A finished row's later steps in its round are computed and dropped. Out of device memory (the device shared with
-other units' processes: twelve GSM8K units at 128 rows each did not fit on an H200), the round stops there and
-the batch is halved, the tokens so far kept. The re-prefill of the rows still going is the
+A finished row's later steps in its round are computed and dropped. The re-prefill of the rows still going is the
 cost of refilling without rewriting the KV cache's layout; at half a batch per round it is a few prompt lengths per
-sequence, against the steps it saves.
+sequence, against the steps it saves. Out of device memory (the device shared with other units' processes: twelve
+GSM8K units at 128 rows each did not fit on an H200), the round stops there and the batch is halved, the tokens
+so far kept.
 
 Every sequence's tokens are its greedy continuation: the same tokens ``generate`` gives it in any batch, up to the
 summation order of the batch it shares (padding and batch shape move fp32 logits by about 1e-6, which can flip a
