@@ -118,31 +118,29 @@ def _eager_masks(on: bool):
     """Inside the block (``on``), the sparse settings' masks are made as they were before they were fused: the
     oracle's and the threshold's scores computed again from the FFN input (``MLPPredictor.reads_ffn`` off), TEAL's
     and WINA's masked inputs by eager abs / multiply / compare / where (``input_sparse._one_pass`` off), top-k
-    sorted. The same selections (the test suite checks each against its fused form); only the time differs."""
+    sorted (``base.topk_mask``). The same selections (the test suite checks each against its fused form); only the time differs."""
     if not on:
         yield
         return
     from workers.sparsity import input_sparse
-    from workers.sparsity.predictors.base import MLPPredictor
+    from workers.sparsity.predictors import base
     from workers.sparsity.predictors.oracle import OracleMLP
     from workers.sparsity.predictors.threshold import GateThreshold
 
-    def sorted_select(self, s):
-        if self.rule == "positive":
-            return s > 0
-        m = torch.zeros_like(s, dtype=torch.bool)
-        if self.k:
-            m.scatter_(1, s.topk(self.k, dim=1).indices, True)
+    def sorted_topk_mask(values, k):         # base.topk_mask as it was: the same set, the k values sorted
+        m = torch.zeros_like(values, dtype=torch.bool)
+        if k:
+            m.scatter_(1, values.topk(k, dim=1).indices, True)
         return m
 
-    saved = (OracleMLP.reads_ffn, GateThreshold.reads_ffn, input_sparse._one_pass, MLPPredictor.select)
+    saved = (OracleMLP.reads_ffn, GateThreshold.reads_ffn, input_sparse._one_pass, base.topk_mask)
     OracleMLP.reads_ffn = GateThreshold.reads_ffn = False
     input_sparse._one_pass = lambda x: False
-    MLPPredictor.select = sorted_select
+    base.topk_mask = sorted_topk_mask
     try:
         yield
     finally:
-        OracleMLP.reads_ffn, GateThreshold.reads_ffn, input_sparse._one_pass, MLPPredictor.select = saved
+        OracleMLP.reads_ffn, GateThreshold.reads_ffn, input_sparse._one_pass, base.topk_mask = saved
 
 
 def _profiled(units, cfg: dict, device: str, top: int = 25) -> list[dict]:

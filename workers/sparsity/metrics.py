@@ -15,7 +15,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kernels.common import apply_act
-from workers.sparsity.predictors.base import HeadPredictor, MLPPredictor, SparsityPlan, k_for, predictor_inputs
+from workers.sparsity.predictors.base import (
+    HeadPredictor, MLPPredictor, SparsityPlan, k_for, predictor_inputs, topk_mask,
+)
 
 
 @dataclass(frozen=True)
@@ -31,13 +33,6 @@ class LayerQuality:
 
     def row(self) -> dict:
         return asdict(self)
-
-
-def topk_mask(values: torch.Tensor, k: int) -> torch.Tensor:
-    m = torch.zeros_like(values, dtype=torch.bool)
-    if k:
-        m.scatter_(1, values.topk(k, dim=1).indices, True)
-    return m
 
 
 def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -70,7 +65,7 @@ def mlp_quality(pred: MLPPredictor, cache, layer: int, target: float, act: str, 
     with torch.no_grad():
         x = predictor_inputs(cache, layer, pred.input_kind, max_tokens)
         scores = pred.scores(x)
-        predicted = scores > 0 if pred.rule == "positive" else topk_mask(scores, pred.k)
+        predicted = pred.select(scores)
     realized = predicted
     if seq_filter is not None and filter_weight is not None:
         realized = predicted & (inter.abs() * filter_weight > seq_filter)

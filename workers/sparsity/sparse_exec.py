@@ -176,8 +176,8 @@ class SparseFFN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        kind = self.predictor.input_kind
         pred = self.predictor
+        kind = pred.input_kind
         if self._from_ffn and pred.reads_ffn:       # (reads_ffn again: a benchmark may switch it off for a run)
             mask = lambda a, h: pred.select(pred.scores_from_ffn(a, h))     # from the FFN's own activations
         else:

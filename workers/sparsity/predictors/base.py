@@ -53,6 +53,14 @@ def same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
             and a.data_ptr() == b.data_ptr())
 
 
+def topk_mask(values: torch.Tensor, k: int) -> torch.Tensor:
+    """bool [T, n]: each row's ``k`` largest values (unsorted top-k: the set is all a mask needs)."""
+    m = torch.zeros_like(values, dtype=torch.bool)
+    if k:
+        m.scatter_(1, values.topk(k, dim=1, sorted=False).indices, True)
+    return m
+
+
 class MLPPredictor(nn.Module):
     """Scores FFN neurons per token; ``mask(x)`` is the selected set. Subclasses define ``scores``."""
 
@@ -94,12 +102,7 @@ class MLPPredictor(nn.Module):
     @torch.no_grad()
     def select(self, s: torch.Tensor) -> torch.Tensor:
         """The rule applied to scores [T, D]: bool [T, D]."""
-        if self.rule == "positive":
-            return s > 0
-        m = torch.zeros_like(s, dtype=torch.bool)
-        if self.k:
-            m.scatter_(1, s.topk(self.k, dim=1, sorted=False).indices, True)
-        return m
+        return s > 0 if self.rule == "positive" else topk_mask(s, self.k)
 
     # ---- serialization (bundles): tensors + JSON config, never pickle ----
     def config(self) -> dict:
@@ -133,11 +136,7 @@ class HeadPredictor(nn.Module):
 
     @torch.no_grad()
     def mask(self, x: torch.Tensor) -> torch.Tensor:
-        s = self.scores(x)
-        m = torch.zeros_like(s, dtype=torch.bool)
-        if self.k:
-            m.scatter_(1, s.topk(self.k, dim=1, sorted=False).indices, True)
-        return m
+        return topk_mask(self.scores(x), self.k)
 
     def config(self) -> dict:
         return {"method": self.method, "input_kind": self.input_kind, "k": self.k, "n_heads": self.n_heads}
