@@ -5,10 +5,10 @@
 2. Ask a collector actor for each model's and data's fingerprints; plan the units (``orchestrator.plan``)
    and register them under the sweep (idempotent: units finished by any earlier sweep stay finished). A task split
    into shards runs its shard units, then its own unit, which assembles their scores (shards of a task already
-   done are not planned). Units of ``only: front`` tasks run for dense at once; the others wait: once every other
-   eval unit of their model has finished, the front of the recorded rows against weights skipped
-   (``orchestrator.pareto.front_pick``) picks the settings they run for; those are registered and run, the rest
-   never are.
+   done are not planned). Units of ``only: front`` tasks wait (``FrontWait``): once every other eval unit of every
+   model has finished, and the latency units timed alone after them, the front of each model's recorded rows
+   against weights skipped (``orchestrator.pareto.front_pick``) picks the settings they run for, dense's among
+   them; those are registered and run, the rest never are.
 3. Run what is not done, in dependency order, on actor pools (``workers.actors``), at most one unit in flight
    per actor (backpressure through ``ray.wait``); among ready units of one kind, the lower ``priority`` first (the
    plan starts fits from activation statistics first, then the longest, ``orchestrator.plan.fit_priority``).
@@ -316,6 +316,14 @@ def enqueue(queue: deque, unit: PlannedUnit) -> None:
     queue.insert(i, unit)
 
 
+def before_front(spec: SweepSpec, units: list[PlannedUnit]) -> set[str]:
+    """The units the ``only: front`` units wait for besides the fronts' own (``FrontWait``'s ``after``): the latency
+    units, when the spec times latency alone."""
+    if spec.latency is None or not spec.latency.exclusive:
+        return set()
+    return {u.id for u in units if u.kind == "latency"}
+
+
 class FrontWait:
     """A sweep's ``only: front`` units, held until every other eval unit of every model of the sweep (the units that
     draw the fronts) has finished; then :func:`front_units` picks those that run for each model (dense's and the
@@ -325,11 +333,16 @@ class FrontWait:
     Why all models, and dense's too: these units generate (GSM8K), and a decode step is hundreds of small dependent
     kernels. Beside other processes' scoring forwards on a shared accelerator each of them waits its turn: on an
     H200 under MPS, dense's GSM8K started with the sweep ran 16-21x slower than alone and was the sweep's last unit
-    to finish (BENCHMARKS.md). Held to the end, they run together on a device of their own."""
+    to finish (BENCHMARKS.md). Held to the end, they run together on a device of their own.
+
+    ``after``: units that go before them too, the latency units when latency is timed alone (``latency.exclusive``).
+    Those are seconds each where a generation unit takes minutes, they complete every model's accuracy-latency
+    front, and a sweep stopped during generation still has them."""
 
     def __init__(self, engine, spec: SweepSpec, described: dict[str, dict], sweep_id: int,
-                 units: list[PlannedUnit]):
+                 units: list[PlannedUnit], after: set[str] = frozenset()):
         self.engine, self.spec, self.described, self.sweep_id = engine, spec, described, sweep_id
+        self.after = set(after)
         self.held: dict[str, list[PlannedUnit]] = defaultdict(list)
         for u in units:
             if u.only:
@@ -340,8 +353,8 @@ class FrontWait:
     def release(self, finished: set[str]) -> tuple[list[PlannedUnit], dict[str, str]]:
         """(the units released now, registered under the sweep, and their statuses in the store): once every
         model's front-defining units are in ``finished`` (done, failed or never placeable), dense's and the
-        front's of each model; nothing before, and nothing after that once."""
-        if not self.gates or not all(gate <= finished for gate in self.gates.values()):
+        front's of each model, once ``after`` is in ``finished`` too; nothing before, and nothing after that once."""
+        if not self.gates or not self.after <= finished or not all(gate <= finished for gate in self.gates.values()):
             return [], {}
         out = []
         for m in list(self.gates):
@@ -386,7 +399,8 @@ def _execute(ray, engine, pools: _Pools, spec: SweepSpec, sweep_id: int, units: 
              heartbeat_s: float, described: dict[str, dict]) -> SweepOutcome:
     from ray.exceptions import RayActorError
 
-    front = FrontWait(engine, spec, described, sweep_id, units)    # the ``only: front`` units, held back
+    exclusive = spec.latency is not None and spec.latency.exclusive
+    front = FrontWait(engine, spec, described, sweep_id, units, after=before_front(spec, units))
     units = [u for u in units if not u.only]
     by_id = {u.id: u for u in units}
     with session_scope(engine) as s:
@@ -457,7 +471,6 @@ def _execute(ray, engine, pools: _Pools, spec: SweepSpec, sweep_id: int, units: 
             if not pools.rebalance(ready, [a for _, a in inflight.values()]):
                 break
 
-    exclusive = spec.latency is not None and spec.latency.exclusive
     release_ready()
     last_beat = time.time()
     while True:

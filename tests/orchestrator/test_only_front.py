@@ -13,7 +13,7 @@ import pytest
 
 from db import queries
 from db.engine import get_engine, session_scope, upgrade
-from orchestrator.driver import FrontWait, register
+from orchestrator.driver import FrontWait, before_front, register
 from orchestrator.pareto import front_pick
 from orchestrator.plan import plan_units
 from orchestrator.settings import Setting
@@ -195,3 +195,27 @@ def test_the_front_units_wait_for_every_models_scoring(tmp_path):
     chosen, statuses = wait.release(everything | {gates["gemma3-270m"][-1].id})
     assert sorted((u.model, u.method) for u in chosen) == [("gemma3-270m", "dense"), ("smollm2-135m", "dense")]
     assert set(statuses.values()) == {"pending"}
+
+
+def test_latency_timed_alone_goes_before_the_front_units(tmp_path):
+    """With latency timed alone (``latency.exclusive``, the default), the front's units are released only once the
+    latency units have finished too; with latency beside the rest, the fronts alone gate them."""
+    spec = parse_spec({**copy.deepcopy(BASE), "latency": {"devices": ["cpu"], "batch": [1], "prompt_len": [8],
+                                                          "gen_len": 2, "repeats": 1}})
+    engine = get_engine(f"sqlite:///{tmp_path / 'front-lat.db'}")
+    upgrade(engine)
+    units = plan_units(spec, DESCRIBED, cpu_cores=2)
+    sweep_id = register(engine, spec, DESCRIBED, units, None)
+    latency = {u.id for u in units if u.kind == "latency"}
+    assert len(latency) == 5 and before_front(spec, units) == latency      # 4 settings, and dense on llama.cpp
+    gate = [u for u in units if u.kind == "eval" and not u.only]
+    for u in gate:
+        _finish(engine, u, None)
+    finished = {u.id for u in gate}
+    wait = FrontWait(engine, spec, DESCRIBED, sweep_id, units, after=before_front(spec, units))
+    assert wait.release(finished) == ([], {})                    # the fronts are drawn, latency still runs
+    assert wait.release(finished | set(sorted(latency)[:4])) == ([], {})
+    assert [u.method for u in wait.release(finished | latency)[0]] == ["dense"]
+    beside = parse_spec({**copy.deepcopy(BASE), "latency": {**spec.latency.model_dump(), "exclusive": False}})
+    assert before_front(beside, plan_units(beside, DESCRIBED, cpu_cores=2)) == set()
+    assert before_front(_spec(), plan_units(_spec(), DESCRIBED)) == set()     # no latency
