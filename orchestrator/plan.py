@@ -12,7 +12,8 @@ the units of the settings the front picks (``orchestrator.driver``).
 A ``shape:NAME`` model (a 7B-class shape with random weights) gets only fit placeholders and latency units: its
 predictors are drawn at random with the real shapes at each grid sparsity, so the timing is real and the accuracy
 meaningless. A ``dense`` fit (an empty plan) is always planned: the baseline every setting is compared with, evaluated and
-timed like the others; Hugging Face ``generate`` is timed on it too. A unit's id is the hash of its kind, its
+timed like the others; Hugging Face ``generate`` is timed on it too. It reads no activations, so it does not wait for
+the collection: dense's evaluations start while the model's activations are still being captured. A unit's id is the hash of its kind, its
 canonical config (model and data fingerprints included) and ``CODE_VERSION``: the same work always gets the
 same id, whichever sweep asks for it, so finished units are reused and never run twice.
 
@@ -171,7 +172,7 @@ def plan_units(spec: SweepSpec, described: dict[str, dict], cpu_cores: int | Non
         for st in settings(spec):
             tag = _tag(st)
             fit = _unit("fit", ref, acc, {**base, **st, "seed": spec.seed, "threads": threads},
-                        [] if shape else [collect.id],
+                        [] if shape or st["method"] == DENSE else [collect.id],   # dense fits nothing
                         f"{ref} {tag} fit", method=st["method"], sparsity=st["sparsity"], rank=st["rank"],
                         attn_sparsity=st["attn_sparsity"], priority=fit_priority(st["method"]))
             units.append(fit)

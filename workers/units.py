@@ -229,9 +229,12 @@ class Units:
         allocation = F.check_allocation(cfg.get("allocation", "uniform"))
         if is_shape(cfg["model"]):   # random predictors of the real shapes are drawn by the latency unit itself
             return UnitOutput(summary={"random_predictors": cfg["method"] != DENSE})
-        lm, calib, held = self._caches(cfg)
-        ctx = FitContext(lm, calib, list(range(lm.dims.n_layers)), seed=cfg.get("seed", 0), device=self.device)
         method, s, rank, attn = cfg["method"], cfg["sparsity"], cfg.get("rank"), cfg.get("attn_sparsity")
+        if method == DENSE:     # nothing to fit or score: no activations (the plan does not wait for the collection)
+            lm, calib, held = self.lm(cfg["model"], cfg["model_fp"]), None, None
+        else:
+            lm, calib, held = self._caches(cfg)
+        ctx = FitContext(lm, calib, list(range(lm.dims.n_layers)), seed=cfg.get("seed", 0), device=self.device)
         t0 = time.time()
         dest = bundle_dir(unit_id)
         cached = self._cached_bundle(dest, lm)

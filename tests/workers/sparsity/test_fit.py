@@ -85,3 +85,33 @@ def test_a_methods_fit_cost_is_a_known_rank():
     assert FIT_COST["dejavu"] == 2 and FIT_COST["svd"] == 1 and FIT_COST["oracle"] == 0
     with pytest.raises(ValueError, match="fit_cost of 'slow' must be one of"):
         register("slow", fit_cost=3)
+
+
+def test_the_dense_fit_reads_no_activations_and_waits_for_no_collection(smollm2):
+    """Dense has nothing to fit or score: its fit unit saves the dense bundle without the calibration and held-out
+    activations (so its evaluations can start while the model's collection still runs), and the plan gives it no
+    dependency; every other fit reads them and waits for the collection."""
+    from orchestrator.plan import plan_units
+    from orchestrator.spec import parse_spec
+    from workers.units import Units
+
+    units = Units()
+    units._lms["smollm2-135m"] = smollm2
+
+    def no_activations(cfg):
+        raise AssertionError(f"{cfg['method']}'s fit asked for activations")
+
+    units._caches = no_activations
+    cfg = {"model": "smollm2-135m", "model_fp": smollm2.fingerprint, "method": "dense", "sparsity": 0.0,
+           "data": {"source": "lambada", "calib_tokens": 1024, "metric_tokens": 512, "seq_len": 256}}
+    out = units.fit("d" * 40, cfg)
+    assert out.summary["fit_s"] == 0.0 and out.layers == [] and out.artifacts
+    with pytest.raises(AssertionError, match="oracle's fit asked for activations"):
+        units.fit("o" * 40, {**cfg, "method": "oracle", "sparsity": 0.5})
+
+    spec = parse_spec({"name": "t", "models": ["smollm2-135m"], "methods": [{"name": "oracle", "sparsity": [0.5]}],
+                       "suites": {"tasks": [{"name": "piqa", "limit": 10}]}, "latency": None})
+    plan = plan_units(spec, {"smollm2-135m": {"fingerprint": "fp", "calib_fp": "c", "heldout_fp": "h"}})
+    collect = next(u for u in plan if u.kind == "collect")
+    fits = {u.method: u for u in plan if u.kind == "fit"}
+    assert fits["dense"].deps == () and fits["oracle"].deps == (collect.id,)
