@@ -15,6 +15,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from db.engine import current_revision, default_url, head_revision, upgrade
+from db.resultset import REQUEST_SCORES
 
 
 def _safe(url: str) -> str:
@@ -35,9 +36,13 @@ def main(argv: list[str] | None = None) -> int:
         if name == "export":
             p.add_argument("sweep", help="sweep name (the newest of that name) or id")
             p.add_argument("file", help="the .jsonl file to write")
-            p.add_argument("--all-request-scores", action="store_true",
-                           help="also the scored requests of shards whose task is assembled (left out by default: "
-                                "the task's rows hold what they give)")
+            p.add_argument("--request-scores", choices=REQUEST_SCORES, default="unassembled",
+                           help="the task shards' scored requests to write: of shards whose task is not assembled "
+                                "yet (default: a store that loads the file can still assemble it; an assembled "
+                                "task's rows hold what they give), of every shard, or none (rows of a sweep that "
+                                "still runs, without its shards' millions of scores)")
+            p.add_argument("--all-request-scores", dest="request_scores", action="store_const", const="all",
+                           help="the same as --request-scores all")
         elif name == "load":
             p.add_argument("file", help="a .jsonl file written by export")
         p.add_argument("--db", dest="db", default=None, metavar="URL",
@@ -77,7 +82,7 @@ def _resultset(args, url: str) -> int:
                 raise ResultSetError("the store is empty (no schema)")
             with session_scope(get_engine(url, read_only=True)) as s:
                 sweep = int(args.sweep) if args.sweep.isdigit() else args.sweep
-                n = write_jsonl(export_sweep(s, sweep, rev, args.all_request_scores), args.file)
+                n = write_jsonl(export_sweep(s, sweep, rev, args.request_scores), args.file)
             print(f"{args.file}: {n - 1} rows of sweep {args.sweep} from {_safe(url)}")
         else:
             records = read_jsonl(args.file)

@@ -2,9 +2,10 @@
 
 A result set is what a store knows about one sweep: the sweep, its units (status, config, worker, timings,
 errors), the models and datasets they point at, and every accuracy, latency and per-layer row of those units, and
-the scored requests of the task shards whose task is not assembled yet (so a sweep loaded elsewhere can still
-assemble it; ``all_request_scores``: every shard's, which a full grid makes millions of rows). Artifacts are left
-out: they name files on the host that ran the sweep (activation caches, bundles).
+the scored requests of the task shards whose task is not assembled yet, so a sweep loaded elsewhere can still
+assemble it (``request_scores``: ``"unassembled"``; ``"all"``: every shard's, which a full grid makes millions of
+rows; ``"none"``: no shard's, a sweep's rows published while it still runs). Artifacts are left out: they name
+files on the host that ran the sweep (activation caches, bundles).
 
     {"format": "ctxsparse-resultset-1", "sweep": NAME, "schema_revision": REV, "exported_at": ISO}
     {"table": "models", "row": {...}}
@@ -33,6 +34,7 @@ FORMAT = "ctxsparse-resultset-1"
 RESULT_TABLES = {"accuracy_results": AccuracyResult, "latency_results": LatencyResult,
                  "layer_metrics": LayerMetric, "request_scores": RequestScore}
 TABLES = ("models", "datasets", "sweeps", "work_units", "sweep_units", *RESULT_TABLES)
+REQUEST_SCORES = ("unassembled", "all", "none")    # which task shards' scored requests an export carries
 _DATETIMES = ("created_at", "started_at", "finished_at")
 
 
@@ -60,9 +62,11 @@ def _assembled_shards(units: list) -> set[str]:
 
 
 def export_sweep(session: Session, sweep: str | int, schema_revision: str | None = None,
-                 all_request_scores: bool = False) -> Iterator[dict]:
+                 request_scores: str = "unassembled") -> Iterator[dict]:
     """The records of one sweep (by name, newest of that name, or id): a header, then rows in TABLES order.
-    Request scores only of the shards whose task is not assembled yet, unless ``all_request_scores``."""
+    Request scores (``REQUEST_SCORES``): of the shards whose task is not assembled yet, of every shard, or none."""
+    if request_scores not in REQUEST_SCORES:
+        raise ResultSetError(f"request_scores is one of {list(REQUEST_SCORES)}, not {request_scores!r}")
     stmt = select(Sweep).where(Sweep.id == sweep) if isinstance(sweep, int) else \
         select(Sweep).where(Sweep.name == sweep).order_by(Sweep.id.desc()).limit(1)
     sw = session.scalars(stmt).first()
@@ -85,7 +89,10 @@ def export_sweep(session: Session, sweep: str | int, schema_revision: str | None
         yield {"table": "work_units", "row": _row(u)}
     for uid in unit_ids:
         yield {"table": "sweep_units", "row": {"sweep_id": sw.id, "unit_id": uid}}
-    skip = set() if all_request_scores else _assembled_shards(units)
+    if request_scores == "none":
+        skip = set(unit_ids)
+    else:
+        skip = set() if request_scores == "all" else _assembled_shards(units)
     for name, entity in RESULT_TABLES.items():
         ids = [u for u in unit_ids if u not in skip] if entity is RequestScore else unit_ids
         for r in session.scalars(select(entity).where(entity.unit_id.in_(ids))

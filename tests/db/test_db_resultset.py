@@ -144,7 +144,8 @@ def test_cli_takes_the_store_as_db_or_last_and_refuses_two(tmp_path, capsys, mon
 def test_request_scores_of_assembled_tasks_stay_out_unless_asked(tmp_path):
     """Task A's unit is done (assembled from its two shards): its shards' scores are left out of the export, as
     nothing reads them again. Task B's unit is not done: its done shard's scores travel, so a store that loads the
-    file can assemble B. ``all_request_scores`` (``--all-request-scores``) exports every shard's."""
+    file can assemble B. ``request_scores="all"`` (``--request-scores all``, ``--all-request-scores``) exports
+    every shard's, ``"none"`` none (a running sweep's rows without its shards' scores)."""
     from tests.db.db_support import unit_spec
 
     eng = get_engine(f"sqlite:///{tmp_path / 'shards.db'}")
@@ -175,11 +176,18 @@ def test_request_scores_of_assembled_tasks_stay_out_unless_asked(tmp_path):
         return per
 
     assert exported() == {ids["b0"]: 5}
-    assert exported(all_request_scores=True) == {ids["a0"]: 5, ids["a1"]: 5, ids["b0"]: 5}
+    assert exported(request_scores="all") == {ids["a0"]: 5, ids["a1"]: 5, ids["b0"]: 5}
+    assert exported(request_scores="none") == {}
+    with pytest.raises(ResultSetError, match=r"request_scores is one of \['unassembled', 'all', 'none'\], not 'some'"):
+        exported(request_scores="some")
     src = f"sqlite:///{tmp_path / 'shards.db'}"
     assert db_main(["export", "sh", str(tmp_path / "lean.jsonl"), src]) == 0
     assert db_main(["export", "sh", str(tmp_path / "full.jsonl"), src, "--all-request-scores"]) == 0
-    lean = (tmp_path / "lean.jsonl").read_text().count('"request_scores"')
-    full = (tmp_path / "full.jsonl").read_text().count('"request_scores"')
-    assert (lean, full) == (5, 15)
+    assert db_main(["export", "sh", str(tmp_path / "all.jsonl"), src, "--request-scores", "all"]) == 0
+    assert db_main(["export", "sh", str(tmp_path / "none.jsonl"), src, "--request-scores", "none"]) == 0
+    count = {k: (tmp_path / f"{k}.jsonl").read_text().count('"request_scores"') for k in ("lean", "full", "all", "none")}
+    assert count == {"lean": 5, "full": 15, "all": 15, "none": 0}
+    assert (tmp_path / "none.jsonl").read_text().count('"work_units"') == 6       # every unit still travels
+    with pytest.raises(SystemExit):
+        db_main(["export", "sh", str(tmp_path / "x.jsonl"), src, "--request-scores", "some"])
     eng.dispose()
