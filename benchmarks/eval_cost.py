@@ -10,10 +10,11 @@ reversed from one task to the next): ``N`` sequences per forward, ``tN`` forward
 GPU sweep's is ``t32768``), either with ``@bf16`` (or ``@tf32``, ``@fp32``: the forward precision, ``--matmul``
 where it is left out), ``+fused`` (the norms and rotary embedding as one kernel each,
 ``workers.evals.fused_forward``), ``+lmeval`` (generation tasks by lm-eval's own loop instead of batches refilled
-as sequences finish, ``workers.evals.generation``) and ``+eager`` (the sparse settings' masks made the way they were
+as sequences finish, ``workers.evals.generation``), ``+eager`` (the sparse settings' masks made the way they were
 before they were fused, the baseline of that change: the oracle and the threshold computing their scores from the
-FFN input again, TEAL's and WINA's masked inputs in three or four eager kernels, top-k sorted); each is compared
-with dense under the same batching and with the first.
+FFN input again, TEAL's and WINA's masked inputs in three or four eager kernels, top-k sorted by ``torch.topk``) and
+``+torchtopk`` (only the top-k masks by ``torch.topk`` and a scatter instead of one Triton pass,
+``kernels.topk_mask_triton``); each is compared with dense under the same batching and with the first.
 
     python -m benchmarks.eval_cost --device cuda --settings oracle:0.5,threshold:0.5,svd:0.5:256 \\
         --tasks perplexity,piqa:1000,arc_easy,lambada_openai:2000,gsm8k_cot:20 --json eval_cost.json
@@ -47,8 +48,9 @@ from workers.units import Units
 
 OPTIONS = {"svd": {"target": "product"}}      # the settings the GPU sweep publishes
 MATMULS = (MATMUL_FP32, MATMUL_TF32, MATMUL_BF16)
-SUFFIXES = {"fused", "lmeval", "eager"}       # of a batching: fused norms and rotary; lm-eval's generation loop; the
-                                              # masks made as before they were fused
+MASKS = ("eager", "torchtopk")                # the masks made another way (``_masks``)
+SUFFIXES = {"fused", "lmeval", *MASKS}        # of a batching: fused norms and rotary; lm-eval's generation loop;
+                                              # the masks made another way
 
 
 def _setting(spec: str) -> dict:
@@ -85,11 +87,14 @@ def _batching(spec: str, matmul: str) -> dict:
     either one ``@fp32|@tf32|@bf16``: the forward precision (``suites.matmul``) instead of ``matmul``; then
     ``+fused``: the norms and rotary embedding fused (``workers.evals.fused_forward``), ``+lmeval``: generation by
     lm-eval's own loop (``scoring.GENERATION_LOOPS``), ``+eager``: the masks made as before they were fused
-    (``_eager_masks``); any of them, each once."""
+    (``_masks``), ``+torchtopk``: the top-k masks by ``torch.topk`` (``_masks``); any of them, each once, but not both
+    of the last two."""
     spec, _, extra = spec.partition("+")
     suffixes = extra.split("+") if extra else []
     if not set(suffixes) <= SUFFIXES or len(set(suffixes)) != len(suffixes):
         raise ValueError(f"batching {spec}+{extra}: suffixes are {sorted(SUFFIXES)}, each at most once")
+    if len(set(suffixes) & set(MASKS)) > 1:
+        raise ValueError(f"batching {spec}+{extra}: one way of making the masks, of {list(MASKS)}")
     size, _, precision = spec.partition("@")
     precision = precision or matmul
     if precision not in MATMULS:
@@ -104,24 +109,28 @@ def _batching(spec: str, matmul: str) -> dict:
             **({"matmul": precision} if precision != MATMUL_FP32 else {}),
             **({"fused": True} if "fused" in suffixes else {}),
             **({"generation": "lm_eval"} if "lmeval" in suffixes else {}),
-            **({"eager_masks": True} if "eager" in suffixes else {})}
+            **({"masks": s for s in suffixes if s in MASKS})}
 
 
 def _forward(batching: dict) -> dict:
     """What of a batching (``_batching``) changes how it runs rather than its batches: precision, fusion, the
     generation loop."""
-    return {k: v for k, v in batching.items() if k in ("matmul", "fused", "generation", "eager_masks")}
+    return {k: v for k, v in batching.items() if k in ("matmul", "fused", "generation", "masks")}
 
 
 @contextmanager
-def _eager_masks(on: bool):
-    """Inside the block (``on``), the sparse settings' masks are made as they were before they were fused: the
-    oracle's and the threshold's scores computed again from the FFN input (``MLPPredictor.reads_ffn`` off), TEAL's
-    and WINA's masked inputs by eager abs / multiply / compare / where (``input_sparse._one_pass`` off), top-k
-    sorted (``base.topk_mask``). The same selections (the test suite checks each against its fused form); only the time differs."""
-    if not on:
+def _masks(how: str | None):
+    """Inside the block, the sparse settings' masks are made another way (``MASKS``). ``"eager"``: as they were
+    before they were fused: the oracle's and the threshold's scores computed again from the FFN input
+    (``MLPPredictor.reads_ffn`` off), TEAL's and WINA's masked inputs by eager abs / multiply / compare / where
+    (``input_sparse._one_pass`` off), top-k sorted by ``torch.topk`` (``base.topk_mask``). ``"torchtopk"``: only the
+    top-k masks, by ``torch.topk`` and a scatter (``base.torch_topk_mask``) instead of one Triton pass. The same
+    selections (the test suite checks each against its fused form); only the time differs."""
+    if how is None:
         yield
         return
+    if how not in MASKS:
+        raise ValueError(f"masks {how!r}: one of {list(MASKS)}")
     from workers.sparsity import input_sparse
     from workers.sparsity.predictors import base
     from workers.sparsity.predictors.oracle import OracleMLP
@@ -134,9 +143,12 @@ def _eager_masks(on: bool):
         return m
 
     saved = (OracleMLP.reads_ffn, GateThreshold.reads_ffn, input_sparse._one_pass, base.topk_mask)
-    OracleMLP.reads_ffn = GateThreshold.reads_ffn = False
-    input_sparse._one_pass = lambda x: False
-    base.topk_mask = sorted_topk_mask
+    if how == "eager":
+        OracleMLP.reads_ffn = GateThreshold.reads_ffn = False
+        input_sparse._one_pass = lambda x: False
+        base.topk_mask = sorted_topk_mask
+    else:
+        base.topk_mask = base.torch_topk_mask
     try:
         yield
     finally:
@@ -283,10 +295,10 @@ def main(argv=None) -> int:
                 fw = json.loads(fw)
                 for label, fit_id in fits.items():
                     for mode in (["masked"] if label == DENSE else modes):
-                        with _eager_masks(fw.get("eager_masks", False)):
+                        with _masks(fw.get("masks")):
                             units.run("eval", "warm", {**base, "fit_unit": fit_id, "exec_mode": mode, "suite": name,
                                                        "limit": 2, "batch_size": a.batch_size,
-                                                       **{k: v for k, v in fw.items() if k != "eager_masks"}})
+                                                       **{k: v for k, v in fw.items() if k != "masks"}})
             t0 = time.time()
             how = prepare_requests(lm.model, lm.tokenizer, [name], limit)[name]
             print(f"requests of {name}: {how} ({time.time() - t0:.1f} s)", flush=True)
@@ -300,10 +312,10 @@ def main(argv=None) -> int:
                                else {"suite": name, "limit": limit, **batchings[b]})
                     if a.device.startswith("cuda"):
                         torch.cuda.synchronize()
-                    eager = cfg.pop("eager_masks", False)      # how the masks are made, not a unit config key
+                    how = cfg.pop("masks", None)      # how the masks are made, not a unit config key
                     t0 = time.perf_counter()
-                    with _eager_masks(eager):
-                        out = units.run("eval", _id({**cfg, "eager_masks": eager}), cfg)
+                    with _masks(how):
+                        out = units.run("eval", _id({**cfg, "masks": how}), cfg)
                     if a.device.startswith("cuda"):
                         torch.cuda.synchronize()
                     dt = time.perf_counter() - t0
@@ -311,7 +323,7 @@ def main(argv=None) -> int:
                     rows.append({"task": name, "limit": limit, "setting": label, "mode": mode, "batching": b,
                                  "seconds": dt, "metric": metric, "value": value, "stderr": stderr})
                     if a.profile and i == 0:
-                        with _eager_masks(eager):
+                        with _masks(how):
                             profiles.append({"task": name, "setting": label, "mode": mode, "batching": b,
                                              "ops": _profiled(units, cfg, a.device)})
                     print(f"{name:<11} {label:<22} {mode:<7} {b:<7} {dt:7.2f} s  {metric} {value:.4f}", flush=True)

@@ -49,6 +49,7 @@ def _case(module, kernel, dtype, consts, ptrs=None, **options) -> Case:
 def cases() -> list[Case]:
     from kernels.decode_attn_triton import NUM_WARPS, block_n_for
     from kernels.select_triton import MULTI_CHUNK, MULTI_WARPS
+    from kernels.topk_mask_triton import MAX_N
 
     out = []
     # decode attention: fp16 / bf16 / fp32, every optional part off and on, one program or split + combine
@@ -162,6 +163,11 @@ def cases() -> list[Case]:
     for has_scale in (False, True):
         out.append(_case("input_mask_triton", "_masked_inputs_kernel", "fp32", dict(HAS_SCALE=has_scale, BLOCK=2048),
                          num_warps=8))
+    # a top-k mask in one pass (the oracle's, Deja Vu's and the SVD predictor's in a scoring forward): the block of
+    # SmolLM2's and Gemma-3's FFN widths, and of the widest row one program holds
+    for block in (2048, MAX_N):
+        out.append(_case("topk_mask_triton", "_topk_mask_kernel", "fp32", dict(BLOCK=block), {"out_ptr": "*i1"},
+                         num_warps=4 if block <= 4096 else 8))
     return out
 
 

@@ -54,7 +54,21 @@ def same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 
 def topk_mask(values: torch.Tensor, k: int) -> torch.Tensor:
-    """bool [T, n]: each row's ``k`` largest values (unsorted top-k: the set is all a mask needs)."""
+    """bool [T, n]: each row's ``k`` largest values (unsorted top-k: the set is all a mask needs). Float32 scores
+    on a Triton device (CUDA) take one pass (:mod:`kernels.topk_mask_triton`): the same set wherever a row's k-th
+    largest value is unique, the lowest columns of a tie (``torch.topk`` names none)."""
+    from kernels.ops import backend_name
+
+    if k and values.dim() == 2 and values.dtype == torch.float32 and backend_name(values) == "triton":
+        from kernels.topk_mask_triton import MAX_N, topk_mask as one_pass
+
+        if values.shape[1] <= MAX_N:
+            return one_pass(values, k)
+    return torch_topk_mask(values, k)
+
+
+def torch_topk_mask(values: torch.Tensor, k: int) -> torch.Tensor:
+    """``topk_mask`` in eager PyTorch: an unsorted ``torch.topk`` and a scatter of its indices into a zeroed mask."""
     m = torch.zeros_like(values, dtype=torch.bool)
     if k:
         m.scatter_(1, values.topk(k, dim=1, sorted=False).indices, True)
