@@ -80,3 +80,24 @@ def test_the_oracles_masked_ffn_uses_it_and_keeps_its_logits(monkeypatch):
     assert torch.equal(out["cpu"], out["triton"])
     with torch.no_grad():
         assert (model(input_ids=ids).logits - out["cpu"]).abs().max() > 1e-3    # and the mask did something
+
+
+def test_the_benchmark_times_both_masks_and_checks_they_agree(tmp_path, capsys):
+    """``benchmarks.topk_mask`` on this CPU (the kernel through the interpreter, tiny shapes): one row per mask and
+    shape, the two masks equal, the ratio reported, the file written."""
+    import json
+
+    from benchmarks.topk_mask import main
+
+    out = tmp_path / "topk.json"
+    assert main(["--device", "cpu", "--tokens", "8", "--widths", "96,40", "--keep", "0.5,0.3", "--reps", "2",
+                 "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [(r["op"], r["shape"], r["extra"]["k"]) for r in doc["rows"]] == [
+        ("torch_topk", "8x96", 48), ("one_pass", "8x96", 48), ("one_pass", "8x96", 29), ("torch_topk", "8x96", 29),
+        ("torch_topk", "8x40", 20), ("one_pass", "8x40", 20), ("one_pass", "8x40", 12), ("torch_topk", "8x40", 12)]
+    assert all(r["extra"]["equal"] and r["median"] > 0 for r in doc["rows"])
+    assert all("x_torch_topk" in r["extra"] for r in doc["rows"] if r["op"] == "one_pass")
+    assert "8x96 k=48" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--keep", "1.5"])
