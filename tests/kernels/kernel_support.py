@@ -152,3 +152,18 @@ def in_default(*combos):
     seeded sample through ``cover`` is the rule)."""
     keep = set(combos)
     return lambda *combo: combo in keep
+
+
+def logits_on_each_backend(monkeypatch, model, ids, module, name: str, sparsified):
+    """A model's logits inside ``sparsified()`` (a block that makes it sparse) with ``CTXSPARSE_KERNELS=cpu`` and
+    ``=triton``, and how many times ``module.name`` (a one-pass kernel's entry point) was called meanwhile:
+    ({backend: logits}, calls)."""
+    calls = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or real(*a))
+    out = {}
+    for kernels in ("cpu", "triton"):
+        monkeypatch.setenv("CTXSPARSE_KERNELS", kernels)
+        with torch.no_grad(), sparsified():
+            out[kernels] = model(input_ids=ids).logits
+    return out, len(calls)

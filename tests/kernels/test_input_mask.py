@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels import reference as R
-from tests.kernels.kernel_support import rnd
+from tests.kernels.kernel_support import logits_on_each_backend, rnd
 
 
 @pytest.mark.parametrize("wina", [False, True])
@@ -41,17 +41,14 @@ def test_a_models_masked_projections_use_it_and_keep_their_logits(monkeypatch):
     ad = adapter_for(model)
     thresholds = {l: {p: 0.3 for p in projection_paths(ad)} for l in range(2)}
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
-    calls = []
-    real = K.masked_inputs
-    monkeypatch.setattr(K, "masked_inputs", lambda *a: calls.append(1) or real(*a))
-    out = {}
-    for kernels in ("cpu", "triton"):
-        monkeypatch.setenv("CTXSPARSE_KERNELS", kernels)
+
+    def sparsified():
         stats = InputStats()
         stats.counting = False
-        with torch.no_grad(), apply_input_sparsity(model, thresholds, "abs", "masked", stats):
-            out[kernels] = model(ids).logits
-    assert len(calls) == 2 * len(projection_paths(ad))          # every projection of both layers, triton only
+        return apply_input_sparsity(model, thresholds, "abs", "masked", stats)
+
+    out, calls = logits_on_each_backend(monkeypatch, model, ids, K, "masked_inputs", sparsified)
+    assert calls == 2 * len(projection_paths(ad))               # every projection of both layers, triton only
     assert torch.equal(out["cpu"], out["triton"])
     with torch.no_grad():
         assert (model(ids).logits - out["cpu"]).abs().max() > 1e-3     # and the mask did something

@@ -4,7 +4,7 @@ and what the oracle's masked FFN selects with, whose logits stay the same."""
 import pytest
 import torch
 
-from tests.kernels.kernel_support import rnd
+from tests.kernels.kernel_support import logits_on_each_backend, rnd
 
 
 def _topk(s, k):
@@ -68,15 +68,9 @@ def test_the_oracles_masked_ffn_uses_it_and_keeps_its_logits(monkeypatch):
         w = ad.ffn_weights(layer)
         plan.mlp[l] = OracleMLP(w, act, k_for(0.5, w["up"].shape[0]))
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
-    calls = []
-    real = K.topk_mask
-    monkeypatch.setattr(K, "topk_mask", lambda *a: calls.append(1) or real(*a))
-    out = {}
-    for kernels in ("cpu", "triton"):
-        monkeypatch.setenv("CTXSPARSE_KERNELS", kernels)
-        with torch.no_grad(), apply_sparsity(model, plan, mode="masked"):
-            out[kernels] = model(input_ids=ids).logits
-    assert len(calls) == len(plan.mlp)                             # every layer, triton only
+    out, calls = logits_on_each_backend(monkeypatch, model, ids, K, "topk_mask",
+                                        lambda: apply_sparsity(model, plan, mode="masked"))
+    assert calls == len(plan.mlp)                                  # every layer, triton only
     assert torch.equal(out["cpu"], out["triton"])
     with torch.no_grad():
         assert (model(input_ids=ids).logits - out["cpu"]).abs().max() > 1e-3    # and the mask did something
