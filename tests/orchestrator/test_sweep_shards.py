@@ -1,5 +1,5 @@
 """A sharded sweep on the session's real Ray cluster (slow: its actors start three times): a task split into
-shards and a GSM8K task run only on the front, end to end through the driver; then the store as a sweep killed
+shards and a GSM8K task run only on the front, after the latency units, end to end through the driver; then the store as a sweep killed
 mid-shard leaves it (a shard running with nothing recorded, the task's unit pending), resumed: the shard runs
 again, the task's rows are assembled once and equal the first run's, no score is written twice.
 
@@ -40,11 +40,18 @@ def test_sharded_sweep_runs_resumes_and_counts_every_shard_once(ray_local, tiny_
         "suites": {"perplexity": {"tokens": 256, "seq_len": 256},
                    "tasks": [{"name": "copa", "limit": 6, "shards": 2},
                              {"name": "gsm8k_cot", "limit": 1, "only": "front"}]},
-        "latency": None, "resources": {"fitters": 1, "evaluators": 1, "torch_threads": 1, "cpus_per_actor": 0.5}})
+        "latency": {"devices": ["cpu"], "batch": [1], "prompt_len": [8], "gen_len": 2, "repeats": 1},
+        "resources": {"fitters": 1, "evaluators": 1, "torch_threads": 1, "cpus_per_actor": 0.5}})
     url = f"sqlite:///{tmp_path / 'sharded.db'}"
     with home_set_to(private_home(tmp_path)):
         out = run_sweep(spec, url, heartbeat_s=30.0)
-        assert out.ok and out.failed == [] and out.total == 1 + 2 * (1 + 1 + 3 + 1) and out.done == out.total
+        # collect; per setting fit, perplexity, copa's 2 shards and task, GSM8K, latency; HF generate's on dense
+        assert out.ok and out.failed == [] and out.total == 1 + 2 * (1 + 1 + 3 + 1 + 1) + 1 and out.done == out.total
+        with session_scope(get_engine(url)) as s:     # latency, timed alone, went before the front's GSM8K
+            units = s.execute(select(WorkUnit.kind, WorkUnit.config, WorkUnit.started_at, WorkUnit.finished_at)).all()
+        timed = max(f for k, _, _, f in units if k == "latency")
+        gsm8k = [st for k, c, st, _ in units if c.get("suite") == "gsm8k_cot"]
+        assert len(gsm8k) == 2 and min(gsm8k) >= timed
         rows = _rows(url)
         copa = [r for r in rows if r[3] == "copa"]
         assert [(r[0], r[4], r[7]) for r in copa] == [("dense", "acc", 6), ("threshold", "acc", 6)]
