@@ -11,11 +11,12 @@ the units of the settings the front picks (``orchestrator.driver``).
 
 A ``shape:NAME`` model (a 7B-class shape with random weights) gets only fit placeholders and latency units: its
 predictors are drawn at random with the real shapes at each grid sparsity, so the timing is real and the accuracy
-meaningless. A ``dense`` fit (an empty plan) is always planned: the baseline every setting is compared with, evaluated and
-timed like the others; Hugging Face ``generate`` is timed on it too. It reads no activations, so it does not wait for
-the collection: dense's evaluations start while the model's activations are still being captured. A unit's id is the hash of its kind, its
-canonical config (model and data fingerprints included) and ``CODE_VERSION``: the same work always gets the
-same id, whichever sweep asks for it, so finished units are reused and never run twice.
+meaningless. A ``dense`` fit (an empty plan) is always planned: the baseline every setting is compared with,
+evaluated and timed like the others; Hugging Face ``generate`` is timed on it too. It reads no activations, so it
+does not wait for the collection: dense's evaluations start while the model's activations are still being
+captured. A unit's id is the hash of its kind, its canonical config (model and data fingerprints included) and
+``CODE_VERSION``: the same work always gets the same id, whichever sweep asks for it, so finished units are reused
+and never run twice.
 
 Fit, eval and latency configs carry ``threads``, the torch thread count the worker sets before computing
 (:func:`torch_threads`, :func:`latency_threads`): results depend on it (summation order), so rows measured under
