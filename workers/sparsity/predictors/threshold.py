@@ -82,6 +82,7 @@ def fit_threshold(ctx: FitContext, sparsity: dict[int, float], rank=None, **unkn
         w = ctx.ffn_weights(l)
         a = apply_act(ctx.cache.load(l, "gate"), act).abs()
         t = quantile(a, s) if s > 0 else -1.0
-        plan.mlp[l] = GateThreshold(w.get("gate", w["up"]), act, t)
+        # the calibrated activations are the first projection's output, fc1's bias included: so is the score
+        plan.mlp[l] = GateThreshold(w.get("gate", w["up"]), act, t, None if "gate" in w else w.get("b_up"))
         plan.info[l] = {"target_sparsity": s, "threshold": t, "calib_offfrac": float((a <= t).float().mean())}
     return plan
