@@ -30,16 +30,16 @@ def _topk_mask_kernel(s_ptr, out_ptr, rows, n, k, BLOCK: tl.constexpr):
     s = tl.load(s_ptr + row * n + cols, mask=live, other=0.0)
     s = tl.where(s == 0.0, 0.0, s)              # -0.0 as +0.0: equal scores, as torch.topk compares them
     bits = s.to(tl.int32, bitcast=True)
-    # float order as unsigned 32-bit keys: negative floats' magnitude bits reversed, then shifted by 2^31
-    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
-    key = tl.where(live, key, -1)                # never counted: every candidate below is >= 0
-    # the k-th largest key, built from the top bit down: the largest t with at least k keys >= t
-    t = tl.zeros((), dtype=tl.int64)
-    for bit in tl.static_range(31, -1, -1):
-        cand = t | (1 << bit)
+    # float order as int32 order: a negative float's magnitude bits reversed (only a NaN maps to INT32_MIN)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = tl.where(live, key, -2147483648)       # never counted: every candidate below is above INT32_MIN
+    # the k-th largest key, built from the sign bit down: the largest t with at least k keys >= t
+    t = tl.where(tl.sum((key >= 0).to(tl.int32), axis=0) >= k, 0, -2147483648)
+    for bit in tl.static_range(30, -1, -1):
+        cand = t | (1 << bit)                    # t's lower bits are 0: t + 2^bit, in order for either sign
         t = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= k, cand, t)
     above = key > t
-    tie = key == t
+    tie = (key == t) & live
     need = k - tl.sum(above.to(tl.int32), axis=0)
     keep = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= need))
     tl.store(out_ptr + row * n + cols, keep, mask=live)
