@@ -12,6 +12,7 @@ bandwidth, the ratio of the two, and whether the two masks are equal (random nor
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.tokens < 1 or any(w < 1 for w in widths) or any(not 0 < k <= 1 for k in keeps):
         ap.error("--tokens and --widths take positive numbers, --keep fractions in (0, 1]")
     dev = torch.device(a.device)
+    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        ap.error(f"the one-pass kernel runs on CUDA, or on {a.device} under TRITON_INTERPRET=1 (Triton's interpreter)")
     bw = copy_bandwidth(device=a.device) if dev.type == "cuda" else None
     masks = _masks()
     rows, i = [], 0

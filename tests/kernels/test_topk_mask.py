@@ -95,3 +95,12 @@ def test_the_benchmark_times_both_masks_and_checks_they_agree(tmp_path, capsys):
     assert "8x96 k=48" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--keep", "1.5"])
+
+
+def test_the_benchmark_refuses_a_cpu_without_the_interpreter(monkeypatch, capsys):
+    from benchmarks.topk_mask import main
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu"])
+    assert "runs on CUDA, or on cpu under TRITON_INTERPRET=1" in capsys.readouterr().err
