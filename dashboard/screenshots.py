@@ -83,8 +83,9 @@ def pareto_shot(page, base: str, model: str, device: str | None, path: Path) -> 
     expect(page.get_by_role("heading", name="Pareto front")).to_be_visible(timeout=60_000)
     box = page.get_by_role("combobox", name="Model")
     box.click()
-    page.get_by_role("option", name=re.compile(re.escape(model))).first.click()
-    expect(box).to_have_value(re.compile(re.escape(model)))
+    label = re.compile(rf"^{re.escape(model)} \(")                    # the picker's "name (fingerprint)"
+    page.get_by_role("option", name=label).first.click()
+    expect(box).to_have_value(label)
     if device is not None:
         dev = page.get_by_role("combobox", name="Device type")
         dev.click()
