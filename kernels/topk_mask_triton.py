@@ -22,8 +22,8 @@ import triton.language as tl
 MAX_N = 16384
 
 
-@triton.jit(do_not_specialize=["rows", "k"])     # one compile per width, whatever the batch and the budget
-def _topk_mask_kernel(s_ptr, out_ptr, rows, n, k, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["k"])     # one compile per width (a program per row), whatever the budget
+def _topk_mask_kernel(s_ptr, out_ptr, n, k, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     live = cols < n
@@ -54,10 +54,11 @@ def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
         raise ValueError(f"topk_mask needs 0 <= k <= {n}, got {k}")
     if n > MAX_N:
         raise ValueError(f"topk_mask holds a row of at most {MAX_N} scores in one program, got {n}")
-    out = torch.zeros((rows, n), dtype=torch.bool, device=scores.device)
-    if rows and k:
-        _topk_mask_kernel[(rows,)](scores.contiguous(), out, rows, n, int(k),
-                                   BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
+    if not rows or not k:
+        return torch.zeros((rows, n), dtype=torch.bool, device=scores.device)
+    out = torch.empty((rows, n), dtype=torch.bool, device=scores.device)     # every entry is written
+    _topk_mask_kernel[(rows,)](scores.contiguous(), out, n, int(k), BLOCK=triton.next_power_of_2(n),
+                               num_warps=4 if n <= 4096 else 8)
     return out
 
 
