@@ -1,13 +1,14 @@
 """A scoring forward's top-k mask: one Triton pass (``kernels.topk_mask_triton``) against ``torch.topk``, a zeroed
 mask and a scatter (``base.torch_topk_mask``, what ran before), side by side on the shapes of a 32,768-token
-forward's FFN activations.
+forward's FFN activations; and, as a third way, each row's k-th largest by ``torch.kthvalue`` and one compare
+(the same set without ties).
 
     python -m benchmarks.topk_mask --device cuda --json topk_mask.json
 
 For each width (SmolLM2's FFN 1,536, Gemma-3-270M's 2,048) and kept fraction k / n: µs per mask (a CUDA graph's
-replays, median, p10, p90; the order of the two flips from one shape to the next), the bytes the one pass must
+replays, median, p10, p90; the order of the ways reversed from one shape to the next), the bytes the one pass must
 move (the float32 scores read, one byte of mask written per entry) over that time against the measured copy
-bandwidth, the ratio of the two, and whether the two masks are equal (random normal scores: no ties).
+bandwidth, each way's ratio to ``torch.topk``, and whether the masks are equal (random normal scores: no ties).
 """
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ def _masks():
     from kernels.topk_mask_triton import topk_mask
     from workers.sparsity.predictors.base import torch_topk_mask
 
-    return {"torch_topk": torch_topk_mask, "one_pass": topk_mask}
+    def kthvalue_mask(s, k):
+        return s >= s.kthvalue(s.shape[1] - k + 1, dim=1, keepdim=True).values
+
+    return {"torch_topk": torch_topk_mask, "one_pass": topk_mask, "kthvalue": kthvalue_mask}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,15 +59,17 @@ def main(argv: list[str] | None = None) -> int:
             order = list(masks) if i % 2 == 0 else list(masks)[::-1]
             i += 1
             times = {name: time_graph(lambda f=masks[name]: f(s, k), reps=a.reps, device=a.device) for name in order}
-            equal = torch.equal(masks["torch_topk"](s, k), masks["one_pass"](s, k))
-            ratio = times["torch_topk"].median / times["one_pass"].median
+            want = masks["torch_topk"](s, k)
+            line = f"{a.tokens}x{n} k={k:<5}"
             for name, t in times.items():
+                equal = torch.equal(masks[name](s, k), want)
+                ratio = times["torch_topk"].median / t.median
                 rows.append(Row.measured("topk_mask", name, t, nbytes=a.tokens * n * 5, copy_bw_gbps=bw,
                                          shape=f"{a.tokens}x{n}", dtype="fp32", batch=a.tokens, device=a.device,
                                          extra={"k": k, "keep": keep, "equal": equal,
-                                                **({"x_torch_topk": round(ratio, 3)} if name == "one_pass" else {})}))
-            print(f"{a.tokens}x{n} k={k:<5} torch.topk {times['torch_topk'].median:9.1f} us  one pass "
-                  f"{times['one_pass'].median:9.1f} us  {ratio:5.2f}x  equal {equal}", flush=True)
+                                                "x_torch_topk": float(f"{ratio:.4g}")}))
+                line += f"  {name} {t.median:9.1f} us ({ratio:4.2f}x{'' if equal else ', NOT EQUAL'})"
+            print(line, flush=True)
     if bw:
         print(f"copy bandwidth {bw:.0f} GB/s (read + written)")
     if a.json:

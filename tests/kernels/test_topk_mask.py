@@ -76,9 +76,9 @@ def test_the_oracles_masked_ffn_uses_it_and_keeps_its_logits(monkeypatch):
         assert (model(input_ids=ids).logits - out["cpu"]).abs().max() > 1e-3    # and the mask did something
 
 
-def test_the_benchmark_times_both_masks_and_checks_they_agree(tmp_path, capsys):
-    """``benchmarks.topk_mask`` on this CPU (the kernel through the interpreter, tiny shapes): one row per mask and
-    shape, the two masks equal, the ratio reported, the file written."""
+def test_the_benchmark_times_the_masks_and_checks_they_agree(tmp_path, capsys):
+    """``benchmarks.topk_mask`` on this CPU (the kernel through the interpreter, tiny shapes): one row per way and
+    shape in the alternating order, every way's mask equal to torch.topk's, the ratios reported, the file written."""
     import json
 
     from benchmarks.topk_mask import main
@@ -87,12 +87,13 @@ def test_the_benchmark_times_both_masks_and_checks_they_agree(tmp_path, capsys):
     assert main(["--device", "cpu", "--tokens", "8", "--widths", "96,40", "--keep", "0.5,0.3", "--reps", "2",
                  "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
+    ways, back = ["torch_topk", "one_pass", "kthvalue"], ["kthvalue", "one_pass", "torch_topk"]
     assert [(r["op"], r["shape"], r["extra"]["k"]) for r in doc["rows"]] == [
-        ("torch_topk", "8x96", 48), ("one_pass", "8x96", 48), ("one_pass", "8x96", 29), ("torch_topk", "8x96", 29),
-        ("torch_topk", "8x40", 20), ("one_pass", "8x40", 20), ("one_pass", "8x40", 12), ("torch_topk", "8x40", 12)]
-    assert all(r["extra"]["equal"] and r["median"] > 0 for r in doc["rows"])
-    assert all("x_torch_topk" in r["extra"] for r in doc["rows"] if r["op"] == "one_pass")
-    assert "8x96 k=48" in capsys.readouterr().out
+        *[(w, "8x96", 48) for w in ways], *[(w, "8x96", 29) for w in back],
+        *[(w, "8x40", 20) for w in ways], *[(w, "8x40", 12) for w in back]]
+    assert all(r["extra"]["equal"] and r["median"] > 0 and r["extra"]["x_torch_topk"] > 0 for r in doc["rows"])
+    assert all(r["extra"]["x_torch_topk"] == 1.0 for r in doc["rows"] if r["op"] == "torch_topk")
+    assert "8x96 k=48     torch_topk" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--keep", "1.5"])
 
