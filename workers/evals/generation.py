@@ -33,6 +33,9 @@ import torch
 
 # a round ends once no more than this fraction of its rows is unfinished (and prompts wait for the rows)
 REFILL_AT = 0.5
+# the loop runs without autograd's per-op bookkeeping: about 1.03x a CPU decode loop against torch.no_grad, near
+# the noise (benchmarks.generation_grad_mode, BENCHMARKS.md)
+GRAD_MODE = torch.inference_mode
 
 
 def _prefill_inputs(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, ...]:
@@ -73,7 +76,7 @@ def refilling_greedy(model, prompts: Sequence[Sequence[int]], rows: int, max_new
         st.setdefault(k, 0)
     waiting = list(range(len(prompts)))[::-1]          # popped from the end: the order given
     going: list[int] = []                              # prompts whose rows carry over to the next round
-    with torch.inference_mode():        # no autograd bookkeeping per op: 3 % off a CPU decode step (BENCHMARKS.md)
+    with GRAD_MODE():
         while going or waiting:
             while len(going) > rows:                   # after a back-off: the rows past the new size wait again
                 waiting.append(going.pop())
