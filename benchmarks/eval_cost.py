@@ -312,10 +312,10 @@ def main(argv=None) -> int:
                                else {"suite": name, "limit": limit, **batchings[b]})
                     if a.device.startswith("cuda"):
                         torch.cuda.synchronize()
-                    how = cfg.pop("masks", None)      # how the masks are made, not a unit config key
+                    masks = cfg.pop("masks", None)      # how the masks are made, not a unit config key
                     t0 = time.perf_counter()
-                    with _masks(how):
-                        out = units.run("eval", _id({**cfg, "masks": how}), cfg)
+                    with _masks(masks):
+                        out = units.run("eval", _id({**cfg, "masks": masks}), cfg)
                     if a.device.startswith("cuda"):
                         torch.cuda.synchronize()
                     dt = time.perf_counter() - t0
@@ -323,7 +323,7 @@ def main(argv=None) -> int:
                     rows.append({"task": name, "limit": limit, "setting": label, "mode": mode, "batching": b,
                                  "seconds": dt, "metric": metric, "value": value, "stderr": stderr})
                     if a.profile and i == 0:
-                        with _masks(how):
+                        with _masks(masks):
                             profiles.append({"task": name, "setting": label, "mode": mode, "batching": b,
                                              "ops": _profiled(units, cfg, a.device)})
                     print(f"{name:<11} {label:<22} {mode:<7} {b:<7} {dt:7.2f} s  {metric} {value:.4f}", flush=True)
