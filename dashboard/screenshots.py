@@ -91,6 +91,9 @@ def pareto_shot(page, base: str, model: str, device: str | None, path: Path) -> 
         dev.click()
         page.get_by_role("option", name=re.compile(rf"^{re.escape(device)}\b")).first.click()
         expect(dev).to_have_value(re.compile(rf"^{re.escape(device)}\b"))
+        # the page drawn for that device: its front's caption, or the note that it has no latency rows
+        drawn = re.compile(rf"p50 ms per token on {re.escape(device)} ·|no latency rows for this device type")
+        expect(page.get_by_text(drawn).first).to_be_visible(timeout=60_000)
     chart = page.get_by_test_id("stVegaLiteChart")
     expect(chart).to_have_count(1, timeout=60_000)
     expect(chart.locator("canvas, svg").first).to_be_visible(timeout=60_000)
