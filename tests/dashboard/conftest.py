@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from dashboard.screenshots import APP as SCREENSHOTS_APP
 from tests.sweep_support import FAILING_METHOD, TINY_SPEC, copy_sqlite, home_set_to, private_home, run_tiny_sweep
 
-APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py")
+APP = str(SCREENSHOTS_APP)          # the one app path (dashboard.screenshots serves the same file)
 
 
 @dataclass(frozen=True)
