@@ -297,14 +297,15 @@ def prune_shards(engine, units: list[PlannedUnit]) -> list[PlannedUnit]:
 def front_units(engine, held: list[PlannedUnit], gate: set[str]) -> tuple[list[PlannedUnit], FrontPick]:
     """Which of one model's ``only: front`` units run: those of dense and of the settings on the front
     (``orchestrator.pareto.front_pick``) drawn on the rows of ``gate`` (the model's front-defining eval units,
-    all finished) among the settings the units belong to; with their shards, if split."""
+    all finished) among the settings the units belong to, less those beyond the unit's task's ``within``
+    (``FrontPick.within``); with their shards, if split."""
     from orchestrator.pareto import front_pick_in_store
 
     fits = list(dict.fromkeys(u.config["fit_unit"] for u in held))
     with session_scope(engine) as s:
         pick = front_pick_in_store(s, held[0].config["model_fp"], fits, gate)
-    chosen = set(pick.chosen)
-    return [u for u in held if u.config["fit_unit"] in chosen], pick
+    chosen = {w: set(pick.within(w)) for w in {u.within for u in held}}
+    return [u for u in held if u.config["fit_unit"] in chosen[u.within]], pick
 
 
 def enqueue(queue: deque, unit: PlannedUnit) -> None:
@@ -361,9 +362,12 @@ class FrontWait:
             gate, mine = self.gates.pop(m), self.held.pop(m)
             chosen, pick = front_units(self.engine, mine, gate)
             on = ", ".join(pick.labels.get(k, k[:12]) for k in pick.front) or "none"
+            budgets = sorted({u.within for u in mine if u.within is not None})
             log.info("%s: the front of %s vs %s: %d of %d settings (%s); 'only: front' units of dense and the "
-                     "front: %d of %d", m, pick.metric or "(no front-defining rows)", pick.axis, len(pick.front),
-                     len({u.config["fit_unit"] for u in mine}), on, len(chosen), len(mine))
+                     "front%s: %d of %d", m, pick.metric or "(no front-defining rows)", pick.axis, len(pick.front),
+                     len({u.config["fit_unit"] for u in mine}), on,
+                     f" within {', '.join(f'{b:g}' for b in budgets)} of dense" if budgets else "",
+                     len(chosen), len(mine))
             out += chosen
         if not out:
             return [], {}

@@ -342,6 +342,20 @@ class FrontPick:
     front: list[str]                       # fit units on that front, best metric first
     chosen: list[str]                      # the front and dense (always), fit units
     labels: dict[str, str] = field(default_factory=dict)
+    values: dict[str, float] = field(default_factory=dict)     # fit unit -> its value of ``metric``
+    dense_units: list[str] = field(default_factory=list)      # dense's fit units (in ``chosen`` always)
+    higher: bool = False                   # ``metric`` is better higher (an accuracy), else lower (perplexity)
+
+    def within(self, budget: float | None) -> list[str]:
+        """``chosen`` without the front's settings that lose more than ``budget`` against dense on ``metric``,
+        as a fraction of dense's value: a perplexity at most dense's x (1 + budget), an accuracy at least dense's
+        x (1 - budget). Dense stays. All of ``chosen`` where ``budget`` is None or no dense setting has a value."""
+        ref = next((self.values[k] for k in self.dense_units if k in self.values), None)
+        if budget is None or ref is None:
+            return list(self.chosen)
+        bound = ref * (1 - budget) if self.higher else ref * (1 + budget)
+        ok = {k for k, v in self.values.items() if (v >= bound if self.higher else v <= bound)}
+        return [k for k in self.chosen if k in self.dense_units or k in ok]
 
 
 def front_pick(settings: list[Setting], metric: str | None = None) -> FrontPick:
@@ -361,7 +375,7 @@ def front_pick(settings: list[Setting], metric: str | None = None) -> FrontPick:
     realized = bool(cands) and all(s.realized_sparsity is not None for s in cands)
     axis = "weight_skipped" if realized else "sparsity"
     if not cands:
-        return FrontPick(metric, axis, [], dense, labels)
+        return FrontPick(metric, axis, [], dense, labels, dense_units=dense)
     higher = bool(metric_direction(cands, metric))
 
     def skip(s: Setting) -> float:
@@ -378,7 +392,8 @@ def front_pick(settings: list[Setting], metric: str | None = None) -> FrontPick:
                                       for q in cands)]
     on.sort(key=lambda s: (-s.accuracy[metric] if higher else s.accuracy[metric], -skip(s), s.label))
     front = [s.fit_unit for s in on]
-    return FrontPick(metric, axis, front, list(dict.fromkeys(dense + front)), labels)
+    return FrontPick(metric, axis, front, list(dict.fromkeys(dense + front)), labels,
+                     {s.fit_unit: s.accuracy[metric] for s in cands}, dense, higher)
 
 
 def front_pick_in_store(session, model_fingerprint: str, fit_units: list[str], eval_units: set[str],

@@ -62,6 +62,7 @@ class PlannedUnit:
     label: str = field(default="", compare=False)
     shards: tuple[str, ...] = ()     # a task split into shards: its shard units (this unit assembles their scores)
     only: str | None = None          # "front": planned for every setting, run for those the front picks
+    within: float | None = None      # with only: the front's settings within this loss against dense (TaskSpec)
     priority: int = field(default=0, compare=False)     # among ready units of one kind, lower runs first
 
     def columns(self) -> dict:
@@ -247,14 +248,14 @@ def task_units(t, ref: str, device: str, cfg: dict, fit_id: str, label: str, coo
     """The eval units of task ``t`` (a ``TaskSpec``) for one setting: one unit of config ``cfg``; split in
     ``t.shards`` > 1, also that many shard units (``cfg`` with ``shard: [k, n]``), which the task's unit depends on
     and assembles. The task's unit keeps the config, so the id, of the unsharded unit: its rows are the same."""
-    only = getattr(t, "only", None)
+    front = {"only": getattr(t, "only", None), "within": getattr(t, "within", None)}
     n = getattr(t, "shards", 1)
     if n == 1:
-        return [_unit("eval", ref, device, cfg, [fit_id], label, only=only, **coords)]
+        return [_unit("eval", ref, device, cfg, [fit_id], label, **front, **coords)]
     shards = [_unit("eval", ref, device, {**cfg, "shard": [k, n]}, [fit_id], f"{label} shard {k + 1}/{n}",
-                    only=only, **coords) for k in range(n)]
+                    **front, **coords) for k in range(n)]
     ids = tuple(u.id for u in shards)
-    return shards + [_unit("eval", ref, device, cfg, [fit_id, *ids], label, shards=ids, only=only, **coords)]
+    return shards + [_unit("eval", ref, device, cfg, [fit_id, *ids], label, shards=ids, **front, **coords)]
 
 
 def without_needless_shards(units: list[PlannedUnit], done: set[str]) -> list[PlannedUnit]:

@@ -159,13 +159,16 @@ class TaskSpec(_Strict):
     HellaSwag, ...); each scores a contiguous run of the task's scoring batches, and the task's rows are assembled
     once every shard is done, equal to the unsharded unit's (whose id the assembled unit keeps). ``only: front``:
     the task runs only for dense and the settings on the front of the sweep's other suites (decided when those
-    are done: ``orchestrator.driver``). Both are left out of the spec's canonical form at their defaults, so
-    specs without them keep their hash."""
+    are done: ``orchestrator.driver``). ``within`` (with ``only: front``): only the front's settings that lose at
+    most this fraction of dense's value on the front's metric (0.25: a perplexity at most 1.25x dense's), so that a
+    task that costs minutes per setting (GSM8K) runs for settings a user would deploy; dense always runs. These
+    three are left out of the spec's canonical form at their defaults, so specs without them keep their hash."""
 
     name: str
     limit: Annotated[Positive | None, BeforeValidator(_all_items)] = 100
     shards: Annotated[int, BeforeValidator(_shards)] = 1
     only: Literal["front"] | None = None
+    within: Annotated[float, Field(gt=0)] | None = None
 
     @field_validator("name")
     @classmethod
@@ -207,7 +210,16 @@ class TaskSpec(_Strict):
                 out.pop("shards")
             if out.get("only") is None:
                 out.pop("only", None)
+            if out.get("within") is None:
+                out.pop("within", None)
         return out
+
+    @model_validator(mode="after")
+    def _within_the_front(self):
+        if self.within is not None and self.only != ONLY_FRONT:
+            raise ValueError(f"{self.name}: 'within' bounds the front's settings that an 'only: front' task runs "
+                             "for; give 'only: front' with it, or leave it out")
+        return self
 
 
 class SuitesSpec(_Strict):

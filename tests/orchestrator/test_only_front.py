@@ -1,7 +1,7 @@
 """``only: front`` tasks (GSM8K): run for dense and the settings on the front of the sweep's cheaper suites, picked
 when those are done. The pick on hand-built settings (``orchestrator.pareto.front_pick``: known answers, dense
-always, the oracle never keeping a deployable setting off, nominal sparsity where a realized one is missing), the
-spec's checks, and the driver's hold-and-release of those units (``orchestrator.driver.FrontWait``) on a real
+always, the oracle never keeping a deployable setting off, nominal sparsity where a realized one is missing, and
+``within``: only the front's settings near dense), the spec's checks, and the driver's hold-and-release of those units (``orchestrator.driver.FrontWait``) on a real
 SQLite store with hand-built rows: exactly the expected units are registered, once, only after every model's
 front-defining units are done, and a front with no row still runs dense.
 """
@@ -75,6 +75,21 @@ def test_dense_is_always_chosen_and_ties_stay_on_the_front():
     assert (empty.metric, empty.front, empty.chosen) == (None, [], ["dense"])
 
 
+def test_within_keeps_the_front_settings_a_user_would_deploy():
+    """``FrontPick.within``: dense (ppl 10.0) always; the front's settings with ppl at most 10.0 x (1 + budget)."""
+    pick = front_pick(_grid())
+    assert pick.within(None) == pick.chosen == ["dense", "O", "A", "B", "D"]
+    assert pick.within(0.25) == ["dense", "O", "A", "B"]                # D's 20.0 is past 12.5
+    assert pick.within(0.04) == ["dense", "O"]                          # A's 10.5 is past 10.4
+    acc_only = [_setting(k, m, s, None, None, a) for k, m, s, a in
+                (("dense", "dense", 0.0, 0.7), ("A", "threshold", 0.5, 0.72), ("B", "threshold", 0.7, 0.6))]
+    assert front_pick(acc_only).within(0.1) == ["dense", "A"]           # higher is better: B's 0.6 is under 0.63
+    no_dense_row = _grid()
+    del no_dense_row[0].accuracy[PPL]
+    pick = front_pick(no_dense_row)
+    assert pick.within(0.01) == pick.chosen and "D" in pick.chosen      # nothing to measure the loss against
+
+
 # ---------------------------------------------------------------------------------------------- the spec
 BASE = {"name": "front", "models": ["smollm2-135m"],
         "methods": [{"name": "threshold", "sparsity": [0.3, 0.5, 0.7]}],
@@ -101,6 +116,17 @@ def test_only_front_is_checked_and_kept_out_of_the_hash_when_absent():
                                         "perplexity or a task without 'only'"):
         _spec(perplexity=None, tasks=[{"name": "gsm8k_cot", "only": "front"}])
     assert _spec(perplexity=None).suites.perplexity is None       # copa draws it
+
+
+def test_within_goes_with_only_front():
+    tasks = [{"name": "copa"}, {"name": "gsm8k_cot", "only": "front", "within": 0.25}]
+    assert _spec(tasks=tasks).canonical()["suites"]["tasks"][1] == {"name": "gsm8k_cot", "limit": 100,
+                                                                    "only": "front", "within": 0.25}
+    with pytest.raises(SpecError, match=r"gsm8k_cot: 'within' bounds the front's settings that an 'only: front' "
+                                        r"task runs for; give 'only: front' with it"):
+        _spec(tasks=[{"name": "copa"}, {"name": "gsm8k_cot", "within": 0.25}])
+    with pytest.raises(SpecError, match=r"suites.tasks.1.within: Input should be greater than 0"):
+        _spec(tasks=[{"name": "copa"}, {"name": "gsm8k_cot", "only": "front", "within": 0}])
 
 
 # ---------------------------------------------------------------------------------------------- the driver
@@ -155,6 +181,22 @@ def test_front_units_are_registered_once_when_the_front_is_drawn(tmp_path):
         assert queries.sweep_progress(s, sweep_id) == (8, 0, 1 + 4 + 8 + 3)   # collect, fits, evals, dense + 2
     again = FrontWait(engine, spec, DESCRIBED, sweep_id, units)   # a resumed sweep picks the same units
     assert [u.id for u in again.release(finished)[0]] == [u.id for u in chosen]
+
+
+def test_within_runs_the_front_units_of_settings_near_dense_only(tmp_path):
+    """The same rows with ``within: 0.1``: threshold s=0.7 (ppl 30.0) is on the front but past 11.0; s=0.5 (10.8)
+    runs, and so does dense."""
+    spec = _spec(tasks=[{"name": "copa", "limit": 4}, {"name": "gsm8k_cot", "limit": 2, "only": "front",
+                                                       "within": 0.1}])
+    engine, units, sweep_id = _store(tmp_path, spec)
+    gate = [u for u in units if u.kind == "eval" and not u.only]
+    for u in gate:
+        ppl, skipped, acc = ROWS[(u.method, u.sparsity)]
+        _finish(engine, u, [("perplexity", "lambada-heldout", "ppl", False, ppl),
+                            ("perplexity", "lambada-heldout", "weight_skipped", True, skipped)]
+                if u.config["suite"] == "perplexity" else [("mc", "copa", "acc", True, acc)])
+    chosen, _ = FrontWait(engine, spec, DESCRIBED, sweep_id, units).release({u.id for u in gate})
+    assert sorted((u.method, u.sparsity) for u in chosen) == [("dense", 0.0), ("threshold", 0.5)]
 
 
 def test_a_front_without_rows_still_runs_dense(tmp_path):
