@@ -1,9 +1,10 @@
 """``only: front`` tasks (GSM8K): run for dense and the settings on the front of the sweep's cheaper suites, picked
 when those are done. The pick on hand-built settings (``orchestrator.pareto.front_pick``: known answers, dense
 always, the oracle never keeping a deployable setting off, nominal sparsity where a realized one is missing, and
-``within``: only the front's settings near dense), the spec's checks, and the driver's hold-and-release of those units (``orchestrator.driver.FrontWait``) on a real
-SQLite store with hand-built rows: exactly the expected units are registered, once, only after every model's
-front-defining units are done, and a front with no row still runs dense.
+``within``: only the front's settings near dense), the spec's checks, and the driver's hold-and-release of those
+units (``orchestrator.driver.FrontWait``) on a real SQLite store with hand-built rows: exactly the expected units
+are registered, once, only after every model's front-defining units are done, and a front with no row still runs
+dense.
 """
 from __future__ import annotations
 
