@@ -22,7 +22,7 @@
   * each model's tokenizer files as built here (``tokenizer-<gguf sha256[:20]>.zip``): a GGUF carries no
     tokenizer, and a host's own rebuild of it may differ (``workers.loading.models.REFERENCE_TOKENS``);
   * all files laid out in ``batch-NN/`` folders of at most ``--batch-mib`` (56 MiB), one shipment each, filled one
-    after another (largest file first): a file larger than ``--piece-mib`` (48 MiB), or than what is left of a
+    after another (largest file first): a file larger than ``--piece-mib`` (48 MiB, or the batch size if smaller), or than what is left of a
     batch, travels in pieces; every batch but the last is full;
   * ``ship-manifest.json`` (in OUTDIR and in every batch): each file's name, size, sha256 and its pieces' names,
     sizes and sha256.
@@ -550,8 +550,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--spec", type=Path, default=None,
                    help="ship only this sweep spec's packaged models and the task data its suites read")
     b.add_argument("--no-evals", action="store_true", help="leave out datasets and lm-eval (latency-only sweeps)")
-    b.add_argument("--piece-mib", type=int, default=PIECE_MIB)
-    b.add_argument("--batch-mib", type=int, default=BATCH_MIB)
+    b.add_argument("--piece-mib", type=int, default=None,
+                   help=f"largest file or piece (default: {PIECE_MIB}, or --batch-mib where that is smaller)")
+    b.add_argument("--batch-mib", type=int, default=BATCH_MIB,
+                   help=f"largest batch, one transfer with the tree beside it (default: {BATCH_MIB})")
     a = sub.add_parser("assemble", help="join and check the pieces under SHIP into DEST")
     a.add_argument("ship", type=Path)
     a.add_argument("dest", type=Path)
@@ -564,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "build":
+            if args.piece_mib is None:
+                args.piece_mib = min(PIECE_MIB, args.batch_mib)
             if args.piece_mib < 1 or args.batch_mib < args.piece_mib:
                 raise ShipError("need 1 <= --piece-mib <= --batch-mib")
             if args.spec is not None and args.models is not None:

@@ -202,6 +202,10 @@ def test_bad_spec_stops_the_build_before_anything_is_written(tmp_path):
     assert r.returncode == 1 and "suites.tasks.0.name" in r.stderr and "no_such_task" in r.stderr
     r = _run_ship("build", str(out), "--spec", str(bad), "--models", "smollm2-135m")
     assert r.returncode == 1 and "--models or --spec, not both" in r.stderr
+    r = _run_ship("build", str(out), "--spec", str(bad), "--batch-mib", "40", "--piece-mib", "41")
+    assert r.returncode == 1 and "need 1 <= --piece-mib <= --batch-mib" in r.stderr
+    r = _run_ship("build", str(out), "--spec", str(bad), "--batch-mib", "40")   # pieces follow the batch down
+    assert r.returncode == 1 and "suites.tasks.0.name" in r.stderr
     assert not out.exists()
     # make passes SPEC through (dry run: nothing built)
     r = subprocess.run(["make", "-n", "-o", ".venv/.ctxsparse-installed", "ship", "SPEC=my spec.yaml",
