@@ -22,8 +22,8 @@
   * each model's tokenizer files as built here (``tokenizer-<gguf sha256[:20]>.zip``): a GGUF carries no
     tokenizer, and a host's own rebuild of it may differ (``workers.loading.models.REFERENCE_TOKENS``);
   * all files laid out in ``batch-NN/`` folders of at most ``--batch-mib`` (56 MiB), one shipment each, filled one
-    after another (largest file first): a file larger than ``--piece-mib`` (48 MiB, or the batch size if smaller), or than what is left of a
-    batch, travels in pieces; every batch but the last is full;
+    after another (largest file first): a file larger than ``--piece-mib`` (48 MiB, or the batch size if smaller),
+    or than what is left of a batch, travels in pieces; every batch but the last is full;
   * ``ship-manifest.json`` (in OUTDIR and in every batch): each file's name, size, sha256 and its pieces' names,
     sizes and sha256.
 
