@@ -14,6 +14,9 @@ the first ``--limit`` items at ``--batch`` sequences per batch and reports:
 
     python -m benchmarks.generation_waste --device cpu --limit 16 --batch 16 --threads 2 \\
         --json generation_waste_cpu.json
+
+``--loops rounds_reprefill,rounds --repeats 2`` times the refilled loop as it was (every row prefilled again each
+round) beside the one that keeps the cache of the rows still going, interleaved.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from benchmarks.harness import command_line, write_results
 
 TASK = "gsm8k_cot"
 MAX_GEN = 256          # the task's max_gen_toks
+REPREFILL = "rounds_reprefill"
 
 
 def main(argv=None) -> int:
@@ -38,16 +42,20 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=16, help="sequences per generation batch")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--loops", default="lm_eval,rounds", help="comma list of generation loops, run in this order "
-                   "(scoring.GENERATION_LOOPS)")
+                   f"(scoring.GENERATION_LOOPS, or {REPREFILL}: the refilled loop prefilling every row again each "
+                   "round)")
+    p.add_argument("--repeats", type=int, default=1, help="run the loops this many times, the order reversed "
+                   "every other time (seconds: the median)")
     p.add_argument("--json", default=None, help="result file (a bare name goes under benchmarks/results/)")
     a = p.parse_args(argv)
-    if a.limit < 1 or a.batch < 1:
-        p.error("--limit and --batch must be at least 1")
+    if a.limit < 1 or a.batch < 1 or a.repeats < 1:
+        p.error("--limit, --batch and --repeats must be at least 1")
     from workers.evals.scoring import GENERATION_LOOPS
 
     a.loops = [x for x in a.loops.split(",") if x]
-    if not a.loops or not set(a.loops) <= set(GENERATION_LOOPS) or len(set(a.loops)) != len(a.loops):
-        p.error(f"--loops: each of {GENERATION_LOOPS} at most once")
+    known = (*GENERATION_LOOPS, REPREFILL)
+    if not a.loops or not set(a.loops) <= set(known) or len(set(a.loops)) != len(a.loops):
+        p.error(f"--loops: each of {known} at most once")
     from workers.evals import generation
     from workers.evals.suites import run_suite
     from workers.units import Units
@@ -55,8 +63,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     lm = Units(device=a.device).lm(a.model)
     model, tok = lm.model, lm.tokenizer
-    results = {}
-    for loop in a.loops:
+    results, times = {}, {loop: [] for loop in a.loops}
+    order = [a.loops if k % 2 == 0 else a.loops[::-1] for k in range(a.repeats)]
+    for loop in (x for loops in order for x in loops):
         steps: list[tuple[int, int]] = []        # lm-eval's loop: (sequences, steps) per batch
         stats: dict[str, int] = {}               # the refilled loop's counts
         real_generate, real_refilling = model.generate, generation.refilling_greedy
@@ -67,15 +76,17 @@ def main(argv=None) -> int:
             return out
 
         def refilling(*args, **kwargs):
-            return real_refilling(*args[:7], stats=stats)
+            return real_refilling(*args[:7], stats=stats, keep_cache=loop != REPREFILL)
 
         model.generate, generation.refilling_greedy = counted, refilling
         try:
             t0 = time.perf_counter()
-            rows = run_suite(model, tok, [TASK], limit=a.limit, batch_size=a.batch, keep_items=True, generation=loop)
+            rows = run_suite(model, tok, [TASK], limit=a.limit, batch_size=a.batch, keep_items=True,
+                             generation="rounds" if loop == REPREFILL else loop)
             if a.device.startswith("cuda"):
                 torch.cuda.synchronize()
-            seconds = time.perf_counter() - t0
+            times[loop].append(time.perf_counter() - t0)
+            seconds = statistics.median(times[loop])
         finally:
             model.generate, generation.refilling_greedy = real_generate, real_refilling
         if loop == "lm_eval":
@@ -86,10 +97,10 @@ def main(argv=None) -> int:
         texts = [it.outputs["raw"] for it in rows[0].items]
         needed = [min(len(tok.encode(t, add_special_tokens=False)), MAX_GEN) for t in texts]
         useful = sum(needed) / computed if computed else 0.0
-        results[loop] = {"seconds": seconds, "steps": n_steps, "sequence_steps": computed, "useful_fraction": useful,
+        results[loop] = {"seconds": seconds, "runs_s": times[loop], "steps": n_steps, "sequence_steps": computed, "useful_fraction": useful,
                          "needed_tokens": needed, "texts": texts, "counts": stats or None,
                          "steps_per_batch": steps or None, "scores": [(r.metric, r.value) for r in rows]}
-        print(f"{TASK} by {loop}: first {a.limit} items, {a.batch} rows, {seconds:.1f} s, {n_steps} steps; "
+        print(f"{TASK} by {loop}: first {a.limit} items, {a.batch} rows, {times[loop][-1]:.1f} s, {n_steps} steps; "
               f"useful fraction {useful:.2f} ({sum(needed)} of {computed} sequence-steps)", flush=True)
         print(f"  tokens the answers needed: median {statistics.median(needed):.0f}, mean "
               f"{statistics.mean(needed):.1f}; scores {results[loop]['scores']}", flush=True)
@@ -97,11 +108,12 @@ def main(argv=None) -> int:
         a_, b_ = (results[k]["texts"] for k in a.loops)
         same = sum(x == y for x, y in zip(a_, b_))
         print(f"texts equal in both loops: {same} of {len(a_)}; steps {a.loops[0]} / {a.loops[1]}: "
-              f"{results[a.loops[0]]['steps'] / max(1, results[a.loops[1]]['steps']):.2f}, seconds: "
-              f"{results[a.loops[0]]['seconds'] / results[a.loops[1]]['seconds']:.2f}")
+              f"{results[a.loops[0]]['steps'] / max(1, results[a.loops[1]]['steps']):.2f}, seconds (median of "
+              f"{a.repeats}): {results[a.loops[0]]['seconds'] / results[a.loops[1]]['seconds']:.2f}")
     if a.json:
         path = write_results(a.json, [], command=command_line("benchmarks.generation_waste"), device=a.device,
-                             meta={"model": a.model, "threads": a.threads, "limit": a.limit, "batch": a.batch},
+                             meta={"model": a.model, "threads": a.threads, "limit": a.limit, "batch": a.batch,
+                                   "repeats": a.repeats},
                              sections={"loops": results})
         print(f"wrote {path}")
     return 0

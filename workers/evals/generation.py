@@ -11,11 +11,11 @@ Here a batch of ``rows`` sequences runs in rounds:
   2. greedy steps on the KV cache, each row appending its own argmax, until a row is finished by an end-of-text
      token, by ``stop(tokens)`` (a stop string) or by ``max_new`` tokens;
   3. the round ends when no more than half the rows are unfinished and prompts are still waiting (or when every
-     row is finished): finished rows leave, waiting prompts take their places, and the rows still going carry
-     their tokens into the next round's prefill.
-A finished row's later steps in its round are computed and dropped. The re-prefill of the rows still going is the
-cost of refilling without rewriting the KV cache's layout; at half a batch per round it is a few prompt lengths per
-sequence, against the steps it saves. Out of device memory (the device shared with other units' processes: twelve
+     row is finished): finished rows leave, waiting prompts take their places. The rows still going keep their
+     KV cache: the next round prefills only the new prompts, left-pads both to one width (the padding masked out)
+     and stacks them. A cache that drops tokens by its own count (a sliding window's layers, Gemma-3's) cannot be
+     re-laid that way: there the rows still going carry their tokens into the next round's prefill instead.
+A finished row's later steps in its round are computed and dropped. Out of device memory (the device shared with other units' processes: twelve
 GSM8K units at 128 rows each did not fit on an H200), the round stops there and the batch is halved, the tokens
 so far kept.
 
@@ -53,13 +53,15 @@ def _prefill_inputs(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple
 
 def refilling_greedy(model, prompts: Sequence[Sequence[int]], rows: int, max_new: int,
                      stop: Callable[[list[int]], bool], eos_ids: Sequence[int], pad_id: int,
-                     stats: dict | None = None) -> list[list[int]]:
+                     stats: dict | None = None, keep_cache: bool = True) -> list[list[int]]:
     """The greedy continuation of each of ``prompts`` (token lists, run in the order given), at most ``max_new``
     tokens, ending with the token that finished it (an ``eos_ids`` token, or the last of a stop string: ``stop``
     is asked after every token with the continuation so far). ``rows`` sequences at a time, refilled as they finish
     (see the module doc). Out of device memory (a device shared with other processes), a round is cut short and
     the batch halved, down to one row. ``stats``: counts added there (``steps``, ``row_steps``,
-    ``useful_row_steps``, ``rounds``, ``prefill_tokens``, ``backoffs``)."""
+    ``useful_row_steps``, ``rounds``, ``prefill_tokens``, ``kept_rounds``, ``backoffs``). ``keep_cache=False``:
+    every round prefills all its rows again (what ran before the cache was kept; ``benchmarks.generation_waste``
+    times both)."""
     if not isinstance(rows, int) or rows < 1:
         raise ValueError(f"rows must be a positive int, not {rows!r}")
     if not isinstance(max_new, int) or max_new < 0:
@@ -72,19 +74,23 @@ def refilling_greedy(model, prompts: Sequence[Sequence[int]], rows: int, max_new
     eos = set(int(t) for t in eos_ids)
     device = next(model.parameters()).device
     st = stats if stats is not None else {}
-    for k in ("steps", "row_steps", "useful_row_steps", "rounds", "prefill_tokens", "backoffs"):
+    for k in ("steps", "row_steps", "useful_row_steps", "rounds", "prefill_tokens", "kept_rounds", "backoffs"):
         st.setdefault(k, 0)
     waiting = list(range(len(prompts)))[::-1]          # popped from the end: the order given
     going: list[int] = []                              # prompts whose rows carry over to the next round
+    kept: _Rows | None = None                          # their cache, when the next round can keep it
     with GRAD_MODE():
         while going or waiting:
             while len(going) > rows:                   # after a back-off: the rows past the new size wait again
                 waiting.append(going.pop())
-            batch = going + [waiting.pop() for _ in range(min(rows - len(going), len(waiting)))]
+                kept = None
+            new = [waiting.pop() for _ in range(min(rows - len(going), len(waiting)))]
+            batch = going + new
             live = [True] * len(batch)
             short = False
             try:
-                _round(model, prompts, out, batch, live, rows, max_new, stop, eos, pad_id, device, bool(waiting), st)
+                kept = _round(model, prompts, out, going, new, kept, live, rows, max_new, stop, eos, pad_id, device,
+                              bool(waiting), st)
             except torch.OutOfMemoryError:
                 if rows == 1:
                     raise
@@ -93,41 +99,120 @@ def refilling_greedy(model, prompts: Sequence[Sequence[int]], rows: int, max_new
                 # the device is shared (other units' processes): fewer rows and go on. The tokens generated so far
                 # are each row's own greedy ones, kept; the rows still going are prefilled again. (Out of the
                 # except block: the traceback no longer holds the round's cache when the memory is handed back.)
+                kept = None
                 rows = max(1, rows // 2)
                 st["backoffs"] += 1
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             going = [i for r, i in enumerate(batch) if live[r]]
+            if kept is not None:
+                kept = kept.select([r for r in range(len(batch)) if live[r]]) if keep_cache else None
     return out
 
 
-def _round(model, prompts, out, batch, live, rows, max_new, stop, eos, pad_id, device, refill, st) -> None:
-    """One round (see the module doc) over the prompts ``batch``: tokens appended to ``out``, ``live`` cleared for
-    the rows that finish; ends when every row is finished, or (``refill``: prompts wait) when no more than
-    ``REFILL_AT`` of ``rows`` are unfinished."""
-    seqs = [list(prompts[i]) + out[i] for i in batch]
-    ids, mask, pos = _prefill_inputs(seqs, pad_id, device)
+class _Rows:
+    """A batch's KV cache (a ``DynamicCache`` of plain layers), attention mask and each row's last position: the
+    state a round hands to the next, so that the rows still going are not prefilled again. The cache holds every
+    token but each row's last one (generated, not yet fed)."""
+
+    def __init__(self, cache, mask: torch.Tensor, last: torch.Tensor):
+        self.cache, self.mask, self.last = cache, mask, last
+
+    @staticmethod
+    def keepable(cache) -> bool:
+        """Whether rows can be taken out of and stacked into ``cache``: every layer a plain ``DynamicLayer`` (a
+        sliding window's layer drops tokens by its own count: such caches are prefilled again)."""
+        from transformers.cache_utils import DynamicLayer
+
+        layers = getattr(cache, "layers", None)
+        return bool(layers) and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
+
+    def select(self, rows: list[int]) -> _Rows | None:
+        """The rows ``rows`` only, the leading columns no row uses dropped; None for no rows."""
+        if not rows:
+            return None
+        idx = torch.as_tensor(rows, device=self.mask.device)
+        mask = self.mask.index_select(0, idx)
+        first = int(mask.any(0).nonzero()[0])
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, idx)[:, :, first:]
+            layer.values = layer.values.index_select(0, idx)[:, :, first:]
+        return _Rows(self.cache, mask[:, first:], self.last.index_select(0, idx))
+
+    def stack(self, other: _Rows) -> _Rows:
+        """These rows, then ``other``'s, left-padded to one width (the padding masked out)."""
+        width = max(self.mask.shape[1], other.mask.shape[1])
+
+        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            n = width - t.shape[dim]
+            if not n:
+                return t
+            shape = list(t.shape)
+            shape[dim] = n
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        for a, b in zip(self.cache.layers, other.cache.layers):
+            a.keys = torch.cat([pad(a.keys, 2), pad(b.keys, 2)], dim=0)
+            a.values = torch.cat([pad(a.values, 2), pad(b.values, 2)], dim=0)
+        return _Rows(self.cache, torch.cat([pad(self.mask, 1), pad(other.mask, 1)]), torch.cat([self.last, other.last]))
+
+
+def _take(out, batch, live, toks, max_new, stop, eos, st, offset=0) -> None:
+    """Each live row's token of ``toks`` appended to its continuation; rows that it finishes cleared in ``live``."""
+    for r, i in enumerate(batch):
+        if not live[offset + r]:
+            continue
+        st["useful_row_steps"] += 1
+        out[i].append(int(toks[r]))
+        if toks[r] in eos or len(out[i]) >= max_new or stop(out[i]):
+            live[offset + r] = False
+
+
+def _round(model, prompts, out, going, new, kept, live, rows, max_new, stop, eos, pad_id, device, refill,
+           st) -> _Rows | None:
+    """One round (see the module doc) over the prompts ``going + new``: tokens appended to ``out``, ``live``
+    cleared for the rows that finish; ends when every row is finished, or (``refill``: prompts wait) when no more
+    than ``REFILL_AT`` of ``rows`` are unfinished. ``kept``: the cache of the ``going`` rows from the last round
+    (then only ``new`` is prefilled), else None (every row is). Returns the state to keep for the next round, or
+    None where the cache cannot be kept."""
+    batch = going + new
     st["rounds"] += 1
-    st["prefill_tokens"] += int(ids.numel())
-    res = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-    cache = res.past_key_values
-    last = pos[:, -1:]
-    while True:
-        nxt = res.logits[:, -1].argmax(dim=-1)
-        toks = nxt.tolist()
+    if kept is None:
+        prefill = batch
+    else:
+        prefill = new
+        st["kept_rounds"] += 1
+    state = None
+    if prefill:
+        seqs = [list(prompts[i]) + out[i] for i in prefill]
+        ids, mask, pos = _prefill_inputs(seqs, pad_id, device)
+        st["prefill_tokens"] += int(ids.numel())
+        res = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        toks = res.logits[:, -1].argmax(dim=-1).tolist()
         st["steps"] += 1
-        st["row_steps"] += len(batch)
-        for r, i in enumerate(batch):
-            if not live[r]:
-                continue
-            st["useful_row_steps"] += 1
-            out[i].append(int(toks[r]))
-            if toks[r] in eos or len(out[i]) >= max_new or stop(out[i]):
-                live[r] = False
+        st["row_steps"] += len(prefill)
+        _take(out, prefill, live, toks, max_new, stop, eos, st, offset=len(batch) - len(prefill))
+        state = _Rows(res.past_key_values, mask, pos[:, -1:])
+    if kept is not None:
+        # the kept rows' last tokens and the new rows' first are fed together
+        state = kept if state is None else kept.stack(state)
+    _continue(model, out, batch, live, state, rows, max_new, stop, eos, refill, st)
+    return state if _Rows.keepable(state.cache) else None
+
+
+def _continue(model, out, batch, live, state: _Rows, rows, max_new, stop, eos, refill, st) -> None:
+    """Greedy steps on ``state`` (each row's last token not yet fed) until the round ends (see ``_round``)."""
+    while True:
         n_live = sum(live)
         if n_live == 0 or (refill and n_live <= REFILL_AT * rows):
             return
-        mask = torch.cat([mask, mask.new_ones((len(batch), 1))], dim=1)
-        last = last + 1
-        res = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last, past_key_values=cache,
-                    use_cache=True, logits_to_keep=1)
+        device = state.mask.device
+        nxt = torch.as_tensor([out[i][-1] if out[i] else 0 for i in batch], device=device)
+        state.mask = torch.cat([state.mask, state.mask.new_ones((len(batch), 1))], dim=1)
+        state.last = state.last + 1
+        res = model(input_ids=nxt[:, None], attention_mask=state.mask, position_ids=state.last,
+                    past_key_values=state.cache, use_cache=True, logits_to_keep=1)
+        toks = res.logits[:, -1].argmax(dim=-1).tolist()
+        st["steps"] += 1
+        st["row_steps"] += len(batch)
+        _take(out, batch, live, toks, max_new, stop, eos, st)

@@ -27,9 +27,9 @@ def _alone(model, prompt, max_new, stop, eos):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "opt", "gpt2"])
 def test_each_row_is_its_own_greedy_continuation(family):
-    """Six prompts through two rows (refilled four times, rows carried over to a re-prefill), a stop rule, an
-    end-of-text token and a cap: each continuation equals the prompt's own greedy one. Gemma-3's tiny model has a
-    16-token sliding window, which the longer sequences pass."""
+    """Six prompts through two rows (refilled four times, rows carried over with their cache, or to a re-prefill),
+    a stop rule, an end-of-text token and a cap: each continuation equals the prompt's own greedy one. Gemma-3's
+    tiny model has a 16-token sliding window, which the longer sequences pass."""
     from tests.workers.tiny_model_support import tiny_model
 
     model = tiny_model(family)
@@ -37,7 +37,7 @@ def test_each_row_is_its_own_greedy_continuation(family):
     # end-of-text: a token the continuations produce; the stop rule a function of the continuation so far (as a
     # stop string is): some sequences stop early, some run to the cap
     rules = [((free[0][5],), 61), ((free[1][8], free[4][2]), 89)]
-    lengths = []
+    lengths, kept = [], 0
     for max_new in (30, 0):
         for eos, mod in rules:
             def stop(toks, m=mod):
@@ -52,7 +52,11 @@ def test_each_row_is_its_own_greedy_continuation(family):
                 lengths += [len(o) for o in want]
                 assert stats["rounds"] >= 3                     # rows were refilled
                 assert stats["useful_row_steps"] == sum(map(len, want)) <= stats["row_steps"]
+                kept += stats["kept_rounds"]
     assert max(lengths) > 16 and min(lengths) < 16          # some ran past Gemma-3's window, some stopped early
+    # rounds that kept the cache of the rows still going (prefilling only the new rows); a sliding window's
+    # cache is prefilled again
+    assert kept > 0 if family != "gemma3" else kept == 0
 
 
 def test_bad_arguments():
