@@ -13,8 +13,8 @@ Here a batch of ``rows`` sequences runs in rounds:
   3. the round ends when no more than half the rows are unfinished and prompts are still waiting (or when every
      row is finished): finished rows leave, waiting prompts take their places. The rows still going keep their
      KV cache: the next round prefills only the new prompts, left-pads both to one width (the padding masked out)
-     and stacks them. A cache that drops tokens by its own count (a sliding window's layers, Gemma-3's) cannot be
-     re-laid that way: there the rows still going carry their tokens into the next round's prefill instead.
+     and stacks them. A sliding window's layers (Gemma-3's) keep each row's last ``W - 1`` columns, which left
+     padding keeps aligned. Another kind of cache (static, quantized) is prefilled again with the rows' tokens.
 A finished row's later steps in its round are computed and dropped. Out of device memory (the device shared with other units' processes: twelve
 GSM8K units at 128 rows each did not fit on an H200), the round stops there and the batch is halved, the tokens
 so far kept.
@@ -111,21 +111,30 @@ def refilling_greedy(model, prompts: Sequence[Sequence[int]], rows: int, max_new
 
 
 class _Rows:
-    """A batch's KV cache (a ``DynamicCache`` of plain layers), attention mask and each row's last position: the
-    state a round hands to the next, so that the rows still going are not prefilled again. The cache holds every
-    token but each row's last one (generated, not yet fed)."""
+    """A batch's KV cache (a ``DynamicCache``), attention mask and each row's last position: the state a round hands
+    to the next, so that the rows still going are not prefilled again. The cache holds every token but each row's
+    last one (generated, not yet fed). Every row's real tokens are the right end of the mask (left padding only), so
+    a sliding window's last ``W - 1`` cache columns are each row's last real tokens, padding masked."""
 
     def __init__(self, cache, mask: torch.Tensor, last: torch.Tensor):
         self.cache, self.mask, self.last = cache, mask, last
 
     @staticmethod
     def keepable(cache) -> bool:
-        """Whether rows can be taken out of and stacked into ``cache``: every layer a plain ``DynamicLayer`` (a
-        sliding window's layer drops tokens by its own count: such caches are prefilled again)."""
-        from transformers.cache_utils import DynamicLayer
+        """Whether rows can be taken out of and stacked into ``cache``: its layers plain ``DynamicLayer`` or
+        ``DynamicSlidingWindowLayer`` (not recording a past for rollback), all filled."""
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
         layers = getattr(cache, "layers", None)
-        return bool(layers) and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
+        return bool(layers) and all(
+            layer.is_initialized and (type(layer) is DynamicLayer or
+                                      (type(layer) is DynamicSlidingWindowLayer and not layer.record_past))
+            for layer in layers)
+
+    def _set_width(self, width: int) -> None:
+        for layer in self.cache.layers:
+            if hasattr(layer, "cumulative_length"):          # a sliding window's: the tokens the batch has seen
+                layer.cumulative_length = width
 
     def select(self, rows: list[int]) -> _Rows | None:
         """The rows ``rows`` only, the leading columns no row uses dropped; None for no rows."""
@@ -133,17 +142,19 @@ class _Rows:
             return None
         idx = torch.as_tensor(rows, device=self.mask.device)
         mask = self.mask.index_select(0, idx)
-        first = int(mask.any(0).nonzero()[0])
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, idx)[:, :, first:]
-            layer.values = layer.values.index_select(0, idx)[:, :, first:]
-        return _Rows(self.cache, mask[:, first:], self.last.index_select(0, idx))
+        width = mask.shape[1] - int(mask.any(0).nonzero()[0])
+        for layer in self.cache.layers:             # a full layer's width is the mask's; a window's at most that
+            keep = min(layer.keys.shape[2], width)
+            layer.keys = layer.keys.index_select(0, idx)[:, :, layer.keys.shape[2] - keep:]
+            layer.values = layer.values.index_select(0, idx)[:, :, layer.values.shape[2] - keep:]
+        out = _Rows(self.cache, mask[:, mask.shape[1] - width:], self.last.index_select(0, idx))
+        out._set_width(width)
+        return out
 
     def stack(self, other: _Rows) -> _Rows:
         """These rows, then ``other``'s, left-padded to one width (the padding masked out)."""
-        width = max(self.mask.shape[1], other.mask.shape[1])
 
-        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+        def pad(t: torch.Tensor, dim: int, width: int) -> torch.Tensor:
             n = width - t.shape[dim]
             if not n:
                 return t
@@ -152,9 +163,14 @@ class _Rows:
             return torch.cat([t.new_zeros(shape), t], dim=dim)
 
         for a, b in zip(self.cache.layers, other.cache.layers):
-            a.keys = torch.cat([pad(a.keys, 2), pad(b.keys, 2)], dim=0)
-            a.values = torch.cat([pad(a.values, 2), pad(b.values, 2)], dim=0)
-        return _Rows(self.cache, torch.cat([pad(self.mask, 1), pad(other.mask, 1)]), torch.cat([self.last, other.last]))
+            w = max(a.keys.shape[2], b.keys.shape[2])
+            a.keys = torch.cat([pad(a.keys, 2, w), pad(b.keys, 2, w)], dim=0)
+            a.values = torch.cat([pad(a.values, 2, w), pad(b.values, 2, w)], dim=0)
+        width = max(self.mask.shape[1], other.mask.shape[1])
+        out = _Rows(self.cache, torch.cat([pad(self.mask, 1, width), pad(other.mask, 1, width)]),
+                    torch.cat([self.last, other.last]))
+        out._set_width(width)
+        return out
 
 
 def _take(out, batch, live, toks, max_new, stop, eos, st, offset=0) -> None:
