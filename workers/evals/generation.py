@@ -15,9 +15,9 @@ Here a batch of ``rows`` sequences runs in rounds:
      KV cache: the next round prefills only the new prompts, left-pads both to one width (the padding masked out)
      and stacks them. A sliding window's layers (Gemma-3's) keep each row's last ``W - 1`` columns, which left
      padding keeps aligned. Another kind of cache (static, quantized) is prefilled again with the rows' tokens.
-A finished row's later steps in its round are computed and dropped. Out of device memory (the device shared with other units' processes: twelve
-GSM8K units at 128 rows each did not fit on an H200), the round stops there and the batch is halved, the tokens
-so far kept.
+A finished row's later steps in its round are computed and dropped. Out of device memory (the device shared with
+other units' processes: twelve GSM8K units at 128 rows each did not fit on an H200), the round stops there and the
+batch is halved, the tokens so far kept.
 
 Every sequence's tokens are its greedy continuation: the same tokens ``generate`` gives it in any batch, up to the
 summation order of the batch it shares (padding and batch shape move fp32 logits by about 1e-6, which can flip a
