@@ -97,8 +97,8 @@ def main(argv=None) -> int:
         texts = [it.outputs["raw"] for it in rows[0].items]
         needed = [min(len(tok.encode(t, add_special_tokens=False)), MAX_GEN) for t in texts]
         useful = sum(needed) / computed if computed else 0.0
-        results[loop] = {"seconds": seconds, "runs_s": times[loop], "steps": n_steps, "sequence_steps": computed, "useful_fraction": useful,
-                         "needed_tokens": needed, "texts": texts, "counts": stats or None,
+        results[loop] = {"seconds": seconds, "runs_s": times[loop], "steps": n_steps, "sequence_steps": computed,
+                         "useful_fraction": useful, "needed_tokens": needed, "texts": texts, "counts": stats or None,
                          "steps_per_batch": steps or None, "scores": [(r.metric, r.value) for r in rows]}
         print(f"{TASK} by {loop}: first {a.limit} items, {a.batch} rows, {times[loop][-1]:.1f} s, {n_steps} steps; "
               f"useful fraction {useful:.2f} ({sum(needed)} of {computed} sequence-steps)", flush=True)
