@@ -111,13 +111,14 @@ def refilling_greedy(model, prompts: Sequence[Sequence[int]], rows: int, max_new
 
 
 class _Rows:
-    """A batch's KV cache (a ``DynamicCache``), attention mask and each row's last position: the state a round hands
-    to the next, so that the rows still going are not prefilled again. The cache holds every token but each row's
-    last one (generated, not yet fed). Every row's real tokens are the right end of the mask (left padding only), so
-    a sliding window's last ``W - 1`` cache columns are each row's last real tokens, padding masked."""
+    """A batch's KV cache (a ``DynamicCache``), attention mask, each row's last position and its next token (the
+    argmax of its last forward, on the device: generated, not yet fed; the cache holds every token before it): the
+    state a round hands to the next, so that the rows still going are not prefilled again. Every row's real tokens
+    are the right end of the mask (left padding only), so a sliding window's last ``W - 1`` cache columns are each
+    row's last real tokens, padding masked."""
 
-    def __init__(self, cache, mask: torch.Tensor, last: torch.Tensor):
-        self.cache, self.mask, self.last = cache, mask, last
+    def __init__(self, cache, mask: torch.Tensor, last: torch.Tensor, pending: torch.Tensor):
+        self.cache, self.mask, self.last, self.pending = cache, mask, last, pending
 
     @staticmethod
     def keepable(cache) -> bool:
@@ -147,7 +148,8 @@ class _Rows:
             keep = min(layer.keys.shape[2], width)
             layer.keys = layer.keys.index_select(0, idx)[:, :, layer.keys.shape[2] - keep:]
             layer.values = layer.values.index_select(0, idx)[:, :, layer.values.shape[2] - keep:]
-        out = _Rows(self.cache, mask[:, mask.shape[1] - width:], self.last.index_select(0, idx))
+        out = _Rows(self.cache, mask[:, mask.shape[1] - width:], self.last.index_select(0, idx),
+                    self.pending.index_select(0, idx))
         out._set_width(width)
         return out
 
@@ -168,13 +170,18 @@ class _Rows:
             a.values = torch.cat([pad(a.values, 2, w), pad(b.values, 2, w)], dim=0)
         width = max(self.mask.shape[1], other.mask.shape[1])
         out = _Rows(self.cache, torch.cat([pad(self.mask, 1, width), pad(other.mask, 1, width)]),
-                    torch.cat([self.last, other.last]))
+                    torch.cat([self.last, other.last]), torch.cat([self.pending, other.pending]))
         out._set_width(width)
         return out
 
 
-def _take(out, batch, live, toks, max_new, stop, eos, st, offset=0) -> None:
-    """Each live row's token of ``toks`` appended to its continuation; rows that it finishes cleared in ``live``."""
+def _take(res, out, batch, live, max_new, stop, eos, st, offset=0) -> torch.Tensor:
+    """The argmax of forward ``res``'s last position for each of ``batch`` (one forward more in ``st``), returned on
+    the device; each live row's appended to its continuation, and rows that it finishes cleared in ``live``."""
+    nxt = res.logits[:, -1].argmax(dim=-1)
+    toks = nxt.tolist()
+    st["steps"] += 1
+    st["row_steps"] += len(batch)
     for r, i in enumerate(batch):
         if not live[offset + r]:
             continue
@@ -182,6 +189,7 @@ def _take(out, batch, live, toks, max_new, stop, eos, st, offset=0) -> None:
         out[i].append(int(toks[r]))
         if toks[r] in eos or len(out[i]) >= max_new or stop(out[i]):
             live[offset + r] = False
+    return nxt
 
 
 def _round(model, prompts, out, going, new, kept, live, rows, max_new, stop, eos, pad_id, device, refill,
@@ -204,11 +212,8 @@ def _round(model, prompts, out, going, new, kept, live, rows, max_new, stop, eos
         ids, mask, pos = _prefill_inputs(seqs, pad_id, device)
         st["prefill_tokens"] += int(ids.numel())
         res = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        toks = res.logits[:, -1].argmax(dim=-1).tolist()
-        st["steps"] += 1
-        st["row_steps"] += len(prefill)
-        _take(out, prefill, live, toks, max_new, stop, eos, st, offset=len(batch) - len(prefill))
-        state = _Rows(res.past_key_values, mask, pos[:, -1:])
+        nxt = _take(res, out, prefill, live, max_new, stop, eos, st, offset=len(batch) - len(prefill))
+        state = _Rows(res.past_key_values, mask, pos[:, -1:], nxt)
     if kept is not None:
         # the kept rows' last tokens and the new rows' first are fed together
         state = kept if state is None else kept.stack(state)
@@ -217,18 +222,13 @@ def _round(model, prompts, out, going, new, kept, live, rows, max_new, stop, eos
 
 
 def _continue(model, out, batch, live, state: _Rows, rows, max_new, stop, eos, refill, st) -> None:
-    """Greedy steps on ``state`` (each row's last token not yet fed) until the round ends (see ``_round``)."""
+    """Greedy steps on ``state`` (each row's pending token fed) until the round ends (see ``_round``)."""
     while True:
         n_live = sum(live)
         if n_live == 0 or (refill and n_live <= REFILL_AT * rows):
             return
-        device = state.mask.device
-        nxt = torch.as_tensor([out[i][-1] if out[i] else 0 for i in batch], device=device)
         state.mask = torch.cat([state.mask, state.mask.new_ones((len(batch), 1))], dim=1)
         state.last = state.last + 1
-        res = model(input_ids=nxt[:, None], attention_mask=state.mask, position_ids=state.last,
+        res = model(input_ids=state.pending[:, None], attention_mask=state.mask, position_ids=state.last,
                     past_key_values=state.cache, use_cache=True, logits_to_keep=1)
-        toks = res.logits[:, -1].argmax(dim=-1).tolist()
-        st["steps"] += 1
-        st["row_steps"] += len(batch)
-        _take(out, batch, live, toks, max_new, stop, eos, st)
+        state.pending = _take(res, out, batch, live, max_new, stop, eos, st)
