@@ -154,6 +154,15 @@ ROWS = {("dense", 0.0): (10.0, 0.0, 0.75), ("threshold", 0.3): (11.0, 0.30, 0.75
         ("threshold", 0.5): (10.8, 0.50, 0.5), ("threshold", 0.7): (30.0, 0.70, 0.25)}
 
 
+def _rows_of(u) -> list[tuple[str, str, str, bool, float]]:
+    """The rows of a front-defining eval unit ``u`` from ``ROWS``: its perplexity unit's, or its copa unit's."""
+    ppl, skipped, acc = ROWS[(u.method, u.sparsity)]
+    if u.config["suite"] == "perplexity":
+        return [("perplexity", "lambada-heldout", "ppl", False, ppl),
+                ("perplexity", "lambada-heldout", "weight_skipped", True, skipped)]
+    return [("mc", "copa", "acc", True, acc)]
+
+
 def test_front_units_are_registered_once_when_the_front_is_drawn(tmp_path):
     spec = _spec()
     engine, units, sweep_id = _store(tmp_path, spec)
@@ -167,10 +176,7 @@ def test_front_units_are_registered_once_when_the_front_is_drawn(tmp_path):
     assert wait.release(set()) == ([], {})                      # dense's too wait for the scoring to end
     finished = set()
     for u in (u for u in units if u.kind == "eval" and not u.only):
-        ppl, skipped, acc = ROWS[(u.method, u.sparsity)]
-        _finish(engine, u, [("perplexity", "lambada-heldout", "ppl", False, ppl),
-                            ("perplexity", "lambada-heldout", "weight_skipped", True, skipped)]
-                if u.config["suite"] == "perplexity" else [("mc", "copa", "acc", True, acc)])
+        _finish(engine, u, _rows_of(u))
         finished.add(u.id)
         if len(finished) < len(gate):
             assert wait.release(finished) == ([], {})            # the front waits for every front-defining unit
@@ -192,10 +198,7 @@ def test_within_runs_the_front_units_of_settings_near_dense_only(tmp_path):
     engine, units, sweep_id = _store(tmp_path, spec)
     gate = [u for u in units if u.kind == "eval" and not u.only]
     for u in gate:
-        ppl, skipped, acc = ROWS[(u.method, u.sparsity)]
-        _finish(engine, u, [("perplexity", "lambada-heldout", "ppl", False, ppl),
-                            ("perplexity", "lambada-heldout", "weight_skipped", True, skipped)]
-                if u.config["suite"] == "perplexity" else [("mc", "copa", "acc", True, acc)])
+        _finish(engine, u, _rows_of(u))
     chosen, _ = FrontWait(engine, spec, DESCRIBED, sweep_id, units).release({u.id for u in gate})
     assert sorted((u.method, u.sparsity) for u in chosen) == [("dense", 0.0), ("threshold", 0.5)]
 
