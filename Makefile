@@ -9,7 +9,7 @@ STAMP      := $(VENV)/.ctxsparse-installed
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install postgres test test-all test-slow demo ppl capture clean dashboard test-browser ship llama-cpp
+.PHONY: install postgres test test-all test-slow demo ppl capture clean dashboard test-browser ship llama-cpp docs
 
 install: $(STAMP)
 
@@ -51,14 +51,20 @@ postgres:
 test: install postgres
 	$(PY) -m pytest -q --durations=15
 
-# Everything, real-model accuracy tests included.
+# Debian's chromium for the real-browser dashboard test, installed where missing (apt-get, through sudo when not
+# root): what test-browser and test-all run first.
+INSTALL_CHROMIUM = test -x /usr/bin/chromium || { S=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	$$S apt-get update -q && $$S apt-get install -y -q chromium; }
+
+# Everything, real-model accuracy tests and the browser test included.
 test-all: install postgres
+	$(INSTALL_CHROMIUM)
 	$(PY) -m pytest -q -m ""
 
 test-slow: install postgres
 	$(PY) -m pytest -q -m 'slow or grid'
 
-# The default sweep on a local Ray head (loopback): submit, follow, Pareto front, bundles. ~10 min on 2 cores.
+# The default sweep on a local Ray head (loopback): submit, follow, Pareto front, bundles (its time: README.md).
 demo: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash orchestrator/demo.sh
 
@@ -70,7 +76,7 @@ dashboard: install
 
 # The real-browser dashboard test: Debian's chromium (installed here if missing) driven by Playwright.
 test-browser: install
-	test -x /usr/bin/chromium || { S=$$([ "$$(id -u)" = 0 ] || echo sudo); $$S apt-get update -q && $$S apt-get install -y -q chromium; }
+	$(INSTALL_CHROMIUM)
 	$(PY) -m pytest -q -m browser
 
 # What travels to a GPU host without a package index (README "GPU host without a package index"): small cp312
@@ -89,6 +95,10 @@ LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
 llama-cpp: install
 	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" nice -n 19 $(PY) -m pip install -q -c constraints.txt $(LLAMA_CPP_SPEC)
 	$(PY) -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+
+# The reference in docs/ as a site in site/ (git-ignored); --strict: a broken link or a page left out of the nav fails.
+docs: install
+	$(PY) -m mkdocs build --strict -d site/
 
 clean:
 	rm -rf $(VENV) .pytest_cache
