@@ -193,7 +193,7 @@ class _Recorder:
     """Forward hooks that append each component's per-token values to in-memory buffers."""
 
     def __init__(self, lm: LoadedModel, layers: list[int], components: tuple[str, ...], prefix_len: int,
-                 store_dtype: torch.dtype):
+                 store_dtype: torch.dtype, seq_len: int):
         self.buf: dict[str, list[torch.Tensor]] = {}
         self.hist: dict[str, torch.Tensor] = {}
         self.cov: dict[str, torch.Tensor] = {}      # summed over the whole capture, stored with the last shard
@@ -201,6 +201,7 @@ class _Recorder:
         self.n_tokens = 0
         self.handles = []
         self.prefix_len = prefix_len
+        self.seq_len = seq_len
         self.store_dtype = store_dtype
         ad, dims = lm.adapter, lm.dims
         decoder = ad.decoder_layers(lm.model)
@@ -238,9 +239,16 @@ class _Recorder:
             if l == layers[0]:   # one hook counts the recorded tokens
                 self.handles.append(layer.register_forward_pre_hook(self._count, with_kwargs=True))
 
+    def _drop_prefix(self, x: torch.Tensor) -> torch.Tensor:
+        """[batch, tokens, width] without the prefix tokens. OPT's layers flatten the FFN's input to
+        [batch·tokens, width] before its norm, fc1 and fc2: those are put back in windows first."""
+        if x.dim() == 2:
+            x = x.reshape(-1, self.seq_len, x.shape[-1])
+        return x[:, self.prefix_len:]
+
     def _count(self, module, args, kwargs):
         x = args[0] if args else kwargs["hidden_states"]
-        self.n_tokens += x[:, self.prefix_len:].shape[:-1].numel()
+        self.n_tokens += self._drop_prefix(x).shape[:-1].numel()
 
     def _hist(self, layer: int, proj: str, log_norms: torch.Tensor):
         name = f"{layer}.inhist.{proj}"
@@ -250,7 +258,7 @@ class _Recorder:
             # q, k, v (and gate, up) see the same tensor: its signed histograms and log|x| are computed once
             key = (layer, SHARED_INPUT.get(proj, proj), x.data_ptr(), tuple(x.shape))
             if self._memo is None or self._memo[0] != key:
-                self._memo = (key, *signed_histograms(x[:, self.prefix_len:]))
+                self._memo = (key, *signed_histograms(self._drop_prefix(x)))
             _, signed, loga = self._memo
             if proj in ("v", "up"):     # the last reader of a shared input: never reuse it for a later tensor
                 self._memo = None
@@ -264,7 +272,7 @@ class _Recorder:
         (n_kv_heads, query heads per KV head, head_dim); HF's repeat_kv gives KV head g the query heads
         g·n_rep .. (g+1)·n_rep - 1). Each batch's sum in float32, the running total in float64."""
         def hook(module, args, kwargs):
-            x = (args[0] if args else kwargs.get("hidden_states", kwargs.get("input")))[:, self.prefix_len:]
+            x = self._drop_prefix(args[0] if args else kwargs.get("hidden_states", kwargs.get("input")))
             if norm is not None:
                 x = rms_normalized(norm, x).reshape(-1, x.shape[-1])
                 c = (x.t() @ x).double()
@@ -276,7 +284,7 @@ class _Recorder:
         return hook
 
     def _keep(self, name: str, x: torch.Tensor, heads=None) -> None:
-        x = x[:, self.prefix_len:]
+        x = self._drop_prefix(x)
         if heads is not None:
             x = x.reshape(*x.shape[:-1], *heads).float().norm(dim=-1)
         self.buf.setdefault(name, []).append(x.reshape(-1, x.shape[-1]).to(self.store_dtype).cpu())
@@ -380,7 +388,7 @@ def capture_activations(lm: LoadedModel, tokens: TokenSet, components: tuple[str
     batch = max(1, min(batch_windows, windows_per_shard))
     n_win = tokens.windows.shape[0]
     device = next(lm.model.parameters()).device
-    rec = _Recorder(lm, layers, components, tokens.prefix_len, store_dtype)
+    rec = _Recorder(lm, layers, components, tokens.prefix_len, store_dtype, tokens.seq_len)
     shards: list[dict] = []
     t0 = time.time()
     from tqdm.auto import tqdm
