@@ -32,8 +32,9 @@ from db import queries
 from db.engine import default_url, get_engine, session_scope
 from db.schemas import (AccuracyRecord, ArtifactRecord, DeviceType, LatencyRecord, LayerRecord, ModelInfo, SweepInfo,
                         UnitInfo)
-from orchestrator.pareto import (LATENCY_TIE, Front, default_threads, pareto, spread_label,  # noqa: F401
-                                 threads_label)   # (LATENCY_TIE, threads_label: for the views)
+from orchestrator.pareto import (DEFAULT_ISA, LATENCY_TIE, Front, default_threads, isa_label,  # noqa: F401
+                                 isa_rank, pareto, spread_label, threads_label, where_label)
+# (LATENCY_TIE, isa_label, threads_label, where_label: for the views)
 from orchestrator.settings import (BASELINE_RUNTIMES, Setting, accuracy_metrics, is_sparsity_metric,
                                   settings_for_model)
 from workers.names import DENSE
@@ -183,9 +184,36 @@ def thread_counts(url: str, model_id: int, device_type: str) -> list[int]:
     return sorted(have, reverse=True)
 
 
-def front(url: str, model_id: int, metric: str, device_type: str, threads: int | None = None) -> Front:
-    """The front on ``device_type`` at ``threads`` (default: the largest count with rows)."""
-    return pareto(settings(url, model_id), metric, device_type, threads=threads)
+def isas(url: str, model_id: int, device_type: str) -> list[str | None]:
+    """The CPU builds (``LatencyRecord.isa``; None: not recorded) the settings' own latency rows on
+    ``device_type`` were timed under, the front's default (the widest) first."""
+    have = {r.isa for s in settings(url, model_id) for r in s.latency
+            if r.device_type == device_type and r.runtime not in BASELINE_RUNTIMES}
+    return sorted(have, key=isa_rank)
+
+
+def front(url: str, model_id: int, metric: str, device_type: str, threads: int | None = None,
+          isa=DEFAULT_ISA) -> Front:
+    """The front on ``device_type`` at ``threads`` (default: the largest count with rows) under the CPU build
+    ``isa`` (default: the widest with rows)."""
+    return pareto(settings(url, model_id), metric, device_type, threads=threads, isa=isa)
+
+
+LOG_SPAN = 10.0      # a perplexity axis whose plotted values span more than this factor is drawn logarithmic
+
+
+def is_perplexity(metric: str) -> bool:
+    return metric.endswith("/ppl")
+
+
+def log_axis(metric: str, values) -> bool:
+    """Whether the axis of ``metric`` over the plotted ``values`` is logarithmic: a perplexity whose finite values
+    are all positive and span more than ``LOG_SPAN``× (one collapsed setting at +1,200 % would otherwise squash
+    every useful point into a line)."""
+    if not is_perplexity(metric):
+        return False
+    v = [float(x) for x in values if x is not None and math.isfinite(float(x))]
+    return bool(v) and min(v) > 0 and max(v) / min(v) > LOG_SPAN
 
 
 def front_records(fr: Front) -> list[dict]:
@@ -202,7 +230,7 @@ def front_records(fr: Front) -> list[dict]:
             "heads": s.attn_sparsity, "accuracy": r.accuracy, "latency_ms": r.latency_ms,
             "speedup": speedup, "spread": spread_label(r.speedup_min, r.speedup_max),
             "realized_sparsity": s.realized_sparsity, "on_front": r.on_front, "dense": s.is_dense,
-            "accelerator": r.accelerator, "threads": r.threads, "weights": r.weights or "",
+            "accelerator": r.accelerator, "threads": r.threads, "isa": r.isa, "weights": r.weights or "",
             "note": r.note or "", "fit_unit": s.fit_unit,
         })
     return sorted(out, key=lambda d: (not d["on_front"], d["latency_ms"] if d["latency_ms"] is not None else 1e30,
@@ -213,7 +241,7 @@ def baseline_records(fr: Front) -> list[dict]:
     """The front's baselines (llama.cpp, hf-generate), one flat row each, fastest first."""
     return [{"runtime": b.runtime, "latency_ms": b.latency_ms, "speedup": b.speedup,
              "spread": spread_label(b.speedup_min, b.speedup_max),
-             "timed": "beside our dense decode" if b.paired else "alone", "threads": fr.threads}
+             "timed": "beside our dense decode" if b.paired else "alone", "threads": fr.threads, "isa": fr.isa}
             for b in fr.baselines]
 
 
@@ -287,6 +315,15 @@ def accuracy_vs_dense(url: str, model_id: int, fit_unit: str) -> list[dict]:
     return compare_accuracy([r for r in rows if r.unit_id in own], [r for r in rows if r.unit_id in ref])
 
 
+def latency_panel(r: LatencyRecord) -> str:
+    """The Unit page's panel of a latency row: device type and accelerator, and on the CPU the thread count and
+    the build it was timed at (``cpu · AMD EPYC 7B13 · 2 threads · avx2 build``)."""
+    parts = [r.device_type, r.accelerator_name]
+    if r.device_type == "cpu":
+        parts += [threads_label(r.threads), isa_label(r.isa)]
+    return " · ".join(parts)
+
+
 def latency_breakdown(url: str, model_id: int, fit_unit: str) -> list[tuple[str, LatencyRecord]]:
     """``(whose, row)``: the setting's latency rows (``"this setting"``) and, for reference, the dense setting's
     (``"dense"``: our runtime with an empty plan and the ``hf-generate`` baseline)."""
@@ -296,8 +333,8 @@ def latency_breakdown(url: str, model_id: int, fit_unit: str) -> list[tuple[str,
             out += [("this setting", r) for r in s.latency]
         elif s.method == DENSE:
             out += [("dense", r) for r in s.latency]
-    return sorted(out, key=lambda t: (t[1].device_type, t[1].accelerator_name, t[1].batch, t[1].prompt_len,
-                                      t[0] != "this setting", t[1].runtime))
+    return sorted(out, key=lambda t: (t[1].device_type, t[1].accelerator_name, isa_rank(t[1].isa), t[1].batch,
+                                      t[1].prompt_len, t[0] != "this setting", t[1].runtime))
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)

@@ -22,11 +22,13 @@ from sqlalchemy import (
     DateTime,
     Double,
     ForeignKey,
+    Index,
     Integer,
     MetaData,
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -192,12 +194,23 @@ class AccuracyResult(Base):
     created_at: Mapped[datetime] = _created_at()
 
 
+LATENCY_KEY = ("unit_id", "device_type", "accelerator_name", "batch", "prompt_len", "runtime")
+
+
 class LatencyResult(Base):
+    """One decode (or kernel) timing of one unit. Its natural key is ``LATENCY_KEY`` and the instruction set the
+    native CPU code was built for (``isa``): one unit timed under two builds (a result set of another build
+    loaded beside this store's) keeps both rows. ``isa`` is NULL on GPU/NPU rows and on CPU rows written before
+    it was recorded, and SQL never finds two NULLs equal: two partial unique indexes, one over ``LATENCY_KEY``
+    where ``isa`` is NULL and one over ``LATENCY_KEY`` + ``isa`` where it is not, so that recording the same
+    row again is refused (``ON CONFLICT DO NOTHING`` keeps the first) whether or not it names an ``isa``."""
+
     __tablename__ = "latency_results"
     __table_args__ = (
-        UniqueConstraint(
-            "unit_id", "device_type", "accelerator_name", "batch", "prompt_len", "runtime"
-        ),
+        Index("uq_latency_results_unit_id", *LATENCY_KEY, unique=True,
+              sqlite_where=text("isa IS NULL"), postgresql_where=text("isa IS NULL")),
+        Index("uq_latency_results_unit_id_isa", *LATENCY_KEY, "isa", unique=True,
+              sqlite_where=text("isa IS NOT NULL"), postgresql_where=text("isa IS NOT NULL")),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -221,6 +234,11 @@ class LatencyResult(Base):
     speedup_max: Mapped[float | None] = mapped_column(Double)
     # what the decode read: "gguf:Q4_1+Q8_0" (the GGUF's blocks), "gguf:llama.cpp", "fp32" / "fp16" / "bf16"
     weights: Mapped[str | None] = mapped_column(String(64))
+    # CPU rows (``kernels.isa.cpu_info``): the CPU's feature flags of interest (space-separated) and what the
+    # native kernels were built for: avx512 / avx2 / neon / scalar, or "fallback" (they did not build: torch
+    # primitives ran). NULL on GPU/NPU rows and on rows written before they were recorded.
+    cpu_flags: Mapped[str | None] = mapped_column(String(255))
+    isa: Mapped[str | None] = mapped_column(String(16))
     package_versions: Mapped[dict[str, str]] = mapped_column(JSON)
     git_rev: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = _created_at()

@@ -343,7 +343,7 @@ def finish_unit(
     art = _coerce(ArtifactRow, artifacts)
     scores = _coerce(RequestScoreRow, request_scores)
     _check_unique(acc, ("suite", "task", "metric"), "accuracy")
-    _check_unique(lat, ("device_type", "accelerator_name", "batch", "prompt_len", "runtime"), "latency")
+    _check_unique(lat, ("device_type", "accelerator_name", "batch", "prompt_len", "runtime", "isa"), "latency")
     _check_unique(lay, ("layer", "component"), "layer")
     _check_unique(art, ("kind", "uri"), "artifact")
     _check_unique(scores, ("request",), "request score")
@@ -518,14 +518,16 @@ def latency_table(
     batch: int | None = None,
 ) -> list[LatencyRecord]:
     """Latency rows joined with their unit's coordinates. ``threads``: the row's own, else the ``threads`` of its
-    unit's config (rows written before they carried it, rows loaded from an older result set)."""
+    unit's config (rows written before they carried it, rows loaded from an older result set). ``cpu_flags`` /
+    ``isa``: the CPU build a row was timed under (None: GPU/NPU rows, rows from before they were recorded); one
+    unit may have rows of several builds."""
     r = LatencyResult
     threads = func.coalesce(r.threads, WorkUnit.config["threads"].as_integer()).label("threads")
     stmt = (
         select(*_UNIT_COLUMNS, r.device_type, r.accelerator_name, r.batch, r.prompt_len, r.gen_len,
                r.p50_ms_per_token, r.p90_ms_per_token, r.tokens_per_s, r.realized_sparsity,
-               r.runtime, threads, r.speedup_min, r.speedup_max, r.weights, r.git_rev, r.package_versions,
-               r.created_at)
+               r.runtime, threads, r.speedup_min, r.speedup_max, r.weights, r.cpu_flags, r.isa, r.git_rev,
+               r.package_versions, r.created_at)
         .join(WorkUnit, WorkUnit.id == r.unit_id)
         .join(Model, Model.id == WorkUnit.model_id)
     )
@@ -541,7 +543,7 @@ def latency_table(
         if value is not None:
             stmt = stmt.where(column == value)
     stmt = stmt.order_by(Model.name, WorkUnit.method, WorkUnit.sparsity, WorkUnit.rank, r.device_type,
-                         r.accelerator_name, r.runtime, r.batch, r.prompt_len)
+                         r.accelerator_name, r.runtime, r.batch, r.prompt_len, r.isa)
     return [LatencyRecord.model_validate(row, from_attributes=True) for row in session.execute(stmt)]
 
 

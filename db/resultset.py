@@ -11,10 +11,13 @@ files on the host that ran the sweep (activation caches, bundles).
     {"table": "models", "row": {...}}
     ...
 
-One line per row, tables in dependency order. Loading maps the store-local integer keys through the natural ones
-(model and dataset fingerprints, the sweep's spec hash; units are keyed by their content hash already) and inserts
-what the store lacks: loading twice, or into a store that ran some of the same units, adds nothing twice. The whole
-file loads in one transaction: a bad line stops it with the line number and writes nothing.
+One line per row (every column of its table), tables in dependency order; a file written before a column existed
+loads with that column NULL (e.g. latency rows' ``cpu_flags`` / ``isa``, the CPU build they were timed under).
+Loading maps the store-local integer keys through the natural ones (model and dataset fingerprints, the sweep's
+spec hash; units are keyed by their content hash already) and inserts what the store lacks: loading twice, or into
+a store that ran some of the same units, adds nothing twice (a unit timed under another CPU build adds that
+build's latency rows beside the store's own). The whole file loads in one transaction: a bad line stops it with
+the line number and writes nothing.
 """
 from __future__ import annotations
 

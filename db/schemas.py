@@ -93,6 +93,8 @@ class LatencyRow(_Provenance):
     speedup_min: Annotated[Real, Field(gt=0.0)] | None = None
     speedup_max: Annotated[Real, Field(gt=0.0)] | None = None
     weights: Annotated[str, Field(min_length=1, max_length=64)] | None = None   # what the decode read
+    cpu_flags: Annotated[str, Field(max_length=255)] | None = None     # CPU rows: kernels.isa.cpu_info()
+    isa: Annotated[str, Field(pattern=r"^[a-z0-9_]{1,16}$")] | None = None  # avx512 / avx2 / neon / scalar / fallback
 
 
 class LayerRow(_In):
@@ -210,6 +212,8 @@ class LatencyRecord(_UnitColumns):
     speedup_min: float | None = None
     speedup_max: float | None = None
     weights: str | None = None          # "gguf:Q4_1+Q8_0", "fp32", ... (None: not recorded)
+    cpu_flags: str | None = None        # CPU rows: the flags of interest (None: GPU/NPU, or not recorded)
+    isa: str | None = None              # CPU rows: what the native kernels were built for (None: as cpu_flags)
     git_rev: str
     package_versions: dict[str, str]
     created_at: UtcDatetime

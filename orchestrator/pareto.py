@@ -23,6 +23,10 @@ The metric's direction is the one stored with its rows (``higher_is_better``). R
 * every point of one front was timed at one thread count (``Front.threads``, said in its header): by default
   the largest count with rows (every core of the node, the sweep's default for CPU latency), so rows of an older
   sweep at another count neither mix in nor hide the new ones;
+* likewise every CPU point of one front was timed under one build of the native kernels (``Front.isa``: avx512,
+  avx2, neon, scalar, or ``fallback`` where they did not build; said in its header): by default the widest build
+  with rows (``ISA_ORDER``: what the machine runs by default), and the builds left out are named
+  (``Front.other_isas``); GPU/NPU rows record none (None) and so do CPU rows written before the build was;
 * the baselines timed on the dense setting (``llama.cpp`` on the model's GGUF, interleaved with our dense decode
   and placed like a paired setting; Hugging Face ``generate``) are listed under the front (``Front.baselines``),
   never on it and never chosen;
@@ -83,6 +87,7 @@ class FrontRow:
     threads: int | None = None             # of its latency row
     note: str | None = None                # slower than a setting of its method that skips fewer weights
     weights: str | None = None             # what its latency row's decode read ("gguf:Q4_1+Q8_0", "fp32", ...)
+    isa: str | None = None                 # the CPU build its latency row was timed under
 
 
 @dataclass
@@ -108,6 +113,8 @@ class Front:
     message: str | None = None         # why there is no front (no latency rows for this device, no accuracy)
     threads: int | None = None         # the thread count every point was timed at (None: rows that do not say)
     baselines: list[Baseline] = field(default_factory=list)
+    isa: str | None = None             # the CPU build every point was timed under (None: GPU/NPU, not recorded)
+    other_isas: list[str | None] = field(default_factory=list)   # builds with rows here that this front leaves out
 
     @property
     def direction(self) -> str:
@@ -152,20 +159,20 @@ def _nondominated(points: list[tuple[str, float, float]], higher_better: bool) -
 
 
 def _at(r: LatencyRecord, device_type: str, accelerator: str | None, batch: int, prompt_len: int | None,
-        threads: int | None) -> bool:
-    return (r.device_type == device_type and r.batch == batch and r.threads == threads
+        threads: int | None, isa: str | None = None) -> bool:
+    return (r.device_type == device_type and r.batch == batch and r.threads == threads and r.isa == isa
             and (accelerator is None or r.accelerator_name == accelerator)
             and (prompt_len is None or r.prompt_len == prompt_len))
 
 
 def pick_latency(s: Setting, device_type: str, accelerator: str | None, batch: int,
-                 prompt_len: int | None, threads: int | None = None) -> LatencyRecord | None:
-    """The setting's own latency row on (device type, accelerator, batch, prompt length, thread count); the
+                 prompt_len: int | None, threads: int | None = None, isa: str | None = None) -> LatencyRecord | None:
+    """The setting's own latency row on (device type, accelerator, batch, prompt length, thread count, build); the
     shortest prompt when ``prompt_len`` is None; of rows timed at the same point by different units (another
     sweep, or the same setting timed on other weights: ``weights``), the newest. Baseline rows (Hugging Face,
     llama.cpp, a paired dense) never count."""
     rows = [r for r in s.latency if r.runtime not in BASELINE_RUNTIMES
-            and _at(r, device_type, accelerator, batch, prompt_len, threads)]
+            and _at(r, device_type, accelerator, batch, prompt_len, threads, isa)]
     return min(rows, key=lambda r: (r.prompt_len, r.accelerator_name, -r.created_at.timestamp()), default=None)
 
 
@@ -173,12 +180,28 @@ def paired_dense(s: Setting, own: LatencyRecord) -> LatencyRecord | None:
     """The dense row timed alongside the setting's own row ``own``: written by the same unit, at the same point."""
     return next((r for r in s.latency if r.runtime == RUNTIME_DENSE_PAIRED and r.p50_ms_per_token > 0
                  and r.unit_id == own.unit_id
-                 and _at(r, own.device_type, own.accelerator_name, own.batch, own.prompt_len, own.threads)), None)
+                 and _at(r, own.device_type, own.accelerator_name, own.batch, own.prompt_len, own.threads,
+                         own.isa)), None)
 
 
 def default_threads(rows: list[LatencyRecord]) -> int | None:
     """The thread count a front is drawn at when none is asked for: the largest with rows (None if no row says)."""
     return max((r.threads for r in rows if r.threads is not None), default=None)
+
+
+ISA_ORDER = ("avx512", "avx2", "neon", "scalar", "fallback")   # widest first (kernels.isa.resolved's names)
+
+
+def isa_rank(isa: str | None) -> tuple[int, str]:
+    """Sort key of a build, widest first: ``ISA_ORDER``, then other names, then None (not recorded)."""
+    if isa is None:
+        return (len(ISA_ORDER) + 1, "")
+    return (ISA_ORDER.index(isa), "") if isa in ISA_ORDER else (len(ISA_ORDER), isa)
+
+
+def default_isa(rows: list[LatencyRecord]) -> str | None:
+    """The build a front is drawn at when none is asked for: the widest with rows (None if no row says)."""
+    return min((r.isa for r in rows), key=isa_rank, default=None)
 
 
 @dataclass(frozen=True)
@@ -189,30 +212,47 @@ class Point:
     batch: int
     prompt_len: int | None
     threads: int | None
+    isa: str | None = None
+
+
+DEFAULT_ISA = object()      # ``isa=`` of front_point / pareto: the widest build with rows (None is a build: unrecorded)
 
 
 def front_point(settings: list[Setting], device_type: str, *, accelerator: str | None = None, batch: int = 1,
-                prompt_len: int | None = None, threads: int | None = None) -> Point:
-    """The point of a front: without ``accelerator`` / ``threads`` / ``prompt_len``, the first accelerator name
-    (sorted), its largest thread count (:func:`default_threads`) and its shortest prompt there."""
+                prompt_len: int | None = None, threads: int | None = None, isa=DEFAULT_ISA) -> Point:
+    """The point of a front: without ``accelerator`` / ``isa`` / ``threads`` / ``prompt_len``, the first
+    accelerator name (sorted), its widest build (:func:`default_isa`; at ``threads`` when given), its largest
+    thread count there (:func:`default_threads`) and its shortest prompt there. ``isa=None`` asks for the rows
+    that record no build (GPU/NPU rows, older CPU rows)."""
     rows = [r for s in settings for r in s.latency if r.device_type == device_type and r.batch == batch
             and r.runtime not in BASELINE_RUNTIMES]
     if accelerator is None and rows:
         accelerator = sorted({r.accelerator_name for r in rows})[0]
+    here = [r for r in rows if r.accelerator_name == accelerator]
+    if isa is DEFAULT_ISA:
+        isa = default_isa([r for r in here if threads is None or r.threads == threads])
     if threads is None:
-        threads = default_threads([r for r in rows if r.accelerator_name == accelerator])
+        threads = default_threads([r for r in here if r.isa == isa])
     if prompt_len is None:
-        prompt_len = min((r.prompt_len for r in rows if r.accelerator_name == accelerator and r.threads == threads),
-                         default=None)
-    return Point(device_type, accelerator, batch, prompt_len, threads)
+        prompt_len = min((r.prompt_len for r in here if r.threads == threads and r.isa == isa), default=None)
+    return Point(device_type, accelerator, batch, prompt_len, threads, isa)
+
+
+def other_isas(settings: list[Setting], at: Point) -> list[str | None]:
+    """The builds other than ``at.isa`` with settings' own rows on ``at``'s device, accelerator and batch (what a
+    front drawn at ``at`` leaves out), widest first."""
+    have = {r.isa for s in settings for r in s.latency if r.device_type == at.device_type and r.batch == at.batch
+            and r.accelerator_name == at.accelerator and r.runtime not in BASELINE_RUNTIMES}
+    return sorted(have - {at.isa}, key=isa_rank)
 
 
 def timing(s: Setting, dense_lr: LatencyRecord | None, at: Point) -> tuple[LatencyRecord | None, FrontRow]:
     """The setting's own row at ``at`` and its timing as a front row (accuracy left 0): ms per token (a paired
     setting at dense's own time ``dense_lr`` over its side-by-side speedup), the paired speedup and its spread."""
-    lr = pick_latency(s, at.device_type, at.accelerator, at.batch, at.prompt_len, at.threads)
+    lr = pick_latency(s, at.device_type, at.accelerator, at.batch, at.prompt_len, at.threads, at.isa)
     row = FrontRow(s, 0.0, lr.p50_ms_per_token if lr else None, lr.accelerator_name if lr else None, False,
-                   threads=lr.threads if lr else None, weights=lr.weights if lr else None)
+                   threads=lr.threads if lr else None, weights=lr.weights if lr else None,
+                   isa=lr.isa if lr else None)
     pair = lr and not s.is_dense and paired_dense(s, lr)
     if pair and lr.p50_ms_per_token > 0:
         row.paired_speedup = pair.p50_ms_per_token / lr.p50_ms_per_token
@@ -223,14 +263,15 @@ def timing(s: Setting, dense_lr: LatencyRecord | None, at: Point) -> tuple[Laten
 
 
 def pareto(settings: list[Setting], metric: str, device_type: str, *, accelerator: str | None = None,
-           batch: int = 1, prompt_len: int | None = None, threads: int | None = None) -> Front:
+           batch: int = 1, prompt_len: int | None = None, threads: int | None = None, isa=DEFAULT_ISA) -> Front:
     """The front of ``settings`` on (``metric``, p50 ms per token on ``device_type``), at :func:`front_point`:
-    every point of one front was timed on the same thing at the same thread count."""
+    every point of one front was timed on the same thing at the same thread count, under the same build."""
     higher = metric_direction(settings, metric)
     with_acc = [s for s in settings if metric in s.accuracy]
     at = front_point(settings, device_type, accelerator=accelerator, batch=batch, prompt_len=prompt_len,
-                     threads=threads)
-    front = Front(metric, device_type, higher, [], at.accelerator, batch, at.prompt_len, threads=at.threads)
+                     threads=threads, isa=isa)
+    front = Front(metric, device_type, higher, [], at.accelerator, batch, at.prompt_len, threads=at.threads,
+                  isa=at.isa, other_isas=other_isas(settings, at))
     if not with_acc:
         front.message = f"no setting has a {metric!r} row yet"
         return front
@@ -240,7 +281,7 @@ def pareto(settings: list[Setting], metric: str, device_type: str, *, accelerato
         front.rows = [FrontRow(s, s.accuracy[metric], None, None, False) for s in with_acc]
         return front
     dense = next((s for s in settings if s.is_dense), None)
-    dense_lr = dense and pick_latency(dense, device_type, at.accelerator, batch, at.prompt_len, at.threads)
+    dense_lr = dense and pick_latency(dense, device_type, at.accelerator, batch, at.prompt_len, at.threads, at.isa)
     pts = []
     for s in with_acc:
         lr, row = timing(s, dense_lr, at)
@@ -249,7 +290,8 @@ def pareto(settings: list[Setting], metric: str, device_type: str, *, accelerato
         if lr is not None:
             pts.append((s.fit_unit, row.accuracy, row.latency_ms))
     if not pts:
-        front.message = (f"no setting has a latency row on {at.accelerator} at {threads_label(at.threads)} "
+        build = f", {isa_label(at.isa)}" if device_type == "cpu" else ""
+        front.message = (f"no setting has a latency row on {at.accelerator} at {threads_label(at.threads)}{build} "
                          f"(batch {batch}, prompt {at.prompt_len})")
     on = _nondominated(pts, bool(higher))
     for r in front.rows:
@@ -261,16 +303,17 @@ def pareto(settings: list[Setting], metric: str, device_type: str, *, accelerato
 
 
 def measurement(settings: list[Setting], fit_unit: str, device_type: str = "cpu", *, batch: int = 1,
-                threads: int | None = None) -> dict | None:
+                threads: int | None = None, isa=DEFAULT_ISA) -> dict | None:
     """Where and how fast the setting ``fit_unit`` was timed on the front of ``device_type`` (its default point,
     or at ``threads``): what ``bundle export`` writes into the bundle's manifest (``measured``), so that
-    ``ctxsparse generate`` runs at the same thread count. None when the setting has no latency there."""
-    at = front_point(settings, device_type, batch=batch, threads=threads)
+    ``ctxsparse generate`` runs at the same thread count (``isa``: the CPU build it was timed under). None when
+    the setting has no latency there."""
+    at = front_point(settings, device_type, batch=batch, threads=threads, isa=isa)
     s = next((x for x in settings if x.fit_unit == fit_unit), None)
     if s is None or at.accelerator is None:
         return None
     dense = next((x for x in settings if x.is_dense), None)
-    dense_lr = dense and pick_latency(dense, device_type, at.accelerator, batch, at.prompt_len, at.threads)
+    dense_lr = dense and pick_latency(dense, device_type, at.accelerator, batch, at.prompt_len, at.threads, at.isa)
     lr, row = timing(s, dense_lr, at)
     if lr is None:
         return None
@@ -279,7 +322,7 @@ def measurement(settings: list[Setting], fit_unit: str, device_type: str = "cpu"
     return {"device_type": device_type, "accelerator": at.accelerator, "threads": at.threads, "batch": batch,
             "prompt_len": at.prompt_len, "gen_len": lr.gen_len, "p50_ms_per_token": row.latency_ms,
             "speedup_vs_dense": speedup, "speedup_min": row.speedup_min, "speedup_max": row.speedup_max,
-            "paired": row.paired_speedup is not None, "weights": row.weights}
+            "paired": row.paired_speedup is not None, "weights": row.weights, "isa": at.isa}
 
 
 def baselines(dense: Setting, dense_lr: LatencyRecord) -> list[Baseline]:
@@ -291,7 +334,7 @@ def baselines(dense: Setting, dense_lr: LatencyRecord) -> list[Baseline]:
     for r in dense.latency:
         if r.runtime not in BASELINE_RUNTIMES or r.runtime == RUNTIME_DENSE_PAIRED or r.p50_ms_per_token <= 0 \
                 or not _at(r, dense_lr.device_type, dense_lr.accelerator_name, dense_lr.batch, dense_lr.prompt_len,
-                           dense_lr.threads):
+                           dense_lr.threads, dense_lr.isa):
             continue
         pair = paired_dense(dense, r) if r.runtime in PAIRED_BASELINES else None
         if pair is not None:
@@ -424,9 +467,9 @@ def model_id_for(session, name: str) -> int:
 
 
 def front_for(session, model: str, metric: str | None = None, device_type: str = "cpu",
-              batch: int = 1, threads: int | None = None) -> tuple[list[Setting], Front]:
+              batch: int = 1, threads: int | None = None, isa=DEFAULT_ISA) -> tuple[list[Setting], Front]:
     """The model's settings and their front on ``metric`` (default: the first of ``accuracy_metrics``), at
-    ``threads`` (default: the largest count with rows)."""
+    ``threads`` (default: the largest count with rows) and ``isa`` (default: the widest build with rows)."""
     settings = settings_for_model(session, model_id_for(session, model))
     metrics = accuracy_metrics(settings)
     if metric is None:
@@ -435,7 +478,7 @@ def front_for(session, model: str, metric: str | None = None, device_type: str =
         metric = metrics[0]
     elif metric not in metrics:
         raise ParetoError(f"model {model!r} has no metric {metric!r}; it has: {', '.join(metrics) or 'none'}")
-    return settings, pareto(settings, metric, device_type, batch=batch, threads=threads)
+    return settings, pareto(settings, metric, device_type, batch=batch, threads=threads, isa=isa)
 
 
 # ---------------------------------------------------------------- the choice
@@ -522,19 +565,36 @@ def threads_label(threads: int | None) -> str:
     return "threads not recorded" if threads is None else f"{threads} thread{'' if threads == 1 else 's'}"
 
 
+def isa_label(isa: str | None) -> str:
+    """``avx2 build``; ``torch fallback (no native build)``; ``build not recorded`` for rows that do not say."""
+    if isa is None:
+        return "build not recorded"
+    return "torch fallback (no native build)" if isa == "fallback" else f"{isa} build"
+
+
+def where_label(device_type: str, threads: int | None, isa: str | None) -> str:
+    """How a CPU point was timed, ``2 threads, avx2 build``; '' on a GPU/NPU (host threads and the CPU build are
+    not what its times depend on)."""
+    return f"{threads_label(threads)}, {isa_label(isa)}" if device_type == "cpu" else ""
+
+
 def spread_label(lo: float | None, hi: float | None) -> str:
     """``1.09-1.15x``: the lowest and highest per-repeat paired speedup ('' without them)."""
     return "" if lo is None or hi is None else f"{lo:.2f}-{hi:.2f}x"
 
 
 def format_front(front: Front, model: str) -> str:
-    where = (f" [{front.accelerator}, batch {front.batch}, prompt {front.prompt_len}, {threads_label(front.threads)}]"
+    how = where_label(front.device_type, front.threads, front.isa)
+    where = (f" [{front.accelerator}, batch {front.batch}, prompt {front.prompt_len}{', ' + how if how else ''}]"
              if front.accelerator else "")
     head = (f"Pareto front: {model}, {front.metric} ({front.direction} is better) vs p50 ms/token on "
             f"{front.device_type}{where}")
     lines = [head]
     if front.message:
         lines.append(f"  note: {front.message}")
+    if front.other_isas:
+        lines.append(f"  note: also timed under {', '.join(isa_label(i) for i in front.other_isas)}: not drawn "
+                     "here (each build is a front of its own)")
     lines.append(f"  {'':2}{'setting':<40} {'accuracy':>10} {'Δ vs dense':>10} {'ms/token':>9} {'speedup':>8} "
                  f"{'spread':>11} {'skipped':>7} {'weights':<15} fit unit")
     dense = front.dense

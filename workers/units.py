@@ -13,7 +13,9 @@ A unit's ``config`` (built by the orchestrator, hashed into its id) says everyth
   latency   + fit_unit, device_type, batch, prompt_len, gen_len, repeats, runtime, threads
                                         -> latency rows from a real decode loop (runtime ``llama.cpp``: llama.cpp on
                                            the model's GGUF, interleaved with our dense decode), each row
-                                           recording the thread count it was timed at
+                                           recording the thread count it was timed at and, on the CPU,
+                                           the instruction set of the native build (``cpu_build``; not
+                                           part of the unit's id: one unit may hold rows of two builds)
 
 ``threads`` is torch's intra-op thread count, set before the unit computes: GEMM summation order depends on it,
 and a threshold method's |act(gate)| > t flips boundary neurons when it changes (+0.75 % perplexity seen from 1
@@ -372,7 +374,7 @@ class Units:
             rows = bench_llama_cpp(lm.model, lm.source, prompt_len=cfg["prompt_len"], gen_len=cfg["gen_len"],
                                    repeats=cfg["repeats"], ours_quantized=cfg.get("weights") == "gguf")
             return UnitOutput(latency=rows, summary={
-                "p50_ms": round(rows[0]["p50_ms_per_token"], 2), "threads": threads,
+                "p50_ms": round(rows[0]["p50_ms_per_token"], 2), "threads": threads, "isa": rows[0].get("isa"),
                 "speedup_vs_paired_dense": round(rows[1]["p50_ms_per_token"] / rows[0]["p50_ms_per_token"], 3)})
         if is_shape(cfg["model"]):
             lm = self.lm(cfg["model"], cfg["model_fp"])
@@ -394,6 +396,7 @@ class Units:
         summary = {"p50_ms": round(rows[0]["p50_ms_per_token"], 2), "threads": threads} if rows else {}
         if rows:
             summary["weights"] = rows[0].get("weights")
+            summary["isa"] = rows[0].get("isa")
         if len(rows) == 2:      # sparse and its paired dense
             summary["speedup_vs_paired_dense"] = round(rows[1]["p50_ms_per_token"] / rows[0]["p50_ms_per_token"], 3)
         return UnitOutput(latency=rows, summary=summary)

@@ -12,7 +12,7 @@ url = data.db_url()
 st.title("Pareto front")
 require_store(url)
 
-c1, c2, c3, c4 = st.columns([2, 2, 1, 1])
+c1, c2, c3, c4, c5 = st.columns([2, 2, 1, 1, 1])
 with c1:
     model = model_picker(url, key="pareto_model")
 if model is None:
@@ -31,15 +31,26 @@ with c3:
 
 counts = data.thread_counts(url, model.id, device)
 with c4:      # every point of a front was timed at one thread count: the largest by default (every core)
-    threads = st.selectbox("Threads", counts, key="pareto_threads") if len(counts) > 1 else None
+    threads = (st.selectbox("Threads" if device == "cpu" else "Host threads", counts, key="pareto_threads")
+               if len(counts) > 1 else None)
+builds = data.isas(url, model.id, device)
+with c5:      # and under one build of the native CPU kernels: the widest by default (picked by position: None,
+    # rows that record no build, is an option too)
+    isa = (builds[st.selectbox("CPU build", range(len(builds)), key="pareto_isa",
+                               format_func=lambda i: data.isa_label(builds[i]))]
+           if len(builds) > 1 else data.DEFAULT_ISA)
 
-fr = data.front(url, model.id, metric, device, threads)
+fr = data.front(url, model.id, metric, device, threads, isa)
 df = pd.DataFrame(data.front_records(fr))
 y_title = f"{metric} ({fr.direction} is better)"      # the direction stored with the metric's rows
 if fr.accelerator:
+    how = data.where_label(fr.device_type, fr.threads, fr.isa)     # threads and build: CPU notions only
     st.caption(f"p50 ms per token on {fr.device_type} · {fr.accelerator} · batch {fr.batch} · "
-               f"prompt {fr.prompt_len} tokens · timed at {data.threads_label(fr.threads)}; the front: settings "
+               f"prompt {fr.prompt_len} tokens{f' · timed at {how}' if how else ''}; the front: settings "
                f"no other setting beats on both axes (latencies within {data.LATENCY_TIE:.0%} count as equal).")
+if fr.other_isas:
+    st.caption("Also timed under " + ", ".join(data.isa_label(i) for i in fr.other_isas) +
+               ": not drawn here (each build is a front of its own; pick it under CPU build).")
 if fr.message:
     st.warning(f"No Pareto front for {model.name} on {device}: {fr.message}.")
 
@@ -49,10 +60,20 @@ tooltip = [alt.Tooltip("setting:N"), alt.Tooltip("method:N"), alt.Tooltip("s:Q",
            alt.Tooltip("realized_sparsity:Q", title="decoder weights skipped", format=".3f"),
            alt.Tooltip("speedup:Q", format=".2f"), alt.Tooltip("spread:N", title="speedup spread"),
            alt.Tooltip("on_front:N", title="on front")]
-y = alt.Y("accuracy:Q", title=y_title, scale=alt.Scale(zero=False, padding=24, reverse=fr.direction == "lower"))
 color = alt.Color("method:N", title="method", scale=alt.Scale(scheme="tableau10"))
 timed = df[df["latency_ms"].notna()] if not df.empty else df
+
+
+def y_axis(plotted: pd.DataFrame, **scale) -> alt.Y:
+    """The metric's axis; logarithmic for a perplexity whose plotted values span more than LOG_SPAN×."""
+    log = data.log_axis(metric, plotted["accuracy"])
+    if log:
+        scale["type"] = "log"
+    return alt.Y("accuracy:Q", title=y_title + (" (log scale)" if log else ""), scale=alt.Scale(zero=False, **scale))
+
+
 if not timed.empty:
+    y = y_axis(timed, padding=24, reverse=fr.direction == "lower")
     base = alt.Chart(timed)
     x = alt.X("latency_ms:Q", title=f"p50 ms per token ({device})", scale=alt.Scale(zero=False, padding=24))
     points = base.mark_point(size=110, filled=True, opacity=0.9).encode(x=x, y=y, color=color, tooltip=tooltip)
@@ -70,20 +91,19 @@ if not timed.empty:
 elif not df.empty:
     st.caption("Accuracy only (no latency rows for this device type):")
     bars = alt.Chart(df).mark_bar().encode(
-        x=alt.X("setting:N", sort=None, title="setting"),
-        y=alt.Y("accuracy:Q", title=y_title, scale=alt.Scale(zero=False)),
-        color=color, tooltip=tooltip)
+        x=alt.X("setting:N", sort=None, title="setting"), y=y_axis(df), color=color, tooltip=tooltip)
     st.altair_chart(bars.properties(height=330), width="stretch")
 
 columns = ["setting", "method", "s", "r", "accuracy", "latency_ms", "speedup", "spread", "realized_sparsity",
-           "accelerator", "threads", "weights", "note", "fit_unit"]
+           "accelerator", "threads", "isa", "weights", "note", "fit_unit"]
 config = {"accuracy": st.column_config.NumberColumn(metric, format="%.4g"),
           "latency_ms": st.column_config.NumberColumn("p50 ms/token", format="%.3f"),
           "speedup": st.column_config.NumberColumn("speedup vs dense", format="%.2fx"),
           "spread": st.column_config.TextColumn("speedup spread (repeats)"),
           "realized_sparsity": st.column_config.NumberColumn("weights skipped", format="%.3f"),
           "s": st.column_config.NumberColumn("s", format="%.2f"),
-          "weights": st.column_config.TextColumn("weights decoded")}
+          "weights": st.column_config.TextColumn("weights decoded"),
+          "isa": st.column_config.TextColumn("CPU build")}
 st.subheader("Front")
 front = df[df["on_front"]] if not df.empty else df
 if front.empty:

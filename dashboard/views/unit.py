@@ -87,11 +87,11 @@ if not lat:
 else:
     ldf = pd.DataFrame([{
         "series": f"{who} · {r.runtime}",
-        "device": f"{r.device_type} · {r.accelerator_name} · {data.threads_label(r.threads)}", "batch": r.batch,
+        "device": data.latency_panel(r), "batch": r.batch,
         "prompt_len": r.prompt_len,
         "gen_len": r.gen_len, "runtime": r.runtime, "method": r.method, "p50_ms_per_token": r.p50_ms_per_token,
         "p90_ms_per_token": r.p90_ms_per_token, "tokens_per_s": r.tokens_per_s,
-        "realized_sparsity": r.realized_sparsity, "threads": r.threads,
+        "realized_sparsity": r.realized_sparsity, "threads": r.threads, "isa": r.isa, "cpu_flags": r.cpu_flags,
         "speedup_spread": data.spread_label(r.speedup_min, r.speedup_max), "unit": r.unit_id[:12],
     } for who, r in lat])
     chart = alt.Chart(ldf).mark_bar().encode(
@@ -106,8 +106,10 @@ else:
     st.altair_chart(chart)
     st.caption("The dense rows are the reference: the dense setting in our decode runtime, `hf-generate` "
                "(the Hugging Face generate loop) and `llama.cpp` (the model's GGUF, timed beside our dense decode). "
-               "`threads`: the thread count each row was measured at; `speedup_spread`: the lowest and highest "
-               "per-repeat speedup over the dense decode timed beside it.")
+               "`threads`: the thread count each row was measured at; `isa`: the instruction set the native CPU "
+               "kernels were built for (`fallback`: they did not build, torch primitives ran), with the CPU's "
+               "`cpu_flags`; `speedup_spread`: the lowest and highest per-repeat speedup over the dense decode "
+               "timed beside it.")
     st.dataframe(ldf, hide_index=True, width="stretch")
 
 # ---------------------------------------------------------------- provenance

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dashboard import data
+from kernels.isa import cpu_info
 from tests.sweep_support import FAILING_ERROR
 from workers.decode.llama_cpp import llama_cpp_missing
 
@@ -167,9 +168,12 @@ def test_pareto_cpu(app, tiny_sweep):
     assert all_rows["latency_ms"].notna().all()
     expected = data.front(url, mid, metric, "cpu")
     assert set(front["fit_unit"]) == {r.setting.fit_unit for r in expected.front}
-    # the thread count every point was timed at (the tiny sweep's torch_threads overrides every core), and the
-    # baselines timed on the dense setting: HF generate, and llama.cpp where llama-cpp-python is installed
-    assert "timed at 1 thread;" in _texts(at.caption) and set(all_rows["threads"]) == {1}
+    # the thread count every point was timed at (the tiny sweep's torch_threads overrides every core) and the build
+    # of the native kernels (this machine's), and the baselines timed on the dense setting: HF generate, and
+    # llama.cpp where llama-cpp-python is installed
+    isa = cpu_info()["isa"]
+    assert f"timed at 1 thread, {isa} build;" in _texts(at.caption) and set(all_rows["threads"]) == {1}
+    assert set(all_rows["isa"]) == {isa} and "pareto_isa" not in [sb.key for sb in at.selectbox]
     assert data.thread_counts(url, mid, "cpu") == [1]
     assert "pareto_threads" not in [sb.key for sb in at.selectbox]        # one count: nothing to pick
     sparse = all_rows[all_rows["method"] == "threshold"]
@@ -241,8 +245,10 @@ def test_unit_page(app, tiny_sweep):
     assert "dense · hf-generate" in series                                   # the Hugging Face baseline
     assert any(x.startswith("this setting · ") for x in series)
     assert any(x.startswith("dense · ") and x != "dense · hf-generate" for x in series)
-    # one panel per device · accelerator · thread count: the tiny sweep's rows all at its torch_threads (1)
-    assert set(lat["device"]) == {f"cpu · {a} · 1 thread" for a in lat["device"].str.split(" · ").str[1]}
+    # one panel per device · accelerator · thread count · build: the tiny sweep's rows all at its torch_threads (1),
+    # under this machine's build of the native kernels
+    assert set(lat["device"]) == {f"cpu · {a} · 1 thread · {cpu_info()['isa']} build"
+                                  for a in lat["device"].str.split(" · ").str[1]}
     assert set(lat["threads"]) == {1}
     paired = lat[lat["runtime"] == "ctxsparse-sparse"]
     assert len(paired) == 1 and re.fullmatch(r"\d+\.\d\d-\d+\.\d\dx", paired["speedup_spread"].iloc[0])
@@ -349,3 +355,165 @@ def test_bundle_sha_mismatch(app, tiny_sweep):
     finally:
         target.write_bytes(original)
     assert data.bundle_archive(url, fit)
+
+
+# ---------------------------------------------------------------- hand-built stores: builds, GPU rows, log axis
+
+PROV = {"package_versions": {"x": "1"}, "git_rev": "r"}
+PPL = "perplexity/lambada-heldout/ppl"
+NARROW = "perplexity/wikitext/ppl"
+CPU = "AMD EPYC 7B13"
+
+
+def _hand_store(path: Path, settings: dict[str, tuple[float, float, float]], timings: dict[str, list[dict]]) -> str:
+    """A SQLite store written through ``db.queries`` as a sweep writes it: per method (sparsity, lambada ppl, wikitext
+    ppl) a done fit unit, its perplexity eval unit, and per device type of ``timings[method]`` one done latency unit
+    with those rows (``isa``, ``ms``, and ``runtime`` / ``threads`` when not the defaults)."""
+    from db import queries as q
+    from db.engine import get_engine, session_scope, upgrade
+
+    url = f"sqlite:///{path}"
+    engine = get_engine(url)
+    upgrade(engine)
+    uid = lambda *k: hashlib.sha256("/".join(map(str, k)).encode()).hexdigest()[:16]     # noqa: E731
+    with session_scope(engine) as s:
+        mid = q.upsert_model(s, name="m", fingerprint="f" * 64, family="llama")
+        sid, _ = q.get_or_create_sweep(s, name="hand", spec_hash="a" * 64, spec={"name": "hand"})
+        for method, (sp, ppl, narrow) in settings.items():
+            fit, ev = uid("fit", method), uid("eval", method)
+            common = dict(model_id=mid, method=method, sparsity=sp, code_version="t")
+            q.register_units(s, sid, [dict(id=fit, kind="fit", config={"allocation": "uniform"}, **common),
+                                      dict(id=ev, kind="eval", config={"fit_unit": fit, "suite": "perplexity"},
+                                           **common)])
+            q.finish_unit(s, fit)
+            q.finish_unit(s, ev, accuracy_rows=[
+                dict(suite="perplexity", task=task, metric="ppl", higher_is_better=False, value=v, n=100, **PROV)
+                for task, v in (("lambada-heldout", ppl), ("wikitext", narrow))])
+            by_device: dict[str, list[dict]] = {}
+            for t in timings.get(method, []):
+                by_device.setdefault(t.get("device", "cpu"), []).append(t)
+            for dev, rows in by_device.items():
+                lat = uid("lat", method, dev)
+                q.register_units(s, sid, [dict(id=lat, kind="latency", device_type=dev,
+                                               config={"fit_unit": fit, "device_type": dev}, **common)])
+                q.finish_unit(s, lat, latency_rows=[dict(
+                    device_type=dev, accelerator_name=CPU if dev == "cpu" else "NVIDIA H200", batch=1, prompt_len=8,
+                    gen_len=4, p50_ms_per_token=t["ms"], p90_ms_per_token=t["ms"], tokens_per_s=1000 / t["ms"],
+                    runtime=t.get("runtime", "ctxsparse-dense" if method == "dense" else "ctxsparse-sparse"),
+                    threads=t.get("threads", 2), isa=t.get("isa"),
+                    cpu_flags="avx2 f16c fma" if t.get("isa") else None, **PROV) for t in rows])
+    engine.dispose()
+    return url
+
+
+@pytest.fixture
+def hand_store(tmp_path) -> str:
+    """dense, svd s=0.5 and a collapsed threshold s=0.9 (lambada ppl 20 / 22 / 260: +1,200 %; wikitext 30 / 31 /
+    33), each timed on the CPU under the avx2 and the scalar build of the native kernels (one latency unit each:
+    the build is not part of a unit) and on an H200, whose rows record the host's 16 threads as every row does."""
+    return _hand_store(tmp_path / "hand.db",
+                       {"dense": (0.0, 20.0, 30.0), "svd": (0.5, 22.0, 31.0), "threshold": (0.9, 260.0, 33.0)},
+                       {m: [dict(isa="avx2", ms=a), dict(isa="scalar", ms=b), dict(device="cuda", threads=16, ms=g)]
+                        for m, a, b, g in (("dense", 10.0, 30.0, 4.3), ("svd", 8.0, 29.0, 3.1),
+                                           ("threshold", 6.0, 28.0, 2.9))})
+
+
+def _y_scale_types(chart) -> set:
+    """The scale type of every y encoding in a chart's Vega-Lite spec ("linear": none given)."""
+    out = set()
+
+    def walk(node):
+        if isinstance(node, dict):
+            y = node.get("encoding", {}).get("y")
+            if isinstance(y, dict) and y.get("field") == "accuracy":
+                out.add(y.get("scale", {}).get("type", "linear"))
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(json.loads(chart.proto.spec))
+    return out
+
+
+def test_pareto_perplexity_axis_goes_logarithmic_beyond_a_tenfold_span(app, hand_store):
+    """lambada's 20 .. 260 (13x, the collapsed threshold setting): a log axis; wikitext's 30 .. 33: linear; on the
+    accuracy-only bars (a device without rows) the same rule."""
+    at = _page(app(hand_store), PAGES[1])
+    assert at.selectbox(key="pareto_metric").value == PPL
+    (chart,) = _charts(at)
+    assert _y_scale_types(chart) == {"log"} and "(log scale)" in chart.proto.spec
+    assert sorted(_all_table(at)["accuracy"]) == [20.0, 22.0, 260.0]
+    at.selectbox(key="pareto_metric").set_value(NARROW).run()
+    (chart,) = _charts(at)
+    assert _y_scale_types(chart) == {"linear"} and "(log scale)" not in chart.proto.spec
+    at.selectbox(key="pareto_metric").set_value(PPL).run()
+    at.selectbox(key="pareto_device").set_value("npu").run()
+    (bars,) = _charts(at)
+    assert not at.exception and _y_scale_types(bars) == {"log"}
+    assert data.log_axis(PPL, [20.0, 200.0]) is False and data.log_axis(PPL, [20.0, 200.1]) is True
+    assert data.log_axis("mc/piqa/acc", [0.01, 0.9]) is False and data.log_axis(PPL, [20.0, float("inf")]) is False
+
+
+def test_pareto_cpu_front_names_its_build_and_never_mixes_two(app, hand_store):
+    """The caption says the build every point was timed under (the widest by default), names the one left out, and
+    the CPU build picker draws the other's front from its own rows only."""
+    at = _page(app(hand_store), PAGES[1])
+    assert at.selectbox(key="pareto_device").value == "cuda"            # (the first device type with rows)
+    at.selectbox(key="pareto_device").set_value("cpu").run()
+    caption = _texts(at.caption)
+    assert f"· {CPU} · batch 1 · prompt 8 tokens · timed at 2 threads, avx2 build;" in caption
+    assert "Also timed under scalar build: not drawn here" in caption
+    assert at.selectbox(key="pareto_isa").options == ["avx2 build", "scalar build"]
+    table = _all_table(at).set_index("method")
+    assert table["latency_ms"].to_dict() == {"dense": 10.0, "svd": 8.0, "threshold": 6.0}
+    assert set(table["isa"]) == {"avx2"}
+    at.selectbox(key="pareto_isa").set_value(1).run()
+    assert not at.exception and "timed at 2 threads, scalar build;" in _texts(at.caption)
+    assert "Also timed under avx2 build" in _texts(at.caption)
+    table = _all_table(at).set_index("method")
+    assert table["latency_ms"].to_dict() == {"dense": 30.0, "svd": 29.0, "threshold": 28.0}
+    assert set(table["isa"]) == {"scalar"}
+
+
+def test_pareto_gpu_caption_says_nothing_of_threads(app, hand_store):
+    """The H200 rows record the host's 16 threads, but threads and CPU builds are CPU notions: the GPU page's
+    caption names neither, and offers no build to pick."""
+    at = _page(app(hand_store), PAGES[1])
+    assert at.selectbox(key="pareto_device").value == "cuda"
+    assert not at.exception and not at.warning
+    caption = _texts(at.caption)
+    assert "p50 ms per token on cuda · NVIDIA H200 · batch 1 · prompt 8 tokens; the front:" in caption
+    assert "thread" not in caption and "build" not in caption
+    assert "pareto_isa" not in [sb.key for sb in at.selectbox]
+    assert _all_table(at).set_index("method")["latency_ms"].to_dict() == {"dense": 4.3, "svd": 3.1, "threshold": 2.9}
+
+
+def test_unit_page_latency_panels_name_the_cpu_build(app, hand_store):
+    """One panel per device · accelerator and, on the CPU, thread count · build; the GPU panel names neither."""
+    at = _page(app(hand_store), PAGES[2])
+    svd = next(s.fit_unit for s in data.settings(hand_store, _model_id(hand_store)) if s.method == "svd")
+    at.selectbox(key="unit_setting").set_value(svd).run()
+    assert not at.exception
+    lat = next(d.value for d in at.dataframe if "series" in d.value.columns)
+    assert set(lat["device"]) == {f"cpu · {CPU} · 2 threads · avx2 build", f"cpu · {CPU} · 2 threads · scalar build",
+                                  "cuda · NVIDIA H200"}
+    mine = lat[lat["series"] == "this setting · ctxsparse-sparse"].set_index("device")
+    assert mine.loc[f"cpu · {CPU} · 2 threads · scalar build", "p50_ms_per_token"] == 29.0
+    assert mine.loc[f"cpu · {CPU} · 2 threads · avx2 build", "cpu_flags"] == "avx2 f16c fma"
+    assert mine.loc["cuda · NVIDIA H200", ["isa", "cpu_flags"]].isna().all()
+
+
+def test_pareto_rows_recording_no_build_are_a_front_of_their_own(app, tmp_path):
+    """A store upgraded from before the build was recorded, then timed again: its old rows (no build) can be picked
+    as their own front, never mixed into the avx2 one."""
+    url = _hand_store(tmp_path / "mixed.db", {"dense": (0.0, 20.0, 30.0), "svd": (0.5, 22.0, 31.0)},
+                      {"dense": [dict(isa="avx2", ms=10.0), dict(isa=None, ms=12.0)],
+                       "svd": [dict(isa="avx2", ms=8.0), dict(isa=None, ms=11.0)]})
+    at = _page(app(url), PAGES[1])
+    assert at.selectbox(key="pareto_isa").options == ["avx2 build", "build not recorded"]
+    assert _all_table(at).set_index("method")["latency_ms"].to_dict() == {"dense": 10.0, "svd": 8.0}
+    at.selectbox(key="pareto_isa").set_value(1).run()
+    assert not at.exception and "timed at 2 threads, build not recorded;" in _texts(at.caption)
+    assert _all_table(at).set_index("method")["latency_ms"].to_dict() == {"dense": 12.0, "svd": 11.0}

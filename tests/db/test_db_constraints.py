@@ -116,3 +116,35 @@ def test_boundary_rows_forbid_extra_fields_and_nan():
         ArtifactRow(kind="predictor", uri="x", sha256="not-a-sha")
     with pytest.raises(ValidationError):
         UnitSpec(id="NOT-HEX", model_id=1, kind="eval", code_version="1")
+
+
+def _lat_row(isa: str | None, device: str = "cpu", ms: float = 1.0) -> LatencyRow:
+    return LatencyRow(device_type=device, accelerator_name="AMD EPYC 7B13", batch=1, prompt_len=8, gen_len=4,
+                      p50_ms_per_token=ms, p90_ms_per_token=ms, tokens_per_s=1000 / ms, runtime="ctxsparse-dense",
+                      threads=2, cpu_flags=None if isa is None else "avx2 fma", isa=isa, **PROV)
+
+
+def test_latency_key_holds_one_row_per_cpu_build(engine):
+    """The CPU build is part of a latency row's key: one unit's rows at one point under avx2 and scalar are both
+    kept; the same build again is refused by the store, and so is a row that records no build (NULL: GPU/NPU rows)
+    again, which a unique constraint over the nullable column would let through (SQL never finds two NULLs
+    equal); ``ON CONFLICT DO NOTHING`` writers (a result-set load) add nothing; finish_unit refuses one build twice."""
+    seed(engine, 3)
+    with session_scope(engine) as s:
+        assert q.finish_unit(s, uid(0), latency_rows=[_lat_row("avx2", ms=4.0), _lat_row("scalar", ms=9.0)])
+        assert q.finish_unit(s, uid(1), latency_rows=[_lat_row(None, "cuda", ms=0.5)])
+    for unit, row in ((uid(0), _lat_row("avx2", ms=5.0)), (uid(1), _lat_row(None, "cuda", ms=0.6))):
+        with pytest.raises(IntegrityError):
+            with session_scope(engine) as s:
+                s.add(LatencyResult(unit_id=unit, **row.model_dump()))
+        with session_scope(engine) as s:
+            s.execute(q._insert(s, q._table(LatencyResult)).values(unit_id=unit, **row.model_dump())
+                      .on_conflict_do_nothing())
+    with session_scope(engine) as s:
+        got = sorted((r.unit_id, r.isa or "", r.p50_ms_per_token) for r in q.latency_table(s))
+    assert got == sorted([(uid(0), "avx2", 4.0), (uid(0), "scalar", 9.0), (uid(1), "", 0.5)])
+    with pytest.raises(ValueError, match="duplicate latency rows"):
+        with session_scope(engine) as s:
+            q.finish_unit(s, uid(2), latency_rows=[_lat_row("avx2"), _lat_row("avx2", ms=2.0)])
+    with session_scope(engine) as s:        # two builds in one call: fine
+        assert q.finish_unit(s, uid(2), latency_rows=[_lat_row("avx2"), _lat_row("neon", ms=2.0)])

@@ -5,8 +5,10 @@ from __future__ import annotations
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+import pytest
 import sqlalchemy as sa
 from sqlalchemy import inspect
+from sqlalchemy.exc import IntegrityError
 
 from db.engine import _alembic_config, current_revision, get_engine, head_revision, upgrade
 from db.models import Base
@@ -21,7 +23,7 @@ def test_upgrade_head_from_empty(db_url):
         assert current_revision(engine) is None
         assert not set(inspect(engine).get_table_names()) & TABLES
         upgrade(engine)
-        assert current_revision(engine) == head_revision() == "0005"
+        assert current_revision(engine) == head_revision() == "0006"
         assert set(inspect(engine).get_table_names()) == TABLES | {"alembic_version"}
         upgrade(db_url)  # again, by URL: a no-op
         assert current_revision(db_url) == head_revision()
@@ -48,10 +50,25 @@ def test_downgrade_to_base_and_back(engine):
     assert set(inspect(engine).get_table_names()) == TABLES | {"alembic_version"}
 
 
+def _latency_keys(insp) -> dict[str, tuple[list[str], str]]:
+    """The unique indexes of latency_results: name -> (columns, the partial index's condition)."""
+    out = {}
+    for ix in insp.get_indexes("latency_results"):
+        if ix["unique"]:
+            where = next(iter(ix.get("dialect_options", {}).values()), "")
+            out[ix["name"]] = (ix["column_names"], " ".join(str(where).strip("()").split()).lower())
+    return out
+
+
+LATENCY_KEY = ["unit_id", "device_type", "accelerator_name", "batch", "prompt_len", "runtime"]
+
+
 def test_naming_convention_names_constraints(engine):
     insp = inspect(engine)
-    uniques = {u["name"] for u in insp.get_unique_constraints("latency_results")}
-    assert uniques == {"uq_latency_results_unit_id"}
+    # since 0006 the latency key is two partial unique indexes (the CPU build joins it where a row records one)
+    assert insp.get_unique_constraints("latency_results") == []
+    assert _latency_keys(insp) == {"uq_latency_results_unit_id": (LATENCY_KEY, "isa is null"),
+                                   "uq_latency_results_unit_id_isa": (LATENCY_KEY + ["isa"], "isa is not null")}
     fks = {fk["name"] for fk in insp.get_foreign_keys("accuracy_results")}
     assert fks == {"fk_accuracy_results_unit_id_work_units"}      # also after 0002 rebuilt the table (SQLite)
     assert {u["name"] for u in insp.get_unique_constraints("accuracy_results")} == {"uq_accuracy_results_unit_id"}
@@ -213,11 +230,12 @@ def test_0005_records_latency_weights_and_backfills_the_cpu_runtime_rows(db_url)
             _latency_rows(conn, [(uid, {"threads": 2}, dev, runtime) for uid, dev, runtime in (
                 ("a1" * 8, "cpu", "ctxsparse-sparse"), ("a2" * 8, "cpu", "llama.cpp"),
                 ("a3" * 8, "cuda", "ctxsparse-dense"), ("a4" * 8, "cpu", "hf-generate"))])
-        upgrade(engine)
+        upgrade(engine, "0005")
         assert current_revision(engine) == "0005"
         want = {"a1" * 8: "fp32", "a2" * 8: "gguf:llama.cpp", "a3" * 8: None, "a4" * 8: None}
         with engine.connect() as conn:
             assert dict(conn.execute(sa.text("SELECT unit_id, weights FROM latency_results")).all()) == want
+        upgrade(engine)         # the queries read the head's columns
         with session_scope(engine) as s:
             assert {r.unit_id: r.weights for r in queries.latency_table(s)} == want
         with engine.connect() as conn:
@@ -226,5 +244,61 @@ def test_0005_records_latency_weights_and_backfills_the_cpu_runtime_rows(db_url)
         assert "weights" not in {c["name"] for c in inspect(engine).get_columns("latency_results")}
         with engine.connect() as conn:
             assert conn.execute(sa.text("SELECT count(*) FROM latency_results")).scalar() == 4
+    finally:
+        engine.dispose()
+
+
+def test_0006_records_the_cpu_build_and_keeps_one_unit_timed_under_two(db_url):
+    """Rows before 0006 keep every value with cpu_flags / isa NULL; at 0006 one unit's CPU row of another build
+    is stored beside it while the same row again (of a build, or of none) is refused; downgrading refuses while
+    two builds share a key, and once they do not drops the columns and restores the old unique constraint."""
+    from db.engine import session_scope
+    from db.models import LatencyResult
+
+    engine = get_engine(db_url)
+    try:
+        upgrade(engine, "0005")
+        with engine.begin() as conn:
+            _latency_rows(conn, [("b1" * 8, {"threads": 2}, "cpu", "ctxsparse-dense"),
+                                 ("b2" * 8, {"threads": 2}, "cuda", "ctxsparse-dense")])
+        cols = "unit_id, device_type, p50_ms_per_token, threads, weights"
+        with engine.connect() as conn:
+            before = sorted(conn.execute(sa.text(f"SELECT {cols} FROM latency_results")).all())
+        upgrade(engine, "0006")
+        assert current_revision(engine) == "0006"
+        with engine.connect() as conn:
+            assert sorted(conn.execute(sa.text(f"SELECT {cols} FROM latency_results")).all()) == before
+            assert set(conn.execute(sa.text("SELECT cpu_flags, isa FROM latency_results")).all()) == {(None, None)}
+        new = dict(unit_id="b1" * 8, device_type="cpu", accelerator_name="x", batch=1, prompt_len=8, gen_len=4,
+                   p50_ms_per_token=9.0, p90_ms_per_token=9.5, tokens_per_s=111.0, runtime="ctxsparse-dense",
+                   git_rev="r", package_versions={}, cpu_flags="avx2 fma", isa="scalar")
+        with session_scope(engine) as s:        # the same key, another build: a second row
+            s.add(LatencyResult(**new))
+        for dup in ({**new, "p50_ms_per_token": 1.0}, {**new, "unit_id": "b2" * 8, "device_type": "cuda",
+                                                        "cpu_flags": None, "isa": None}):
+            with pytest.raises(IntegrityError):       # the same build again; a row without one again
+                with session_scope(engine) as s:
+                    s.add(LatencyResult(**dup))
+        with engine.connect() as conn:
+            got = sorted(conn.execute(sa.text("SELECT unit_id, isa, p50_ms_per_token FROM latency_results")).all(),
+                         key=str)
+        assert got == sorted([("b1" * 8, None, 2.0), ("b1" * 8, "scalar", 9.0), ("b2" * 8, None, 2.0)], key=str)
+        with engine.connect() as conn:
+            with pytest.raises(RuntimeError, match="several instruction-set builds"):
+                command.downgrade(_alembic_config(conn), "0005")
+        assert current_revision(engine) == "0006"
+        with engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM latency_results WHERE isa = 'scalar'"))
+        with engine.connect() as conn:
+            command.downgrade(_alembic_config(conn), "0005")
+            conn.commit()
+        insp = inspect(engine)
+        assert not {"cpu_flags", "isa"} & {c["name"] for c in insp.get_columns("latency_results")}
+        assert [(u["name"], u["column_names"]) for u in insp.get_unique_constraints("latency_results")] == [
+            ("uq_latency_results_unit_id", LATENCY_KEY)]
+        with engine.connect() as conn:
+            assert sorted(conn.execute(sa.text(f"SELECT {cols} FROM latency_results")).all()) == before
+        upgrade(engine)
+        assert set(_latency_keys(inspect(engine))) == {"uq_latency_results_unit_id", "uq_latency_results_unit_id_isa"}
     finally:
         engine.dispose()

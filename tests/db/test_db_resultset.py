@@ -191,3 +191,62 @@ def test_request_scores_of_assembled_tasks_stay_out_unless_asked(tmp_path):
     with pytest.raises(SystemExit):
         db_main(["export", "sh", str(tmp_path / "x.jsonl"), src, "--request-scores", "some"])
     eng.dispose()
+
+
+def _timed_under(tmp_path, isa: str | None, flags: str | None, ms: float) -> str:
+    """A result-set file of a store whose one latency unit (uid(0), the same id in every such store: the build is
+    not part of a unit's config) wrote its sparse row and the dense row paired with it under the CPU build ``isa``."""
+    from db.schemas import LatencyRow
+    from tests.db.db_support import PROV
+
+    url = f"sqlite:///{tmp_path / f'timed-{isa}.db'}"
+    eng = get_engine(url)
+    upgrade(eng)
+    seed(eng, 1, sweep="lat")
+    with session_scope(eng) as s:
+        q.mark_running(s, uid(0), worker="w")
+        q.finish_unit(s, uid(0), latency_rows=[
+            LatencyRow(device_type="cpu", accelerator_name="AMD EPYC 7B13", batch=1, prompt_len=8, gen_len=4,
+                       p50_ms_per_token=ms * k, p90_ms_per_token=ms * k, tokens_per_s=1000 / (ms * k), runtime=rt,
+                       threads=2, cpu_flags=flags, isa=isa, **PROV)
+            for rt, k in (("ctxsparse-sparse", 1.0), ("ctxsparse-dense-paired", 1.5))])
+        path = tmp_path / f"timed-{isa}.jsonl"
+        write_jsonl(export_sweep(s, "lat", "rev"), path)
+    eng.dispose()
+    return str(path)
+
+
+def test_the_cpu_build_travels_and_two_builds_of_one_unit_load_side_by_side(tmp_path, db_url):
+    """Export -> load keeps each latency row's cpu_flags and isa; the same unit timed under another build (a store of
+    an AVX2 machine, one of the scalar build) loads beside it, each file twice adds nothing; a file written before
+    the columns existed loads with them NULL, and again adds nothing."""
+    avx2 = _timed_under(tmp_path, "avx2", "avx2 f16c fma", 4.0)
+    scalar = _timed_under(tmp_path, "scalar", "avx2 f16c fma", 9.0)
+    dst = get_engine(db_url)
+    upgrade(dst)
+
+    def load(path) -> dict[str, int]:
+        with session_scope(dst) as s:
+            return load_records(s, read_jsonl(path))
+
+    def builds() -> set[tuple]:
+        with session_scope(dst) as s:
+            return {(r.unit_id, r.runtime, r.isa, r.cpu_flags, r.p50_ms_per_token) for r in q.latency_table(s)}
+
+    assert load(avx2)["latency_results"] == 2
+    assert builds() == {(uid(0), "ctxsparse-sparse", "avx2", "avx2 f16c fma", 4.0),
+                        (uid(0), "ctxsparse-dense-paired", "avx2", "avx2 f16c fma", 6.0)}
+    added = load(scalar)
+    assert (added["work_units"], added["latency_results"]) == (0, 2)          # the unit is known; its other build
+    assert {(rt, isa, ms) for _, rt, isa, _, ms in builds()} == {
+        ("ctxsparse-sparse", "avx2", 4.0), ("ctxsparse-dense-paired", "avx2", 6.0),
+        ("ctxsparse-sparse", "scalar", 9.0), ("ctxsparse-dense-paired", "scalar", 13.5)}
+    assert load(avx2)["latency_results"] == load(scalar)["latency_results"] == 0
+    older = tmp_path / "older.jsonl"            # the same file as an older ctxsparse wrote it: no such columns
+    _write(older, [{**r, "row": {k: v for k, v in r["row"].items() if k not in ("cpu_flags", "isa")}}
+                   if r.get("table") == "latency_results" else r for _, r in read_jsonl(avx2)])
+    assert '"isa"' not in older.read_text()
+    assert load(older)["latency_results"] == 2 and load(older)["latency_results"] == 0
+    assert {(rt, isa, flags) for _, rt, isa, flags, _ in builds() if isa is None} == {
+        ("ctxsparse-sparse", None, None), ("ctxsparse-dense-paired", None, None)}
+    dst.dispose()

@@ -42,13 +42,13 @@ def _uid(label: str) -> str:
 
 def _lat(unit: str, ms: float, device: str = "cpu", accelerator: str = "cpu-a", batch: int = 1,
          prompt_len: int = 16, runtime: str = "ctxsparse-sparse", threads: int | None = None,
-         spread: tuple[float, float] | None = None) -> LatencyRecord:
+         spread: tuple[float, float] | None = None, isa: str | None = None) -> LatencyRecord:
     lo, hi = spread or (None, None)
     return LatencyRecord(unit_id=unit, model_id=1, model_name="m", method=None, sparsity=None, rank=None,
                          attn_sparsity=None, device_type=device, accelerator_name=accelerator, batch=batch,
                          prompt_len=prompt_len, gen_len=8, p50_ms_per_token=ms, p90_ms_per_token=ms,
                          tokens_per_s=1000.0 / ms, realized_sparsity=None, runtime=runtime, threads=threads,
-                         speedup_min=lo, speedup_max=hi, git_rev="r", package_versions={},
+                         speedup_min=lo, speedup_max=hi, isa=isa, git_rev="r", package_versions={},
                          created_at=datetime.now(timezone.utc))
 
 
@@ -204,20 +204,68 @@ def test_the_front_is_drawn_at_one_thread_count_the_largest_by_default():
     old = setting("svd", ppl=45.0)
     _paired(old, 5.0, 10.0, (1.9, 2.1), threads=1)          # timed only at 1 thread
     fr = pareto([dense, teal, old], PPL, "cpu")
-    assert fr.threads == 2 and "2 threads]" in format_front(fr, "m").splitlines()[0]
+    assert fr.threads == 2 and "2 threads, build not recorded]" in format_front(fr, "m").splitlines()[0]
     rows = {r.setting.label: r for r in fr.rows}
     assert rows["dense"].latency_ms == 6.0 and rows["dense"].threads == 2
     assert rows["teal s=0.35"].paired_speedup == pytest.approx(6.0 / 6.5)
     assert (rows["teal s=0.35"].speedup_min, rows["teal s=0.35"].speedup_max) == (0.90, 0.95)
     assert rows["svd s=0.5"].latency_ms is None and not rows["svd s=0.5"].on_front
     fr1 = pareto([dense, teal, old], PPL, "cpu", threads=1)
-    assert fr1.threads == 1 and "1 thread]" in format_front(fr1, "m").splitlines()[0]
+    assert fr1.threads == 1 and "1 thread, build not recorded]" in format_front(fr1, "m").splitlines()[0]
     rows = {r.setting.label: r for r in fr1.rows}
     assert rows["teal s=0.35"].latency_ms == pytest.approx(10.0 / (10.0 / 9.0)) and rows["svd s=0.5"].on_front
     # rows of a store from before the thread count was recorded: one front of theirs, said so
     legacy = setting("dense", ppl=40.0, ms=10.0)
     assert pareto([legacy], PPL, "cpu").threads is None
     assert "threads not recorded" in format_front(pareto([legacy], PPL, "cpu"), "m")
+
+
+def test_the_front_is_drawn_under_one_cpu_build_the_widest_by_default():
+    """One sweep timed every setting under the native AVX-512 build and again under the AVX2 build (the ISA is not
+    part of a unit: the same units, rows of two builds). By default the front is the avx512 one, its header says so
+    and names the build it leaves out; asked for avx2, that build's rows and pairs only (teal's 1.3x AVX-512 pair
+    never lends its speedup to the avx2 front), never a mix; a build without rows of a setting leaves it untimed."""
+    dense = setting("dense", ppl=40.0)
+    dense.latency += [_lat(dense.fit_unit, 6.0, runtime="ctxsparse-dense", threads=2, isa="avx512"),
+                      _lat(dense.fit_unit, 8.0, runtime="ctxsparse-dense", threads=2, isa="avx2")]
+    teal = setting("teal", 0.35, ppl=41.0)
+    _paired(teal, 5.0, 6.5, isa="avx512")        # 1.3x under AVX-512
+    _paired(teal, 8.0, 8.0, isa="avx2")          # 1.0x under AVX2
+    svd = setting("svd", ppl=45.0)
+    _paired(svd, 4.0, 8.0, isa="avx2")           # timed under AVX2 only
+    fr = pareto([dense, teal, svd], PPL, "cpu")
+    assert (fr.isa, fr.other_isas, fr.threads) == ("avx512", ["avx2"], 2)
+    rows = {r.setting.label: r for r in fr.rows}
+    assert rows["dense"].latency_ms == 6.0 and rows["teal s=0.35"].paired_speedup == pytest.approx(1.3)
+    assert rows["svd s=0.5"].latency_ms is None and {r.isa for r in fr.rows if r.latency_ms} == {"avx512"}
+    text = format_front(fr, "m").splitlines()
+    assert text[0].endswith("[cpu-a, batch 1, prompt 16, 2 threads, avx512 build]")
+    assert "  note: also timed under avx2 build: not drawn here (each build is a front of its own)" in text
+    fr2 = pareto([dense, teal, svd], PPL, "cpu", isa="avx2")
+    rows = {r.setting.label: r for r in fr2.rows}
+    assert (fr2.isa, fr2.other_isas) == ("avx2", ["avx512"]) and rows["dense"].latency_ms == 8.0
+    assert rows["teal s=0.35"].paired_speedup == pytest.approx(1.0) and rows["svd s=0.5"].latency_ms == 4.0
+    assert format_front(fr2, "m").splitlines()[0].endswith("2 threads, avx2 build]")
+    # rows of the torch fallback (the native kernels did not build) and of an older store (no build recorded)
+    assert pareto([dense, teal, svd], PPL, "cpu", isa="fallback").message.startswith(
+        "no setting has a latency row on cpu-a at threads not recorded, torch fallback (no native build)")
+    legacy = setting("dense", ppl=40.0, ms=10.0)
+    legacy.latency.append(_lat(legacy.fit_unit, 9.0, isa="scalar"))
+    assert pareto([legacy], PPL, "cpu").isa == "scalar" and pareto([legacy], PPL, "cpu", isa=None).isa is None
+
+
+def test_an_accelerators_front_says_nothing_of_threads_or_cpu_builds():
+    """GPU rows record the host's thread count too (torch's, while timing), but a GPU decode's time does not hang
+    on it, nor on a CPU build: the header names neither."""
+    dense = setting("dense", ppl=40.0)
+    dense.latency.append(_lat(dense.fit_unit, 4.3, device="cuda", accelerator="NVIDIA H200", threads=16))
+    svd = setting("svd", ppl=41.0)
+    svd.latency.append(_lat(svd.fit_unit, 3.1, device="cuda", accelerator="NVIDIA H200", threads=16))
+    fr = pareto([dense, svd], PPL, "cuda")
+    assert (fr.accelerator, fr.threads, fr.isa) == ("NVIDIA H200", 16, None)
+    head = format_front(fr, "m").splitlines()[0]
+    assert head.endswith("vs p50 ms/token on cuda [NVIDIA H200, batch 1, prompt 16]")
+    assert "thread" not in format_front(fr, "m") and "build" not in head
 
 
 def test_the_paired_speedups_spread_is_on_the_front_and_printed():
@@ -551,7 +599,7 @@ def test_exported_bundle_records_where_and_at_which_thread_count_it_was_timed(st
     assert m["measured"] == {"device_type": "cpu", "accelerator": "cpu-a", "threads": 2, "batch": 1,
                              "prompt_len": 16, "gen_len": 8, "p50_ms_per_token": 7.0, "speedup_vs_dense": 10 / 7,
                              "speedup_min": None, "speedup_max": None, "paired": False,
-                             "weights": None}
+                             "weights": None, "isa": None}
     assert measured_threads(m) == 2 and printed["speedup_vs_dense"] == pytest.approx(10 / 7)
     assert "measured" not in load_bundle(store.tmp / "bundles" / store.fits["svd"]).manifest
     assert cli(["bundle", "export", store.fits["svd"], "--db", store.url, "--out", str(store.tmp / "b.tar.gz")]) == 0
@@ -585,7 +633,7 @@ def test_cli_pareto_prints_the_direction_and_the_front(store, capsys):
     assert starred == {"oracle", "dense"}                 # svd and dejavu are beaten by the oracle bound
     assert cli(["pareto", "tiny", "--db", store.url, "--metric", MEAN_TASKS]) == 0
     out = capsys.readouterr().out
-    assert "(higher is better)" in out and "[cpu-a, batch 1, prompt 16, 2 threads]" in out
+    assert "(higher is better)" in out and "[cpu-a, batch 1, prompt 16, 2 threads, build not recorded]" in out
 
 
 def test_front_modules_import_no_ray_or_torch():

@@ -66,6 +66,38 @@ def test_rows_record_the_units_thread_count_and_the_paired_speedups_spread(tmp_p
         assert LatencyRow(**r, **PROV).threads == want
 
 
+def test_cpu_rows_written_by_the_unit_record_the_cpu_and_the_build_of_its_native_kernels(tmp_path, threads_restored):
+    """Every row of a CPU latency unit carries ``kernels.isa.cpu_info()``'s flags of interest and instruction set
+    (the native kernels built here), and keeps them through the store: what the worker writes is what
+    ``latency_table`` reads back."""
+    from db import queries as q
+    from db.engine import get_engine, session_scope, upgrade
+    from kernels.cpu import native_available
+    from kernels.isa import cpu_info
+
+    lm, fit_unit = _tiny_setting(tmp_path)
+    unit_id = uuid.uuid4().hex
+    cfg = _cfg(lm, fit_unit, 1, 1)
+    out = _units_with(lm).run("latency", unit_id, cfg)
+    info = cpu_info()
+    assert native_available() and info["isa"] in ("avx512", "avx2", "neon", "scalar")
+    assert [(r["cpu_flags"], r["isa"]) for r in out.latency] == [(info["cpu_flags"], info["isa"])] * 2
+    assert out.summary["isa"] == info["isa"]
+    engine = get_engine(f"sqlite:///{tmp_path / 'store.db'}")
+    upgrade(engine)
+    with session_scope(engine) as s:
+        mid = q.upsert_model(s, name=lm.ref, fingerprint=lm.fingerprint)
+        sid, _ = q.get_or_create_sweep(s, name="t", spec_hash="a" * 64, spec={})
+        q.register_units(s, sid, [dict(id=unit_id, model_id=mid, kind="latency", device_type="cpu", config=cfg,
+                                       code_version="t")])
+        assert q.finish_unit(s, unit_id, latency_rows=[LatencyRow(**r, **PROV) for r in out.latency])
+    with session_scope(engine) as s:
+        stored = q.latency_table(s)
+    engine.dispose()
+    assert sorted((r.runtime, r.cpu_flags, r.isa) for r in stored) == sorted(
+        (r["runtime"], info["cpu_flags"], info["isa"]) for r in out.latency)
+
+
 def test_llama_cpp_unit_times_the_models_gguf_beside_our_dense_or_says_it_is_not_installed(smollm2,
                                                                                            threads_restored):
     """On SmolLM2 (loaded from its GGUF): with llama-cpp-python, a llama.cpp row and the dense row timed beside it,

@@ -5,8 +5,9 @@
 
 Each row has exactly the fields of ``db.schemas.LatencyRow`` that a worker fills (device_type, accelerator_name,
 batch, prompt_len, gen_len, p50_ms_per_token, p90_ms_per_token, tokens_per_s, realized_sparsity, runtime, threads:
-torch's thread count while timing, weights: what the decode read, and for a row timed alternately with our dense
-decode speedup_min / speedup_max, the lowest and highest per-repeat speedup over it);
+torch's thread count while timing, weights: what the decode read, cpu_flags / isa: the CPU build it was timed
+under (:func:`cpu_build`; None off the CPU), and for a row timed alternately with our dense decode speedup_min /
+speedup_max, the lowest and highest per-repeat speedup over it);
 ``detail=True`` adds measurement details under keys the store does not take (strip them before a LatencyRow).
 No Ray, no DB imports: the GPU benchmark script runs this module on a machine without either.
 
@@ -134,6 +135,23 @@ def accelerator_name(device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+def cpu_build(device) -> dict:
+    """``cpu_flags`` and ``isa`` of a latency row timed on ``device``: on the CPU, :func:`kernels.isa.cpu_info`'s
+    flags of interest and the instruction set the native kernels are built for, or ``"fallback"`` where they did
+    not build (no compiler, ``CTXSPARSE_CPU_NATIVE=0``: the torch primitives ran); both None on a GPU/NPU. Every
+    row of a CPU unit carries its process's build, the baselines' too (llama.cpp and Hugging Face rows are timed
+    beside or against that build's decode)."""
+    if torch.device(device).type != "cpu":
+        return {"cpu_flags": None, "isa": None}
+    from kernels import cpu as cpu_kernels
+    from kernels.isa import cpu_info
+
+    info = cpu_info()
+    # native_available(): whether the library the decode called was built (kernels.cpu.native_status() says the
+    # same of it, but also builds kernels.cpu_quant, seconds on a cold cache, which a float decode never loads)
+    return {"cpu_flags": info["cpu_flags"], "isa": info["isa"] if cpu_kernels.native_available() else "fallback"}
+
+
 def _pct(xs, q):
     xs = sorted(xs)
     if not xs:
@@ -148,7 +166,7 @@ def _row(device, batch, prompt_len, gen_len, times_ms, runtime, sparsity, extra,
     row = dict(device_type=torch.device(device).type, accelerator_name=accelerator_name(device), batch=batch,
                prompt_len=prompt_len, gen_len=gen_len, p50_ms_per_token=p50, p90_ms_per_token=_pct(times_ms, 0.9),
                tokens_per_s=batch * 1000.0 / p50 if p50 > 0 else 0.0, realized_sparsity=sparsity, runtime=runtime,
-               threads=torch.get_num_threads(), weights=weights)
+               threads=torch.get_num_threads(), weights=weights, **cpu_build(device))
     if spread is not None:
         row.update(speedup_min=spread[0], speedup_max=spread[1])
     if extra is not None:

@@ -114,3 +114,19 @@ def test_decode_bytes_of_known_dims_charge_the_predictors():
     assert decode_bytes(rt) == dict(weights=172_032, predictor=0, kv_cache=0, total=172_032)
     assert decode_bytes(rt, 0.5, 0.25, rank=8, context=10) == dict(weights=116_736, predictor=11_520, kv_cache=3_840,
                                                                    total=132_096)
+
+
+def test_cpu_rows_say_fallback_where_the_native_kernels_did_not_run_and_accelerator_rows_record_no_build(
+        monkeypatch):
+    """With the native kernels off (``CTXSPARSE_CPU_NATIVE=0``, as where they do not build) the torch primitives
+    time the decode and the rows say ``fallback``, with the CPU's flags still; a GPU/NPU row records no CPU build."""
+    from kernels.isa import cpu_info
+    from workers.decode.latency import cpu_build
+
+    monkeypatch.setenv("CTXSPARSE_CPU_NATIVE", "0")
+    m = tiny_model("llama")
+    rows = bench_decode(m, random_plan(m, 0.5, rank=8), batch=1, prompt_len=4, gen_len=3, repeats=1)
+    assert [(r["isa"], r["cpu_flags"]) for r in rows] == [("fallback", cpu_info()["cpu_flags"])] * 2
+    assert cpu_build("cuda") == {"cpu_flags": None, "isa": None}
+    monkeypatch.delenv("CTXSPARSE_CPU_NATIVE")
+    assert cpu_build("cpu") == {"cpu_flags": cpu_info()["cpu_flags"], "isa": cpu_info()["isa"]}

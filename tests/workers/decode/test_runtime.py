@@ -355,7 +355,8 @@ def test_select_impl_triton_variants_pick_the_kernel(monkeypatch):
 def test_bench_decode_rows():
     m = tiny_model("llama")
     keys = {"device_type", "accelerator_name", "batch", "prompt_len", "gen_len", "p50_ms_per_token",
-            "p90_ms_per_token", "tokens_per_s", "realized_sparsity", "runtime", "threads", "weights"}
+            "p90_ms_per_token", "tokens_per_s", "realized_sparsity", "runtime", "threads", "weights", "cpu_flags",
+            "isa"}
     rows = (bench_decode(m, None, batch=1, prompt_len=8, gen_len=4, repeats=1)
             + bench_decode(m, random_plan(m, 0.7, rank=8), batch=2, prompt_len=8, gen_len=4, repeats=1,
                            paired=False)
