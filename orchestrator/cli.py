@@ -1,10 +1,13 @@
 """The ``ctxsparse`` command line.
 
 Sweeps (a thin layer over Ray's job API and the store):
-  ctxsparse submit SPEC [--address URL] [--db URL] [--follow]   validate, check, then `ray job submit` the driver
-  ctxsparse status [SWEEP] [--db URL] [--address URL]           sweeps, progress, failures, Ray job state
+  ctxsparse submit SPEC [--address URL] [--follow]   validate, check, then `ray job submit` the driver
+  ctxsparse status [SWEEP] [--address URL]           sweeps, progress, failures, and the Ray job state of each
+                                                     sweep (from --address, $RAY_ADDRESS, or the head that
+                                                     `ray start` started on this machine; stderr says which, or
+                                                     that no Ray cluster is reachable)
   ctxsparse logs SWEEP|SUBMISSION_ID [--address URL] [--follow] the driver's log
-  ctxsparse resume SWEEP [--address URL]                        submit a stored sweep again (finished units skipped)
+  ctxsparse resume SWEEP [--address URL]             submit a stored sweep again (finished units skipped)
   ctxsparse pareto MODEL [--metric M] [--device cpu|cuda|npu] [--threads N]   the Pareto front from the store
   ctxsparse bundle export UNIT|--best MODEL --out PATH          a setting's predictor bundle (folder or .tar.gz)
   ctxsparse bundle download SRC --out DIR                       unpack + verify a bundle archive (file or URL)
@@ -12,11 +15,17 @@ Sweeps (a thin layer over Ray's job API and the store):
                     [--weights auto|gguf|float]
                                                                 greedy continuation with the bundle; tokens/s
                                                                 dense vs sparse on that device, at the thread
-                                                                count the sweep timed the setting at
+                                                                count the sweep timed the setting at (on the CPU,
+                                                                first the line of `ctxsparse kernels`)
 Single steps:
   ctxsparse ppl     [--model REF] [--source SRC] [--tokens N] [--seq-len L] [--dtype D]
   ctxsparse capture [--model REF] [--source SRC] [--tokens N] [--store-dtype D]
-  ctxsparse ingest-kernels FILE [--db URL]   load GPU kernel benchmark rows into the store
+  ctxsparse ingest-kernels FILE   load GPU kernel benchmark rows into the store
+  ctxsparse kernels [--json]      which CPU kernels run here: the native build and its instruction set, or the
+                                  torch fallback and why
+
+Every command takes --db URL (the store's SQLAlchemy URL; default $CTXSPARSE_DB_URL, else SQLite under
+$CTXSPARSE_HOME): ppl, capture, generate, kernels and bundle download never read or write the store and ignore it.
 
 Errors (a bad spec, an unknown model or unit, a missing data file, an unreachable store or cluster, a damaged
 bundle) print one message and exit with status 2; `submit` finds them before a job exists. `submit` never starts
@@ -75,6 +84,26 @@ def cmd_capture(args) -> int:
                           "tokens_per_s": cache.manifest["tokens_per_s"], "path": cache.path.name[:16]}), flush=True)
         if not args.twice:
             break
+    return 0
+
+
+def cmd_kernels(args) -> int:
+    """Which CPU kernels run here; exit 0 either way (a fallback is information, not an error)."""
+    from kernels import cpu
+
+    st = cpu.native_status()
+    if args.json:
+        print(json.dumps(st, indent=1))
+        return 0
+    print(cpu.describe(st))
+    for name in cpu.LIBRARIES:
+        lib = st[name]
+        if lib.get("built"):
+            print(f"  {name}: built, {lib['isa']} (asked for: {lib.get('requested')}; flags {lib.get('flags', '')})")
+        elif lib.get("disabled"):
+            print(f"  {name}: off ({cpu.NATIVE_ENV}=0): its ops run on the torch fallback")
+        else:
+            print(f"  {name}: not built, its ops run on the torch fallback (slow): {lib.get('error')}")
     return 0
 
 
@@ -258,13 +287,53 @@ def cmd_status(args) -> int:
                         for u in queries.pending_units(s, sw.id, include_failed=True) if u.status == "failed"]
             out.append({"sweep": sw.name, "id": sw.id, "status": sw.status, "done": prog.done, "total": prog.total,
                         "failed": prog.failed, "submission_id": sw.submission_id, "failures": failures[:5]})
-    if args.address or os.environ.get("RAY_ADDRESS"):
-        client = _client(args)
+    found = _status_client(args)
+    if found is None:
+        print(f"Ray job state: {NO_CLUSTER}", file=sys.stderr)
+    else:
+        client, where = found
+        print(f"Ray job state: from {where}", file=sys.stderr)
         for o in out:
             if o["submission_id"]:
                 o["ray_job"] = _job_status(client, o["submission_id"])
     print(json.dumps(out, indent=1))
     return 0
+
+
+NO_CLUSTER = "no Ray cluster reachable (set --address or RAY_ADDRESS)"
+
+
+def _status_client(args):
+    """``(client, where)`` of the Ray job API that ``status`` asks, else None: ``--address`` or ``$RAY_ADDRESS``
+    (one that does not answer is an error, as for every command), else the head that ``ray start`` recorded on
+    this machine (Ray's address file in its temp folder, what ``ray status`` and ``ray job`` find by default), when
+    it answers. Ray's last resort, any ``gcs_server`` process of the machine, is not asked: it may belong to an
+    unrelated cluster (docs/cli.md: two local clusters)."""
+    import socket
+
+    if args.address or os.environ.get("RAY_ADDRESS"):
+        how = "--address" if args.address else "$RAY_ADDRESS"
+        return _client(args), f"{_address(args)} ({how})"
+    try:
+        from ray._private.services import find_bootstrap_address
+
+        gcs = find_bootstrap_address(None)
+    except (ImportError, AttributeError, OSError):
+        return None
+    host, _, port = (gcs or "").rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+    except OSError:                                  # the file of a head that has stopped
+        return None
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        client = JobSubmissionClient(gcs)
+    except Exception:  # noqa: BLE001  (a head that stopped since: Ray's RpcError, a timeout, ...; nothing to ask)
+        return None
+    return client, f"{client.get_address()} (the local head at {gcs}, from Ray's address file)"
 
 
 def cmd_logs(args) -> int:
@@ -323,6 +392,10 @@ def cmd_bundle(args) -> int:
 def cmd_generate(args) -> int:
     from workers.decode.generate import run_bundle
 
+    if args.device == "cpu":
+        from kernels import cpu
+
+        print(cpu.describe(), flush=True)
     res = run_bundle(args.model, args.bundle, args.prompt, tokens=args.tokens, device=args.device,
                      repeats=args.repeats, threads=args.threads, weights=args.weights)
     print(res.text)
@@ -343,6 +416,13 @@ def _threads(v: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ctxsparse", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
+    # --db on every command (each leaf: `bundle export`, not `bundle`), defined once; commands that never read or
+    # write the store accept it and ignore it
+    store = argparse.ArgumentParser(add_help=False)
+    store.add_argument("--db", default=None, metavar="URL",
+                       help="the store's SQLAlchemy URL (default: $CTXSPARSE_DB_URL, else SQLite under "
+                            "$CTXSPARSE_HOME); commands that never use the store ignore it")
+    db = {"parents": [store]}
 
     def common(sp, tokens):
         sp.add_argument("--model", default="smollm2-135m", help="model ref (default: smollm2-135m)")
@@ -351,20 +431,18 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--seq-len", type=int, default=512)
         sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
-    sp = sub.add_parser("ppl", help="held-out perplexity")
+    sp = sub.add_parser("ppl", help="held-out perplexity", **db)
     common(sp, 2048)
     sp.set_defaults(fn=cmd_ppl)
-    sp = sub.add_parser("capture", help="collect activations into the cache")
+    sp = sub.add_parser("capture", help="collect activations into the cache", **db)
     common(sp, 16384)
     sp.add_argument("--store-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"])
     sp.add_argument("--twice", action="store_true", help="call twice to show the cache hit")
     sp.set_defaults(fn=cmd_capture)
-    def cluster(sp):
-        sp.add_argument("--address", default=None, help="Ray dashboard address (default: $RAY_ADDRESS or "
-                        "http://127.0.0.1:8265)")
-        sp.add_argument("--db", default=None, help="SQLAlchemy URL (default: $CTXSPARSE_DB_URL or SQLite)")
+    def cluster(sp, default="$RAY_ADDRESS or http://127.0.0.1:8265"):
+        sp.add_argument("--address", default=None, help=f"Ray dashboard address (default: {default})")
 
-    sp = sub.add_parser("submit", help="validate a sweep spec and submit it as a Ray job")
+    sp = sub.add_parser("submit", help="validate a sweep spec and submit it as a Ray job", **db)
     sp.add_argument("spec")
     cluster(sp)
     sp.add_argument("--follow", action="store_true", help="stream the job's log until it ends")
@@ -372,34 +450,33 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--skip-local-checks", action="store_true",
                     help="do not check the spec's files and the --db store from here (when only the cluster sees them)")
     sp.set_defaults(fn=cmd_submit)
-    sp = sub.add_parser("resume", help="submit a stored sweep again; finished units are skipped")
+    sp = sub.add_parser("resume", help="submit a stored sweep again; finished units are skipped", **db)
     sp.add_argument("sweep", help="sweep name, id or submission id")
     cluster(sp)
     sp.add_argument("--follow", action="store_true")
     sp.add_argument("--working-dir", default=None)
     sp.add_argument("--skip-local-checks", action="store_true")
     sp.set_defaults(fn=cmd_resume)
-    sp = sub.add_parser("status", help="sweeps and their progress (from the store)")
+    sp = sub.add_parser("status", help="sweeps and their progress (from the store)", **db)
     sp.add_argument("sweep", nargs="?")
-    cluster(sp)
+    cluster(sp, "$RAY_ADDRESS, else the head `ray start` started on this machine, where one answers")
     sp.set_defaults(fn=cmd_status)
-    sp = sub.add_parser("logs", help="a sweep's driver log (from Ray)")
+    sp = sub.add_parser("logs", help="a sweep's driver log (from Ray)", **db)
     sp.add_argument("ref", help="sweep name/id or Ray submission id")
     cluster(sp)
     sp.add_argument("--follow", action="store_true")
     sp.set_defaults(fn=cmd_logs)
-    sp = sub.add_parser("pareto", help="the Pareto front of a model from the store")
+    sp = sub.add_parser("pareto", help="the Pareto front of a model from the store", **db)
     sp.add_argument("model", help="model name or fingerprint prefix")
     sp.add_argument("--metric", default=None, help="e.g. perplexity/lambada-heldout/ppl, mc/mean/acc")
     sp.add_argument("--device", default="cpu", choices=list(DEVICE_TYPES))
     sp.add_argument("--batch", type=int, default=1)
     sp.add_argument("--threads", type=_threads, default=None,
                     help="the thread count the latencies were measured at (default: the largest with rows)")
-    sp.add_argument("--db", default=None)
     sp.set_defaults(fn=cmd_pareto)
     sp = sub.add_parser("bundle", help="export or download a predictor bundle")
     bsub = sp.add_subparsers(dest="action", required=True)
-    be = bsub.add_parser("export", help="a fit unit's bundle (or the best on a front) to a folder or .tar.gz")
+    be = bsub.add_parser("export", help="a fit unit's bundle (or the best on a front) to a folder or .tar.gz", **db)
     be.add_argument("unit", nargs="?", help="fit unit id (or a unique prefix)")
     be.add_argument("--best", metavar="MODEL", help="the fastest setting within --max-loss of dense (never the oracle)")
     be.add_argument("--by", default="latency", choices=["latency", "sparsity"],
@@ -411,13 +488,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="choose on the front timed at this thread count (default: the largest with rows); the "
                          "bundle records it for `generate`")
     be.add_argument("--out", required=True)
-    be.add_argument("--db", default=None)
     be.set_defaults(fn=cmd_bundle)
-    bd = bsub.add_parser("download", help="unpack and verify a bundle archive (path or http(s) URL)")
+    bd = bsub.add_parser("download", help="unpack and verify a bundle archive (path or http(s) URL)", **db)
     bd.add_argument("src")
     bd.add_argument("--out", required=True)
     bd.set_defaults(fn=cmd_bundle)
-    sp = sub.add_parser("generate", help="greedy text with a bundle on the decode runtime; tokens/s dense vs sparse")
+    sp = sub.add_parser("generate", help="greedy text with a bundle on the decode runtime; tokens/s dense vs sparse",
+                        **db)
     sp.add_argument("--model", required=True, help="model ref the bundle was fitted on (e.g. smollm2-135m)")
     sp.add_argument("--bundle", required=True, help="bundle folder (from `ctxsparse bundle export`)")
     sp.add_argument("--prompt", required=True, help="text to continue")
@@ -432,10 +509,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "the sweep timed the setting on, as the bundle records; else the GGUF's blocks for a "
                          "model loaded from one)")
     sp.set_defaults(fn=cmd_generate)
-    sp = sub.add_parser("ingest-kernels", help="load `benchmarks.kernels --json` results into the SQL store")
+    sp = sub.add_parser("ingest-kernels", help="load `benchmarks.kernels --json` results into the SQL store", **db)
     sp.add_argument("file")
-    sp.add_argument("--db", default=None, help="SQLAlchemy URL (default: $CTXSPARSE_DB_URL or SQLite)")
     sp.set_defaults(fn=cmd_ingest_kernels)
+    sp = sub.add_parser("kernels", help="which CPU kernels run here: the native build and its instruction set, or "
+                        "the torch fallback", **db)
+    sp.add_argument("--json", action="store_true", help="kernels.cpu.native_status() as JSON")
+    sp.set_defaults(fn=cmd_kernels)
     return p
 
 

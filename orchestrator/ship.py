@@ -4,7 +4,8 @@
     python -m orchestrator.ship build OUTDIR --spec SPEC.yaml   (only that spec's models and task data)
     python -m orchestrator.ship assemble SHIP DEST     (there: join pieces, check every sha256, stage the files)
     python -m orchestrator.ship check-env SITE         (there: every shipped distribution's requirements are met)
-    python -m orchestrator.ship check-spec SPEC --ship SHIP   (there: the shipment carries what SPEC needs)
+    python -m orchestrator.ship check-spec SPEC --ship SHIP [--before-setup]   (there: the shipment carries what
+                                                       SPEC needs; before the set-up, what can be checked yet)
 
 ``build`` writes into OUTDIR:
   * cp312 manylinux x86_64 wheels of what the project imports and the host image lacks (pydantic, SQLAlchemy,
@@ -403,6 +404,43 @@ def read_spec_needs(path: Path) -> dict:
         raise ShipError(str(e)) from None
 
 
+def check_spec(path: Path, ship: Path) -> str:
+    """The spec at ``path`` is valid and the shipment under ``ship`` carries what it needs; ShipError naming what is
+    wrong or missing."""
+    needs = read_spec_needs(path)
+    missing = missing_for_spec(json.loads(find_manifest(ship).read_text()), needs)
+    if missing:
+        raise ShipError(f"the shipment under {ship} lacks what {path} needs: {'; '.join(missing)} "
+                        f"(build one for it: make ship SPEC={path})")
+    return f"the shipment carries what {path} needs"
+
+
+def check_spec_before_setup(path: Path, ship: Path) -> str:
+    """``check_spec`` where this interpreter can already load the project's spec loader; on a host before its
+    set-up (the loader's pydantic arrives with it) the spec must exist and parse as a YAML mapping, and the full
+    check follows the set-up. -> what was checked; ShipError on a problem either way."""
+    path = Path(path)
+    if not path.is_file():
+        raise ShipError(f"spec {path} not found")
+    try:
+        return check_spec(path, ship)
+    except ImportError as e:
+        lacking = e.name or str(e)
+    try:
+        import yaml
+    except ImportError:
+        return (f"spec {path} found; its check follows the set-up (neither the spec loader nor PyYAML imports "
+                "before it)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ShipError(f"spec {path} does not parse: {e}") from None
+    if not isinstance(data, dict):
+        raise ShipError(f"spec {path}: a sweep spec is a mapping (name:, models:, methods: ...), "
+                        f"not {type(data).__name__}")
+    return f"spec {path} parses; its full check follows the set-up (the spec loader needs {lacking})"
+
+
 def missing_for_spec(manifest: dict, needs: dict) -> list[str]:
     """What ``needs`` asks for that the shipment of ``manifest`` does not carry ([] when it carries all of it)."""
     out = [f"model {m}" for m in needs["models"] if m not in manifest["models"]]
@@ -507,6 +545,16 @@ def build(outdir: Path, models: list[str], evals: bool, piece_mib: int, batch_mi
         # 4. each model's tokenizer as built here: a host's own rebuild from the GGUF may differ (models.py)
         for m in models:
             files.append(file_entry(tokenizer_zip(m, work), outdir, "tokenizer"))
+    return make_manifest(outdir, files, dists=sorted(dists), models=models, evals=evals, ray_version=ray_version,
+                         needs=needs, piece_mib=piece_mib, batch_mib=batch_mib)
+
+
+def make_manifest(outdir: Path, files: list[dict], *, dists: list[str], models: list[str], evals: bool,
+                  ray_version: str | None, needs: dict | None, piece_mib: int, batch_mib: int) -> dict:
+    """The shipment's manifest over ``files`` (``file_entry``s, copied whole into outdir): ``dists`` the shipped
+    distributions (``check-env`` checks their requirements there), ``ray_version`` None where no Ray travels,
+    ``needs`` the spec's (``spec_needs``) or None; the files laid out in batches (``lay_out_batches``) and the
+    manifest written into outdir and every batch (``write_manifest``)."""
     names = [e["name"] for e in files]
     if len(set(names)) != len(names):
         raise ShipError(f"two shipped files share a name: {sorted(n for n in names if names.count(n) > 1)}")
@@ -563,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("check-spec", help="the shipment under --ship carries what SPEC needs")
     k.add_argument("spec", type=Path)
     k.add_argument("--ship", type=Path, required=True)
+    k.add_argument("--before-setup", action="store_true",
+                   help="before the host's set-up: where the spec loader does not import yet, only that SPEC parses")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "build":
@@ -577,12 +627,7 @@ def main(argv: list[str] | None = None) -> int:
             manifest = build(args.outdir, models, not args.no_evals, args.piece_mib, args.batch_mib, needs=needs)
             print(summary(args.outdir, manifest))
         elif args.cmd == "check-spec":
-            needs = read_spec_needs(args.spec)
-            missing = missing_for_spec(json.loads(find_manifest(args.ship).read_text()), needs)
-            if missing:
-                raise ShipError(f"the shipment under {args.ship} lacks what {args.spec} needs: {'; '.join(missing)} "
-                                f"(build one for it: make ship SPEC={args.spec})")
-            print(f"the shipment carries what {args.spec} needs")
+            print((check_spec_before_setup if args.before_setup else check_spec)(args.spec, args.ship))
         elif args.cmd == "assemble":
             staged = assemble(args.ship, args.dest)
             print(f"assembled {len(staged)} files into {args.dest}, every sha256 checked")

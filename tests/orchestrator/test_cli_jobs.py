@@ -101,7 +101,7 @@ def _last_json(capsys, *args: str):
 
 # ------------------------------------------------------------------------------------- real job server
 def test_resume_submit_twice_logs_and_status_of_a_real_sweep(tiny_sweep, tiny_sweep_resumed, ray_job_address,
-                                                             capsys):
+                                                             capsys, monkeypatch):
     """The session's shared SmolLM2 sweep (tests/sweep_support.py), its store copied right after it ran, resumed
     by its background driver as a user would: ``ctxsparse resume`` (a Ray job), ``ctxsparse submit`` of the same
     spec while that job lives, ``ctxsparse logs --follow`` to the job's end; then here ``status`` and ``logs``."""
@@ -133,6 +133,13 @@ def test_resume_submit_twice_logs_and_status_of_a_real_sweep(tiny_sweep, tiny_sw
     assert (st["sweep"], st["submission_id"], st["ray_job"], st["status"]) == ("tiny-test", sid, "FAILED", "failed")
     assert (st["done"], st["failed"], st["total"]) == (first.done, len(first.failed), first.total)
     assert any(FAILING_ERROR in f["error"] for f in st["failures"]), st["failures"]
+    assert f"Ray job state: from {ray_job_address} (--address)" in err
+    # no --address, no RAY_ADDRESS: the session's head, found as Ray finds a local head (its address file, which
+    # tests/conftest.py writes as `ray start` does), answers for its jobs
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    rc, out, err = _cli(capsys, "status", "tiny-test", "--db", db)
+    assert rc == 0 and json.loads(out)[0]["ray_job"] == "FAILED", err
+    assert f"Ray job state: from {ray_job_address} (the local head at " in err, err
     # logs by sweep name (through the store), without following: the same log
     rc, out, err = _cli(capsys, "logs", "tiny-test", *at, "--db", db)
     assert rc == 0 and "units registered" in out and "already done" in out, err[-3000:]
@@ -168,6 +175,92 @@ def test_submit_never_starts_a_second_live_attempt(ray_job_address, jobs, tmp_pa
     jobs.client.stop_job(f"{sid}-r3")
     jobs.wait(f"{sid}-r3", "STOPPED", "SUCCEEDED", "FAILED")
     assert jobs.listed(sid) == [sid, f"{sid}-r2", f"{sid}-r3"]
+
+
+# ------------------------------------------------------------------------------------- the command line itself
+def _leaves(parser, path=()):
+    """(argv prefix, parser) of every command the CLI has (``bundle export``, not ``bundle``)."""
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, parser
+        return
+    for name, sp in subs[0].choices.items():
+        yield from _leaves(sp, (*path, name))
+
+
+def test_every_command_takes_db():
+    """README: `--db URL` as every command takes it. Each command parses it (with its required arguments filled
+    in), the ones that never use the store included."""
+    from orchestrator.cli import build_parser
+
+    parser = build_parser()
+    seen = []
+    for path, sp in _leaves(parser):
+        argv = list(path)
+        for a in sp._actions:
+            if a.required or (not a.option_strings and a.nargs is None):
+                argv += [a.option_strings[0], "X"] if a.option_strings else ["X"]
+        args = parser.parse_args([*argv, "--db", "sqlite:///elsewhere.db"])
+        assert args.db == "sqlite:///elsewhere.db", path
+        seen.append(" ".join(path))
+    assert {"ppl", "capture", "generate", "bundle download", "bundle export", "status", "kernels"} <= set(seen)
+
+
+def _store_with_a_submitted_sweep(tmp_path) -> str:
+    from db.engine import upgrade
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    engine = get_engine(url)
+    upgrade(engine)
+    with session_scope(engine) as s:
+        queries.get_or_create_sweep(s, name="submitted", spec_hash="0" * 64, spec={"name": "submitted"},
+                                    submission_id="ctxsparse-submitted-000000000000")
+    return url
+
+
+@pytest.mark.parametrize("address_file", [None, "127.0.0.1:1"], ids=["no head", "stopped head"])
+def test_status_says_when_no_ray_cluster_is_reachable(tmp_path, capsys, monkeypatch, address_file):
+    """No --address, no RAY_ADDRESS, no head recorded in Ray's address file (or one that has stopped): the store's
+    view, and on stderr that no Ray job state could be asked, at once."""
+    db = _store_with_a_submitted_sweep(tmp_path)
+    ray_tmp = tmp_path / "ray-tmp"                   # Ray's temp folder, where `ray start` records its head
+    (ray_tmp / "ray").mkdir(parents=True)
+    if address_file:
+        (ray_tmp / "ray" / "ray_current_cluster").write_text(address_file)
+    monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
+    for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    t0 = time.monotonic()
+    rc, out, err = _cli(capsys, "status", "--db", db)
+    assert rc == 0, err
+    assert time.monotonic() - t0 < 15
+    (st,) = json.loads(out)
+    assert st["sweep"] == "submitted" and st["submission_id"] == "ctxsparse-submitted-000000000000"
+    assert "ray_job" not in st
+    assert "Ray job state: no Ray cluster reachable (set --address or RAY_ADDRESS)" in err.splitlines(), err
+
+
+def test_kernels_names_the_build_or_the_fallback(capsys, monkeypatch):
+    """`ctxsparse kernels --json` is kernels.cpu.native_status(): each library built for this CPU's instruction set
+    (kernels.isa); the plain form starts with describe()'s line. With the fallback chosen it still exits 0 and says
+    so."""
+    from kernels import cpu, isa
+
+    monkeypatch.delenv(cpu.NATIVE_ENV, raising=False)
+    rc, out, _ = _cli(capsys, "kernels", "--json")
+    assert rc == 0
+    st = json.loads(out)
+    want = isa.resolved()
+    assert st["cpu_native"]["built"] and st["cpu_native"]["isa"] == want, st
+    assert st["cpu_quant"]["built"] and st["cpu_quant"]["isa"] == want, st
+    assert st["cpu_flags"] == isa.cpu_info()["cpu_flags"]
+    rc, out, _ = _cli(capsys, "kernels")
+    assert rc == 0 and out.splitlines()[0] == cpu.describe(st) and f"native kernels: {want} build" in out
+    monkeypatch.setenv(cpu.NATIVE_ENV, "0")
+    rc, out, _ = _cli(capsys, "kernels")
+    assert rc == 0 and out.startswith("native kernels: off (CTXSPARSE_CPU_NATIVE=0); torch fallback"), out
 
 
 # ------------------------------------------------------------------------------------- operational errors
