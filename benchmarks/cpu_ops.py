@@ -7,6 +7,10 @@ SmolLM2 decode and perplexity evaluation, dense vs sparse, on the CPU.
     python -m benchmarks.cpu_ops --decode --weights real --threads 1 \
         --methods threshold:0.3,threshold:0.5,teal:0.25,teal:0.35,teal:0.5 [--calib-tokens 2048] [--ppl-tokens 2048]
     python -m benchmarks.cpu_ops --eval [--tokens 2048]                 # perplexity evaluation seconds
+    python -m benchmarks.cpu_ops --shape tiny --repeats 1     # random weights of a tiny shape: checks the script
+
+``--model REF`` (default smollm2-135m) is the model whose real weights ``--weights real``, ``--decode --weights
+real`` and ``--eval`` read; ``--shape`` (default smollm2-135m) the shape of the random weights.
 
 One call = one batch-1 FFN pass over all 30 layers (every layer its own weights, 318 MB fp32: nothing stays in the
 32 MB L3). Dense candidates: ``F.linear`` x3 (gate, up, down as [out, in]); one ``F.linear`` on gate|up
@@ -39,11 +43,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import Row, Timing, command_line, copy_bandwidth, time_cpu, write_results
+from benchmarks.harness import Row, Timing, command_line, copy_bandwidth, device_line, time_cpu, write_results
 from kernels import cpu as K
 from kernels import npu as NPU
 
 D_MODEL, D_FF, N_LAYERS = 576, 1536, 30
+# the random weights' shapes: (d, D, layers); "tiny" checks the script (its timings mean nothing)
+SHAPES = {"smollm2-135m": (D_MODEL, D_FF, N_LAYERS), "tiny": (64, 160, 2)}
 
 
 def _floats(s: str) -> list[float]:
@@ -53,13 +59,15 @@ def _floats(s: str) -> list[float]:
     return vals
 
 
-def layer_weights(kind: str, seed: int = 0) -> list[dict]:
-    """Per layer: gate, up [D, d], down [d, D] (fp32), either the real SmolLM2-135M weights or random ones."""
+def layer_weights(kind: str, seed: int = 0, model_ref: str = "smollm2-135m", shape: str = "smollm2-135m"
+                  ) -> list[dict]:
+    """Per layer: gate, up [D, d], down [d, D] (fp32), either the real weights of ``model_ref`` (default
+    SmolLM2-135M) or random ones of ``shape`` (``SHAPES``)."""
     if kind == "real":
         from workers.loading.adapters import adapter_for
         from workers.loading.models import load_model
 
-        model = load_model("smollm2-135m").model
+        model = load_model(model_ref).model
         ad = adapter_for(model)
         out = []
         for _, layer in ad.iter_layers(model):
@@ -68,9 +76,10 @@ def layer_weights(kind: str, seed: int = 0) -> list[dict]:
                             down=w["down"].float().contiguous()))
         return out
     g = torch.Generator().manual_seed(seed)
-    return [dict(gate=torch.randn(D_FF, D_MODEL, generator=g) / D_MODEL ** 0.5,
-                 up=torch.randn(D_FF, D_MODEL, generator=g) / D_MODEL ** 0.5,
-                 down=torch.randn(D_MODEL, D_FF, generator=g) / D_FF ** 0.5) for _ in range(N_LAYERS)]
+    d, D, n = SHAPES[shape]
+    return [dict(gate=torch.randn(D, d, generator=g) / d ** 0.5,
+                 up=torch.randn(D, d, generator=g) / d ** 0.5,
+                 down=torch.randn(d, D, generator=g) / D ** 0.5) for _ in range(n)]
 
 
 def prepare(layers: list[dict]) -> list[dict]:
@@ -85,12 +94,13 @@ def prepare(layers: list[dict]) -> list[dict]:
 
 def candidates(L: list[dict], x: torch.Tensor, out_s: list[float], in_s: list[float], seed: int = 0):
     """{name: (callable, bytes read per pass, kind)}; every callable returns the last layer's output."""
-    D, d = D_FF, D_MODEL
+    D, d = L[0]["gate"].shape
+    n_layers = len(L)
     xv = x[0]
     full = torch.arange(D)
     fid = torch.arange(d)
     off0 = torch.zeros(1, dtype=torch.long)
-    dense_bytes = N_LAYERS * 3 * d * D * 4
+    dense_bytes = n_layers * 3 * d * D * 4
 
     def silu_mul(gu):
         return F.silu(gu[..., :D]) * gu[..., D:]
@@ -151,7 +161,7 @@ def candidates(L: list[dict], x: torch.Tensor, out_s: list[float], in_s: list[fl
     for s in out_s:
         k = int(round(D * (1 - s)))
         idx = torch.randperm(D, generator=g)[:k].sort().values.to(torch.int32)
-        nb = N_LAYERS * 3 * k * d * 4
+        nb = n_layers * 3 * k * d * 4
 
         def f_out(idx=idx):
             for w in L:
@@ -182,7 +192,7 @@ def candidates(L: list[dict], x: torch.Tensor, out_s: list[float], in_s: list[fl
         tx = float(torch.quantile(x.abs(), s)) if s > 0 else -1.0
         th = float(torch.quantile(h0.abs(), s)) if s > 0 else -1.0
         kx = int((x.abs() > tx).sum())
-        nb = N_LAYERS * (kx * 2 * D + int(round(D * (1 - s))) * d) * 4
+        nb = n_layers * (kx * 2 * D + int(round(D * (1 - s))) * d) * 4
 
         def f_in(tx=tx, th=th):
             for w in L:
@@ -224,6 +234,10 @@ def fixed_set_predictor(D: int, k: int, seed: int):
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
+# the decode table's random model of each shape (SHAPES)
+MODEL_SHAPES = {"smollm2-135m": SMOLLM2_SHAPE,
+                "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)}
 
 
 def _methods(s: str) -> list[tuple[str, float, dict]]:
@@ -292,7 +306,8 @@ def plan_perplexity(lm, plans: dict, tokens: int) -> dict:
 
 def decode_table(repeats: int, gen: int, prompt: int, sparsities: list[float], ranks: list[int],
                  weights: str = "real", dense_rows: bool = False, methods: list[tuple[str, float]] | None = None,
-                 calib_tokens: int = 2048, ppl_tokens: int = 0) -> list[Row]:
+                 calib_tokens: int = 2048, ppl_tokens: int = 0, model_ref: str = "smollm2-135m",
+                 shape: str = "smollm2-135m") -> list[Row]:
     """SmolLM2-135M (fp32) batch-1 greedy decode: every setting's steps timed one by one, the settings interleaved
     round by round in this process; median ms/token and IQR over all steps of all rounds. Dense three ways (torch
     matmuls; kernels.cpu's row kernels over every row; the row kernels with the torch glue instead of the native
@@ -307,14 +322,16 @@ def decode_table(repeats: int, gen: int, prompt: int, sparsities: list[float], r
 
     lm = None
     if weights == "real":
-        lm = load_model("smollm2-135m")
+        lm = load_model(model_ref)
         model = lm.model
+        label = model_ref
     elif methods:
         raise ValueError("--methods fits plans on the real weights: use --weights real")
     else:                        # random weights of SmolLM2-135M's shapes (same bytes, same timing)
         import transformers as tf
 
-        model = random_hf_model(tf.LlamaConfig(**SMOLLM2_SHAPE), torch.float32, "cpu")
+        model = random_hf_model(tf.LlamaConfig(**MODEL_SHAPES[shape]), torch.float32, "cpu")
+        label = shape
     rt = DecodeRuntime.from_hf(model)
     D, nl = rt.dims.D, len(rt.layers)
     # (plan, cpu_rows, glue): the runtime's default glue on the CPU is the native norms and attention ("auto");
@@ -361,14 +378,14 @@ def decode_table(repeats: int, gen: int, prompt: int, sparsities: list[float], r
             sparsity[n] = sp.get("weights", sp.get("mlp"))
     base = min((n for n in names if n.startswith("dense")), key=lambda n: statistics.median(times[n]))
     rows = []
-    print(f"decode: smollm2-135m ({weights} weights) fp32 batch 1, prompt {prompt}, {gen - 1} steps x {repeats} "
+    print(f"decode: {label} ({weights} weights) fp32 batch 1, prompt {prompt}, {gen - 1} steps x {repeats} "
           f"rounds, {torch.get_num_threads()} threads; fastest dense: {base}")
     print(f"{'setting':<28}{'ms/token':>10}{'IQR':>8}{'x dense':>9}{'sparsity':>10}" + (f"{'ppl':>9}{'vs dense':>10}"
                                                                                     if ppl else ""))
     for n in names:
         t = Timing.of(times[n], "ms")
         ratio = statistics.median(times[base]) / t.median
-        rows.append(Row.measured("cpu_decode", n, t, shape="smollm2-135m", dtype="fp32", batch=1, device="cpu",
+        rows.append(Row.measured("cpu_decode", n, t, shape=label, dtype="fp32", batch=1, device="cpu",
                                  extra=dict(iqr=t.iqr, vs_fastest_dense=ratio, fastest_dense=base,
                                             realized_sparsity=sparsity[n], prompt_len=prompt, gen_len=gen,
                                             repeats=repeats, threads=torch.get_num_threads(),
@@ -383,7 +400,7 @@ def decode_table(repeats: int, gen: int, prompt: int, sparsities: list[float], r
     return rows
 
 
-def eval_table(tokens: int, sparsity: float, repeats: int) -> list[Row]:
+def eval_table(tokens: int, sparsity: float, repeats: int, model_ref: str = "smollm2-135m") -> list[Row]:
     """Perplexity of SmolLM2-135M on ``tokens`` held-out tokens: dense, and the oracle MLP plan at ``sparsity``
     through sparse_exec in its two modes (token-sparse kernels; masked dense), interleaved; seconds each."""
     from workers.evals.perplexity import perplexity
@@ -393,7 +410,7 @@ def eval_table(tokens: int, sparsity: float, repeats: int) -> list[Row]:
     from workers.sparsity.predictors.oracle import OracleMLP
     from workers.sparsity.sparse_exec import apply_sparsity
 
-    lm = load_model("smollm2-135m")
+    lm = load_model(model_ref)
     ad, dims = lm.adapter, lm.dims
     toks = token_windows(lm.tokenizer, "lambada", "heldout", tokens, 512)
     layers = ad.decoder_layers(lm.model)
@@ -413,7 +430,7 @@ def eval_table(tokens: int, sparsity: float, repeats: int) -> list[Row]:
 
     cmp = time_cpu({"dense": run(None), f"oracle s={sparsity} kernel": run("kernel"),
                     f"oracle s={sparsity} masked": run("masked")}, repeats=repeats, unit="s")
-    print(f"eval: smollm2-135m perplexity on {toks.windows.numel()} tokens (windows of 512), "
+    print(f"eval: {model_ref} perplexity on {toks.windows.numel()} tokens (windows of 512), "
           f"{torch.get_num_threads()} threads, {repeats} rounds")
     print(cmp.table())
     print(f"ppl dense {ppl['dense']:.4f}; kernel {ppl['kernel']:.4f}; masked {ppl['masked']:.4f} "
@@ -421,7 +438,7 @@ def eval_table(tokens: int, sparsity: float, repeats: int) -> list[Row]:
     rows = []
     for n, t in cmp.timings.items():
         mode = n.rsplit(" ", 1)[-1] if n != "dense" else "dense"
-        rows.append(Row.measured("cpu_eval", n, t, shape="smollm2-135m", dtype="fp32", batch=None, device="cpu",
+        rows.append(Row.measured("cpu_eval", n, t, shape=model_ref, dtype="fp32", batch=None, device="cpu",
                                  extra=dict(tokens=int(toks.windows.numel()), ppl=ppl[mode] if mode != "dense"
                                             else ppl["dense"], iqr=t.iqr, vs_dense=1 / cmp.ratio(n),
                                             threads=torch.get_num_threads())))
@@ -441,6 +458,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dense-rows", action="store_true",
                     help="decode: sparse settings run their dense projections through the row kernels")
     ap.add_argument("--weights", choices=("random", "real"), default="random")
+    ap.add_argument("--model", default="smollm2-135m", help="the model whose real weights are read (--weights real, "
+                                                            "--eval)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m",
+                    help="the random weights' shape (tiny: a check of the script)")
     ap.add_argument("--methods", type=_methods, default=None,
                     help="decode: fitted plans METHOD:SPARSITY,... (e.g. threshold:0.5,teal:0.35) instead of the "
                          "fixed-set / Deja Vu rows (needs --weights real)")
@@ -457,22 +478,26 @@ def main(argv=None) -> int:
     if args.calib_tokens < 512 or args.ppl_tokens < 0:
         ap.error("--calib-tokens must be >= 512 and --ppl-tokens >= 0")
     torch.set_num_threads(args.threads)
+    print(device_line("cpu"), flush=True)
     if args.decode or args.eval:
         with torch.no_grad():
             if args.decode:
                 ranks = [int(r) for r in args.ranks.split(",") if r]
                 rows = decode_table(args.repeats or 5, args.gen, args.prompt, [0.5, 0.7], ranks, args.weights,
-                                    args.dense_rows, args.methods, args.calib_tokens, args.ppl_tokens)
+                                    args.dense_rows, args.methods, args.calib_tokens, args.ppl_tokens, args.model,
+                                    args.shape)
             else:
-                rows = eval_table(args.tokens, 0.5, args.repeats or 2)
+                rows = eval_table(args.tokens, 0.5, args.repeats or 2, args.model)
         name = args.json if args.json != "cpu_ops" else ("cpu_decode" if args.decode else "cpu_eval")
         print(f"wrote {write_results(name, rows, command=command_line('benchmarks.cpu_ops'), device='cpu')}")
         return 0
     args.repeats = args.repeats or 30
     if not K.native_available():
         print("note: no C compiler found; kernels.cpu runs its torch-primitive fallback")
-    L = prepare(layer_weights(args.weights))
-    x = torch.randn(1, D_MODEL, generator=torch.Generator().manual_seed(1))
+    L = prepare(layer_weights(args.weights, model_ref=args.model, shape=args.shape))
+    d, D = L[0]["gate"].shape[1], L[0]["gate"].shape[0]
+    label = f"{args.model if args.weights == 'real' else args.shape} ffn x{len(L)}"
+    x = torch.randn(1, d, generator=torch.Generator().manual_seed(1))
     fns = candidates(L, x, args.out_sparsity, args.in_sparsity)
     with torch.no_grad():
         cmp = time_cpu({n: f for n, (f, _, _) in fns.items()}, repeats=args.repeats, warmup=2, unit="us")
@@ -482,14 +507,14 @@ def main(argv=None) -> int:
     fastest = min(dense, key=lambda n: cmp.timings[n].median)
     base = cmp.timings[fastest].median
     rows = []
-    print(f"threads={args.threads} repeats={args.repeats} weights={args.weights} copy bandwidth "
-          f"{copy_bw:.1f} GB/s (read+write); fastest fp32 dense: {fastest}")
+    print(f"{label} (d={d}, D={D}): threads={args.threads} repeats={args.repeats} weights={args.weights} "
+          f"copy bandwidth {copy_bw:.1f} GB/s (read+write); fastest fp32 dense: {fastest}")
     print(f"{'callable':<30}{'us/pass':>10}{'IQR':>9}{'GB/s':>7}{'x dense':>9}{'max rel err':>13}")
     for n, (f, nbytes, kind) in fns.items():
         t = cmp.timings[n]
         out = cmp.outputs[n].double()
         err = float((out - ref).abs().max() / ref.abs().max()) if kind.startswith("dense") else None
-        row = Row.measured("cpu_ops", n, t, nbytes=nbytes, copy_bw_gbps=copy_bw, shape="smollm2-135m ffn x30",
+        row = Row.measured("cpu_ops", n, t, nbytes=nbytes, copy_bw_gbps=copy_bw, shape=label,
                            dtype="bf16" if "bf16" in kind else "fp32", batch=1, device="cpu",
                            extra=dict(kind=kind, iqr=t.iqr, vs_fastest_dense=base / t.median,
                                       fastest_dense=fastest, threads=args.threads, weights=args.weights,

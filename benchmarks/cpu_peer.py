@@ -48,7 +48,7 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.harness import Row, Timing, command_line, write_results
+from benchmarks.harness import Row, Timing, command_line, device_line, write_results
 from workers.decode.llama_cpp import LlamaCppRunner, llama_cpp_missing
 
 
@@ -147,6 +147,14 @@ def main(argv=None) -> int:
 
     if not args.no_llama and (why := llama_cpp_missing()):
         raise SystemExit(f"{why} (or --no-llama)")
+    if args.no_llama:
+        peer = "not timed (--no-llama)"
+    else:
+        import llama_cpp
+
+        peer = f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}"
+    print(device_line("cpu"), flush=True)
+    print(f"llama.cpp: {peer}", flush=True)
     load0 = os.getloadavg()
     lm = load_model(args.model)
     gguf = lm.source
@@ -237,7 +245,7 @@ def main(argv=None) -> int:
                      "gguf, fp32 act" if n.startswith("ours quant") else "fp32")
             rows.append(Row.measured("cpu_peer", n, tm, shape=args.model, dtype=dtype, device="cpu", extra=extra))
     path = write_results(args.json, rows, command=command_line("benchmarks.cpu_peer"), device="cpu",
-                         meta={"model": args.model, "gguf": os.path.basename(str(gguf))})
+                         meta={"model": args.model, "gguf": os.path.basename(str(gguf)), "llama_cpp": peer})
     print(f"wrote {path}")
     for r in runners.get("llama.cpp", {}).values():
         r.close()

@@ -5,6 +5,8 @@
         [--glue torch,kernel] [--o-proj torch,kernel] [--hf eager,static,static-compile] [--no-hf] [--json NAME]
     python -m benchmarks.decode --diag       # dense variants and the per-layer selection costs only
     python -m benchmarks.decode --select     # top-k candidates alone: µs per layer
+    python -m benchmarks.decode --smoke --points dense,mlp.5 --prompts 16 --gen 4   # CPU, a tiny random Llama:
+                                             # checks the script runs (its timings mean nothing)
 
 Writes ``benchmarks/results/decode_<shape>.json`` (or ``--json NAME``; ``decode_select.json`` for ``--select``)
 after every point: one ``benchmarks.harness.Row`` per measured point (ms per token, p50 / p90; bytes read per
@@ -31,7 +33,9 @@ import traceback
 
 import torch
 
-from benchmarks.harness import Row, command_line, copy_bandwidth, device_name, time_graph, write_results
+from benchmarks.harness import (
+    Row, command_line, copy_bandwidth, device_line, device_name, time_graph, write_results,
+)
 from benchmarks.shape_plans import rank_shape_plan, rotated_shape_plan
 from kernels import ops
 from workers.decode.blocks import O_PROJ
@@ -70,7 +74,8 @@ def time_per_call(fn, calls: int = 10, reps: int = 20):
 def checks(model, rt) -> dict:
     """Dense runtime logits vs HF; greedy at s=0 (plan keeps every neuron and head: runs the dense step) ==
     dense."""
-    ids = torch.randint(0, 32000, (1, 32), generator=torch.Generator().manual_seed(1)).cuda()
+    ids = torch.randint(0, min(32000, model.config.vocab_size), (1, 32),
+                        generator=torch.Generator().manual_seed(1)).to(rt.device)
     ref = model(ids).logits.float()
     rt.set_plan(None)
     rt.setup(1, 64)
@@ -163,6 +168,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1,
                     help="sequences decoded together (the FFN runs the union of their active sets; the Hugging "
                          "Face baselines run at batch 1 only)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU, a tiny random Llama instead of --shape: checks the script runs (timings mean nothing)")
     a = ap.parse_args(argv)
     if a.batch < 1:
         ap.error(f"--batch must be >= 1, not {a.batch}")
@@ -183,26 +190,42 @@ def main(argv=None):
         hf_points = [] if a.no_hf or a.batch > 1 else [_HF_ARG[v] for v in a.hf.split(",") if v]
     except KeyError as e:
         ap.error(f"--hf: unknown baseline {e.args[0]!r} (known: {', '.join(_HF_ARG)})")
-    if not torch.cuda.is_available():
-        print("benchmarks.decode needs a CUDA GPU")
+    if a.smoke and (a.select or a.diag):
+        ap.error("--smoke runs the points (not --select or --diag)")
+    if not a.smoke and not torch.cuda.is_available():
+        print("benchmarks.decode needs a CUDA GPU (or --smoke)")
         return 2
+    device = "cpu" if a.smoke else "cuda"
     command = command_line("benchmarks.decode")
     if a.select:
         select_bench(a.json or "decode_select.json", command)
         return 0
-    out = a.json or f"decode_{a.shape}{'' if a.dtype == 'fp16' else '_' + a.dtype}.json"
-    dev = device_name("cuda")
-    meta = dict(shape=a.shape, gen_len=a.gen, repeats=a.repeats, rank=a.rank, select_impl=a.select_impl,
+    shape = "tiny" if a.smoke else a.shape
+    out = a.json or f"decode_{shape}{'' if a.dtype == 'fp16' else '_' + a.dtype}.json"
+    dev = device_name(device)
+    print(device_line(device), flush=True)
+    meta = dict(shape=shape, gen_len=a.gen, repeats=a.repeats, rank=a.rank, select_impl=a.select_impl,
                 input_path=a.input_path, batch=a.batch)
-    meta["copy_bw_gbps"] = bw = round(copy_bandwidth(), 1)
+    meta["copy_bw_gbps"] = bw = round(copy_bandwidth() if not a.smoke else
+                                      copy_bandwidth(1 << 20, reps=3, device=device), 1)
     rows: list[Row] = []
 
     def dump():
-        return write_results(out, rows, command=command, meta=meta)
+        return write_results(out, rows, command=command, device=device, meta=meta)
 
     t0 = time.time()
-    model = shape_model(a.shape, dtype=DTYPES[a.dtype])
-    rt = runtime_for(model, "cuda").configure(select_impl=selects[0], input_path=a.input_path,
+    if a.smoke:                # fp32: the CPU kernels' dtype
+        import transformers as tf
+
+        from workers.decode.weights import random_hf_model
+
+        model = random_hf_model(tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+                                torch.float32, device)
+        a.rank = min(a.rank, 32)
+    else:
+        model = shape_model(a.shape, dtype=DTYPES[a.dtype])
+    rt = runtime_for(model, device).configure(select_impl=selects[0], input_path=a.input_path,
                                               glue=glues[0], o_proj=oprojs[0])
     runtimes = {v: rt if v == variants[0] else DecodeRuntime(rt.weights, select_impl=v[2],
                                                              input_path=a.input_path, glue=v[0], o_proj=v[1])
@@ -254,7 +277,7 @@ def main(argv=None):
                 else:
                     rule = "positive" if base.endswith(" pos") else "topk"
                     plan = random_plan(model, ms, hs, rank=a.rank, mlp_rule=rule) if (ms or hs) else None
-                r = bench_decode(rt, plan, device="cuda", batch=a.batch, prompt_len=P, gen_len=a.gen,
+                r = bench_decode(rt, plan, device=device, batch=a.batch, prompt_len=P, gen_len=a.gen,
                                  repeats=a.repeats, overlap=ov, kv_mode=kv, detail=True)[0]
                 ctx = (P + a.gen // 2) * a.batch      # the KV cache read per step grows with the batch
                 # batch > 1 reads the rows of the union of the batch's sets: the realized (union) sparsity
@@ -271,12 +294,13 @@ def main(argv=None):
                          wall_s=time.time() - t1)   # floor: the bytes at the measured copy bandwidth
             except Exception:
                 r = dict(point=pname, prompt_len=P, error=traceback.format_exc()[-3000:])
-            rows.append(decode_row(r, a.shape, dev, bw, nbytes, a.dtype))
+            rows.append(decode_row(r, shape, dev, bw, nbytes, "fp32" if a.smoke else a.dtype))
             dump()
             print(P, r["point"], {k: r.get(k) for k in ("p50_ms_per_token", "p90_ms_per_token", "ideal_speedup",
                                                  "realized_sparsity", "error")}, flush=True)
         for name in hf_points:
-            rows.append(decode_row(hf_point(model, name, P, a.gen), a.shape, dev, dtype=a.dtype))
+            rows.append(decode_row(hf_point(model, name, P, a.gen, device), shape, dev,
+                                   dtype="fp32" if a.smoke else a.dtype))
             dump()
             print(P, name, rows[-1].median, rows[-1].extra.get("error"), flush=True)
     print(f"wrote {len(rows)} rows to {dump()}")

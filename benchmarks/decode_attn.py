@@ -12,6 +12,9 @@ cache splits (flash-decoding above MIN_CHUNK positions per split) and with one s
 Both write the cache at the position and read the positions before it (RoPE from fp32 tables, fp16, batch 1).
 Also reports each case's relative error of the kernel against the torch function, and the KV bytes read per
 layer at the measured time (GB/s). Writes ``benchmarks/results/<--json>`` (default ``decode_attn.json``).
+
+    python -m benchmarks.decode_attn --smoke      # CPU, a tiny shape, the kernel in Triton's interpreter and the
+                                                  # torch function uncompiled: checks the script runs
 """
 from __future__ import annotations
 
@@ -20,22 +23,25 @@ import statistics
 
 import torch
 
-from benchmarks.harness import Row, command_line, device_name, time_graph, write_results
+from benchmarks.harness import Row, command_line, device_line, device_name, time_graph, write_results
 from kernels import decode_attn_triton, reference
 from workers.decode.glue import glue_fns
 from workers.decode.shapes import attn_shape
 
 
-def _case(shape: str, prompt: int, layers: int, heads: str, max_len: int):
-    _, H, KV, hd = attn_shape(shape)
-    g = torch.Generator(device="cuda").manual_seed(0)
+SMOKE_SHAPE = (64, 4, 2, 16)       # --smoke: (d, heads, KV heads, head dim)
+
+
+def _case(shape: str, prompt: int, layers: int, heads: str, max_len: int, device: str = "cuda"):
+    _, H, KV, hd = SMOKE_SHAPE if shape == "tiny" else attn_shape(shape)
+    g = torch.Generator(device=device).manual_seed(0)
 
     def r(*s):
-        return torch.randn(*s, device="cuda", generator=g, dtype=torch.float16)
+        return torch.randn(*s, device=device, generator=g, dtype=torch.float16)
 
     caches = [(r(1, KV, max_len, hd), r(1, KV, max_len, hd)) for _ in range(layers)]
-    inv = 10000.0 ** (-torch.arange(0, hd, 2, device="cuda", dtype=torch.float32) / hd)
-    ang = torch.arange(max_len, device="cuda", dtype=torch.float32)[:, None] * inv[None, :]
+    inv = 10000.0 ** (-torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd)
+    ang = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * inv[None, :]
     ang = torch.cat([ang, ang], 1)
     cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
     S = H if heads == "all" else H // 2
@@ -45,9 +51,9 @@ def _case(shape: str, prompt: int, layers: int, heads: str, max_len: int):
     v = qkv[:, (S + KV) * hd:].view(1, KV, hd)
     kw = dict(cos_t=cos, sin_t=sin)
     if heads != "all":
-        kw.update(q_idx=torch.arange(0, H, 2, device="cuda", dtype=torch.int32),
-                  q_count=torch.tensor([S], device="cuda", dtype=torch.int32), n_heads=H)
-    pos = torch.tensor([prompt], device="cuda")
+        kw.update(q_idx=torch.arange(0, H, 2, device=device, dtype=torch.int32),
+                  q_count=torch.tensor([S], device=device, dtype=torch.int32), n_heads=H)
+    pos = torch.tensor([prompt], device=device)
     return q, k, v, caches, pos, kw, (H, KV, hd)
 
 
@@ -62,12 +68,23 @@ def main(argv=None) -> int:
                     help="extra kernel configs to time, e.g. '64x4,128x8s8' (BLOCK_N x num_warps, optionally s and the "
                          "number of splits of the cached positions)")
     ap.add_argument("--json", default="decode_attn.json")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU, a tiny shape (the kernel in Triton's interpreter, the torch function uncompiled): "
+                         "checks the script runs; its timings mean nothing")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks.decode_attn needs a CUDA GPU")
+    if a.smoke:
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            ap.error("--smoke runs the kernel in Triton's interpreter: set TRITON_INTERPRET=1 before starting")
+        a.shapes = "tiny"
+    elif not torch.cuda.is_available():
+        print("benchmarks.decode_attn needs a CUDA GPU (or --smoke)")
         return 2
+    device = "cpu" if a.smoke else "cuda"
     prompts = [int(p) for p in a.prompts.split(",")]
-    compiled = glue_fns(True, "torch")["attn"]     # the runtime's compiled torch attention, compiled as it does
+    # the runtime's torch attention, compiled as it does on CUDA (on the CPU it runs uncompiled)
+    compiled = glue_fns(not a.smoke, "torch")["attn"]
 
     def one_split(*args, **kw):
         return decode_attn_triton.decode_attention(*args, **kw, config={"nsplit": 1})
@@ -85,12 +102,13 @@ def main(argv=None) -> int:
             return decode_attn_triton.decode_attention(*args, **kw, config=_cfg)
 
         impls[f"kernel {spec}"] = tuned
-    dev, command, rows = device_name("cuda"), command_line("benchmarks.decode_attn"), []
+    dev, command, rows = device_name(device), command_line("benchmarks.decode_attn"), []
+    print(device_line(device), flush=True)
     for shape in a.shapes.split(","):
         for heads in a.heads.split(","):
             for P in prompts:
                 max_len = P + 64
-                q, k, v, caches, pos, kw, (H, KV, hd) = _case(shape, P, a.layers, heads, max_len)
+                q, k, v, caches, pos, kw, (H, KV, hd) = _case(shape, P, a.layers, heads, max_len, device)
                 nsplit = decode_attn_triton.splits_for(1, q.shape[1], max_len, q,
                                                        decode_attn_triton.block_n_for(q.shape[2]))
                 want = reference.decode_attention(q, k, v, *[c.clone() for c in caches[0]], pos, **kw)
@@ -101,7 +119,7 @@ def main(argv=None) -> int:
                     for name in (list(impls) if rnd % 2 == 0 else list(impls)[::-1]):
                         fn = impls[name]
                         t = time_graph(lambda fn=fn: [fn(q, k, v, kc, vc, pos, **kw) for kc, vc in caches],
-                                       reps=20, per_replay=a.layers)
+                                       reps=2 if a.smoke else 20, per_replay=a.layers, device=device)
                         times[name].append(t.median)
                 kv_bytes = 2 * KV * (P + 1) * hd * 2
                 for name, ts in times.items():
@@ -114,8 +132,8 @@ def main(argv=None) -> int:
                     print(f"{shape:<10} {heads:<5} P={P:<5} {name:<15} {us:7.2f} us/layer "
                           f"({kv_bytes / us / 1e3:6.1f} GB/s of KV)  kernel err {err:.1e}, {nsplit} split(s)",
                           flush=True)
-                write_results(a.json, rows, command=command)
-    print(f"wrote {len(rows)} rows to {write_results(a.json, rows, command=command)}")
+                write_results(a.json, rows, command=command, device=device)
+    print(f"wrote {len(rows)} rows to {write_results(a.json, rows, command=command, device=device)}")
     return 0
 
 

@@ -39,7 +39,7 @@ from contextlib import contextmanager
 
 import torch
 
-from benchmarks.harness import command_line, task_limit, write_results
+from benchmarks.harness import command_line, device_line, task_limit, write_results
 from workers.evals.suites import prepare_requests
 from workers.evals.tasks import SuiteError, check_task_names
 from workers.names import DENSE, MATMUL_BF16, MATMUL_FP32, MATMUL_TF32
@@ -267,6 +267,7 @@ def main(argv=None) -> int:
     except (ValueError, SuiteError) as e:
         p.error(str(e))
 
+    print(device_line(a.device), flush=True)
     units = Units(device=a.device)
     lm = units.lm(a.model)
     data = {"source": "lambada", "calib_tokens": a.calib_tokens, "metric_tokens": 1024, "seq_len": 512}

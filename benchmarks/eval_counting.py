@@ -14,7 +14,7 @@ import sys
 import torch
 
 from benchmarks.eval_cost import _id, _setting
-from benchmarks.harness import command_line, time_cpu, write_results
+from benchmarks.harness import command_line, device_line, time_cpu, write_results
 from workers.sparsity.bundle import apply_bundle, load_bundle
 from workers.units import Units, bundle_dir
 
@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     if not settings or a.batch < 1 or a.seq_len < 2 or a.repeats < 1:
         p.error("give at least one setting, --batch >= 1, --seq-len >= 2 and --repeats >= 1")
     torch.set_num_threads(a.threads)
+    print(device_line(a.device), flush=True)
     units = Units(device=a.device)
     lm = units.lm(a.model)
     data = {"source": "lambada", "calib_tokens": a.calib_tokens, "metric_tokens": 1024, "seq_len": 512}

@@ -26,18 +26,21 @@ from workers.sparsity.sparse_exec import EXEC_MODES, apply_sparsity
 
 @torch.no_grad()
 def _run(lm, plan, mode: str, window: torch.Tensor, toks):
+    """(each layer's selection on ``window``, its logits, the perplexity of ``toks``) in ``mode``. The selections
+    are read at the predictor's rule (``select``), which both paths end in: the kernel path's ``mask`` (scores from
+    the FFN input) and the masked path's selection from the FFN's own activations (the oracle, the threshold)."""
     masks: dict[int, list] = {}
-    originals = {l: p.mask for l, p in plan.mlp.items()}
+    originals = {l: p.select for l, p in plan.mlp.items()}
     for l, p in plan.mlp.items():
-        p.mask = lambda x, f=originals[l], l=l: masks.setdefault(l, []).append(f(x)) or masks[l][-1]
+        p.select = lambda s, f=originals[l], l=l: masks.setdefault(l, []).append(f(s)) or masks[l][-1]
     try:
         with apply_sparsity(lm.model, plan, mode=mode):
             logits = lm.model(input_ids=window).logits
             masks_window = {l: v[0] for l, v in masks.items()}
             ppl = perplexity(lm.model, toks).ppl
     finally:
-        for l, p in plan.mlp.items():
-            p.mask = originals[l]
+        for p in plan.mlp.values():
+            del p.select                    # the instance attribute: the class's method again
     return masks_window, logits, ppl
 
 
@@ -63,6 +66,9 @@ def main(argv=None) -> int:
     toks = token_windows(lm.tokenizer, "lambada", "heldout", a.heldout_tokens, 512)
     window = toks.windows[:1]
     (mm, lm_, pm), (mk, lk, pk) = (_run(lm, plan, mode, window, toks) for mode in EXEC_MODES[::-1])
+    if sorted(mm) != sorted(plan.mlp) or sorted(mk) != sorted(plan.mlp):
+        raise SystemExit(f"a layer's selection was not seen (masked {sorted(mm)}, kernel {sorted(mk)}, plan "
+                         f"{sorted(plan.mlp)})")
     flips = {l: (mm[l] ^ mk[l]).float().mean().item() for l in sorted(mm)}
     out = {"model": a.model, "method": a.method, "sparsity": a.sparsity, "rank": a.rank,
            "threads": torch.get_num_threads(), "ppl": {"masked": pm, "kernel": pk},

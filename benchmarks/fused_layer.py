@@ -22,7 +22,7 @@ import argparse
 
 import torch
 
-from benchmarks.harness import Row, command_line, device_name, time_graph, write_results
+from benchmarks.harness import Row, command_line, device_line, device_name, time_graph, write_results
 from kernels import ops
 from kernels.common import Prologue
 from workers.decode.glue import act_mul
@@ -140,7 +140,10 @@ def _glue(dev):
 
 
 @torch.no_grad()
-def run(shape: str, dtype: torch.dtype, sparsities, reps: int, device: str, smoke: bool, path: str):
+def run(shape: str, dtype: torch.dtype, sparsities, reps: int, device: str, smoke: bool, path: str,
+        n_layers: int | None = None):
+    """Rows and a summary per sparsity; ``n_layers``: that many layers instead of the shape's (the smoke's 2)."""
+    layers_given = n_layers
     dev = torch.device(device)
     if smoke:
         d, D, H, KV, n_layers = SMOKE["d"], SMOKE["D"], SMOKE["H"], SMOKE["KV"], SMOKE["layers"]
@@ -152,6 +155,8 @@ def run(shape: str, dtype: torch.dtype, sparsities, reps: int, device: str, smok
         _, H, KV, _ = attn_shape(shape)
         kw = shape_entry(shape)[1]
         n_layers, eps = kw["num_hidden_layers"], kw.get("rms_norm_eps", 1e-5)
+    n_layers = layers_given or n_layers
+    shape = "tiny" if smoke else shape          # what the rows name
     hd = d // H
     g = torch.Generator().manual_seed(0)
     layers = [Layer(d, D, H, KV, hd, dtype, dev, g) for _ in range(n_layers)]
@@ -185,10 +190,14 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
     ap.add_argument("--sparsities", default="0.4,0.5,0.7")
     ap.add_argument("--path", default="local", choices=("local", "tile"), help="the input-sparse kernel path")
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--reps", type=int, default=None, help="timed replays (default 30; --smoke 2)")
+    ap.add_argument("--layers", type=int, default=None, help="layers (default the shape's; --smoke 2)")
+    ap.add_argument("--json", default=None, help="result file (default fused_layer_<shape>_<dtype>.json; --smoke "
+                                                 "writes only where given)")
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny shape (the interpreter): checks the script")
     args = ap.parse_args(argv)
+    if (args.reps is not None and args.reps < 1) or (args.layers is not None and args.layers < 1):
+        ap.error("--reps and --layers must be >= 1")
     try:
         sparsities = [float(v) for v in args.sparsities.split(",")]
     except ValueError:
@@ -198,8 +207,9 @@ def main(argv=None) -> int:
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (or --smoke)")
-    rows, summary = run(args.shape, DTYPES[args.dtype], sparsities, 2 if args.smoke else args.reps, device,
-                        args.smoke, args.path)
+    print(device_line(device), flush=True)
+    reps = args.reps or (2 if args.smoke else 30)
+    rows, summary = run(args.shape, DTYPES[args.dtype], sparsities, reps, device, args.smoke, args.path, args.layers)
     print(f"{args.shape} {args.dtype}, batch 1, µs per layer ({device_name(device)}; path {args.path})")
     for s, timed, err, same in summary:
         u, f = timed["layer, unfused"], timed["layer, fused"]
@@ -208,9 +218,10 @@ def main(argv=None) -> int:
         for name, v in timed.items():
             if not name.startswith("layer"):
                 print(f"    {name:38s} {v:8.2f}")
-    if not args.smoke:
+    if not args.smoke or args.json:
         out = write_results(args.json or f"fused_layer_{args.shape}_{args.dtype}.json", rows,
-                            command=command_line("benchmarks.fused_layer"), device=device)
+                            command=command_line("benchmarks.fused_layer"), device=device,
+                            meta=dict(shape="tiny" if args.smoke else args.shape, path=args.path, reps=reps))
         print("wrote", out)
     return 0
 

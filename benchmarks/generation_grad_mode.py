@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from benchmarks.harness import Row, time_cpu, write_results
+from benchmarks.harness import Row, device_line, time_cpu, write_results
 
 MODES = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
 
@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from workers.loading.models import load_model
 
     torch.set_num_threads(a.threads)
+    print(device_line(a.device), flush=True)
     lm = load_model(a.model, device=a.device)
     tok = lm.tokenizer
     prompts = [tok.encode(f"Question {i}: what is {i} plus {i + 3}? Let's think step by step.")

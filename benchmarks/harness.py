@@ -8,11 +8,14 @@
   and IQR per callable, and the ratio to the baseline.
 * :class:`Row` — one result row (bench, op, shape, dtype, batch, device, median / p10 / p90 in ``unit``,
   bytes, GB/s, fraction of the copy bandwidth, extra) and :func:`write_results`, which stores
-  ``{"meta": {machine, torch, triton, date, command, ...}, "rows": [...]}`` as JSON under
-  ``benchmarks/results/``.
+  ``{"meta": {machine, cpu_model, cpu_flags, isa, torch, triton, date, command, ...}, "rows": [...]}`` as JSON
+  under ``benchmarks/results/``.
+* :func:`device_line` — the header line a script prints for its run: the CPU it ran on (model, feature flags, the
+  instruction set the native kernels were built for: ``kernels.isa.cpu_info``), or the GPU and its host CPU.
 
-Imports only the standard library and torch (triton only for its version, and only if installed); CUDA is
-touched only inside the functions that time on a GPU, so this module imports on a CPU-only machine.
+Imports only the standard library and torch (triton only for its version, and only if installed; ``kernels.isa``
+for the CPU's description); CUDA is touched only inside the functions that time on a GPU, so this module imports
+on a CPU-only machine.
 """
 from __future__ import annotations
 
@@ -261,6 +264,28 @@ def device_name(device: str = "cuda") -> str:
     return accelerator_name("cpu" if dev.type == "cuda" and not torch.cuda.is_available() else dev)
 
 
+def cpu_info() -> dict:
+    """``kernels.isa.cpu_info()``: ``cpu_model``, ``cpu_flags`` and ``isa`` (what the native CPU kernels are built
+    for), recorded with every result: a CPU figure holds only for the instruction set that produced it."""
+    from kernels.isa import cpu_info as _cpu_info
+
+    return _cpu_info()
+
+
+def device_line(device: str = "cuda") -> str:
+    """The header line of a run: on a CPU, ``device cpu: MODEL (flags ...; native kernels built for ISA)``; on a
+    GPU its name and, for completeness, the host CPU the same way (CUDA asked for where there is none: the CPU,
+    as :func:`device_name` says)."""
+    ci = cpu_info()
+    cpu = f"{ci['cpu_model']} (flags {ci['cpu_flags'] or '-'}; native kernels built for {ci['isa']})"
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return f"device {device_name(device)}; host cpu: {cpu}"
+    if dev.type in ("cpu", "cuda"):
+        return f"device cpu: {cpu}"
+    return f"device {dev.type}; host cpu: {cpu}"
+
+
 def machine(device: str = "cuda") -> dict:
     m = {"device": device_name(device), "platform": platform.platform(), "python": platform.python_version(),
          "cpus": os.cpu_count()}
@@ -302,9 +327,10 @@ def result_path(name: str | os.PathLike) -> Path:
 def write_results(name: str | os.PathLike, rows: Sequence[Row | Mapping], *, command: str | None = None,
                   device: str = "cuda", meta: Mapping | None = None, sections: Mapping | None = None) -> Path:
     """Write ``{"meta": {...}, "rows": [...], **sections}`` as JSON (see :func:`result_path`); returns the path.
-    meta holds machine, torch, triton, date and command, plus ``meta``'s own keys."""
-    doc_meta = {"machine": machine(device), **versions(), "date": _dt.datetime.now().isoformat(timespec="seconds"),
-                "command": command or command_line()}
+    meta holds machine, the host CPU (:func:`cpu_info`: cpu_model, cpu_flags, isa; on a GPU run too), torch,
+    triton, date and command, plus ``meta``'s own keys."""
+    doc_meta = {"machine": machine(device), **cpu_info(), **versions(),
+                "date": _dt.datetime.now().isoformat(timespec="seconds"), "command": command or command_line()}
     doc_meta.update(meta or {})
     out = []
     for r in rows:

@@ -541,12 +541,13 @@ def main(argv=None):
     if dev.type != "cuda" and not SMOKE:
         print("error: no CUDA device (use --smoke for the CPU check)", file=sys.stderr)
         return 2
-    from benchmarks.harness import command_line, copy_bandwidth, write_results
+    from benchmarks.harness import command_line, copy_bandwidth, device_line, write_results
     from kernels import configs as C
 
     if args.peer:
         args.peer = Peer.load(args.peer)
 
+    log(device_line(str(dev)))
     copy_bw = copy_bandwidth(device=str(dev)) if dev.type == "cuda" else None
     log(f"copy bandwidth: {copy_bw} GB/s")
     sections = {}

@@ -25,7 +25,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import Row, command_line, copy_bandwidth, device_name, time_graph, write_results
+from benchmarks.harness import (
+    Row, command_line, copy_bandwidth, device_line, device_name, time_graph, write_results,
+)
 from workers.decode.shapes import attn_shape, ffn_shape
 
 # views of the one shape table (workers.decode.shapes): name -> (d, D, gated, act) / (d, heads, kv heads, head dim)
@@ -545,8 +547,11 @@ def main(argv=None):
         DEV, SMOKE = "cpu", True
         FFN_SHAPES = {"tiny": (72, 200, True, "silu"), "tiny-opt": (72, 200, False, "relu")}
         ATTN_SHAPES = {"tiny": (72, 6, 2, 12)}
-        args.shapes, args.tune_shapes = ",".join(FFN_SHAPES), "tiny"
-        args.batches, args.tune_batches, args.sparsities, args.tune_sparsities = "1,3", "1,2", "0,0.5,0.95", "0.5"
+        smoke = dict(shapes=",".join(FFN_SHAPES), tune_shapes="tiny", batches="1,3", tune_batches="1,2",
+                     sparsities="0,0.5,0.95", tune_sparsities="0.5")
+        for k, v in smoke.items():          # the smoke's points, where the command line did not name others
+            if getattr(args, k) == ap.get_default(k):
+                setattr(args, k, v)
         args.layers, args.reps = 2, 1
     elif not torch.cuda.is_available():
         log("benchmarks.kernels needs a CUDA GPU (or --smoke)")
@@ -566,6 +571,7 @@ def main(argv=None):
     t0 = time.time()
     copy_bw = copy_bandwidth(device=DEV) if not SMOKE else copy_bandwidth(1 << 20, reps=3, device=DEV)
     sms = torch.cuda.get_device_properties(0).multi_processor_count if not SMOKE else 0
+    log(device_line(DEV))
     log(f"device {accel}, {sms} SMs; torch {torch.__version__}, "
         f"triton {triton.__version__}; copy bandwidth {copy_bw:.0f} GB/s (read+write)")
     rows, extra = [], {}

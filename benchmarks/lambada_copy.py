@@ -67,7 +67,8 @@ def main(argv=None) -> int:
     for path in a.bundle:
         b = load_bundle(path)
         m = b.manifest
-        label = f"{m['method']} s={sorted(set(m['per_layer_sparsity'].values()))} ({Path(path).name[:12]})"
+        levels = sorted(set(m["per_layer_sparsity"].values())) or [m["sparsity"]]    # (a bundle without per-layer)
+        label = f"{m['method']} s={levels} ({Path(path).name[:12]})"
         with apply_bundle(lm.model, b, check_model=True, mode="masked"):
             results.append(score(label))
     if a.json:

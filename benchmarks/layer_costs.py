@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from benchmarks.harness import Row, command_line, copy_bandwidth, device_name, time_graph, write_results
+from benchmarks.harness import Row, command_line, copy_bandwidth, device_line, device_name, time_graph, write_results
 from kernels import ops
 from kernels.quant import QuantWeight
 from workers.decode.glue import glue_fns
@@ -207,6 +207,7 @@ def main(argv=None) -> int:
     if dev == "cpu" and rt.cpu_rows is None:
         pick_cpu_dense(rt)
     nl = len(rt.layers)
+    print(device_line(dev), flush=True)
     rows, accel = [], device_name(dev) if dev == "cuda" else "cpu"
     meta = dict(shape="tiny" if a.smoke else a.model or a.shape, prompt=a.prompt, layers=nl,
                 copy_bw_gbps=None if bw is None else round(bw, 1), threads=torch.get_num_threads(),

@@ -25,6 +25,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="greedy allocation over SVDP's own single-layer damage curves")
     ap.add_argument("--model", default="gemma3-270m")
     ap.add_argument("--calib-tokens", type=int, default=8192)
+    ap.add_argument("--heldout-tokens", type=int, default=8192, help="tokens of the held-out perplexity")
+    ap.add_argument("--rank", type=int, default=256, help="the SVDP predictors' rank")
     ap.add_argument("--json", default=None, help="output file (default: method_allocation_MODEL.json)")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
@@ -33,11 +35,11 @@ def main(argv=None) -> int:
     lm = load_model(model)
     ctx = calib_context(lm, calib_tokens)
     ids = token_windows(lm.tokenizer, "lambada", "calib", 256, 256).windows
-    held = token_windows(lm.tokenizer, "lambada", "heldout", 8192, 512)
+    held = token_windows(lm.tokenizer, "lambada", "heldout", a.heldout_tokens, 512)
     t0 = time.time()
     with torch.no_grad():
         dense = next_token_logp(lm.model, ids)
-    plans = {s: fit_method("svd", ctx, s, rank=256) for s in DEFAULT_POINTS}
+    plans = {s: fit_method("svd", ctx, s, rank=a.rank) for s in DEFAULT_POINTS}
     print("fits", round(time.time() - t0), flush=True)
     curves = {}
     for l in ctx.layers:
@@ -51,7 +53,7 @@ def main(argv=None) -> int:
         print(l, [round(m, 4) for m in measured], flush=True)
     print("curves", round(time.time() - t0), flush=True)
     alloc = allocate(curves, 0.5)
-    plan = fit_method("svd", ctx, alloc, rank=256)
+    plan = fit_method("svd", ctx, alloc, rank=a.rank)
     with torch.no_grad():
         with apply_sparsity(lm.model, plan) as applied:
             r = perplexity(lm.model, held)

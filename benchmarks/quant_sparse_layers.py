@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from benchmarks.harness import Row, Timing, command_line, write_results
+from benchmarks.harness import Row, Timing, command_line, device_line, write_results
 
 GROUPS = ("qkv", "o", "gu", "down")
 CONFIGS = ((), ("qkv",), ("o",), ("gu",), ("down",), GROUPS)
@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     from workers.decode.runtime import DecodeRuntime
     from workers.loading.models import load_model
 
+    print(device_line("cpu"), flush=True)
     lm = load_model(a.model)
     ids = lm.tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
     rows = []

@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 
-from benchmarks.harness import command_line, task_limit, write_results
+from benchmarks.harness import command_line, device_line, task_limit, write_results
 from workers.evals.tasks import SUITES, SuiteError, build_task, check_task_names
 
 PATHS = ("lm-eval", "uncached", "cached")
@@ -138,6 +138,7 @@ def main(argv=None) -> int:
     from workers.loading.models import load_model
 
     torch.set_num_threads(a.threads)
+    print(device_line(a.device), flush=True)
     lm = load_model(a.model, dtype=a.dtype, device=a.device)
     if a.layers:
         _truncate(lm, a.layers)

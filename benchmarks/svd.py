@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.harness import Row, command_line, device_name, time_cpu, write_results
+from benchmarks.harness import Row, command_line, device_line, device_name, time_cpu, write_results
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     from workers.sparsity.predictors.svd_calibration import Q_STEPS, calibration_costs
     from workers.sparsity.whitening import whitened_lowrank, whitening_factor
 
+    print(device_line("cpu"), flush=True)
     lm = load_model(args.model)
     toks = token_windows(lm.tokenizer, "lambada", "calib", args.tokens, 512)
     t0 = time.perf_counter()

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from benchmarks.harness import Row, copy_bandwidth, time_graph, write_results
+from benchmarks.harness import Row, copy_bandwidth, device_line, time_graph, write_results
 
 
 def _masks():
@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device(a.device)
     if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         ap.error(f"the one-pass kernel runs on CUDA, or on {a.device} under TRITON_INTERPRET=1 (Triton's interpreter)")
+    print(device_line(a.device), flush=True)
     bw = copy_bandwidth(device=a.device) if dev.type == "cuda" else None
     masks = _masks()
     rows, i = [], 0

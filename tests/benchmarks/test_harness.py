@@ -141,12 +141,35 @@ def test_rows_round_trip_through_the_writer(tmp_path):
     doc = json.loads(path.read_text())
     assert set(doc) == {"meta", "rows", "profile"} and doc["profile"] == [{"us": 4.5}]
     meta = doc["meta"]
-    assert {"machine", "torch", "triton", "date", "command", "copy_bw_gbps"} <= set(meta)
+    assert {"machine", "cpu_model", "cpu_flags", "isa", "torch", "triton", "date", "command",
+            "copy_bw_gbps"} <= set(meta)
     assert meta["command"] == "python -m benchmarks.kernels --quick" and meta["torch"] == torch.__version__
     assert meta["copy_bw_gbps"] == 4215.0 and meta["machine"]["cpus"] == os.cpu_count()
     assert doc["rows"][0]["median"] == 80.0 and doc["rows"][0]["gbps"] == round(270_593_024 / 80e-6 / 1e9, 1)
     got_meta, got = H.read_results(path)
     assert got == rows and got_meta == meta
+
+
+def test_results_and_the_header_line_say_which_cpu_ran_them(tmp_path, monkeypatch):
+    """Every result file records the CPU it ran on (``kernels.isa.cpu_info``: the model, the feature flags the
+    kernels branch on, the instruction set the native kernels are built for), a GPU run's too (its host); the header
+    line scripts print names the same. The instruction set follows ``CTXSPARSE_CPU_ISA``."""
+    from kernels.isa import cpu_info, resolved
+
+    for isa in ("native", "scalar"):
+        monkeypatch.setenv("CTXSPARSE_CPU_ISA", isa)
+        ci = cpu_info()
+        assert ci["cpu_model"] and ci["isa"] == ("scalar" if isa == "scalar" else resolved("native"))
+        for device in ("cpu", "cuda"):
+            meta = json.loads(H.write_results(tmp_path / f"{device}.json", [], command="test", device=device)
+                              .read_text())["meta"]
+            assert {k: meta[k] for k in ("cpu_model", "cpu_flags", "isa")} == ci
+        want = f"{ci['cpu_model']} (flags {ci['cpu_flags'] or '-'}; native kernels built for {ci['isa']})"
+        assert H.device_line("cpu") == f"device cpu: {want}"
+        if torch.cuda.is_available():
+            assert H.device_line("cuda") == f"device {torch.cuda.get_device_name(0)}; host cpu: {want}"
+        else:
+            assert H.device_line("cuda") == f"device cpu: {want}"
 
 
 def test_writer_puts_bare_names_under_results_and_rejects_unknown_fields(tmp_path):
