@@ -138,6 +138,7 @@ def test_modules_match_dense_linears(gen):
         assert rel_err(out(attn, q_idx), o.to(dev)(full.reshape(3, -1))) < 1e-4
 
 
+@pytest.mark.grid      # a check only a GPU can show: out of the default suite, skipped by make test-all on a CPU
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("threshold", [None, 0.02])
 def test_cuda_graph_capture_and_replay_with_new_sets(threshold, gen):
