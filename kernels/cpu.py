@@ -14,11 +14,15 @@ Same signatures and outputs as kernels.reference (and kernels.ffn_triton / attn_
   |act(gate)| passes a threshold (1/3 + 2/3·(1 - s) of a gated FFN's rows).
 
 Both come from a small C file (``cpu_native.c``, fp32, OpenMP, compiled with the machine's C compiler on first
-use and cached under ``$CTXSPARSE_HOME``/``~/.cache/ctxsparse``). Where there is no compiler (or
-``CTXSPARSE_CPU_NATIVE=0``), or for other dtypes, the same ops run on torch primitives: ``F.embedding_bag`` for the
-row sums (no copy; one thread per bag) and ``index_select`` + ``F.linear`` for the row dots (a gathered copy).
-``native_available()`` says which one runs. Dense products at full density use the same kernels over every row
-(``dense_ffn``): on a 2-core CPU they read the weights faster than MKL's GEMV (see ``benchmarks/cpu_ops.py``).
+use for the instruction set ``CTXSPARSE_CPU_ISA`` asks for (kernels.isa: native, avx2 or scalar) and cached under
+``$CTXSPARSE_HOME``/``~/.cache/ctxsparse``). Where there is no compiler or the build fails, a
+:class:`NativeBuildWarning` (once per library) gives the compiler's message; ``CTXSPARSE_CPU_NATIVE=0`` chooses the
+fallback knowingly, without one. Then, and for other dtypes, the same ops run on torch primitives:
+``F.embedding_bag`` for the row sums (no copy; one thread per bag) and ``index_select`` + ``F.linear`` for the row
+dots (a gathered copy). ``native_available()`` says which one runs; :func:`native_status` / :func:`describe` what
+was built, for which instruction set, or why not (every native library: this one and kernels.cpu_quant's). Dense
+products at full density use the same kernels over every row (``dense_ffn``): on a 2-core CPU they read the
+weights faster than MKL's GEMV (see ``benchmarks/cpu_ops.py``).
 """
 from __future__ import annotations
 
@@ -26,28 +30,57 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from . import isa as _isa
 from . import reference as _ref
 from .common import ACTS, MAX_BATCH, act_code, apply_act, group_rows, query_heads, valid_mask
 
 _SRC = Path(__file__).with_name("cpu_native.c")
+# linked into every native library: cs_isa() says what the compiler targeted (512 / 2 / 1 / 0)
+_ISA_SRC = Path(__file__).with_name("cpu_isa.c")
+ISA_OF_CODE = {512: "avx512", 2: "avx2", 1: "neon", 0: "scalar"}
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+NATIVE_ENV = "CTXSPARSE_CPU_NATIVE"     # "0": no native library (the torch fallback, chosen: no warning)
+LIBRARIES = ("cpu_native", "cpu_quant")
+
+
+class NativeBuildWarning(RuntimeWarning):
+    """A native CPU library did not build or load: its ops run on the torch fallback (much slower)."""
+
+
+class NativeBuildError(RuntimeError):
+    """Why a native library is not there (the compiler's message, trimmed)."""
 
 
 def _flags() -> list[str]:
     """Compiler flags; ``CTXSPARSE_CPU_CFLAGS`` adds some (e.g. ``-DPF_DIST=8`` when tuning the prefetch)."""
     return _FLAGS + os.environ.get("CTXSPARSE_CPU_CFLAGS", "").split()
+
+
+def native_flags(isa: str | None = None, extra_flags=()) -> list[str]:
+    """Every flag a native library is compiled with: the common ones, those of the instruction-set build ``isa``
+    (kernels.isa; default: the one ``CTXSPARSE_CPU_ISA`` asks for, a ValueError for an unknown one) and
+    ``extra_flags`` (the library's own)."""
+    return _flags() + list(_isa.build_flags(isa)) + list(extra_flags)
+
+
 _LIB = None
 _LIB_TRIED = False
+_LIB_STATUS: dict | None = None         # the default library's status (native_status)
+_WARNED: set[str] = set()               # libraries whose failure was reported
 _LOCK = threading.Lock()
+_WARN_LOCK = threading.Lock()
 _ENV = os.environ
 
 
@@ -72,34 +105,106 @@ def _cpu_tag() -> str:
     return platform.machine() + flags
 
 
-def compile_native(src: Path, extra_flags=()) -> Path | None:
-    """Compile ``src`` (a C file beside this module, with the headers beside it) into a shared library cached by
-    the content of the sources, the flags, the compiler and the CPU; None where there is no compiler or the build
-    fails."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None or not src.exists():
-        return None
-    flags = _flags() + list(extra_flags)
-    text = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))
+def native_disabled() -> bool:
+    """``CTXSPARSE_CPU_NATIVE=0``: the native libraries are not built nor loaded (the fallback, knowingly)."""
+    return _ENV.get(NATIVE_ENV) == "0"
+
+
+def _trim(text: str, lines: int = 10, chars: int = 1200) -> str:
+    """A compiler's output, readable: its error lines (else its last lines), at most ``chars`` characters."""
+    ls = [l.rstrip() for l in (text or "").splitlines() if l.strip()]
+    errs = [l for l in ls if "error" in l.lower() or "fatal" in l.lower()]
+    out = "\n".join(errs[:lines] if errs else ls[-lines:])
+    return (out[:chars] + " [...]") if len(out) > chars else (out or "(the compiler printed nothing)")
+
+
+def _compile(src: Path, flags: list[str]) -> Path:
+    """The cached build of ``src`` (+ cpu_isa.c) with ``flags``; NativeBuildError says why there is none."""
+    cc_env = os.environ.get("CC")
+    cc = cc_env or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise NativeBuildError("no C compiler found (CC is unset and neither cc nor gcc is on PATH)")
+    if not src.exists() or not _ISA_SRC.exists():
+        raise NativeBuildError(f"{src.name} or {_ISA_SRC.name} is missing beside the package")
+    text = (src.read_bytes() + _ISA_SRC.read_bytes()
+            + b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h"))))
     key = hashlib.sha256(text + " ".join(flags).encode() + _cpu_tag().encode() + cc.encode()).hexdigest()[:16]
     out = _cache_dir() / f"{src.stem}-{key}.so"
-    if not out.exists():
+    if out.exists():
+        return out
+    try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        r = subprocess.run([cc, *flags, "-o", tmp, str(src), "-lm"], capture_output=True, text=True)
+    except OSError as e:
+        raise NativeBuildError(f"the kernel cache {out.parent} is not writable: {e}") from None
+    try:
+        cmd = [*shlex.split(cc), *flags, "-o", tmp, str(src), str(_ISA_SRC), "-lm"]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            raise NativeBuildError(f"the C compiler {cc!r} did not run: {e}") from None
         if r.returncode != 0:
-            os.unlink(tmp)
-            return None
+            raise NativeBuildError(f"{cc} exited with status {r.returncode}:\n{_trim(r.stderr or r.stdout)}")
         os.replace(tmp, out)              # atomic: concurrent builders publish the same file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return out
 
 
-def _build() -> ctypes.CDLL | None:
-    out = compile_native(_SRC)
-    if out is None:
+def _warn_once(name: str, build: str, error: str) -> None:
+    with _WARN_LOCK:
+        if name in _WARNED:
+            return
+        _WARNED.add(name)
+    warnings.warn(f"the native CPU library {name} ({build} build, kernels/{name}.c) is not available: {error}\n"
+                  f"Its ops run on the torch fallback instead (much slower). Fix the C compiler, or set "
+                  f"{NATIVE_ENV}=0 to choose the fallback without this warning.", NativeBuildWarning, stacklevel=4)
+
+
+def compile_native(src: Path, extra_flags=(), *, isa: str | None = None) -> Path | None:
+    """Compile ``src`` (a C file beside this module, with the headers beside it, linked with cpu_isa.c) for the
+    instruction-set build ``isa`` (kernels.isa; default: ``CTXSPARSE_CPU_ISA``'s) into a shared library cached by
+    the content of the sources, the flags, the compiler and the CPU. None where there is no compiler or the build
+    fails, after a :class:`NativeBuildWarning` (once per library) with the compiler's message; None, silently,
+    with ``CTXSPARSE_CPU_NATIVE=0``."""
+    flags = native_flags(isa, extra_flags)
+    if native_disabled():
         return None
-    lib = ctypes.CDLL(str(out))
+    try:
+        return _compile(src, flags)
+    except NativeBuildError as e:
+        _warn_once(src.stem, _isa.requested() if isa is None else isa, str(e))
+        return None
+
+
+def load_native(src: Path, setup, extra_flags=(), *, isa: str | None = None) -> tuple[ctypes.CDLL | None, dict]:
+    """(the library of ``src`` built for ``isa``, its status) -- the library loaded, ``setup(lib)`` given its
+    argument types, its ``cs_isa()`` read; else (None, a status with the error) after a warning, once per
+    library. The status: ``built``, ``isa`` (what the compiler targeted: avx512, avx2, neon, scalar; None when
+    not built), ``error`` (None when built), ``requested`` (the build asked for) and ``flags``."""
+    requested = _isa.requested() if isa is None else isa
+    flags = native_flags(isa, extra_flags)
+    st = {"built": False, "isa": None, "error": None, "requested": requested, "flags": " ".join(flags)}
+    try:
+        path = _compile(src, flags)
+        try:
+            lib = ctypes.CDLL(str(path))
+            lib.cs_isa.argtypes, lib.cs_isa.restype = [], ctypes.c_int
+            code = int(lib.cs_isa())
+            setup(lib)
+        except (OSError, AttributeError) as e:
+            raise NativeBuildError(f"the built library {path.name} does not load: {e}") from None
+    except NativeBuildError as e:
+        st["error"] = str(e)
+        _warn_once(src.stem, requested, str(e))
+        return None, st
+    st.update(built=True, isa=ISA_OF_CODE.get(code, f"unknown ({code})"), path=str(path))
+    return lib, st
+
+
+def _setup(lib: ctypes.CDLL) -> None:
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.cs_rows_dot.argtypes = [P, P, P, I64, I64, P, I64, I64, P, I64, I, P, P, I]
     lib.cs_rows_axpy.argtypes = [P, I64, I64, I64, P, P, I64, P, I64, I, P, P, P, I]
@@ -118,22 +223,85 @@ def _build() -> ctypes.CDLL | None:
               lib.cs_topk_threshold):
         f.restype = I
     lib.cs_ffn_thr.restype = I64
-    return lib
 
 
 def _native():
-    global _LIB, _LIB_TRIED
-    if _ENV.get("CTXSPARSE_CPU_NATIVE") == "0":
+    global _LIB, _LIB_TRIED, _LIB_STATUS
+    if _ENV.get(NATIVE_ENV) == "0":
         return None
     if not _LIB_TRIED:
         with _LOCK:
             if not _LIB_TRIED:
-                try:
-                    _LIB = _build()
-                except OSError:
-                    _LIB = None
+                _LIB, _LIB_STATUS = load_native(_SRC, _setup)     # ValueError for an unknown CTXSPARSE_CPU_ISA
                 _LIB_TRIED = True
     return _LIB
+
+
+def reload_native() -> None:
+    """Forget the loaded native libraries (this module's and kernels.cpu_quant's), their status and the
+    warnings given: the next op loads the build ``CTXSPARSE_CPU_ISA`` asks for now (built, or from the cache).
+    How the tests run every instruction set in one process; objects that hold a library (a
+    kernels.cpu_quant.LayerStack) keep theirs."""
+    global _LIB, _LIB_TRIED, _LIB_STATUS
+    with _LOCK:
+        _LIB, _LIB_TRIED, _LIB_STATUS = None, False, None
+    with _WARN_LOCK:
+        _WARNED.clear()
+    cq = sys.modules.get(__package__ + ".cpu_quant")
+    if cq is not None:
+        cq._forget()
+
+
+def _first_line(error: str | None, chars: int = 160) -> str:
+    line = (error or "").strip().splitlines()[0] if (error or "").strip() else "unknown reason"
+    return line if len(line) <= chars else line[: chars - 3] + "..."
+
+
+def native_status() -> dict:
+    """What every native library is, building it (or reading the cache) where not done yet: {"cpu_native":
+    {built, isa, error, requested, flags}, "cpu_quant": {...}, "cpu_model", "cpu_flags"} (kernels.isa.cpu_info;
+    ``isa``: what the compiler targeted, from the library itself). ``CTXSPARSE_CPU_NATIVE=0``: not built,
+    ``disabled`` True, no error. An unknown ``CTXSPARSE_CPU_ISA`` raises ValueError."""
+    from . import cpu_quant
+
+    info = _isa.cpu_info("native")
+    requested = _isa.requested()
+    out: dict = {}
+    if native_disabled():
+        for name in LIBRARIES:
+            out[name] = {"built": False, "isa": None, "error": None, "requested": requested, "disabled": True}
+    else:
+        _native()
+        cpu_quant.load_library()
+        for name, st in (("cpu_native", _LIB_STATUS), ("cpu_quant", cpu_quant.library_status())):
+            st = dict(st) if st is not None else {"built": False, "isa": None, "error": "not loaded",
+                                                  "requested": requested}
+            st["disabled"] = False
+            out[name] = st
+    out["cpu_model"], out["cpu_flags"] = info["cpu_model"], info["cpu_flags"]
+    return out
+
+
+def describe(status: dict | None = None) -> str:
+    """One line: which build the native kernels are (or why there are none), on which CPU, e.g.
+    ``native kernels: avx2 build (AMD EPYC 7B13; flags avx2 f16c fma)`` or
+    ``native kernels: NOT BUILT (no C compiler found ...); torch fallback (slow)``."""
+    st = native_status() if status is None else status
+    cpu = f"{st['cpu_model']}; flags {st['cpu_flags'] or '(none of interest)'}"
+    libs = {n: st[n] for n in LIBRARIES}
+    req = next(iter(libs.values())).get("requested", "native")
+    asked = "" if req == "native" else f"{_isa.ISA_ENV}={req}; "
+    if all(s.get("disabled") for s in libs.values()):
+        return f"native kernels: off ({NATIVE_ENV}=0); torch fallback (slow) ({cpu})"
+    built = {n: s for n, s in libs.items() if s["built"]}
+    isas = {s["isa"] for s in built.values()}
+    if len(built) == len(libs) and len(isas) == 1:
+        return f"native kernels: {isas.pop()} build ({asked}{cpu})"
+    if not built:
+        return f"native kernels: NOT BUILT ({_first_line(libs['cpu_native']['error'])}); torch fallback (slow) ({cpu})"
+    parts = [f"{n} {s['isa']} build" if s["built"] else f"{n} NOT BUILT ({_first_line(s['error'])}; torch "
+             "fallback, slow)" for n, s in libs.items()]
+    return f"native kernels: {', '.join(parts)} ({asked}{cpu})"
 
 
 def native_available() -> bool:

@@ -17,10 +17,11 @@ dequantized fp32 weights up to fp32 summation order (tests/kernels/test_quant.py
 ``dequantize`` / ``embedding`` are exact. A weight with ``activations="q8"`` (kernels.quant.QuantWeight) is
 multiplied llama.cpp's way instead: the few-token kernels quantize the activations to 8 bits per 32 and take
 integer products (W x̂, not W x); the dequantize + matmul path of many tokens stays fp32.
-Thread count: torch's (one thread: no OpenMP region). Where the
-native library cannot be built these ops fall back to the numpy reference dequantizer and torch (slow, but the
-same values), and ``native_available()`` says so; :class:`LayerStack` has no fallback (its caller keeps the
-per-op path: workers.decode.native_layer).
+Thread count: torch's (one thread: no OpenMP region). The library is built for the instruction set
+``CTXSPARSE_CPU_ISA`` asks for (kernels.isa; :func:`library_isa` says what a loaded one targets). Where it cannot
+be built (a kernels.cpu.NativeBuildWarning says why, once) or ``CTXSPARSE_CPU_NATIVE=0``, these ops fall back to
+the numpy reference dequantizer and torch (slow, but the same values), and ``native_available()`` says so;
+:class:`LayerStack` has no fallback (its caller keeps the per-op path: workers.decode.native_layer).
 """
 from __future__ import annotations
 
@@ -34,14 +35,15 @@ import torch
 import torch.nn.functional as F
 
 from .common import MAX_BATCH, act_code, apply_act
-from .cpu import _idx64, compile_native
+from . import cpu as _cpu
+from .cpu import _idx64
 from .quant import QuantPart, QuantWeight, QuantWeightT
 
 _SRC = Path(__file__).with_name("cpu_quant.c")
 # d·q + m must stay two fp32 roundings (gguf-py's dequantizer): no contraction into FMA; the kernels' products
 # use explicit FMA intrinsics, which this flag leaves alone.
 EXTRA_FLAGS = ("-ffp-contract=off",)
-_LIBS: dict = {}
+_LIBS: dict = {}            # every flag set -> (library or None, its status)
 _LOCK = threading.Lock()
 _F32 = torch.float32
 
@@ -51,29 +53,64 @@ class QPart(ctypes.Structure):
                 ("data", ctypes.c_void_p), ("scale", ctypes.c_float)]
 
 
-def load_library(extra_flags=()) -> ctypes.CDLL | None:
-    """The compiled kernels (cached per flag set; ``extra_flags`` e.g. ``-mno-avx2`` builds the scalar fallback)."""
-    key = tuple(extra_flags)
+def _setup(lib: ctypes.CDLL) -> None:
+    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.cs_q_dequant.argtypes = [P, I, I64, P, I64, P, I]
+    lib.cs_q_rows.argtypes = [P, I, P, I, I64, P, P, I64, I64, P, I64, I, I, P, I]
+    lib.cs_q_ffn.argtypes = [P, I, P, I, P, I, I64, I64, P, P, P, I64, I, I, P, P, I]
+    lib.cs_qt_axpy.argtypes = [P, I, I, P, P, I, I64, I64, I64, P, I64, P, I64, I64, P, P, I]
+    lib.cs_q_simd.argtypes = []
+    lib.cs_q_layers.argtypes = [P, P, I64, I64, P, P, P, I64, P, I64, I]
+    lib.cs_q_layers_scratch.argtypes = [P, I, I64]
+    lib.cs_q_layers_scratch.restype = I64
+    for f in (lib.cs_q_dequant, lib.cs_q_rows, lib.cs_q_ffn, lib.cs_qt_axpy, lib.cs_q_simd, lib.cs_q_layers):
+        f.restype = I
+
+
+_DEFAULT = None             # the library of the requested build (what the ops use), once loaded
+_DEFAULT_KEY = None         # its key in _LIBS
+
+
+def load_library(extra_flags=(), *, isa: str | None = None) -> ctypes.CDLL | None:
+    """The compiled kernels of the instruction-set build ``isa`` (kernels.isa: "native", "avx2", "scalar"; default:
+    the one ``CTXSPARSE_CPU_ISA`` asks for, read at first use, ValueError for an unknown one), cached per flag
+    set; ``extra_flags``: more compiler flags. None where the library does not build (a NativeBuildWarning says
+    why, once) or ``CTXSPARSE_CPU_NATIVE=0``."""
+    global _DEFAULT, _DEFAULT_KEY
+    if _cpu.native_disabled():
+        return None
+    default = isa is None and not extra_flags
+    if default and _DEFAULT_KEY is not None:
+        return _DEFAULT
+    key = tuple(_cpu.native_flags(isa, EXTRA_FLAGS + tuple(extra_flags)))
     with _LOCK:
         if key not in _LIBS:
-            out = compile_native(_SRC, EXTRA_FLAGS + key)
-            lib = None
-            if out is not None:
-                lib = ctypes.CDLL(str(out))
-                P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-                lib.cs_q_dequant.argtypes = [P, I, I64, P, I64, P, I]
-                lib.cs_q_rows.argtypes = [P, I, P, I, I64, P, P, I64, I64, P, I64, I, I, P, I]
-                lib.cs_q_ffn.argtypes = [P, I, P, I, P, I, I64, I64, P, P, P, I64, I, I, P, P, I]
-                lib.cs_qt_axpy.argtypes = [P, I, I, P, P, I, I64, I64, I64, P, I64, P, I64, I64, P, P, I]
-                lib.cs_q_simd.argtypes = []
-                lib.cs_q_layers.argtypes = [P, P, I64, I64, P, P, P, I64, P, I64, I]
-                lib.cs_q_layers_scratch.argtypes = [P, I, I64]
-                lib.cs_q_layers_scratch.restype = I64
-                for f in (lib.cs_q_dequant, lib.cs_q_rows, lib.cs_q_ffn, lib.cs_qt_axpy, lib.cs_q_simd,
-                          lib.cs_q_layers):
-                    f.restype = I
-            _LIBS[key] = lib
-        return _LIBS[key]
+            _LIBS[key] = _cpu.load_native(_SRC, _setup, EXTRA_FLAGS + tuple(extra_flags), isa=isa)
+        lib = _LIBS[key][0]
+        if default:
+            _DEFAULT, _DEFAULT_KEY = lib, key
+        return lib
+
+
+def library_status() -> dict | None:
+    """The status (kernels.cpu.load_native's) of the requested build's library; None before its first use."""
+    with _LOCK:
+        hit = _LIBS.get(_DEFAULT_KEY) if _DEFAULT_KEY is not None else None
+    return None if hit is None else hit[1]
+
+
+def library_isa(lib: ctypes.CDLL) -> str:
+    """What a loaded library was compiled for: "avx512", "avx2", "neon" or "scalar" (its cs_isa())."""
+    code = int(lib.cs_isa())
+    return _cpu.ISA_OF_CODE.get(code, f"unknown ({code})")
+
+
+def _forget() -> None:
+    """kernels.cpu.reload_native: drop every loaded build."""
+    global _DEFAULT, _DEFAULT_KEY
+    with _LOCK:
+        _LIBS.clear()
+        _DEFAULT, _DEFAULT_KEY = None, None
 
 
 def native_available() -> bool:

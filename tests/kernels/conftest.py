@@ -12,6 +12,7 @@ import secrets  # noqa: E402
 
 import pytest  # noqa: E402
 
+from tests.kernels import isa_support  # noqa: E402
 from tests.kernels.kernel_support import GRID_SEED_ENV, INTERPRETED, grid_seed  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -36,6 +37,26 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", isa_support.MARK_HELP)
+
+
+def pytest_generate_tests(metafunc):
+    isa_support.generate(metafunc)
+
+
+def pytest_collection_modifyitems(config, items):
+    isa_support.deselect(config, items, ("tests.kernels.test_cpu", "path"))
+
+
+@pytest.fixture
+def cpu_isa(request):
+    """The instruction-set build of the native CPU kernels this case runs (tests/kernels/isa_support.py:
+    ``CTXSPARSE_TEST_ISAS`` chooses them; every one for a test marked ``every_isa``), loaded and checked."""
+    with isa_support.build(request.param) as name:
+        yield name
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """kernels.cpu (the CPU backend) against the torch reference in fp64: every op, batch 1 and several tokens,
-fixed and padded index buffers, nothing / everything active; the compiled row kernels and the torch-primitive
-fallback alike."""
+fixed and padded index buffers, nothing / everything active; the compiled row kernels, in every instruction-set
+build ``CTXSPARSE_TEST_ISAS`` chooses (tests/kernels/isa_support.py), and the torch-primitive fallback alike; the
+input-sparse kernel's thread team at 4 and 8 threads."""
 import pytest
 import torch
 
@@ -8,20 +9,30 @@ from kernels import cpu as K
 from kernels import ops
 from kernels import reference as R
 from kernels.token_sparse import reference_token_sparse_ffn
+from tests.kernels import isa_support
 from tests.kernels.kernel_support import D_FF, D_MODEL, ffn_weights, make_idx, rel_err, rnd, up
 
 TOL = 1e-5
+pytestmark = pytest.mark.every_isa          # each test taking ``path`` runs on every chosen build
 
 
-@pytest.fixture(params=["native", "torch"])
+def pytest_generate_tests(metafunc):
+    if "path" in metafunc.fixturenames:
+        metafunc.parametrize("path", [*isa_support.selected(), "torch"], indirect=True)
+
+
+@pytest.fixture
 def path(request, monkeypatch):
-    """Run each test on the compiled kernels and on the fallback (CTXSPARSE_CPU_NATIVE=0)."""
+    """Run each test on the compiled kernels, once per instruction-set build (native, avx2, scalar: loaded and
+    checked), and on the fallback (CTXSPARSE_CPU_NATIVE=0)."""
     if request.param == "torch":
         monkeypatch.setenv("CTXSPARSE_CPU_NATIVE", "0")
-    else:
-        monkeypatch.delenv("CTXSPARSE_CPU_NATIVE", raising=False)
+        yield "torch"
+        return
+    monkeypatch.delenv("CTXSPARSE_CPU_NATIVE", raising=False)
+    with isa_support.build(request.param):
         assert K.native_available(), "the C compiler of this machine should build kernels/cpu_native.c"
-    return request.param
+        yield request.param
 
 
 def _idx(gen, s, mode, n=D_FF):
@@ -224,3 +235,32 @@ def test_input_sparse_segments_on_each_tokens_top_k(path, batch, gen):
             K.input_sparse_linear_segments(x, w_t, None, sizes, **bad)
     with pytest.raises(ValueError, match="not both"):
         K.input_sparse_linear_segments(x, w_t, torch.zeros(3), sizes, topk=5)
+
+
+def test_input_sparse_segments_thread_team_at_4_and_8_threads(cpu_isa, gen):
+    """cs_input_sparse_seg at 4 and 8 threads (users decode on every core; oversubscribed here: a correctness
+    test): the threads split the output columns (each at least 256), every output's sum over the active inputs in
+    one fixed order, so the 1-thread result BIT FOR BIT; scalar and per-channel thresholds, each token's top-k,
+    1 and 3 tokens; the active counts the same."""
+    n_in, sizes = 300, [1024, 512, 512]                   # 2048 outputs: 8 threads x 256
+    w_t = rnd((n_in, sum(sizes)), gen, torch.float32, "cpu")
+    bias = rnd((sum(sizes),), gen, torch.float32, "cpu")
+    per_channel = torch.rand(n_in, generator=gen)
+    for B in (1, 3):
+        x = rnd((B, n_in), gen, torch.float32, "cpu")
+        for thr, topk in ((torch.tensor([0.3, 0.8, 0.0]), None), ([per_channel, 0.5, 0.2], None), (None, 100)):
+            def run(threads, thr=thr, topk=topk, x=x):
+                prev = torch.get_num_threads()
+                torch.set_num_threads(threads)
+                try:
+                    counts = torch.zeros(3, dtype=torch.float64)
+                    return K.input_sparse_linear_segments(x, w_t, thr, sizes, bias, counts=counts, topk=topk), counts
+                finally:
+                    torch.set_num_threads(prev)
+
+            y1, c1 = run(1)
+            if isinstance(thr, torch.Tensor):            # (the other thresholds: the tests above)
+                assert rel_err(y1, R.input_sparse_linear_segments(up(x), up(w_t), thr, sizes, up(bias))) <= TOL
+            for T in (4, 8):
+                yT, cT = run(T)
+                assert torch.equal(yT.view(torch.int32), y1.view(torch.int32)) and torch.equal(cT, c1), (B, T, topk)

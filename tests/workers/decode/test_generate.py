@@ -133,7 +133,10 @@ def test_cli_generate_and_its_errors(tiny, tok, tmp_path, capsys):
     assert main(["generate", "--model", ref, "--bundle", str(path), "--prompt", PROMPT, "--tokens", "6",
                  "--repeats", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[1].startswith("tokens/s on cpu") and "dense" in out[1] and "sparse" in out[1]
+    from kernels.cpu import describe
+
+    assert out[0] == describe()            # which CPU kernels run, first (`ctxsparse kernels`)
+    assert out[2].startswith("tokens/s on cpu") and "dense" in out[2] and "sparse" in out[2]
     other = str(_model_folder(tmp_path / "other", tok, seed=1))
     capsys.readouterr()
     cases = [(["--bundle", str(tmp_path / "missing")], "missing: not a bundle folder"),

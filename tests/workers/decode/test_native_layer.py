@@ -1,8 +1,12 @@
 """The quantized CPU step's decoder layers in one native call each (workers.decode.native_layer): the logits and
 caches equal the per-op step's (``fuse=False``) BIT FOR BIT -- the same row products and the same glue code on the
 same values -- on real SmolLM2-135M weights (Q4_1, its GGUF) at 1 and 2 threads, with the greedy tokens of the
-fp32 runtime, and on tiny random Llama, Qwen2 and Gemma-3 layers over mixed GGUF formats; where the layer
-cannot run natively the per-op step runs and says so; the runtime's options choose the path. About 15 s."""
+fp32 runtime, and on tiny random Llama, Qwen2 and Gemma-3 layers over mixed GGUF formats (also at 4 and 8
+threads: the 1-thread logits bit for bit); where the layer cannot run natively the per-op step runs and says so
+(and the failed build warns, once per library); the runtime's options choose the path. Each case runs on one
+instruction-set build (tests/kernels/isa_support.py): every test on the native build, the bit-for-bit decodes
+(SmolLM2 at 1 thread, the tiny families) on every build CTXSPARSE_TEST_ISAS chooses. About 15 s, 5 s per other
+build."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,6 +25,8 @@ from workers.decode.glue import glue_fns
 from workers.decode.plan import InputGroup, RuntimePlan
 from workers.decode.runtime import DecodeRuntime
 from workers.decode.weights import from_hf
+
+pytestmark = pytest.mark.usefixtures("cpu_isa")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -42,7 +48,7 @@ def smollm2_quant(smollm2):
     return DecodeRuntime.from_gguf(smollm2.model, smollm2.source)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [pytest.param(1, marks=pytest.mark.every_isa), 2])
 def test_smollm2_native_layers_equal_the_per_op_step_and_fp32_tokens(smollm2, smollm2_quant, threads):
     rq = smollm2_quant
     ids = smollm2.tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
@@ -120,6 +126,7 @@ def _quantized(model, family: str, seed: int = 0, formats=None):
     return dataclasses.replace(w, layers=tuple(layers), lm_head=head, embed=head)
 
 
+@pytest.mark.every_isa
 @pytest.mark.parametrize("family", list(FORMATS_OF))
 def test_tiny_families_native_layers_equal_the_per_op_step(family):
     """Llama; Qwen2 (QKV biases, a fused QKV of two formats); Gemma-3 (q/k norms, sandwich norms, GeLU-tanh, a
@@ -135,6 +142,28 @@ def test_tiny_families_native_layers_equal_the_per_op_step(family):
             assert _engaged(native) is not None and _engaged(per_op) is None
             assert torch.equal(_bits(a), _bits(b)), family
             assert bool(torch.isfinite(a).all()) and a[1:].std() > 0
+    finally:
+        torch.set_num_threads(prev)
+
+
+@pytest.mark.every_isa
+def test_the_thread_team_at_4_and_8_threads_gives_the_1_thread_logits():
+    """Users decode on every core, the tests above at 1-2 threads: the one-call layers (cs_q_layers, every layer
+    in one parallel region) at 4 and 8 threads (oversubscribed here: a correctness test) give the 1-thread logits
+    BIT FOR BIT -- every output's reduction order is fixed whatever the split (a row chunk or a head a task) --
+    on the three tiny families; and they are the native path (not the per-op step)."""
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(4))
+    prev = torch.get_num_threads()
+    try:
+        for family in FORMATS_OF:
+            rt = DecodeRuntime(_quantized(_tiny(family), family))
+            torch.set_num_threads(1)
+            one = _decode_logits(rt, ids, 4)
+            for threads in (4, 8):
+                torch.set_num_threads(threads)
+                many = _decode_logits(rt, ids, 4)
+                assert _engaged(rt) is not None and _engaged(rt).dense is None
+                assert torch.equal(_bits(many), _bits(one)), (family, threads)
     finally:
         torch.set_num_threads(prev)
 
@@ -178,8 +207,9 @@ def test_the_runtime_options_choose_the_path():
 
 
 def test_without_a_compiler_the_per_op_step_runs_and_says_so(tmp_path):
-    """No C compiler (CC fails, an empty kernel cache): neither native library builds, the step runs per op on
-    the torch fallbacks, and a RuntimeWarning says that the one-call layer cannot run and why. About 10 s."""
+    """No C compiler (CC fails, an empty kernel cache): neither native library builds, each says so once (a
+    NativeBuildWarning on stderr naming CTXSPARSE_CPU_NATIVE=0), the step runs per op on the torch fallbacks,
+    and a RuntimeWarning says that the one-call layer cannot run and why. About 10 s."""
     code = """
 import warnings, torch
 from kernels import cpu, cpu_quant
@@ -199,3 +229,6 @@ print("finite", bool(torch.isfinite(a).all()))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "the one-call native layer cannot run (the native CPU kernels are not built here" in out.stdout
     assert "finite True" in out.stdout
+    for name in ("cpu_native", "cpu_quant"):
+        assert out.stderr.count(f"NativeBuildWarning: the native CPU library {name} ") == 1, out.stderr[-3000:]
+    assert out.stderr.count("set CTXSPARSE_CPU_NATIVE=0 to choose the fallback") == 2

@@ -2,7 +2,9 @@
 only the active inputs' rows and give the masked fp32 products (kernels.cpu_quant.input_sparse_linear_parts,
 the per-op step); the one-call native layers (cs_q_layers with kernels.cpu_quant.SparseLayers) give the per-op
 step's values and counts; on real SmolLM2-135M weights (its Q4_1 GGUF) the sparse quantized decode's greedy
-tokens are the masked fp32 model's. About 15 s."""
+tokens are the masked fp32 model's. Each case runs on one instruction-set build (tests/kernels/isa_support.py):
+every test on the native build; the products, the tiny families, the dense-or-active choice and SmolLM2's tokens
+at 1 thread on every build CTXSPARSE_TEST_ISAS chooses. About 15 s, 10 s per other build."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,6 +17,8 @@ from workers.decode import native_layer
 from workers.decode.latency import calibrated_input_plan
 from workers.decode.runtime import DecodeRuntime
 
+pytestmark = pytest.mark.usefixtures("cpu_isa")
+
 
 def _masked_reference(x, weights, scales, thresholds, bias=None):
     """Σ over the inputs with |x_i| > t of x_i W[:, i] (fp64), part by part, from the dequantized weights."""
@@ -26,6 +30,7 @@ def _masked_reference(x, weights, scales, thresholds, bias=None):
     return y if bias is None else y + bias.double()
 
 
+@pytest.mark.every_isa
 @pytest.mark.parametrize("fmts", [("Q4_1", "Q4_1", "Q4_1"), ("Q5_0", "Q8_0", "Q4_K"), ("Q6_K", "Q4_0", "Q5_1")])
 def test_transposed_parts_give_the_masked_products_and_counts(fmts):
     """Three parts of three formats (the first scaled by 1/8, as the folded attention scale), a threshold each,
@@ -64,6 +69,7 @@ def test_sparse_layers_refuse_bad_input():
         cpu_quant.TransposedParts.of(_blocks("Q4_1", 64, 64, rng), _blocks("Q4_1", 64, 96, rng))
 
 
+@pytest.mark.every_isa
 @pytest.mark.parametrize("family", list(FORMATS_OF))
 def test_tiny_families_native_sparse_layers_equal_the_per_op_step(family):
     """Llama (Q4_1), Qwen2 (QKV bias, five formats), Gemma-3 (q/k and sandwich norms, GeLU-tanh) with a TEAL plan
@@ -90,7 +96,7 @@ def test_tiny_families_native_sparse_layers_equal_the_per_op_step(family):
         torch.set_num_threads(prev)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, pytest.param(2, marks=pytest.mark.every_isa)])
 @pytest.mark.parametrize("sparsity", [0.2, 0.7])
 def test_native_layers_choose_dense_rows_on_a_masked_input_or_the_active_rows(sparsity, threads):
     """Above 60 % active inputs a group runs the dense rows on its input with the inactive entries zeroed
@@ -116,6 +122,7 @@ def test_native_layers_choose_dense_rows_on_a_masked_input_or_the_active_rows(sp
     assert got < 0.4 if sparsity < 0.5 else got > 0.4, got       # each case on its side of the 60 % active choice
 
 
+@pytest.mark.every_isa
 def test_the_dense_choice_and_the_active_rows_give_the_same_layers(smollm2_teal):
     """SmolLM2's layers in one call at s = 0.4 (its TEAL plan), on one and two threads:
     every group's dense rows on the masked input (dense_above 0) and its active rows (dense_above 1) give the same
@@ -150,7 +157,7 @@ def smollm2_teal(smollm2):
     return plan, DecodeRuntime.from_gguf(smollm2.model, smollm2.source).set_plan(plan)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [pytest.param(1, marks=pytest.mark.every_isa), 2])
 def test_smollm2_sparse_quantized_tokens_are_the_masked_fp32_models(smollm2, smollm2_teal, threads):
     """TEAL at 40 % on every projection: the quantized runtime (native layers) and the fp32 runtime with the same
     plan decode the same greedy tokens, skip the same share of inputs (within 1 %), and the sparse logits are not

@@ -6,8 +6,10 @@ head_sparse_out); a runtime over random blocks decodes every predictor plan as t
 in fp32 (logits to rounding, the same tokens and realized sparsity), the layers without a predictor still in the
 one-call native layer; the plan makes the transposed blocks for the layers that need them and drops them after;
 on real SmolLM2-135M weights (its Q4_1 GGUF) a Deja Vu plan's greedy tokens over the blocks are the fp32
-runtime's. The rows_dot / rows_axpy_t primitives with an index are tested in tests/kernels/test_quant.py. About
-15 s."""
+runtime's. The rows_dot / rows_axpy_t primitives with an index are tested in tests/kernels/test_quant.py. Each case
+runs on one instruction-set build (tests/kernels/isa_support.py): every test on the native build; the ops and
+three of the runtime plans (Deja Vu on Llama and Gemma-3, gate thresholds on a Qwen2 batch) on every build
+CTXSPARSE_TEST_ISAS chooses. About 15 s, 5 s per other build."""
 from __future__ import annotations
 
 import dataclasses
@@ -28,6 +30,8 @@ from workers.sparsity.predictors.threshold import GateThreshold
 
 # (gate, up, down) formats: Q4_0 / Q4_1 / Q8_0 and a K-quant in each role
 FFN_FORMATS = [("Q4_0", "Q4_1", "Q8_0"), ("Q8_0", "Q4_K", "Q4_0"), ("Q4_K", "Q8_0", "Q4_1")]
+pytestmark = pytest.mark.usefixtures("cpu_isa")
+EVERY = pytest.mark.every_isa
 
 
 def _d64(w: QuantWeight) -> torch.Tensor:
@@ -59,6 +63,7 @@ def _index(rng, n: int, k: int, padded: bool):
     return torch.cat([act, torch.tensor(rng.integers(0, n, n - k), dtype=torch.int32)]), torch.tensor([k])
 
 
+@EVERY
 @pytest.mark.parametrize("fmts", FFN_FORMATS)
 @pytest.mark.parametrize("B", [1, 3])
 def test_sparse_ffn_ops_equal_the_dequantized_reference(fmts, B):
@@ -105,6 +110,7 @@ def test_sparse_ffn_ops_equal_the_dequantized_reference(fmts, B):
     _close(y, want, (x64.abs() @ Wu.abs().t() + b1.double().abs()) @ WdT.abs() + b2.double().abs())
 
 
+@EVERY
 @pytest.mark.parametrize("B", [1, 2])
 def test_threshold_ffn_keeps_each_tokens_own_neurons(B):
     """The gate-threshold FFN after a dense gate: token b adds only the neurons it keeps; the union's rows read
@@ -127,6 +133,7 @@ def test_threshold_ffn_keeps_each_tokens_own_neurons(B):
     assert int(stat) == int(keep.any(0).sum()) < D
 
 
+@EVERY
 @pytest.mark.parametrize("fmts", [("Q4_0", "Q8_0", "Q4_1"), ("Q4_K", "Q4_0", "Q8_0")])
 def test_head_sparse_ops_equal_the_dequantized_reference(fmts):
     """QKV rows of the active query heads (the query part scaled, as the folded attention scale) and of every or
@@ -189,9 +196,10 @@ def _plan(model, kind: str, wf) -> SparsityPlan:
 
 
 @pytest.mark.parametrize("family,kind,kv_mode,B", [
-    ("llama", "dejavu", "exact", 1), ("qwen2", "dejavu", "exact", 1), ("gemma3", "dejavu", "exact", 1),
-    ("llama", "dejavu", "active", 1), ("llama", "dejavu", "exact", 2), ("llama", "svd", "exact", 1),
-    ("llama", "sequential", "exact", 1), ("llama", "damage", "exact", 1), ("qwen2", "threshold", "exact", 2)])
+    pytest.param("llama", "dejavu", "exact", 1, marks=EVERY), ("qwen2", "dejavu", "exact", 1),
+    pytest.param("gemma3", "dejavu", "exact", 1, marks=EVERY), ("llama", "dejavu", "active", 1),
+    ("llama", "dejavu", "exact", 2), ("llama", "svd", "exact", 1), ("llama", "sequential", "exact", 1),
+    ("llama", "damage", "exact", 1), pytest.param("qwen2", "threshold", "exact", 2, marks=EVERY)])
 def test_predictor_plans_over_blocks_equal_the_fp32_runtime_over_their_values(family, kind, kv_mode, B):
     """Llama (Q4_1), Qwen2 (QKV biases, five formats), Gemma-3 (q/k and sandwich norms, GeLU-tanh): the plan's
     logits over the blocks equal those over the same values in fp32 within fp32 rounding, the same greedy tokens,
