@@ -91,9 +91,15 @@ ship: install
 
 # llama.cpp through llama-cpp-python: the CPU peer that benchmarks/cpu_peer.py times on the same GGUF. Not part of
 # install / test: it builds llama.cpp from source (about 6 min of two cores; at the lowest priority, niced).
+# LLAMA_CPP_ISA=avx2 builds llama.cpp's AVX2 paths without AVX-512 (-DGGML_AVX512=OFF), the peer of ctxsparse's
+# CTXSPARSE_CPU_ISA=avx2 build on a CPU that has more; native (the default) builds for this CPU.
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
+LLAMA_CPP_ISA  ?= native
+LLAMA_CPP_CMAKE_native := -DGGML_NATIVE=ON
+LLAMA_CPP_CMAKE_avx2   := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF
 llama-cpp: install
-	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" nice -n 19 $(PY) -m pip install -q -c constraints.txt $(LLAMA_CPP_SPEC)
+	@test -n "$(LLAMA_CPP_CMAKE_$(LLAMA_CPP_ISA))" || { echo "LLAMA_CPP_ISA=$(LLAMA_CPP_ISA): expected native or avx2" >&2; exit 2; }
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_$(LLAMA_CPP_ISA)) -DLLAMA_CURL=OFF" nice -n 19 $(PY) -m pip install -q --force-reinstall --no-deps -c constraints.txt $(LLAMA_CPP_SPEC)
 	$(PY) -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
 
 # The reference in docs/ as a site in site/ (git-ignored); --strict: a broken link or a page left out of the nav fails.
