@@ -485,7 +485,7 @@ class QSparse(ctypes.Structure):
 
 SPARSE_GROUPS = ("qkv", "o", "gu", "down")       # the groups cs_q_layers runs input-sparse
 # a group (with one threshold for its parts) more active than this share runs its dense rows on its input with
-# the inactive entries zeroed: the same products, at the dense kernel's cost (BENCHMARKS.md: CPU sparse execution)
+# the inactive entries zeroed: the same products, at the dense kernel's cost (benchmarks/results/history-cpu.md, "CPU sparse execution")
 DENSE_ABOVE = 0.6
 
 

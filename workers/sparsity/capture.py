@@ -14,7 +14,7 @@ last shard) of the rms-normalized block inputs before the norm's gain, n = h / r
 (``attn_in`` [d, d]) and at the FFN (``ffn_in`` [d, d]), and of the attention output (o's input) per KV head
 group, Σ over the group's query heads of a_h a_hᵀ (``o`` [n_kv_heads, head_dim, head_dim]): what the rotations
 of :mod:`workers.sparsity.predictors.larosa` are fitted from (``ActivationCache.load_cov``). SmolLM2: 81 MB per
-cache whatever its token count (BENCHMARKS.md, "LaRoSA"); RMSNorm models only.
+cache whatever its token count (benchmarks/results/history-quality.md, "LaRoSA"); RMSNorm models only.
 
 The cache key is sha256(model fingerprint, data fingerprint, token budget, dtype, components, layers, format).
 Shards hold ``shard_tokens`` tokens each (sized from a memory budget), so memory stays bounded whatever the

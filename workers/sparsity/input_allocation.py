@@ -9,7 +9,7 @@ calibration tokens (dense inputs), steps sized so that each one skips the same n
 budget reads the first point that reaches it (:func:`block_sparsities_at`). On SmolLM2 it was worse than uniform
 at 25 % of the weights and did not rank settings end to end.
 
-**Model greedy** (``greedy: "model"``): measured one projection kind at a time (BENCHMARKS.md, "Where Gemma-3
+**Model greedy** (``greedy: "model"``): measured one projection kind at a time (benchmarks/results/history-quality.md, "Where Gemma-3
 loses"), the kinds differ by more than 10x in what half of their inputs cost in perplexity (SmolLM2: o free, down
 +2.5 %, up +16 %; Gemma-3: k and v, 3 % of the weights each, +6 % each), so the budget belongs where it costs
 least, measured on the whole model. Start with every kind dense; at each step, for every kind p of

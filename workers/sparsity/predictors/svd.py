@@ -16,7 +16,7 @@ a first half X1 (builds the factors) and a second half X2 (calibrates the biases
                 SiLU/GeLU models: a neuron with a large gate but a small up contributes nothing, and the reverse.
    The score is ``p + bias`` and a neuron runs iff score > 0 (rule ``positive``); for ``product`` the bias is
    −t_i, i.e. keep iff |act(ĝ_i)·û_i| > t_i. Default: ``product`` for gated MLPs, ``gate`` otherwise (on SmolLM2
-   ``product`` wins from r = 64 up, and at equal predictor bytes from r = 128: BENCHMARKS.md, "SVDP internals").
+   ``product`` wins from r = 64 up, and at equal predictor bytes from r = 128: benchmarks/results/history-quality.md, "SVDP internals").
 
 3. **What "inactive" means** (``damage``): the damage of switching neuron i off for token t is
    ``gate``     |act(gate)|,

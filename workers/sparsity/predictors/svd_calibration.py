@@ -15,7 +15,7 @@ than its natural sparsity) all free zeros are still switched off -- they cost no
 **Sequential filter** (:func:`seq_filter_threshold`): gate runs on the predicted rows, rows with |act(gate)| <= f
 are dropped before up/down; f is the largest value whose extra damage (sum of squared damages of predicted-on pairs
 with |act(gate)| <= f) is at most ``tol`` of the squared damage the predictor keeps. Per-layer tolerances compound
-over the layers: only a small one (1e-4) is negligible (BENCHMARKS.md, "SVDP internals").
+over the layers: only a small one (1e-4) is negligible (benchmarks/results/history-quality.md, "SVDP internals").
 
 **Superset filter** (:func:`superset_filter_threshold`): the exact gate (or damage) on a predicted superset, f set
 so that the fraction of all pairs off reaches the layer's target.
