@@ -93,16 +93,7 @@ def _cache_dir() -> Path:
 
 def _cpu_tag() -> str:
     """-march=native: the build is only valid on CPUs with the same feature flags."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = line
-                    break
-    except OSError:
-        pass
-    return platform.machine() + flags
+    return platform.machine() + " " + " ".join(sorted(_isa.cpu_flags()))
 
 
 def native_disabled() -> bool:
@@ -192,7 +183,7 @@ def load_native(src: Path, setup, extra_flags=(), *, isa: str | None = None) -> 
         try:
             lib = ctypes.CDLL(str(path))
             lib.cs_isa.argtypes, lib.cs_isa.restype = [], ctypes.c_int
-            code = int(lib.cs_isa())
+            built_for = library_isa(lib)
             setup(lib)
         except (OSError, AttributeError) as e:
             raise NativeBuildError(f"the built library {path.name} does not load: {e}") from None
@@ -200,8 +191,14 @@ def load_native(src: Path, setup, extra_flags=(), *, isa: str | None = None) -> 
         st["error"] = str(e)
         _warn_once(src.stem, requested, str(e))
         return None, st
-    st.update(built=True, isa=ISA_OF_CODE.get(code, f"unknown ({code})"), path=str(path))
+    st.update(built=True, isa=built_for, path=str(path))
     return lib, st
+
+
+def library_isa(lib: ctypes.CDLL) -> str:
+    """What a loaded native library was compiled for: "avx512", "avx2", "neon" or "scalar" (its cs_isa())."""
+    code = int(lib.cs_isa())
+    return ISA_OF_CODE.get(code, f"unknown ({code})")
 
 
 def _setup(lib: ctypes.CDLL) -> None:

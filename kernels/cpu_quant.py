@@ -99,10 +99,7 @@ def library_status() -> dict | None:
     return None if hit is None else hit[1]
 
 
-def library_isa(lib: ctypes.CDLL) -> str:
-    """What a loaded library was compiled for: "avx512", "avx2", "neon" or "scalar" (its cs_isa())."""
-    code = int(lib.cs_isa())
-    return _cpu.ISA_OF_CODE.get(code, f"unknown ({code})")
+library_isa = _cpu.library_isa      # what a loaded library was compiled for (its cs_isa())
 
 
 def _forget() -> None:

@@ -47,12 +47,12 @@ def cpu_flags() -> frozenset[str]:
 
 
 def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` says."""
+    """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` says, else ``cpu``."""
     for line in _cpuinfo_lines():
         key, _, val = line.partition(":")
-        if key.strip() in ("model name", "Model name", "CPU part") and val.strip():
+        if key.strip() in ("model name", "Model name") and val.strip():
             return val.strip()
-    return platform.processor() or platform.machine()
+    return platform.processor() or platform.machine() or "cpu"
 
 
 def requested() -> str:

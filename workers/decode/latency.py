@@ -23,7 +23,6 @@ from the real small models; these rows measure the runtime at that sparsity).
 from __future__ import annotations
 
 import math
-import platform
 import time
 import weakref
 
@@ -125,14 +124,9 @@ def accelerator_name(device) -> str:
         return torch.cuda.get_device_name(dev)
     if dev.type == "npu":  # pragma: no cover - Ascend only
         return str(torch.npu.get_device_name(dev))
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
+    from kernels.isa import cpu_model
+
+    return cpu_model()
 
 
 def cpu_build(device) -> dict:
