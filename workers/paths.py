@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -69,3 +70,18 @@ def atomic_dir(final: Path):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: Path):
+    """Hold an exclusive advisory lock on ``lock_path`` (created if missing) for the block: the processes of one
+    node that would build the same cache entry at once (a sweep's actors starting together) take turns, so one
+    builds it and the others find it made. The lock goes with the holder's process, a killed one included."""
+    lock_path = Path(lock_path)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -197,6 +197,25 @@ def test_qwen2_gguf_loads_as_the_model_it_was_written_from(qwen2, smol_tok):
     assert w.lm_head.shape == (cfg.vocab_size, 64) and w.lm_head.parts[0].fmt.name == "F32"
 
 
+def test_the_plain_reader_reads_what_gguf_py_reads(qwen2):
+    """open_gguf (plain arrays over the memory map) gives gguf-py's reader's fields and tensors, byte for byte."""
+    import gguf
+
+    from workers.loading.gguf_tensors import open_gguf
+
+    _, path, _, _ = qwen2
+    ours, theirs = open_gguf(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields) and "tokenizer.ggml.tokens" in ours.fields
+    for name, f in theirs.fields.items():
+        g = ours.fields[name]
+        assert (g.offset, g.data, g.types) == (f.offset, f.data, f.types), name
+        assert [bytes(p) for p in g.parts] == [bytes(p) for p in f.parts], name
+        assert all(type(p) is np.ndarray for p in g.parts)          # no memmap slices
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in theirs.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
+
+
 def test_qwen2_gguf_q8_0_with_a_tied_embedding(tmp_path, monkeypatch, smol_tok):
     """Q8_0 matrices and no ``output.weight`` (Qwen2-0.5B's layout): the loaded model's matrices are the gguf
     package's Q8_0 round trip of the HF model's, its norms and biases the HF model's (F32), its head tied to the
@@ -209,12 +228,12 @@ def test_qwen2_gguf_q8_0_with_a_tied_embedding(tmp_path, monkeypatch, smol_tok):
 
     monkeypatch.setenv("CTXSPARSE_MODEL_CACHE", str(tmp_path / "model-cache"))
     parses = []
-    real = gguf.GGUFReader
-    monkeypatch.setattr(gguf, "GGUFReader", lambda p, *a, **k: parses.append(p) or real(p, *a, **k))
+    real_init = gguf.GGUFReader.__init__        # every reader (workers.loading.gguf_tensors' plain one too)
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", lambda r, p, *a, **k: parses.append(p) or real_init(r, p, *a, **k))
     hf, path, lm = _written(tmp_path, smol_tok, SMALL_VOCAB, tied=True, qtype="Q8_0")
     # transformers reads the file for the tokenizer, the config and the weights: the conversion parses it once
     assert len(parses) == 1
-    monkeypatch.setattr(gguf, "GGUFReader", real)
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", real_init)
     assert lm.family == "qwen2" and lm.model.config.tie_word_embeddings
     assert lm.model.lm_head.weight.data_ptr() == lm.model.model.embed_tokens.weight.data_ptr()
     q8 = gguf.GGMLQuantizationType.Q8_0

