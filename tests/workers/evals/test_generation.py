@@ -79,7 +79,7 @@ def test_generate_until_keeps_lm_evals_texts(smollm2):
     same cap, same truncation of the text at the first stop)."""
     from lm_eval.api.instance import Instance
 
-    from workers.evals.scoring import scoring_lm
+    from workers.evals.scoring_lm import ScoringLM
 
     prompts = ["Question: What is 2 + 3?\nAnswer:", "The capital of France is", "Once upon a time, there",
                "def add(a, b):\n   ", "Q: Name a colour.\nA:"]
@@ -87,19 +87,19 @@ def test_generate_until_keeps_lm_evals_texts(smollm2):
     reqs = [Instance(request_type="generate_until", doc={}, arguments=(p, dict(kwargs)), idx=0) for p in prompts]
     texts = {}
     for loop in ("rounds", "lm_eval"):
-        lm = scoring_lm()(pretrained=smollm2.model, tokenizer=smollm2.tokenizer, batch_size=2, generation=loop)
+        lm = ScoringLM(pretrained=smollm2.model, tokenizer=smollm2.tokenizer, batch_size=2, generation=loop)
         texts[loop] = lm.generate_until(reqs, disable_tqdm=True)
         if loop == "rounds":
             assert lm.generation_stats["rounds"] >= 2
     assert texts["rounds"] == texts["lm_eval"]
-    lm = scoring_lm()(pretrained=smollm2.model, tokenizer=smollm2.tokenizer, batch_size=2)
+    lm = ScoringLM(pretrained=smollm2.model, tokenizer=smollm2.tokenizer, batch_size=2)
     other = {**kwargs, "max_gen_toks": 4, "repetition_penalty": 1.3}     # a kwarg the refilled loop does not do
     lm.generate_until([Instance(request_type="generate_until", doc={}, arguments=(prompts[0], other), idx=0)],
                       disable_tqdm=True)
     assert lm.generation_stats == {}                                  # lm-eval's loop ran it
     assert len({t for t in texts["rounds"]}) == len(prompts) and all("\n\n" not in t for t in texts["rounds"])
     with pytest.raises(ValueError, match="generation"):
-        scoring_lm()(pretrained=smollm2.model, tokenizer=smollm2.tokenizer, batch_size=2, generation="beam")
+        ScoringLM(pretrained=smollm2.model, tokenizer=smollm2.tokenizer, batch_size=2, generation="beam")
 
 
 class _SmallDevice(torch.nn.Module):

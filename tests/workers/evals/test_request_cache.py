@@ -19,7 +19,6 @@ import pytest
 
 from workers.evals import request_cache as rc
 from workers.evals import tasks as tasks_mod
-from workers.evals.scoring import scoring_lm
 from workers.evals.suites import run_suite
 from workers.evals.tasks import SUITES
 
@@ -89,7 +88,9 @@ def test_cached_rows_equal_lm_evals_pass_smollm2_every_task(smollm2, home, name)
 
 # ---------------------------------------------------------------------------------------------------- keys
 def _key(model, tok, name="copa", limit=4, seed=0) -> str:
-    return rc.entry_key(name, limit, seed, scoring_lm()(pretrained=model, tokenizer=tok, batch_size=4))
+    from workers.evals.scoring_lm import ScoringLM
+
+    return rc.entry_key(name, limit, seed, ScoringLM(pretrained=model, tokenizer=tok, batch_size=4))
 
 
 def test_key_follows_the_tokenizer_content_not_its_object_or_name(tiny):
@@ -143,8 +144,7 @@ def test_key_follows_the_task_config(tiny, monkeypatch):
     monkeypatch.undo()
     assert _key(model, tok) == base
     # the shipped data's fingerprint is part of the key
-    from workers.evals import suites
-    monkeypatch.setattr(suites, "packaged_data_fingerprint", lambda spec: "other data")
+    monkeypatch.setattr(rc, "packaged_data_fingerprint", lambda spec: "other data")
     assert _key(model, tok) != base
 
 
@@ -222,7 +222,9 @@ def test_a_failed_write_leaves_the_old_entry_whole(tiny, home, monkeypatch):
     run_suite(model, tok, ["copa"], 3)
     (path,) = _entries(home)
     old = path.read_bytes()
-    hflm = scoring_lm()(pretrained=model, tokenizer=tok, batch_size=4)
+    from workers.evals.scoring_lm import ScoringLM
+
+    hflm = ScoringLM(pretrained=model, tokenizer=tok, batch_size=4)
     rs = rc.load_or_build("copa", 3, 0, hflm)
     real = np.savez
 

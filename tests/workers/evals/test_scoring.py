@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from workers.evals import scoring
-from workers.evals.scoring import scoring_lm, token_batches
+from workers.evals.scoring import token_batches
 
 MAX_LENGTH = 24
 
@@ -54,8 +54,10 @@ def reference(smollm2):
                          ids=["decoder_then_head", "full_logits", "other_lm_eval_version"])
 def test_batched_scores_equal_lm_evals_loop(smollm2, reference, split, batched):
     """(An lm-eval version the batched scorer was not checked on runs lm-eval's own loop: same answers.)"""
+    from workers.evals.scoring_lm import ScoringLM
+
     reqs, want = reference
-    got = _scores(scoring_lm(), smollm2.model, smollm2.tokenizer, reqs, split=split, batched=batched)[0]
+    got = _scores(ScoringLM, smollm2.model, smollm2.tokenizer, reqs, split=split, batched=batched)[0]
     assert len(got) == len(want) == len(reqs)
     for (ll, greedy), (ll_ref, greedy_ref) in zip(got, want):
         assert ll == pytest.approx(ll_ref, abs=1e-4)
@@ -78,15 +80,16 @@ def test_token_batches_known_answers():
 def test_token_batches_and_head_slices_change_no_score(smollm2, reference, monkeypatch):
     """Batches of at most 40 padded tokens (one to three windows each) and an output head run on slices of two
     positions give lm-eval's answers."""
+    from workers.evals.scoring_lm import ScoringLM
+
     reqs, want = reference
     vocab = smollm2.model.get_output_embeddings().weight.shape[0]
     monkeypatch.setattr(scoring, "HEAD_BYTES", 2 * vocab * scoring.LOGIT_BYTES)
     assert scoring.head_slice(vocab) == 2
     seen = []
-    lm_cls = scoring_lm()
-    real = lm_cls._score_windows
-    monkeypatch.setattr(lm_cls, "_score_windows", lambda self, w, h: seen.append(w) or real(self, w, h))
-    got, lm = _scores(lm_cls, smollm2.model, smollm2.tokenizer, reqs, batch_tokens=40)
+    real = ScoringLM._score_windows
+    monkeypatch.setattr(ScoringLM, "_score_windows", lambda self, w, h: seen.append(w) or real(self, w, h))
+    got, lm = _scores(ScoringLM, smollm2.model, smollm2.tokenizer, reqs, batch_tokens=40)
     assert all(len(w) * max(map(len, w)) <= 40 or len(w) == 1 for w in seen)
     assert len(seen) >= 3 and max(len(w) for w in seen) >= 2         # some batches hold several windows
     assert [g for _, g in got] == [g for _, g in want]

@@ -11,7 +11,8 @@ from torch import nn
 
 from benchmarks import suites as suites_cli
 from workers.evals import suites
-from workers.evals.suites import gold_index, run_suite
+from workers.evals.items import gold_index
+from workers.evals.suites import run_suite
 from workers.evals.tasks import SUITES, SuiteError, build_task, data_dir
 
 
