@@ -1,10 +1,9 @@
-"""The dashboard's only door to the store: read-only engine, cached typed reads, bundle archives.
+"""The dashboard's only door to the store: a read-only store, cached typed reads, bundle archives.
 
-Pages call the functions here and only draw. Every read goes through ``db.queries`` (settings and their front
-through ``orchestrator.settings`` / ``orchestrator.pareto``, pure functions with no Ray or torch) on an engine
-opened with ``read_only=True``; the URL is ``$CTXSPARSE_DB_URL`` or the default SQLite file
-(``db.engine.default_url``). Results are plain picklable data, cached with ``st.cache_data`` for ``TTL_S``
-seconds (a running sweep shows up within that), keyed by the URL.
+Pages call the functions here and only draw. Every read goes through one ``db.store.Store`` per URL, opened with
+``read_only=True`` (settings and their front: ``db.front``, whose pure functions this module applies too); the URL
+is ``$CTXSPARSE_DB_URL`` or the default SQLite file (``db.engine.default_url``). Results are plain picklable data,
+cached with ``st.cache_data`` for ``TTL_S`` seconds (a running sweep shows up within that), keyed by the URL.
 
 Bundles: a fit unit's ``bundle_file`` artifacts are the bundle's files (``manifest.json``,
 ``predictors.safetensors``) with their sha256. ``bundle_archive`` reads each file once, checks its sha256
@@ -24,20 +23,15 @@ from pathlib import Path
 from typing import get_args
 
 import streamlit as st
-from sqlalchemy import inspect
-from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import OperationalError
 
-from db import queries
-from db.engine import default_url, get_engine, session_scope
+from db.engine import default_url, display_url as _display_url
+from db.front.pareto import (DEFAULT_ISA, LATENCY_TIE, Front, default_threads, isa_label,  # noqa: F401
+                             isa_rank, pareto, spread_label, threads_label, where_label)
+# (LATENCY_TIE, isa_label, threads_label, where_label: for the views)
+from db.front.settings import BASELINE_RUNTIMES, DENSE, Setting, accuracy_metrics, is_sparsity_metric
 from db.schemas import (AccuracyRecord, ArtifactRecord, DeviceType, LatencyRecord, LayerRecord, ModelInfo, SweepInfo,
                         UnitInfo)
-from orchestrator.pareto import (DEFAULT_ISA, LATENCY_TIE, Front, default_threads, isa_label,  # noqa: F401
-                                 isa_rank, pareto, spread_label, threads_label, where_label)
-# (LATENCY_TIE, isa_label, threads_label, where_label: for the views)
-from orchestrator.settings import (BASELINE_RUNTIMES, Setting, accuracy_metrics, is_sparsity_metric,
-                                  settings_for_model)
-from workers.names import DENSE
+from db.store import Store, StoreState
 
 TTL_S = 15
 DEVICE_TYPES: tuple[str, ...] = tuple(get_args(DeviceType))     # cuda, npu, cpu
@@ -52,45 +46,21 @@ def db_url() -> str:
 
 def display_url(url: str | None = None) -> str:
     """The URL with any password hidden."""
-    return make_url(url or db_url()).render_as_string(hide_password=True)
+    return _display_url(url or db_url())
 
 
 @st.cache_resource(show_spinner=False)
-def _engine(url: str) -> Engine:
-    return get_engine(url, read_only=True)
-
-
-def _session(url: str):
-    return session_scope(_engine(url))
+def _store(url: str) -> Store:
+    return Store(url, read_only=True)
 
 
 # ---------------------------------------------------------------- store state
 
 
-@dataclass(frozen=True)
-class StoreState:
-    ok: bool                    # tables present and readable (possibly empty)
-    empty: bool                 # no model and no sweep yet
-    message: str | None = None  # why not ok / what to do
-
-
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def store_state(url: str) -> StoreState:
-    u = make_url(url)
-    if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:":
-        if not Path(u.database).expanduser().exists():
-            return StoreState(False, True, f"no database file at {u.database}: run a sweep first "
-                                           "(`ctxsparse` / `python -m orchestrator.driver`) or set CTXSPARSE_DB_URL")
-    try:
-        with _engine(url).connect() as conn:
-            tables = set(inspect(conn).get_table_names())
-        if not {"models", "sweeps", "work_units"} <= tables:
-            return StoreState(False, True, f"the database has no ctxsparse tables yet: run `python -m db upgrade`")
-        with _session(url) as s:
-            empty = not queries.list_models(s) and not queries.list_sweeps(s)
-    except OperationalError as e:
-        return StoreState(False, True, f"cannot read the database: {e.orig if e.orig is not None else e}")
-    return StoreState(True, empty)
+    """Whether the store can be shown, and whether it is empty, or why not (``Store.state``)."""
+    return _store(url).state()
 
 
 # ---------------------------------------------------------------- overview
@@ -138,22 +108,18 @@ def _describe(u: UnitInfo) -> str:
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def models(url: str) -> list[ModelInfo]:
-    with _session(url) as s:
-        return queries.list_models(s)
+    return _store(url).models()
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def sweeps(url: str) -> list[SweepRow]:
     """Sweeps, newest first, with progress counted from their units and their failed units' errors."""
     out = []
-    with _session(url) as s:
-        for sw in queries.list_sweeps(s):
-            p = queries.sweep_progress(s, sw.id)
-            failed = [u for u in queries.pending_units(s, sw.id, include_failed=True) if u.status == "failed"]
-            failed.sort(key=lambda u: ((u.error or "").startswith("not run"), u.kind, u.id))   # root causes first
-            out.append(SweepRow(sw, p.done, p.failed, p.total,
-                                [FailedUnit(u.id, u.kind, _describe(u), u.attempts, u.worker, u.error or "")
-                                 for u in failed]))
+    for sw, p, failed in _store(url).sweep_statuses():
+        failed = sorted(failed, key=lambda u: ((u.error or "").startswith("not run"), u.kind, u.id))  # causes first
+        out.append(SweepRow(sw, p.done, p.failed, p.total,
+                            [FailedUnit(u.id, u.kind, _describe(u), u.attempts, u.worker, u.error or "")
+                             for u in failed]))
     return out
 
 
@@ -162,8 +128,7 @@ def sweeps(url: str) -> list[SweepRow]:
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def settings(url: str, model_id: int) -> list[Setting]:
-    with _session(url) as s:
-        return settings_for_model(s, model_id)
+    return _store(url).settings(model_id)
 
 
 def metrics(url: str, model_id: int) -> list[str]:
@@ -254,20 +219,17 @@ def setting_for(url: str, model_id: int, fit_unit: str) -> Setting | None:
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def unit(url: str, unit_id: str) -> UnitInfo | None:
-    with _session(url) as s:
-        return queries.get_unit(s, unit_id)
+    return _store(url).unit(unit_id)
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def sweeps_of(url: str, unit_id: str) -> list[SweepInfo]:
-    with _session(url) as s:
-        return queries.sweeps_for_unit(s, unit_id)
+    return _store(url).sweeps_for_unit(unit_id)
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def layers(url: str, unit_id: str) -> list[LayerRecord]:
-    with _session(url) as s:
-        return queries.layer_metrics_for(s, unit_id)
+    return _store(url).layer_metrics(unit_id)
 
 
 NOISE_K = 2.0     # two accuracies differ beyond noise when |a - b| > NOISE_K * sqrt(se_a^2 + se_b^2)
@@ -308,8 +270,7 @@ def accuracy_vs_dense(url: str, model_id: int, fit_unit: str) -> list[dict]:
     if mine is None:
         return []
     dense = next((s for s in sts if s.is_dense and s.fit_unit != fit_unit), None)
-    with _session(url) as s:
-        rows = queries.accuracy_table(s, model_id=model_id)
+    rows = _store(url).accuracy_rows(model_id)
     own = set(mine.eval_units)
     ref = set(dense.eval_units) if dense is not None else set()
     return compare_accuracy([r for r in rows if r.unit_id in own], [r for r in rows if r.unit_id in ref])
@@ -339,8 +300,7 @@ def latency_breakdown(url: str, model_id: int, fit_unit: str) -> list[tuple[str,
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def artifacts(url: str, unit_id: str) -> list[ArtifactRecord]:
-    with _session(url) as s:
-        return queries.artifacts_for(s, unit_id)
+    return _store(url).artifacts(unit_id)
 
 
 # ---------------------------------------------------------------- bundles
@@ -386,8 +346,7 @@ def _check_file(a: ArtifactRecord, data: bytes | None = None) -> str | None:
 
 
 def _bundle_files(url: str, fit_unit: str) -> list[ArtifactRecord]:
-    with _session(url) as s:
-        return sorted(queries.artifacts_for(s, fit_unit, kind=BUNDLE_KIND), key=lambda a: Path(a.uri).name)
+    return sorted(_store(url).artifacts(fit_unit, kind=BUNDLE_KIND), key=lambda a: Path(a.uri).name)
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)

@@ -111,20 +111,14 @@ def pareto_shot(page, base: str, model: str, device: str | None, path: Path) -> 
 
 
 def _load(rows: Path, db_url: str) -> list[str]:
-    """The result set into a new store; the names of its models."""
-    from sqlalchemy import select
+    """The result set into a new store; the names of its models, in the order they were stored."""
+    from db.store import Store
 
-    from db.engine import get_engine, session_scope, upgrade
-    from db.models import Model
-    from db.resultset import load_records, read_jsonl
-
-    engine = get_engine(db_url)
-    upgrade(engine)
-    with session_scope(engine) as s:
-        load_records(s, read_jsonl(rows), str(rows))
-    with session_scope(engine) as s:
-        names = list(s.scalars(select(Model.name).order_by(Model.id)))
-    engine.dispose()
+    store = Store(db_url)
+    store.migrate()
+    store.load_result_set(rows)
+    names = [m.name for m in sorted(store.models(), key=lambda m: m.id)]
+    store.close()
     return names
 
 

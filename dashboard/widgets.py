@@ -8,8 +8,8 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard import data
+from db.front.settings import Setting
 from db.schemas import ModelInfo
-from orchestrator.settings import Setting
 
 
 def require_store(url: str) -> None:

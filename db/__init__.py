@@ -1,4 +1,5 @@
-"""ctxsparse SQL store: typed models, engine/session helpers, typed queries, Alembic migrations.
+"""ctxsparse SQL store: typed models, engine/session helpers, typed queries, Alembic migrations, and the one
+interface the layers above use (``db.store.Store``; sessions and queries stay inside ``db``).
 
     from db import get_engine, upgrade, session_scope, queries
 """

@@ -11,16 +11,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
-from db.engine import current_revision, default_url, head_revision, upgrade
+from db.engine import current_revision, default_url, display_url, head_revision, upgrade
 from db.resultset import REQUEST_SCORES
 
 
 def _safe(url: str) -> str:
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        return display_url(url)
     except ArgumentError:
         return url
 

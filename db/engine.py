@@ -40,6 +40,11 @@ def default_url() -> str:
     return f"sqlite:///{Path(home).expanduser() / 'ctxsparse.db'}"
 
 
+def display_url(url: str | URL) -> str:
+    """The URL with any password hidden."""
+    return make_url(url).render_as_string(hide_password=True)
+
+
 def _normalize(url: str | URL) -> URL:
     u = make_url(url)
     # Plain postgresql:// would pick psycopg2, which we don't ship.

@@ -1,6 +1,7 @@
 """Pydantic rows that cross the db/ boundary.
 
-Inputs (``extra="forbid"``): ``UnitSpec`` (register_units), ``AccuracyRow``,
+Inputs (``extra="forbid"``): ``UnitSpec`` (register_units), ``NewUnit`` with its
+``ModelSpec`` / ``DatasetSpec`` (``Store.record_sweep``), ``AccuracyRow``,
 ``LatencyRow``, ``LayerRow``, ``ArtifactRow``, ``RequestScoreRow`` (finish_unit).
 Outputs (read queries): the ``*Record`` / ``*Info`` classes, plain data that pickles
 (the dashboard caches them with ``st.cache_data``) and turns into a DataFrame with
@@ -66,6 +67,35 @@ class UnitSpec(_In):
     device_type: DeviceType | None = None
     config: dict[str, Any] = Field(default_factory=dict)
     code_version: Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class ModelSpec(_In):
+    """A model to record (``upsert_model``: found by its fingerprint, the first name seen wins)."""
+
+    name: str
+    fingerprint: str
+    family: str | None = None
+    config: dict[str, Any] = Field(default_factory=dict)
+    n_params: int | None = None
+
+
+class DatasetSpec(_In):
+    """Calibration data to record (``upsert_dataset``: found by its fingerprint)."""
+
+    name: str
+    fingerprint: str
+    source: str | None = None
+    n_tokens: int | None = None
+    split: str | None = None
+
+
+class NewUnit(_In):
+    """A unit to register with the model (and data) it belongs to, both recorded where new: ``unit`` holds the
+    ``UnitSpec`` fields but ``model_id`` / ``dataset_id``, which come from them."""
+
+    model: ModelSpec
+    dataset: DatasetSpec | None = None
+    unit: dict[str, Any]
 
 
 class AccuracyRow(_Provenance):

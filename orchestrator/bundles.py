@@ -7,7 +7,7 @@
 Export reads the fit unit's ``bundle_file`` artifacts, checks each file's sha256 against both the store and the
 bundle's own manifest, then copies the folder (or packs it). The copy's manifest records where the sweep timed the
 setting (``measured``: device type, accelerator, thread count, ms per token, speedup over dense and its spread,
-from the front of ``--device`` at its thread count: ``orchestrator.pareto.measurement``), so ``ctxsparse generate``
+from the front of ``--device`` at its thread count: ``db.front.pareto.measurement``), so ``ctxsparse generate``
 decodes at that thread count by default. Download unpacks only the bundle's two files and verifies them the same
 way. Nothing is unpickled anywhere.
 """
@@ -18,16 +18,14 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from db import queries
-from db.engine import session_scope
-from orchestrator.pareto import choose, choose_sparsest, front_for, measurement
-from orchestrator.settings import settings_for_model
+from db.front.pareto import choose, choose_sparsest
+from db.store import Store
 from workers.sparsity.bundle import BundleError, extract_bundle, load_bundle, pack_bundle, with_measurement
 from workers.paths import sha256_file
 
 
-def resolve_unit(session, ref: str) -> str:
-    ids = queries.unit_ids_with_prefix(session, ref.lower())
+def resolve_unit(store: Store, ref: str) -> str:
+    ids = store.unit_ids_with_prefix(ref.lower())
     if not ids:
         raise BundleError(f"no unit with id {ref!r} in the store")
     if len(ids) > 1:
@@ -35,14 +33,14 @@ def resolve_unit(session, ref: str) -> str:
     return ids[0]
 
 
-def best_unit(session, model: str, metric: str | None, device: str, max_loss: float, by: str = "latency",
+def best_unit(store: Store, model: str, metric: str | None, device: str, max_loss: float, by: str = "latency",
               threads: int | None = None) -> str:
-    """The fit unit ``bundle export --best`` ships: ``orchestrator.pareto.choose`` (by latency on ``device``, at
+    """The fit unit ``bundle export --best`` ships: ``db.front.pareto.choose`` (by latency on ``device``, at
     ``threads``: default the front's largest count) or ``choose_sparsest`` (by realized sparsity, any device); see
     there for the rules."""
     if by not in ("latency", "sparsity"):
         raise BundleError(f"--by must be latency or sparsity, not {by!r}")
-    _, front = front_for(session, model, metric, device, threads=threads)
+    _, front = store.front(model, metric, device, threads=threads)
     if by == "sparsity":
         row = choose_sparsest(front, max_loss)
         if row is None:
@@ -58,13 +56,13 @@ def best_unit(session, model: str, metric: str | None, device: str, max_loss: fl
     return row.setting.fit_unit
 
 
-def bundle_folder(session, unit_id: str) -> Path:
-    unit = queries.get_unit(session, unit_id)
+def bundle_folder(store: Store, unit_id: str) -> Path:
+    unit = store.unit(unit_id)
     if unit is None or unit.kind != "fit":
         raise BundleError(f"unit {unit_id[:12]} is not a fitted setting (kind {getattr(unit, 'kind', None)!r})")
     if unit.status != "done":
         raise BundleError(f"unit {unit_id[:12]} is {unit.status}, not done: no bundle yet")
-    arts = queries.artifacts_for(session, unit_id, "bundle_file")
+    arts = store.artifacts(unit_id, "bundle_file")
     if not arts:
         raise BundleError(f"unit {unit_id[:12]} has no bundle artifacts")
     folders = {Path(a.uri).parent for a in arts}
@@ -79,19 +77,11 @@ def bundle_folder(session, unit_id: str) -> Path:
     return folders.pop()
 
 
-def measured(session, unit_id: str, device: str = "cpu", threads: int | None = None) -> dict | None:
-    """Where the sweep timed the fit unit's setting on ``device`` (``orchestrator.pareto.measurement``: the front's
-    point, at ``threads`` if given), or None when it has no latency row there."""
-    unit = queries.get_unit(session, unit_id)
-    if unit is None:
-        return None
-    return measurement(settings_for_model(session, unit.model_id), unit_id, device, threads=threads)
-
-
-def export(session, unit_id: str, out: str | Path, measured: dict | None = None) -> tuple[Path, dict]:
-    """Copy (or pack, for ``.tar.gz``) the fit unit's verified bundle to ``out``; ``measured`` goes into the copy's
-    manifest (``workers.sparsity.bundle.with_measurement``). Returns (out, the copy's manifest)."""
-    src = bundle_folder(session, unit_id)
+def export(store: Store, unit_id: str, out: str | Path, measured: dict | None = None) -> tuple[Path, dict]:
+    """Copy (or pack, for ``.tar.gz``) the fit unit's verified bundle to ``out``; ``measured`` (where the sweep timed
+    it: ``Store.measurement``) goes into the copy's manifest (``workers.sparsity.bundle.with_measurement``). Returns
+    (out, the copy's manifest)."""
+    src = bundle_folder(store, unit_id)
     load_bundle(src)
     out = Path(out)
     if out.exists():

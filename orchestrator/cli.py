@@ -226,7 +226,7 @@ def _follow(client, sid: str) -> int:
 def _local_checks(args, spec) -> None:
     """Before any job exists: the files the spec names, and the store the job will write to (when a URL is given
     here: without one the job uses the cluster's own default), so such mistakes are one message, exit 2."""
-    from orchestrator.driver import open_store
+    from db.store import open_store
     from orchestrator.spec import check_inputs
 
     if args.skip_local_checks:
@@ -244,18 +244,16 @@ def cmd_submit(args) -> int:
     return submit_spec(args, spec)
 
 
-def _engine(args, read_only=True):
-    from db.engine import get_engine
-    from orchestrator.driver import open_store
+def _store(args):
+    """The store, read-only, once it is reachable and migrated."""
+    from db.store import Store, open_store
 
-    engine = open_store(args.db)           # StoreError: one message, exit 2
-    return get_engine(args.db, read_only=True) if read_only else engine
+    open_store(args.db)                    # StoreError: one message, exit 2
+    return Store(args.db, read_only=True)
 
 
-def _find_sweep(session, ref: str):
-    from db import queries
-
-    sweeps = queries.list_sweeps(session)
+def _find_sweep(store, ref: str):
+    sweeps = store.sweeps()
     hits = [s for s in sweeps if ref in (str(s.id), s.name, s.submission_id) or
             (s.submission_id or "").startswith(ref)]
     if not hits:
@@ -264,29 +262,22 @@ def _find_sweep(session, ref: str):
 
 
 def cmd_resume(args) -> int:
-    from db.engine import session_scope
     from orchestrator.spec import parse_spec
 
-    with session_scope(_engine(args)) as s:
-        sweep = _find_sweep(s, args.sweep)
+    sweep = _find_sweep(_store(args), args.sweep)
     spec = parse_spec(sweep.spec, f"stored spec of sweep {sweep.name}")
     _local_checks(args, spec)
     return submit_spec(args, spec, resume=True)
 
 
 def cmd_status(args) -> int:
-    from db import queries
-    from db.engine import session_scope
-
-    with session_scope(_engine(args)) as s:
-        sweeps = [_find_sweep(s, args.sweep)] if args.sweep else queries.list_sweeps(s)
-        out = []
-        for sw in sweeps:
-            prog = queries.sweep_progress(s, sw.id)
-            failures = [{"unit": u.id[:12], "kind": u.kind, "method": u.method, "error": (u.error or "")[-300:]}
-                        for u in queries.pending_units(s, sw.id, include_failed=True) if u.status == "failed"]
-            out.append({"sweep": sw.name, "id": sw.id, "status": sw.status, "done": prog.done, "total": prog.total,
-                        "failed": prog.failed, "submission_id": sw.submission_id, "failures": failures[:5]})
+    store = _store(args)
+    out = []
+    for sw, prog, failed in store.sweep_statuses([_find_sweep(store, args.sweep)] if args.sweep else None):
+        failures = [{"unit": u.id[:12], "kind": u.kind, "method": u.method, "error": (u.error or "")[-300:]}
+                    for u in failed]
+        out.append({"sweep": sw.name, "id": sw.id, "status": sw.status, "done": prog.done, "total": prog.total,
+                    "failed": prog.failed, "submission_id": sw.submission_id, "failures": failures[:5]})
     found = _status_client(args)
     if found is None:
         print(f"Ray job state: {NO_CLUSTER}", file=sys.stderr)
@@ -337,13 +328,10 @@ def _status_client(args):
 
 
 def cmd_logs(args) -> int:
-    from db.engine import session_scope
-
     sid = args.ref
     if not sid.startswith("ctxsparse-") or args.db:
         try:
-            with session_scope(_engine(args)) as s:
-                sid = _find_sweep(s, args.ref).submission_id or sid
+            sid = _find_sweep(_store(args), args.ref).submission_id or sid
         except KeyError:
             pass
     client = _client(args)
@@ -356,17 +344,14 @@ def cmd_logs(args) -> int:
 
 
 def cmd_pareto(args) -> int:
-    from db.engine import session_scope
-    from orchestrator.pareto import format_front, front_for
+    from db.front.pareto import format_front
 
-    with session_scope(_engine(args)) as s:
-        _, front = front_for(s, args.model, args.metric, args.device, args.batch, args.threads)
+    _, front = _store(args).front(args.model, args.metric, args.device, args.batch, args.threads)
     print(format_front(front, args.model))
     return 0
 
 
 def cmd_bundle(args) -> int:
-    from db.engine import session_scope
     from orchestrator import bundles
     from workers.sparsity.bundle import MEASURED
 
@@ -375,10 +360,10 @@ def cmd_bundle(args) -> int:
     else:
         if bool(args.unit) == bool(args.best):
             raise ValueError("bundle export: give a fit unit id or --best MODEL (one of them)")
-        with session_scope(_engine(args)) as s:
-            unit = (bundles.resolve_unit(s, args.unit) if args.unit else
-                    bundles.best_unit(s, args.best, args.metric, args.device, args.max_loss, args.by, args.threads))
-            out, m = bundles.export(s, unit, args.out, bundles.measured(s, unit, args.device, args.threads))
+        store = _store(args)
+        unit = (bundles.resolve_unit(store, args.unit) if args.unit else
+                bundles.best_unit(store, args.best, args.metric, args.device, args.max_loss, args.by, args.threads))
+        out, m = bundles.export(store, unit, args.out, store.measurement(unit, args.device, args.threads))
     measured = m.get(MEASURED) or {}
     print(json.dumps({"bundle": str(out), "model": m["model"]["ref"], "fingerprint": m["model"]["fingerprint"][:12],
                       "method": m["method"], "sparsity": m["sparsity"], "rank": m["rank"],

@@ -7,7 +7,7 @@
    into shards runs its shard units, then its own unit, which assembles their scores (shards of a task already
    done are not planned). Units of ``only: front`` tasks wait (``FrontWait``): once every other eval unit of every
    model has finished, and the latency units timed alone after them, the front of each model's recorded rows
-   against weights skipped (``orchestrator.pareto.front_pick``) picks the settings they run for, dense's among
+   against weights skipped (``db.front.pareto.front_pick``) picks the settings they run for, dense's among
    them; those are registered and run, the rest never are.
 3. Run what is not done, in dependency order, on actor pools (``workers.actors``), at most one unit in flight
    per actor (backpressure through ``ray.wait``); among ready units of one kind, the lower ``priority`` first (the
@@ -32,14 +32,13 @@ import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from db import queries
-from db.engine import get_engine, session_scope, upgrade
-from db.schemas import UnitSpec
+from db.front.pareto import FrontPick, ParetoError, format_front
+from db.schemas import DatasetSpec, ModelSpec, NewUnit
+from db.store import Store, StoreError, first_line, open_store
 from orchestrator.placement import DevicePlacement, alive_nodes, pool_sizes
-from orchestrator.pareto import FrontPick
 from orchestrator.plan import PlannedUnit, node_cores, plan_units, without_needless_shards
 from orchestrator.spec import SpecError, SweepSpec, check_inputs, load_spec, parse_spec
-from workers.names import DENSE, RAY_RESOURCE
+from workers.names import DENSE, DEVICE_TYPES, RAY_RESOURCE
 
 log = logging.getLogger("ctxsparse.driver")
 
@@ -62,38 +61,8 @@ class SweepOutcome:
         return not self.failed
 
 
-class StoreError(RuntimeError):
-    """The store cannot be opened (server unreachable, bad URL, no permission): one message, exit status 2."""
-
-
 class SweepSetupError(RuntimeError):
     """A model or its data that the workers cannot load (found when the first worker describes them)."""
-
-
-def open_store(url: str | None = None, *, migrate: bool = True):
-    """An engine on the store, connected (and migrated) now: a store that cannot be reached is one StoreError,
-    raised before any Ray work starts, not a driver traceback later."""
-    from sqlalchemy.exc import SQLAlchemyError
-
-    try:
-        engine = get_engine(url)
-    except SQLAlchemyError as e:
-        raise StoreError(f"cannot open the store: bad database URL ({_first_line(e)})") from None
-    try:
-        if migrate:
-            upgrade(engine)
-        else:
-            with engine.connect():
-                pass
-    except SQLAlchemyError as e:
-        where = engine.url.render_as_string(hide_password=True)
-        raise StoreError(f"cannot open the store at {where}: {_first_line(getattr(e, 'orig', None) or e)}") from None
-    return engine
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return lines[0] if lines else type(e).__name__
 
 
 def reason(e: BaseException) -> str:
@@ -101,7 +70,7 @@ def reason(e: BaseException) -> str:
     cause = getattr(e, "cause", None)
     if isinstance(cause, BaseException):
         e = cause
-    return f"{type(e).__name__}: {_first_line(e)}"
+    return f"{type(e).__name__}: {first_line(e)}"
 
 
 def _ray():
@@ -253,30 +222,27 @@ def _fmt_eta(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-def _unit_specs(s, spec: SweepSpec, described: dict[str, dict], units: list[PlannedUnit]) -> list[UnitSpec]:
-    """The store's rows of ``units``, their models and calibration data inserted where new."""
-    model_ids, dataset_ids = {}, {}
+def _new_units(spec: SweepSpec, described: dict[str, dict], units: list[PlannedUnit]) -> list[NewUnit]:
+    """``units`` as the store registers them, with their models and calibration data (recorded where new)."""
+    models, datasets = {}, {}
     for ref in dict.fromkeys(u.model for u in units):
         d = described[ref]
-        model_ids[ref] = queries.upsert_model(s, name=d["name"], fingerprint=d["fingerprint"],
-                                              family=d["family"], config={"dims": d["dims"]},
-                                              n_params=d["n_params"])
-        dataset_ids[ref] = None if d["calib_fp"] is None else queries.upsert_dataset(
-            s, name=f"{spec.data.source}-calib", fingerprint=d["calib_fp"], source=spec.data.source,
+        models[ref] = ModelSpec(name=d["name"], fingerprint=d["fingerprint"], family=d["family"],
+                                config={"dims": d["dims"]}, n_params=d["n_params"])
+        datasets[ref] = None if d["calib_fp"] is None else DatasetSpec(
+            name=f"{spec.data.source}-calib", fingerprint=d["calib_fp"], source=spec.data.source,
             n_tokens=d["calib_n_tokens"], split="calib")
-    return [UnitSpec(model_id=model_ids[u.model], dataset_id=dataset_ids[u.model], **u.columns()) for u in units]
+    return [NewUnit(model=models[u.model], dataset=datasets[u.model], unit=u.columns()) for u in units]
 
 
-def register(engine, spec: SweepSpec, described: dict[str, dict], units: list[PlannedUnit],
+def register(store: Store, spec: SweepSpec, described: dict[str, dict], units: list[PlannedUnit],
              submission_id: str | None) -> int:
     """Create (or find) the sweep and register its units, but those waiting for the front (``only``): they are
     registered when the front picks them (``front_units``)."""
     now = [u for u in units if not u.only]
-    with session_scope(engine) as s:
-        sweep_id, created = queries.get_or_create_sweep(s, name=spec.name, spec_hash=spec.spec_hash(),
-                                                        spec=spec.canonical(), submission_id=submission_id)
-        queries.register_units(s, sweep_id, _unit_specs(s, spec, described, now))
-        queries.set_sweep_status(s, sweep_id, "running")
+    sweep_id, created = store.record_sweep(name=spec.name, spec_hash=spec.spec_hash(), spec=spec.canonical(),
+                                           units=_new_units(spec, described, now), submission_id=submission_id,
+                                           status="running")
     held = len(units) - len(now)
     log.info("sweep %s (id %d, %s): %d units registered%s", spec.name, sweep_id,
              "new" if created else "known: resuming", len(now),
@@ -284,26 +250,22 @@ def register(engine, spec: SweepSpec, described: dict[str, dict], units: list[Pl
     return sweep_id
 
 
-def prune_shards(engine, units: list[PlannedUnit]) -> list[PlannedUnit]:
+def prune_shards(store: Store, units: list[PlannedUnit]) -> list[PlannedUnit]:
     """The plan without the shards of tasks the store has done already (``plan.without_needless_shards``)."""
     tasks = [u.id for u in units if u.shards]
     if not tasks:
         return units
-    with session_scope(engine) as s:
-        done = {k for k, v in queries.unit_statuses(s, tasks).items() if v == "done"}
+    done = {k for k, v in store.unit_statuses(tasks).items() if v == "done"}
     return without_needless_shards(units, done)
 
 
-def front_units(engine, held: list[PlannedUnit], gate: set[str]) -> tuple[list[PlannedUnit], FrontPick]:
+def front_units(store: Store, held: list[PlannedUnit], gate: set[str]) -> tuple[list[PlannedUnit], FrontPick]:
     """Which of one model's ``only: front`` units run: those of dense and of the settings on the front
-    (``orchestrator.pareto.front_pick``) drawn on the rows of ``gate`` (the model's front-defining eval units,
+    (``db.front.pareto.front_pick``) drawn on the rows of ``gate`` (the model's front-defining eval units,
     all finished) among the settings the units belong to, less those beyond the unit's task's ``within``
     (``FrontPick.within``); with their shards, if split."""
-    from orchestrator.pareto import front_pick_in_store
-
     fits = list(dict.fromkeys(u.config["fit_unit"] for u in held))
-    with session_scope(engine) as s:
-        pick = front_pick_in_store(s, held[0].config["model_fp"], fits, gate)
+    pick = store.front_pick(held[0].config["model_fp"], fits, gate)
     chosen = {w: set(pick.within(w)) for w in {u.within for u in held}}
     return [u for u in held if u.config["fit_unit"] in chosen[u.within]], pick
 
@@ -340,9 +302,9 @@ class FrontWait:
     Those are seconds each where a generation unit takes minutes, they complete every model's accuracy-latency
     front, and a sweep stopped during generation still has them."""
 
-    def __init__(self, engine, spec: SweepSpec, described: dict[str, dict], sweep_id: int,
+    def __init__(self, store: Store, spec: SweepSpec, described: dict[str, dict], sweep_id: int,
                  units: list[PlannedUnit], after: set[str] = frozenset()):
-        self.engine, self.spec, self.described, self.sweep_id = engine, spec, described, sweep_id
+        self.store, self.spec, self.described, self.sweep_id = store, spec, described, sweep_id
         self.after = set(after)
         self.held: dict[str, list[PlannedUnit]] = defaultdict(list)
         for u in units:
@@ -360,7 +322,7 @@ class FrontWait:
         out = []
         for m in list(self.gates):
             gate, mine = self.gates.pop(m), self.held.pop(m)
-            chosen, pick = front_units(self.engine, mine, gate)
+            chosen, pick = front_units(self.store, mine, gate)
             on = ", ".join(pick.labels.get(k, k[:12]) for k in pick.front) or "none"
             budgets = sorted({u.within for u in mine if u.within is not None})
             log.info("%s: the front of %s vs %s: %d of %d settings (%s); 'only: front' units of dense and the "
@@ -371,16 +333,14 @@ class FrontWait:
             out += chosen
         if not out:
             return [], {}
-        with session_scope(self.engine) as s:
-            queries.register_units(s, self.sweep_id, _unit_specs(s, self.spec, self.described, out))
-            return out, queries.unit_statuses(s, [u.id for u in out])
+        return out, self.store.add_units(self.sweep_id, _new_units(self.spec, self.described, out))
 
 
 def run_sweep(spec: SweepSpec, db_url: str | None = None, submission_id: str | None = None,
               heartbeat_s: float = 60.0) -> SweepOutcome:
-    engine = open_store(db_url)
+    store = open_store(db_url)
     ray = _ray()
-    pools = _Pools(ray, spec, db_url if db_url is not None else str(engine.url.render_as_string(hide_password=False)))
+    pools = _Pools(ray, spec, db_url if db_url is not None else store.url)
     res = ray.cluster_resources()
     log.info("cluster: %s; pools %s", ", ".join(f"{res[k]:g} {k}" for k in (*RAY_RESOURCE.values(), "CPU") if res.get(k)),
              pools.plan.summary(spec.resources))
@@ -390,25 +350,24 @@ def run_sweep(spec: SweepSpec, db_url: str | None = None, submission_id: str | N
             data = (f"calibration data {d['calib_fp'][:12]} ({d['calib_n_tokens']} tokens)" if d["calib_fp"]
                     else "random weights: latency only")
             log.info("model %s: %s, fingerprint %s; %s", ref, d["family"], d["fingerprint"][:12], data)
-        units = prune_shards(engine, plan_units(spec, described, cpu_cores=node_cores(alive_nodes(ray))))
-        sweep_id = register(engine, spec, described, units, submission_id)
-        out = _execute(ray, engine, pools, spec, sweep_id, units, heartbeat_s, described)
+        units = prune_shards(store, plan_units(spec, described, cpu_cores=node_cores(alive_nodes(ray))))
+        sweep_id = register(store, spec, described, units, submission_id)
+        out = _execute(ray, store, pools, spec, sweep_id, units, heartbeat_s, described)
         out.model_names = [described[m]["name"] for m in spec.models]
         return out
     finally:
         pools.shutdown()
 
 
-def _execute(ray, engine, pools: _Pools, spec: SweepSpec, sweep_id: int, units: list[PlannedUnit],
+def _execute(ray, store: Store, pools: _Pools, spec: SweepSpec, sweep_id: int, units: list[PlannedUnit],
              heartbeat_s: float, described: dict[str, dict]) -> SweepOutcome:
     from ray.exceptions import RayActorError
 
     exclusive = spec.latency is not None and spec.latency.exclusive
-    front = FrontWait(engine, spec, described, sweep_id, units, after=before_front(spec, units))
+    front = FrontWait(store, spec, described, sweep_id, units, after=before_front(spec, units))
     units = [u for u in units if not u.only]
     by_id = {u.id: u for u in units}
-    with session_scope(engine) as s:
-        status = queries.unit_statuses(s, list(by_id))
+    status = store.unit_statuses(list(by_id))
     done = {k for k, v in status.items() if v == "done"}
     have = cluster_device_types(ray)
     unplaceable = [u.id for u in units if u.device_type not in have and u.id not in done]
@@ -447,7 +406,7 @@ def _execute(ray, engine, pools: _Pools, spec: SweepSpec, sweep_id: int, units: 
             u = waiting[uid]
             if any(d in failed for d in u.deps):
                 waiting.pop(uid)
-                _fail(engine, u, f"not run: a unit it depends on failed ({[d for d in u.deps if d in failed]})")
+                store.fail_unit(u.id, f"not run: a unit it depends on failed ({[d for d in u.deps if d in failed]})")
                 failed.add(uid)
             elif all(d in done for d in u.deps):
                 enqueue(ready[(u.kind, u.device_type)], waiting.pop(uid))
@@ -502,13 +461,13 @@ def _execute(ray, engine, pools: _Pools, spec: SweepSpec, sweep_id: int, units: 
                 ready[(u.kind, u.device_type)].appendleft(u)
             else:
                 log.error("%s: %s; giving up after %d attempts", u.label, msg, attempts[u.id])
-                _fail(engine, u, msg)
+                store.fail_unit(u.id, msg)
                 failed.add(u.id)
                 release_ready()
             continue
         except Exception as e:   # the actor's own bookkeeping failed (e.g. the store was unreachable from it)
             res = {"status": "failed", "error": reason(e), "worker": "?"}
-            _fail(engine, u, f"the worker could not run or record the unit: {res['error']}")
+            store.fail_unit(u.id, f"the worker could not run or record the unit: {res['error']}")
         pools.give_back(u.kind, u.device_type, actor)
         if res["status"] == "done":
             done.add(u.id)
@@ -526,24 +485,32 @@ def _execute(ray, engine, pools: _Pools, spec: SweepSpec, sweep_id: int, units: 
         release_ready()
 
     out.done, out.failed, out.ran = len(done), sorted(failed), n_ran
-    with session_scope(engine) as s:
-        if failed:
-            final = "failed"
-        elif unplaceable:
-            final = "running"   # resumable on a cluster that has the missing devices
-        else:
-            final = "done"
-        queries.set_sweep_status(s, sweep_id, final)
-        prog = queries.sweep_progress(s, sweep_id)
+    if failed:
+        final = "failed"
+    elif unplaceable:
+        final = "running"   # resumable on a cluster that has the missing devices
+    else:
+        final = "done"
+    prog = store.finish_sweep(sweep_id, final)
     log.info("sweep %s: %d/%d units done, %d failed, %d waiting for devices this cluster lacks; %d computed "
              "now in %s; %d worker deaths", spec.name, prog.done, prog.total, prog.failed, len(unplaceable),
              n_ran, _fmt_eta(time.time() - t_start), out.worker_deaths)
     return out
 
 
-def _fail(engine, u: PlannedUnit, msg: str) -> None:
-    with session_scope(engine) as s:
-        queries.fail_unit(s, u.id, msg)
+def print_fronts(store: Store, models: list[str], device_types: tuple[str, ...] = DEVICE_TYPES) -> None:
+    """Each model's front on each device type that has latency rows (the end of a sweep's log)."""
+    for m in models:
+        for dev in device_types:
+            try:
+                _, front = store.front(m, device_type=dev)
+            except ParetoError as e:
+                print(f"{m}: {e}")
+                break
+            if front.message and dev != "cpu" and all(r.latency_ms is None for r in front.rows):
+                print(f"{m}: no latency rows for {dev} yet")
+                continue
+            print(format_front(front, m))
 
 
 def spec_from_env(var: str = "CTXSPARSE_SPEC") -> SweepSpec:
@@ -587,9 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {reason(e)}", file=sys.stderr)
         return 2
     if not args.no_pareto:
-        from orchestrator.pareto import print_fronts
-
-        print_fronts(get_engine(args.db, read_only=False), outcome.model_names)
+        print_fronts(Store(args.db), outcome.model_names)
     return 0 if outcome.ok else 1
 
 

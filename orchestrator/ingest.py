@@ -20,9 +20,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from db import queries
-from db.engine import get_engine, session_scope, upgrade
-from db.schemas import LatencyRow, UnitSpec
+from db.schemas import LatencyRow, ModelSpec, NewUnit
+from db.store import Store
 from workers.names import shape_identity
 
 CODE_VERSION = "kernels-bench-1"
@@ -71,35 +70,40 @@ def ingest_kernel_results(path: str | Path, db_url: str | None = None) -> tuple[
         if missing:
             raise IngestError(f"{path}: row {i} lacks {missing}")
     meta = doc.get("meta", {}) if isinstance(doc, dict) else {}
-    engine = get_engine(db_url)
-    upgrade(engine)
-    new = 0
-    with session_scope(engine) as s:
-        spec = {"kind": "kernel-bench", "file": Path(path).name, "meta": meta}
-        spec_hash = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
-        sweep_id, _ = queries.get_or_create_sweep(s, name=f"kernel-bench {Path(path).stem}", spec_hash=spec_hash,
-                                                  spec=spec)
-        models: dict[str, int] = {}
-        units = []
-        for r in rows:
-            name, fp = shape_identity(r["shape"], r["d"], r["D"])
-            if name not in models:
-                models[name] = queries.upsert_model(s, name=name, fingerprint=fp, family="shape",
-                                                    config={"d": r["d"], "D": r["D"], "weights": "random"})
-            units.append(UnitSpec(id=_unit_id(r), model_id=models[name], kind="kernel", method=r["variant"],
-                                  sparsity=r["sparsity"], device_type=r["device_type"], config=r,
-                                  code_version=CODE_VERSION))
-        queries.register_units(s, sweep_id, units)
+    store = Store(db_url)
+    store.migrate()
+    spec = {"kind": "kernel-bench", "file": Path(path).name, "meta": meta}
+    spec_hash = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+    units = _units(rows)
+    store.record_sweep(name=f"kernel-bench {Path(path).stem}", spec_hash=spec_hash, spec=spec, units=units)
     versions = {k: v for k, v in (("torch", meta.get("torch")), ("triton", meta.get("triton"))) if v}
+    new = 0
     for r, u in zip(rows, units):
-        with session_scope(engine) as s:
-            if not queries.claim_unit(s, u.id, "ingest"):
-                continue
-            lat = LatencyRow(device_type=r["device_type"], accelerator_name=r["accelerator_name"],
-                             batch=r["batch"], prompt_len=0, gen_len=1, p50_ms_per_token=r["us_median"] / 1000,
-                             p90_ms_per_token=r["us_p90"] / 1000,
-                             tokens_per_s=r["batch"] / (r["us_median"] * 1e-6),
-                             realized_sparsity=r["sparsity"], runtime=f"kernel:{r['variant']}",
-                             package_versions=versions or {"unknown": "unknown"}, git_rev=r.get("git_rev", "unknown"))
-            new += queries.finish_unit(s, u.id, latency_rows=[lat])
+        # lazy: the row is made and checked once the unit is claimed (one already finished is skipped unread)
+        lat = (_latency_row(r, versions) for _ in (0,))
+        new += store.claim_and_finish_unit(u.unit["id"], "ingest", latency_rows=lat)
     return len(rows), new
+
+
+def _latency_row(r: dict, versions: dict) -> LatencyRow:
+    return LatencyRow(device_type=r["device_type"], accelerator_name=r["accelerator_name"],
+                      batch=r["batch"], prompt_len=0, gen_len=1, p50_ms_per_token=r["us_median"] / 1000,
+                      p90_ms_per_token=r["us_p90"] / 1000,
+                      tokens_per_s=r["batch"] / (r["us_median"] * 1e-6),
+                      realized_sparsity=r["sparsity"], runtime=f"kernel:{r['variant']}",
+                      package_versions=versions or {"unknown": "unknown"}, git_rev=r.get("git_rev", "unknown"))
+
+
+def _units(rows: list[dict]) -> list[NewUnit]:
+    """Each row's unit of kind ``kernel``, on its shape's model (``workers.names.shape_identity``; of rows naming
+    one shape, the first row's dimensions)."""
+    models: dict[str, ModelSpec] = {}
+    out = []
+    for r in rows:
+        name, fp = shape_identity(r["shape"], r["d"], r["D"])
+        model = models.setdefault(name, ModelSpec(name=name, fingerprint=fp, family="shape",
+                                                  config={"d": r["d"], "D": r["D"], "weights": "random"}))
+        out.append(NewUnit(model=model, unit=dict(id=_unit_id(r), kind="kernel", method=r["variant"],
+                                                  sparsity=r["sparsity"], device_type=r["device_type"], config=r,
+                                                  code_version=CODE_VERSION)))
+    return out

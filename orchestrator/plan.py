@@ -34,7 +34,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 
-from orchestrator.settings import setting_label
+from db.front.settings import setting_label
 from orchestrator.spec import MATMUL_FP32, SweepSpec
 from workers.host import available_cores
 from workers.names import DENSE, RUNTIME_HF, RUNTIME_LLAMA_CPP, is_shape

@@ -1,7 +1,7 @@
 """The Ray actors of a sweep: ActivationCollector, PredictorFitter, Evaluator, LatencyBencher.
 
 Each actor runs units (``run(task)``) through ``workers.units.Units`` and writes the unit's rows itself, in one
-transaction (``db.queries.finish_unit``), the moment the unit is done; a failure is recorded with its
+transaction (``db.store.Store.finish_unit``), the moment the unit is done; a failure is recorded with its
 traceback (``fail_unit``) and reported back, never half-written. Resources are declared on the classes
 (one CPU each); the driver adds ``num_gpus`` for NVIDIA nodes or the custom resource ``NPU`` for Ascend
 nodes (Ray then sets ``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES``) with ``actor_options``, and the
@@ -21,10 +21,9 @@ from typing import Annotated, Any, Literal
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 
-from db import queries
-from db.engine import get_engine, session_scope
 from db.provenance import stamp
 from db.schemas import AccuracyRow, ArtifactRow, LatencyRow, LayerRow, RequestScoreRow
+from db.store import Store
 from workers.names import DEVICE_TYPES, RAY_RESOURCE, UNIT_KINDS
 
 DeviceType = Literal[DEVICE_TYPES]
@@ -127,7 +126,7 @@ class _UnitActor:
             os.environ["CTXSPARSE_HOME"] = home
         self.name = f"{self.role}@{socket.gethostname()}:{os.getpid()}"
         self._units = None
-        self._engine = None
+        self._store = None
 
     def _setup(self):
         if self._units is None:
@@ -140,7 +139,7 @@ class _UnitActor:
                 torch.set_num_threads(self.torch_threads)
             st = stamp()
             self._units = Units(_torch_device(self.device_type), st["package_versions"], st["git_rev"])
-            self._engine = get_engine(self.db_url)
+            self._store = Store(self.db_url)
         return self._units
 
     def info(self) -> dict:
@@ -159,9 +158,8 @@ class _UnitActor:
         t = UnitTask.model_validate(task)
         units = self._setup()
         st = stamp()
-        with session_scope(self._engine) as s:
-            if not queries.mark_running(s, t.id, self.name, **st):
-                return {"id": t.id, "status": "done", "skipped": True, "worker": self.name}
+        if not self._store.start_unit(t.id, self.name, **st):
+            return {"id": t.id, "status": "done", "skipped": True, "worker": self.name}
         t0 = time.time()
         try:
             shard_scores = self._shard_scores(t.shards) if t.shards else None
@@ -171,11 +169,9 @@ class _UnitActor:
             lay = [LayerRow(**r) for r in out.layers]
             art = [ArtifactRow(**r) for r in out.artifacts]
             scores = [RequestScoreRow(**r) for r in out.scores]
-            with session_scope(self._engine) as s:
-                queries.finish_unit(s, t.id, acc, lat, lay, art, duration_s=time.time() - t0, request_scores=scores)
+            self._store.finish_unit(t.id, acc, lat, lay, art, duration_s=time.time() - t0, request_scores=scores)
         except Exception as e:  # recorded on the unit; the driver decides what follows
-            with session_scope(self._engine) as s:
-                queries.fail_unit(s, t.id, f"{self.name}: {traceback.format_exc()}")
+            self._store.fail_unit(t.id, f"{self.name}: {traceback.format_exc()}")
             return {"id": t.id, "status": "failed", "error": f"{type(e).__name__}: {e}", "worker": self.name}
         return {"id": t.id, "status": "done", "summary": out.summary, "duration_s": round(time.time() - t0, 1),
                 "worker": self.name}
@@ -185,14 +181,11 @@ class _UnitActor:
         (a task's rows are written only from all of its shards)."""
         from workers.evals.suites import ShardScores
 
-        with session_scope(self._engine) as s:
-            status = queries.unit_statuses(s, shards)
-            waiting = [k for k in shards if status.get(k) != "done"]
-            if waiting:
-                raise RuntimeError(f"{len(waiting)} of the task's {len(shards)} shards are not done "
-                                   f"({', '.join(k[:12] for k in waiting[:4])}{' ...' if len(waiting) > 4 else ''}): "
-                                   "its rows are written only once every shard is")
-            found = queries.request_scores(s, shards)
+        waiting, found = self._store.shard_scores(shards)
+        if waiting:
+            raise RuntimeError(f"{len(waiting)} of the task's {len(shards)} shards are not done "
+                               f"({', '.join(k[:12] for k in waiting[:4])}{' ...' if len(waiting) > 4 else ''}): "
+                               "its rows are written only once every shard is")
         empty = ShardScores((), (), ())
         return [ShardScores(tuple(v.request), tuple(v.loglikelihood), tuple(v.greedy)) if (v := found.get(k))
                 else empty for k in dict.fromkeys(shards)]

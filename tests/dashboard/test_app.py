@@ -85,7 +85,7 @@ def test_engine_is_read_only(tiny_sweep):
     from db.engine import ReadOnlyDatabaseError
 
     with pytest.raises(ReadOnlyDatabaseError):
-        with data._engine(tiny_sweep.url).begin() as conn:
+        with data._store(tiny_sweep.url).engine.begin() as conn:
             conn.execute(text("DELETE FROM models"))
 
 

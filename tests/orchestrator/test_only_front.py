@@ -1,5 +1,5 @@
 """``only: front`` tasks (GSM8K): run for dense and the settings on the front of the sweep's cheaper suites, picked
-when those are done. The pick on hand-built settings (``orchestrator.pareto.front_pick``: known answers, dense
+when those are done. The pick on hand-built settings (``db.front.pareto.front_pick``: known answers, dense
 always, the oracle never keeping a deployable setting off, nominal sparsity where a realized one is missing, and
 ``within``: only the front's settings near dense), the spec's checks, and the driver's hold-and-release of those
 units (``orchestrator.driver.FrontWait``) on a real SQLite store with hand-built rows: exactly the expected units
@@ -12,12 +12,11 @@ import copy
 
 import pytest
 
-from db import queries
-from db.engine import get_engine, session_scope, upgrade
+from db.front.pareto import front_pick
+from db.front.settings import Setting
+from db.store import Store
 from orchestrator.driver import FrontWait, before_front, register
-from orchestrator.pareto import front_pick
 from orchestrator.plan import plan_units
-from orchestrator.settings import Setting
 from orchestrator.spec import SpecError, parse_spec
 
 PPL = "perplexity/lambada-heldout/ppl"
@@ -131,21 +130,25 @@ def test_within_goes_with_only_front():
 
 
 # ---------------------------------------------------------------------------------------------- the driver
+def _new_store(tmp_path, name: str = "front") -> Store:
+    store = Store(f"sqlite:///{tmp_path / name}.db")
+    store.migrate()
+    return store
+
+
 def _store(tmp_path, spec):
-    engine = get_engine(f"sqlite:///{tmp_path / 'front.db'}")
-    upgrade(engine)
+    store = _new_store(tmp_path)
     units = plan_units(spec, DESCRIBED)
-    sweep_id = register(engine, spec, DESCRIBED, units, None)
-    return engine, units, sweep_id
+    sweep_id = register(store, spec, DESCRIBED, units, None)
+    return store, units, sweep_id
 
 
-def _finish(engine, u, rows: list[tuple[str, str, str, bool, float]] | None) -> None:
-    with session_scope(engine) as s:
-        if rows is None:
-            queries.fail_unit(s, u.id, "boom")
-            return
-        queries.finish_unit(s, u.id, [{"suite": a, "task": b, "metric": c, "higher_is_better": h, "value": v, "n": 4,
-                                       "package_versions": {"x": "1"}, "git_rev": "r"} for a, b, c, h, v in rows])
+def _finish(store, u, rows: list[tuple[str, str, str, bool, float]] | None) -> None:
+    if rows is None:
+        store.fail_unit(u.id, "boom")
+        return
+    store.finish_unit(u.id, [{"suite": a, "task": b, "metric": c, "higher_is_better": h, "value": v, "n": 4,
+                              "package_versions": {"x": "1"}, "git_rev": "r"} for a, b, c, h, v in rows])
 
 
 # (ppl, weight skipped, copa acc) per setting: threshold s=0.5 beats s=0.3 on both (ppl, skipped); the front of
@@ -165,18 +168,17 @@ def _rows_of(u) -> list[tuple[str, str, str, bool, float]]:
 
 def test_front_units_are_registered_once_when_the_front_is_drawn(tmp_path):
     spec = _spec()
-    engine, units, sweep_id = _store(tmp_path, spec)
+    store, units, sweep_id = _store(tmp_path, spec)
     held = [u for u in units if u.only]
     assert [u.config["suite"] for u in held] == ["gsm8k_cot"] * 4
-    with session_scope(engine) as s:                            # held back: not in the store yet
-        assert queries.unit_statuses(s, [u.id for u in held]) == {}
-    wait = FrontWait(engine, spec, DESCRIBED, sweep_id, units)
+    assert store.unit_statuses([u.id for u in held]) == {}      # held back: not in the store yet
+    wait = FrontWait(store, spec, DESCRIBED, sweep_id, units)
     gate = sorted(u.id for u in units if u.kind == "eval" and not u.only)
     assert len(gate) == 8
     assert wait.release(set()) == ([], {})                      # dense's too wait for the scoring to end
     finished = set()
     for u in (u for u in units if u.kind == "eval" and not u.only):
-        _finish(engine, u, _rows_of(u))
+        _finish(store, u, _rows_of(u))
         finished.add(u.id)
         if len(finished) < len(gate):
             assert wait.release(finished) == ([], {})            # the front waits for every front-defining unit
@@ -184,9 +186,8 @@ def test_front_units_are_registered_once_when_the_front_is_drawn(tmp_path):
     assert sorted((u.method, u.sparsity) for u in chosen) == [("dense", 0.0), ("threshold", 0.5), ("threshold", 0.7)]
     assert statuses == {u.id: "pending" for u in chosen}
     assert wait.release(finished) == ([], {})                   # once
-    with session_scope(engine) as s:
-        assert queries.sweep_progress(s, sweep_id) == (8, 0, 1 + 4 + 8 + 3)   # collect, fits, evals, dense + 2
-    again = FrontWait(engine, spec, DESCRIBED, sweep_id, units)   # a resumed sweep picks the same units
+    assert store.sweep_statuses()[0].progress == (8, 0, 1 + 4 + 8 + 3)   # collect, fits, evals, dense + 2
+    again = FrontWait(store, spec, DESCRIBED, sweep_id, units)   # a resumed sweep picks the same units
     assert [u.id for u in again.release(finished)[0]] == [u.id for u in chosen]
 
 
@@ -195,24 +196,24 @@ def test_within_runs_the_front_units_of_settings_near_dense_only(tmp_path):
     runs, and so does dense."""
     spec = _spec(tasks=[{"name": "copa", "limit": 4}, {"name": "gsm8k_cot", "limit": 2, "only": "front",
                                                        "within": 0.1}])
-    engine, units, sweep_id = _store(tmp_path, spec)
+    store, units, sweep_id = _store(tmp_path, spec)
     gate = [u for u in units if u.kind == "eval" and not u.only]
     for u in gate:
-        _finish(engine, u, _rows_of(u))
-    chosen, _ = FrontWait(engine, spec, DESCRIBED, sweep_id, units).release({u.id for u in gate})
+        _finish(store, u, _rows_of(u))
+    chosen, _ = FrontWait(store, spec, DESCRIBED, sweep_id, units).release({u.id for u in gate})
     assert sorted((u.method, u.sparsity) for u in chosen) == [("dense", 0.0), ("threshold", 0.5)]
 
 
 def test_a_front_without_rows_still_runs_dense(tmp_path):
     """No perplexity, and every copa unit failed: nothing draws a front; GSM8K still runs for dense."""
     spec = _spec(perplexity=None)
-    engine, units, sweep_id = _store(tmp_path, spec)
+    store, units, sweep_id = _store(tmp_path, spec)
     gate = [u for u in units if u.kind == "eval" and not u.only]
     for u in gate:
-        _finish(engine, u, None)
-    chosen, _ = FrontWait(engine, spec, DESCRIBED, sweep_id, units).release({u.id for u in gate})
+        _finish(store, u, None)
+    chosen, _ = FrontWait(store, spec, DESCRIBED, sweep_id, units).release({u.id for u in gate})
     assert [(u.method, u.config["suite"]) for u in chosen] == [("dense", "gsm8k_cot")]
-    wait = FrontWait(engine, spec, DESCRIBED, sweep_id, units)
+    wait = FrontWait(store, spec, DESCRIBED, sweep_id, units)
     assert wait.release(set()) == ([], {})
     assert [u.method for u in wait.release({u.id for u in gate})[0]] == ["dense"]
     assert wait.release({u.id for u in gate}) == ([], {})           # once
@@ -224,20 +225,19 @@ def test_the_front_units_wait_for_every_models_scoring(tmp_path):
     spec = parse_spec({**copy.deepcopy(BASE), "models": ["smollm2-135m", "gemma3-270m"]})
     described = {**DESCRIBED, "gemma3-270m": {**DESCRIBED["smollm2-135m"], "fingerprint": "fp-front-2",
                                               "name": "gemma3-270m", "family": "gemma3"}}
-    engine = get_engine(f"sqlite:///{tmp_path / 'front2.db'}")
-    upgrade(engine)
+    store = _new_store(tmp_path, "front2")
     units = plan_units(spec, described)
-    sweep_id = register(engine, spec, described, units, None)
+    sweep_id = register(store, spec, described, units, None)
     gates = {m: [u for u in units if u.model == m and u.kind == "eval" and not u.only] for m in spec.models}
     for u in gates["smollm2-135m"]:
-        _finish(engine, u, None)
-    wait = FrontWait(engine, spec, described, sweep_id, units)
+        _finish(store, u, None)
+    wait = FrontWait(store, spec, described, sweep_id, units)
     first = {u.id for u in gates["smollm2-135m"]}
     assert wait.release(first) == ([], {})
     everything = first | {u.id for u in gates["gemma3-270m"][:-1]}
     assert wait.release(everything) == ([], {})                  # one of the second model's units still runs
     for u in gates["gemma3-270m"]:
-        _finish(engine, u, None)
+        _finish(store, u, None)
     chosen, statuses = wait.release(everything | {gates["gemma3-270m"][-1].id})
     assert sorted((u.model, u.method) for u in chosen) == [("gemma3-270m", "dense"), ("smollm2-135m", "dense")]
     assert set(statuses.values()) == {"pending"}
@@ -248,17 +248,16 @@ def test_latency_timed_alone_goes_before_the_front_units(tmp_path):
     latency units have finished too; with latency beside the rest, the fronts alone gate them."""
     spec = parse_spec({**copy.deepcopy(BASE), "latency": {"devices": ["cpu"], "batch": [1], "prompt_len": [8],
                                                           "gen_len": 2, "repeats": 1}})
-    engine = get_engine(f"sqlite:///{tmp_path / 'front-lat.db'}")
-    upgrade(engine)
+    store = _new_store(tmp_path, "front-lat")
     units = plan_units(spec, DESCRIBED, cpu_cores=2)
-    sweep_id = register(engine, spec, DESCRIBED, units, None)
+    sweep_id = register(store, spec, DESCRIBED, units, None)
     latency = {u.id for u in units if u.kind == "latency"}
     assert len(latency) == 5 and before_front(spec, units) == latency      # 4 settings, and dense on llama.cpp
     gate = [u for u in units if u.kind == "eval" and not u.only]
     for u in gate:
-        _finish(engine, u, None)
+        _finish(store, u, None)
     finished = {u.id for u in gate}
-    wait = FrontWait(engine, spec, DESCRIBED, sweep_id, units, after=before_front(spec, units))
+    wait = FrontWait(store, spec, DESCRIBED, sweep_id, units, after=before_front(spec, units))
     assert wait.release(finished) == ([], {})                    # the fronts are drawn, latency still runs
     assert wait.release(finished | set(sorted(latency)[:4])) == ([], {})
     assert [u.method for u in wait.release(finished | latency)[0]] == ["dense"]

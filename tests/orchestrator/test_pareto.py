@@ -18,9 +18,7 @@ import pytest
 
 from db import queries as q
 from db.engine import get_engine, session_scope, upgrade
-from db.schemas import LatencyRecord
-from orchestrator.cli import main as cli
-from orchestrator.pareto import (
+from db.front.pareto import (
     LOSS_TOLERANCE,
     ParetoError,
     choose,
@@ -30,7 +28,9 @@ from orchestrator.pareto import (
     metric_direction,
     pareto,
 )
-from orchestrator.settings import MEAN_TASKS, Setting, accuracy_metrics, settings_for_model
+from db.front.settings import MEAN_TASKS, Setting, accuracy_metrics, settings_for_model
+from db.schemas import LatencyRecord
+from orchestrator.cli import main as cli
 
 PPL = "perplexity/lambada-heldout/ppl"
 ACC = "mc/piqa/acc"
@@ -110,7 +110,7 @@ def test_latencies_within_the_noise_are_equal():
     """A setting 1 % "faster" than dense with a 25 % worse ppl is beaten by dense (the published Gemma-3 front had
     Deja Vu at 0.970 against dense's 0.972 ms); 3 % faster is a real difference and stays; equal ppl within the
     noise: neither beats the other."""
-    from orchestrator.pareto import LATENCY_TIE
+    from db.front.pareto import LATENCY_TIE
 
     assert LATENCY_TIE == pytest.approx(0.02)
     dense = setting("dense", ppl=40.0, ms=10.0)
@@ -637,8 +637,8 @@ def test_cli_pareto_prints_the_direction_and_the_front(store, capsys):
 
 
 def test_front_modules_import_no_ray_or_torch():
-    """The dashboard imports them: settings and the front are plain reads and pure functions."""
-    code = ("import sys, orchestrator.settings, orchestrator.pareto; "
+    """The dashboard imports them and the store that reads them: plain reads and pure functions."""
+    code = ("import sys, db.front.settings, db.front.pareto, db.store; "
             "heavy = {'ray', 'torch'} & set(sys.modules); assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -104,12 +104,13 @@ def test_shards_only_for_packaged_log_likelihood_tasks_with_enough_items():
 def _actor(url: str):
     """The actor's own class, in this process, on the store at ``url`` (what Ray's actor would hold)."""
     from db.provenance import stamp
+    from db.store import Store
     from workers.actors import _UnitActor
     from workers.units import Units
 
     a = _UnitActor(url, "cpu", 1, None)
     st = stamp()
-    a._units, a._engine = Units("cpu", st["package_versions"], st["git_rev"]), get_engine(url)
+    a._units, a._store = Units("cpu", st["package_versions"], st["git_rev"]), Store(url)
     return a
 
 
@@ -148,7 +149,7 @@ def test_sharded_task_rows_appear_complete_equal_the_unsharded_and_once(tiny_fol
     units = [u for u in plan_units(spec, described) if u.method in (None, "dense")]
     collect, fit, s0, s1, task = units
     assert (collect.kind, fit.kind, task.shards) == ("collect", "fit", (s0.id, s1.id))
-    register(engines["sharded"], spec, described, units, None)
+    register(a._store, spec, described, units, None)
     for u in (collect, fit, s0):
         assert a.run(_task(u))["status"] == "done"
     res = a.run(_task(task, task.shards))          # one shard missing: no row, the unit failed with the reason
@@ -162,7 +163,7 @@ def test_sharded_task_rows_appear_complete_equal_the_unsharded_and_once(tiny_fol
     sharded = _rows(engines["sharded"], task.id)
 
     b = _actor(urls["plain"])                     # known answer: the same unit, unsharded, in a store of its own
-    register(engines["plain"], spec, described, [collect, fit, task], None)
+    register(b._store, spec, described, [collect, fit, task], None)
     for u in (collect, fit, task):
         assert b.run(_task(u))["status"] == "done"
     plain = _rows(engines["plain"], task.id)

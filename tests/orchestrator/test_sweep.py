@@ -13,8 +13,8 @@ import pytest
 
 from db import queries
 from db.engine import get_engine, session_scope
-from orchestrator.pareto import pareto
-from orchestrator.settings import settings_for_model
+from db.front.pareto import pareto
+from db.front.settings import settings_for_model
 from tests.sweep_support import (FAILING_ERROR, FAILING_METHOD, PERPLEXITY_METRICS, SHARED_METHOD, SHARED_OVERRIDES,
                                  copy_store, home_set_to, run_tiny_sweep, tiny_spec)
 from workers.decode.llama_cpp import llama_cpp_missing

@@ -43,6 +43,15 @@ def test_the_store_keeps_the_same_device_types():
     assert sorted(get_args(DeviceType)) == sorted(names.DEVICE_TYPES)
 
 
+def test_the_front_keeps_the_same_names():
+    """db/ imports no workers: the names db.front reads in the rows are copies, checked here."""
+    from db.front import settings
+
+    assert settings.DENSE == names.DENSE and settings.SUITE_MC == names.SUITE_MC
+    assert (settings.RUNTIME_DENSE_PAIRED, settings.RUNTIME_HF, settings.RUNTIME_LLAMA_CPP) == (
+        names.RUNTIME_DENSE_PAIRED, names.RUNTIME_HF, names.RUNTIME_LLAMA_CPP)
+
+
 def test_actors_and_spec_take_the_names():
     from orchestrator.spec import DeviceType as SpecDevice
     from workers.actors import DeviceType as ActorDevice, UnitTask

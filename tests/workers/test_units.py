@@ -1,13 +1,13 @@
 """The eval unit's task rows (``workers.units.task_rows``): each labelled by its task's kind, MMLU's subjects as
 rows of their own, written into a throwaway SQLite store and read back the way the dashboard reads settings
-(``orchestrator.settings.settings_for_model``): the mean task accuracy averages single multiple-choice tasks only."""
+(``db.front.settings.settings_for_model``): the mean task accuracy averages single multiple-choice tasks only."""
 from __future__ import annotations
 
 import pytest
 
 from db import queries as q
 from db.engine import get_engine, session_scope, upgrade
-from orchestrator.settings import MEAN_TASKS, settings_for_model
+from db.front.settings import MEAN_TASKS, settings_for_model
 from workers.evals.suites import SuiteResult
 from workers.evals.tasks import task_kind
 from workers.units import task_rows

@@ -38,7 +38,8 @@ each setting skips instead: the settings an ``only: front`` task runs for (``orc
 
 Loss against dense is relative: a lower-is-better metric (ppl) may rise by that fraction of dense's value, a
 higher-is-better one (accuracy) may fall by it. ``choose`` and ``choose_sparsest`` are pure functions of a
-``Front`` (no store, no Ray): the dashboard imports this module.
+``Front`` (no store, no Ray): the dashboard imports this module. The functions that read the store take a session
+(``front_for``, ``front_pick_in_store``): callers outside ``db`` go through ``db.store.Store``.
 """
 from __future__ import annotations
 
@@ -46,10 +47,9 @@ import math
 from dataclasses import dataclass, field
 
 from db import queries
-from db.engine import session_scope
+from db.front.settings import (BASELINE_RUNTIMES, RUNTIME_DENSE_PAIRED, RUNTIME_LLAMA_CPP, Setting,
+                               accuracy_metrics, settings_for_model)
 from db.schemas import LatencyRecord
-from orchestrator.settings import BASELINE_RUNTIMES, Setting, accuracy_metrics, settings_for_model
-from workers.names import DEVICE_TYPES, RUNTIME_DENSE_PAIRED, RUNTIME_LLAMA_CPP
 
 NOT_DEPLOYABLE = ("oracle",)   # upper bounds: they read the dense activations they are meant to skip
 LOSS_TOLERANCE = 1e-9          # a loss exactly at --max-loss qualifies, whatever the float rounding of a/b - 1
@@ -626,17 +626,3 @@ def format_front(front: Front, model: str) -> str:
     lines.append("   llama.cpp: the model's GGUF timed beside our dense decode; hf-generate: timed alone)")
     return "\n".join(lines)
 
-
-def print_fronts(engine, models: list[str], device_types: tuple[str, ...] = DEVICE_TYPES) -> None:
-    with session_scope(engine) as s:
-        for m in models:
-            for dev in device_types:
-                try:
-                    _, front = front_for(s, m, device_type=dev)
-                except ParetoError as e:
-                    print(f"{m}: {e}")
-                    break
-                if front.message and dev != "cpu" and all(r.latency_ms is None for r in front.rows):
-                    print(f"{m}: no latency rows for {dev} yet")
-                    continue
-                print(format_front(front, m))

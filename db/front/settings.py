@@ -1,12 +1,13 @@
-"""Settings of a model, read from the store: what the Pareto front (``orchestrator.pareto``) is made of.
+"""Settings of a model, read from the store: what the Pareto front (``db.front.pareto``) is made of.
 
 A *setting* is one fitted configuration of a model (a ``fit`` unit: method, s, r, attention s, allocation,
 options; ``dense`` is the baseline). Its accuracy rows come from the ``eval`` units and its latency rows from the
 ``latency`` units that name it in their config (``fit_unit``). Each accuracy row carries its metric's direction
 (``higher_is_better``, as the evaluator reported it); nothing here guesses it from the metric's name.
 
-Pure reads over ``db.queries`` returning plain picklable data (the dashboard caches it with ``st.cache_data``);
-no Ray, no torch: the dashboard imports this module.
+Reads over ``db.queries`` returning plain picklable data (the dashboard caches it with ``st.cache_data``), and
+pure functions of it; no Ray, no torch. The reads take a session: callers outside ``db`` go through
+``db.store.Store.settings``.
 """
 from __future__ import annotations
 
@@ -16,8 +17,12 @@ from sqlalchemy.orm import Session
 
 from db import queries
 from db.schemas import LatencyRecord
-from workers.names import DENSE, RUNTIME_DENSE_PAIRED, RUNTIME_HF, RUNTIME_LLAMA_CPP, SUITE_MC
 
+# the names the workers write into these rows (workers.names; db/ imports no workers: tests/workers/test_names.py
+# checks that these copies are the same)
+DENSE = "dense"                                   # the dense setting's method
+SUITE_MC = "mc"                                   # the suite of one multiple-choice task's rows
+RUNTIME_DENSE_PAIRED, RUNTIME_HF, RUNTIME_LLAMA_CPP = "ctxsparse-dense-paired", "hf-generate", "llama.cpp"
 MEAN_TASKS = f"{SUITE_MC}/mean/acc"               # mean accuracy over the multiple-choice tasks
 # measured with each eval, not accuracy metrics
 SPARSITY_METRICS = ("mlp_sparsity", "head_sparsity", "input_sparsity", "weight_skipped")
@@ -96,7 +101,7 @@ def add_mean_task_accuracy(s: Setting) -> None:
 
 def settings_for_model(session: Session, model_id: int, eval_units: set[str] | None = None) -> list[Setting]:
     """Every fitted setting of a model with its accuracy and latency rows, dense first. ``eval_units``: only the
-    accuracy rows of these units (the front a sweep decides on: ``orchestrator.pareto.front_pick_in_store``)."""
+    accuracy rows of these units (the front a sweep decides on: ``db.front.pareto.front_pick_in_store``)."""
     units = queries.units_for_model(session, model_id)
     fits = {u.id: u for u in units if u.kind == "fit"}
     owner = {u.id: u.config.get("fit_unit") for u in units if u.kind in ("eval", "latency")}
