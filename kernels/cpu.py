@@ -30,6 +30,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -53,6 +54,8 @@ ISA_OF_CODE = {512: "avx512", 2: "avx2", 1: "neon", 0: "scalar"}
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 NATIVE_ENV = "CTXSPARSE_CPU_NATIVE"     # "0": no native library (the torch fallback, chosen: no warning)
 LIBRARIES = ("cpu_native", "cpu_quant")
+# a library's parts: the C files its source includes by a quoted name (cpu_quant.c, one translation unit of them)
+_PART_RE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]+"([^"/]+\.c)"', re.M)
 
 
 class NativeBuildWarning(RuntimeWarning):
@@ -109,15 +112,26 @@ def _trim(text: str, lines: int = 10, chars: int = 1200) -> str:
     return (out[:chars] + " [...]") if len(out) > chars else (out or "(the compiler printed nothing)")
 
 
+def _parts(src: Path) -> list[Path]:
+    """The C files ``src`` includes by a quoted name, in order: the parts it compiles as one translation unit
+    (kernels/cpu_quant.c's cpu_quant_*.c; none for cpu_native.c)."""
+    return [src.parent / m.decode() for m in _PART_RE.findall(src.read_bytes())]
+
+
 def _compile(src: Path, flags: list[str]) -> Path:
-    """The cached build of ``src`` (+ cpu_isa.c) with ``flags``; NativeBuildError says why there is none."""
+    """The cached build of ``src`` (+ cpu_isa.c) with ``flags``; NativeBuildError says why there is none. The
+    cache key hashes ``src``, its parts (:func:`_parts`), cpu_isa.c and every header beside them."""
     cc_env = os.environ.get("CC")
     cc = cc_env or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise NativeBuildError("no C compiler found (CC is unset and neither cc nor gcc is on PATH)")
     if not src.exists() or not _ISA_SRC.exists():
         raise NativeBuildError(f"{src.name} or {_ISA_SRC.name} is missing beside the package")
-    text = (src.read_bytes() + _ISA_SRC.read_bytes()
+    srcs = [src, *_parts(src)]
+    missing = [p.name for p in srcs if not p.exists()]
+    if missing:
+        raise NativeBuildError(f"{', '.join(missing)} (included by {src.name}) missing beside the package")
+    text = (b"".join(p.read_bytes() for p in srcs) + _ISA_SRC.read_bytes()
             + b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h"))))
     key = hashlib.sha256(text + " ".join(flags).encode() + _cpu_tag().encode() + cc.encode()).hexdigest()[:16]
     out = _cache_dir() / f"{src.stem}-{key}.so"
@@ -155,11 +169,11 @@ def _warn_once(name: str, build: str, error: str) -> None:
 
 
 def compile_native(src: Path, extra_flags=(), *, isa: str | None = None) -> Path | None:
-    """Compile ``src`` (a C file beside this module, with the headers beside it, linked with cpu_isa.c) for the
-    instruction-set build ``isa`` (kernels.isa; default: ``CTXSPARSE_CPU_ISA``'s) into a shared library cached by
-    the content of the sources, the flags, the compiler and the CPU. None where there is no compiler or the build
-    fails, after a :class:`NativeBuildWarning` (once per library) with the compiler's message; None, silently,
-    with ``CTXSPARSE_CPU_NATIVE=0``."""
+    """Compile ``src`` (a C file beside this module, with the headers and the parts it includes beside it, linked
+    with cpu_isa.c) for the instruction-set build ``isa`` (kernels.isa; default: ``CTXSPARSE_CPU_ISA``'s) into a
+    shared library cached by the content of the sources, the flags, the compiler and the CPU. None where there is
+    no compiler or the build fails, after a :class:`NativeBuildWarning` (once per library) with the compiler's
+    message; None, silently, with ``CTXSPARSE_CPU_NATIVE=0``."""
     flags = native_flags(isa, extra_flags)
     if native_disabled():
         return None

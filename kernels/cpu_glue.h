@@ -4,8 +4,9 @@
  * cache write of a KV head, and the attention of query slots over the static cache.
  *
  * The functions are compiled with floating-point contraction (FMA) on, the compiler's default for
- * cpu_native.c; cpu_quant.c (-ffp-contract=off for its exact dequantizer) includes this header inside a
- * `#pragma GCC optimize("fp-contract=fast")` region, so the same row gives the same bits in either library.
+ * cpu_native.c; cpu_quant.c (-ffp-contract=off for its exact dequantizer) includes this header in its part
+ * cpu_quant_layers.c, inside a `#pragma GCC optimize("fp-contract=fast")` region, so the same row gives the same
+ * bits in either library.
  */
 #ifndef CTXSPARSE_CPU_GLUE_H
 #define CTXSPARSE_CPU_GLUE_H

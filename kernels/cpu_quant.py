@@ -11,9 +11,11 @@
     st = LayerStack(layers, shapes) ; x = st.run(l0, l1, x, pos)   # whole decoder layers, one native call
     x = st.run(l0, l1, x, pos, sparse=SparseLayers(st.n, groups, counts))   # ... some projections input-sparse
 
-The weights are dequantized inside the kernels (``cpu_quant.c``, AVX2/FMA where the compiler targets them, a
-scalar fallback elsewhere) and multiplied with the fp32 activations in fp32: results equal the products over the
-dequantized fp32 weights up to fp32 summation order (tests/kernels/test_quant.py states the tolerance).
+The weights are dequantized inside the kernels (``cpu_quant.c``: one translation unit of its parts
+``cpu_quant_formats.c``, ``_team.c``, ``_rows.c``, ``_transposed.c``, ``_layers.c`` and the header ``cpu_quant.h``;
+AVX2/FMA where the compiler targets them, a scalar fallback elsewhere) and multiplied with the fp32 activations
+in fp32: results equal the products over the dequantized fp32 weights up to fp32 summation order
+(tests/kernels/test_quant.py states the tolerance).
 ``dequantize`` / ``embedding`` are exact. A weight with ``activations="q8"`` (kernels.quant.QuantWeight) is
 multiplied llama.cpp's way instead: the few-token kernels quantize the activations to 8 bits per 32 and take
 integer products (W x̂, not W x); the dequantize + matmul path of many tokens stays fp32.
@@ -39,7 +41,7 @@ from . import cpu as _cpu
 from .cpu import _idx64
 from .quant import QuantPart, QuantWeight, QuantWeightT
 
-_SRC = Path(__file__).with_name("cpu_quant.c")
+_SRC = Path(__file__).with_name("cpu_quant.c")      # includes its parts; kernels.cpu hashes them into the build key
 # d·q + m must stay two fp32 roundings (gguf-py's dequantizer): no contraction into FMA; the kernels' products
 # use explicit FMA intrinsics, which this flag leaves alone.
 EXTRA_FLAGS = ("-ffp-contract=off",)
@@ -459,7 +461,7 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class QLayer(ctypes.Structure):
-    """cpu_quant.c's ``qlayer`` (every field 8 bytes)."""
+    """cpu_quant.h's ``qlayer`` (every field 8 bytes)."""
     _fields_ = ([(n, _P) for n in ("qkv", "o", "gate", "up", "down")]
                 + [(n, _I64) for n in ("nqkv", "no", "ngate", "nup", "ndown")]
                 + [(n, _P) for n in ("b_qkv", "b_o", "b_up", "b_down", "n1", "n2", "post_attn", "post_ffn", "qn",
@@ -468,14 +470,14 @@ class QLayer(ctypes.Structure):
 
 
 class QTPart(ctypes.Structure):
-    """cpu_quant.c's ``qtpart``: one part of an input-sparse group."""
+    """cpu_quant.h's ``qtpart``: one part of an input-sparse group."""
     _fields_ = ([(n, _P) for n in ("codes", "scale", "offset")]
                 + [(n, _I64) for n in ("bits", "cbias", "half", "group", "nout")]
                 + [("post", ctypes.c_double), ("thr", ctypes.c_double)])
 
 
 class QSparse(ctypes.Structure):
-    """cpu_quant.c's ``qsparse``: one layer's input-sparse groups (NULL: dense)."""
+    """cpu_quant.h's ``qsparse``: one layer's input-sparse groups (NULL: dense)."""
     _fields_ = ([(n, _P) for n in ("qkv", "o", "gu", "down")] + [("nqkv", _I64), ("ngu", _I64), ("counts", _P)]
                 + [("dense_above", ctypes.c_double)])
 
@@ -529,7 +531,7 @@ class SparseLayers:
 
 
 class QDims(ctypes.Structure):
-    """cpu_quant.c's ``qdims``."""
+    """cpu_quant.h's ``qdims``."""
     _fields_ = ([(n, _I64) for n in ("d", "D", "H", "KV", "hd", "L", "one_plus", "act", "q8")]
                 + [("eps", ctypes.c_double)])
 

@@ -7,6 +7,7 @@ cache. About 2 s (the builds of each instruction set are cached for the session)
 from __future__ import annotations
 
 import platform
+import shutil
 import stat
 import warnings
 
@@ -105,6 +106,35 @@ def test_a_missing_compiler_warns_once_per_library(fresh, monkeypatch, how):
     assert len(msgs) == 2 and all(want in m and "CTXSPARSE_CPU_NATIVE=0" in m for m in msgs), msgs
     assert not st["cpu_native"]["built"] and want in st["cpu_native"]["error"]
     assert want in cpu.describe(st)
+
+
+def test_the_quantized_library_is_one_unit_of_its_parts_each_in_the_build_key(fresh, monkeypatch):
+    """kernels/cpu_quant.c includes every cpu_quant_*.c beside it (one translation unit, compiled alone; cpu_native.c
+    has no parts); a change to any part is a new build (the cache key hashes the parts), a part missing a clear
+    build error. The compiler here only writes its output file (no real build)."""
+    kdir = cpu_quant._SRC.parent
+    copy = fresh / "kernels"
+    copy.mkdir()
+    for f in [*kdir.glob("*.c"), *kdir.glob("*.h")]:
+        shutil.copy(f, copy)
+    src = copy / cpu_quant._SRC.name
+    parts = cpu._parts(src)
+    assert sorted(p.name for p in parts) == sorted(p.name for p in kdir.glob("cpu_quant_*.c")) and len(parts) >= 5
+    assert cpu._parts(cpu._SRC) == []
+    cc = fresh / "fake-cc"
+    cc.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n')
+    cc.chmod(cc.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("CC", str(cc))
+    flags = cpu.native_flags("native", cpu_quant.EXTRA_FLAGS)
+    seen = [cpu._compile(src, flags)]
+    assert cpu._compile(src, flags) == seen[0]                       # the same sources: the cached build
+    for part in parts:
+        part.write_text(part.read_text() + "\n")
+        seen.append(cpu._compile(src, flags))
+    assert len(set(seen)) == len(parts) + 1, seen
+    parts[-1].unlink()
+    with pytest.raises(cpu.NativeBuildError, match=f"{parts[-1].name} \\(included by cpu_quant.c\\) missing"):
+        cpu._compile(src, flags)
 
 
 def test_an_unknown_instruction_set_is_a_clear_error(fresh, monkeypatch):

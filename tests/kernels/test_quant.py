@@ -536,7 +536,7 @@ def test_layer_stack_thread_team_at_4_and_8_threads(gen, cpu_isa):
     fixed, whatever the split, for the dense rows (a row chunk a task), the attention (a head a task), QKV and
     gate|up over their active inputs (columns split), and O and down on a masked input (dense_above 0: their dense
     rows): the stream and the caches BIT FOR BIT, every layer case, fp32 and 8-bit activations. O and down over
-    their active rows split by ROWS on several threads (cpu_quant.c sp_rows_partial: per-thread partial sums,
+    their active rows split by ROWS on several threads (cpu_quant_layers.c sp_rows_partial: per-thread partial sums,
     then their sum): a different fp32 summation order of the same terms, so within 2·γ_n of Σ_j |a_j·W_ij| (both
     orders within γ_n of the exact sum, n = the inputs + 2) plus the residual add's rounding -- checked one
     projection at a time on a Llama layer of offset-free formats (each term's magnitude |a_j·W_ij|), with O's

@@ -100,7 +100,7 @@ def test_tiny_families_native_sparse_layers_equal_the_per_op_step(family):
 @pytest.mark.parametrize("sparsity", [0.2, 0.7])
 def test_native_layers_choose_dense_rows_on_a_masked_input_or_the_active_rows(sparsity, threads):
     """Above 60 % active inputs a group runs the dense rows on its input with the inactive entries zeroed
-    (cpu_quant.c sp_begin; on two threads O's and down's shared inputs through sp_begin_shared), below it the
+    (cpu_quant_layers.c sp_begin; on two threads O's and down's shared inputs through sp_begin_shared), below it the
     active rows; either way the per-op step's values and counts."""
     model = _tiny("llama", head_dim=32)
     w = _quantized(model, "llama")
