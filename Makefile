@@ -46,10 +46,11 @@ postgres:
 	  $$S apt-get update -q && $$S env DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql postgresql-client; }
 	@$(PG_FOUND) || { echo "PostgreSQL binaries still not found (initdb, pg_ctl, psql)" >&2; exit 1; }
 
-# Fast default suite (CI): everything but tests marked slow/grid/browser. pytest's exit 5 (no tests) fails, as does
-# any other non-zero status; PostgreSQL cases fail (never skip) without PostgreSQL.
+# Fast default suite (CI): everything but tests marked slow/grid/browser, as two pytest runs side by side (one per
+# core: tests/shards.py). pytest's exit 5 (no tests) fails, as does any other non-zero status; PostgreSQL cases fail
+# (never skip) without PostgreSQL.
 test: install postgres
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m tests.shards -q --durations=10
 
 # Debian's chromium for the real-browser dashboard test, installed where missing (apt-get, through sudo when not
 # root): what test-browser and test-all run first.

@@ -1,0 +1,86 @@
+"""The default suite as two pytest runs side by side, one per core of the 2-core CI (``make test``).
+
+One pytest process computes on one core; the service tests (Ray sweeps in the background, PostgreSQL, the
+dashboard) keep a second core busy only while their sweeps run. Two shards, started together, keep both busy:
+
+* ``service``: the tests of the Ray cluster, the store and the dashboard (``SERVICE``): every Ray cluster and
+  PostgreSQL server of the suite starts in this shard;
+* ``compute``: everything else under tests/ (kernels, workers, benchmarks, docs, ...), found anew on each run so
+  that a new folder is never left out.
+
+Each shard is a whole pytest session (its own temporary ``CTXSPARSE_HOME``; the model cache is shared, its
+conversions made once under a lock). Each shard's output is printed whole when it ends; the exit status is 0 only
+when every shard passed (pytest's 5, no test collected, fails too), and the last line sums the counts.
+
+    python -m tests.shards [PYTEST ARGS...]      # extra arguments go to both shards
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+SERVICE = ("orchestrator", "dashboard", "db", "k8s", "test_session_home.py")
+COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected)")
+
+
+def shards() -> dict[str, list[str]]:
+    """{shard: the test paths it runs}, relative to the repository."""
+    for name in SERVICE:
+        if not (TESTS / name).exists():
+            raise SystemExit(f"tests/shards.py names {name!r}, which is not under tests/")
+    entries = sorted(p.name for p in TESTS.iterdir()
+                     if (p.is_dir() and any(p.rglob("test_*.py"))) or re.fullmatch(r"test_.*\.py", p.name))
+    rel = lambda names: [f"tests/{n}" for n in names]     # noqa: E731
+    return {"service": rel(SERVICE), "compute": rel(n for n in entries if n not in SERVICE)}
+
+
+def counts(log: str) -> dict[str, int]:
+    """The counts of pytest's closing line ({"passed": 1200, "failed": 0, ...}); {} where there is none."""
+    lines = [l for l in log.splitlines() if re.search(r"\d+ (passed|failed|errors?|deselected)", l)
+             and " in " in l]
+    if not lines:
+        return {}
+    return {("errors" if k.startswith("error") else k): int(n) for n, k in COUNT.findall(lines[-1])}
+
+
+def main(argv: list[str]) -> int:
+    plan = shards()
+    logs = Path(tempfile.mkdtemp(prefix="ctxsparse-shards-"))
+    procs = {}
+    t0 = time.time()
+    for name, paths in plan.items():
+        log = logs / f"{name}.log"
+        print(f"shard {name}: {' '.join(paths)} (output: {log})", flush=True)
+        procs[name] = (subprocess.Popen([sys.executable, "-m", "pytest", *argv, *paths], cwd=REPO,
+                                        stdout=log.open("w"), stderr=subprocess.STDOUT), log)
+    status, total = {}, {}
+    while procs:
+        for name, (p, log) in list(procs.items()):
+            if p.poll() is None:
+                continue
+            del procs[name]
+            text = log.read_text(errors="replace")
+            print(f"\n======== shard {name}: exit {p.returncode} after {time.time() - t0:.0f} s ========", flush=True)
+            print(text, end="" if text.endswith("\n") else "\n", flush=True)
+            status[name] = p.returncode
+            for k, v in counts(text).items():
+                total[k] = total.get(k, 0) + v
+        time.sleep(1)
+    bad = {n: rc for n, rc in status.items() if rc != 0}
+    for n, rc in bad.items():
+        why = "no test collected" if rc == 5 else "tests failed" if rc == 1 else "pytest stopped"
+        print(f"shard {n}: exit {rc} ({why})", flush=True)
+    print(f"{time.time() - t0:.0f} s, shards {', '.join(f'{n} {rc}' for n, rc in status.items())}")
+    print(f"suite: {total.get('passed', 0)} passed, {total.get('failed', 0) + total.get('errors', 0)} failed, "
+          f"{total.get('skipped', 0)} skipped", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
