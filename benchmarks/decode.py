@@ -91,7 +91,7 @@ def checks(model, rt) -> dict:
     s0 = rt.generate(ids[:, :24], 24)
     # a LaRoSA plan at s = 0: every rotation and adapter folded into the weights, nothing dropped
     rot = rotated_shape_plan(model, 0.0)
-    for per in rot.rotated.sparsity.values():
+    for per in rot.part("larosa").sparsity.values():
         per.update(dict.fromkeys(per, 0.0))
     rt.set_plan(rot)
     rt.setup(1, 64)

@@ -6,8 +6,8 @@ bytes skipped with their extra bytes charged: what ``benchmarks.decode`` times b
     plan = rank_shape_plan(model, 0.4)        # every projection at s = 0.4, a share ρ of it on W's columns
 
 The values are random (a shape has no calibration data); what is timed is what a fitted plan of that shape reads:
-the rotated weights' top-k rows and the adapters between layers (``workers.decode.rotate``), or the kept rows plus
-the rank-r factors of every projection (``workers.sparsity.predictors.rsparse``'s recipe: r = ⌊(1 - ρ)(1 - s)·in·out
+the rotated weights' top-k rows and the adapters between layers (``workers.methods.larosa.runtime``), or the kept
+rows plus the rank-r factors of every projection (``workers.methods.rsparse.fit``'s recipe: r = ⌊(1 - ρ)(1 - s)·in·out
 / (in + out)⌋, inputs kept 1 - ρ(1 - s), scored |x_i|·‖W[:, i]‖ as the reference does where ρ < 1).
 """
 from __future__ import annotations
@@ -16,11 +16,12 @@ import torch
 
 from workers.decode.latency import calibrated_input_plan
 from workers.loading.adapters import adapter_for, linear_weight
+from workers.methods.larosa.part import RotatedPlan
+from workers.methods.larosa.rotations import GROUPS
+from workers.methods.rsparse.fit import input_sparsity_for, rank_for
+from workers.methods.rsparse.part import LowRankPart, RankSparsePlan
 from workers.sparsity.input_sparse import projection_modules
 from workers.sparsity.predictors.base import SparsityPlan
-from workers.sparsity.predictors.rsparse import input_sparsity_for, rank_for
-from workers.sparsity.rank_sparse import LowRankPart, RankSparsePlan
-from workers.sparsity.rotated import GROUPS, RotatedPlan
 
 
 def _orthogonal(n: int, g: torch.Generator, device) -> torch.Tensor:
@@ -50,7 +51,7 @@ def rotated_shape_plan(model, net: float, seed: int = 0, rotation: str = "layer"
         r_o = torch.stack([_orthogonal(dims.head_dim, g, dev) for _ in range(dims.n_kv_heads)])
         rot.rotations[l] = {"attn_in": q, "ffn_in": q, "o": r_o} if rotation == "layer" else {"o": r_o}
         rot.sparsity[l] = {grp: s for grp in GROUPS}
-    return SparsityPlan(rotated=rot)
+    return SparsityPlan(parts=[rot])
 
 
 def rank_shape_plan(model, net: float, rho: float = 0.95, seed: int = 0) -> SparsityPlan:
@@ -74,4 +75,4 @@ def rank_shape_plan(model, net: float, rho: float = 0.95, seed: int = 0) -> Spar
                 a = (torch.randn(r, n_in, generator=g) / n_in ** 0.5).to(w.device, w.dtype)
                 b = (torch.randn(n_out, r, generator=g) / r ** 0.5).to(w.device, w.dtype)
             parts[l][p] = LowRankPart(inputs[l][p], score, a, b)
-    return SparsityPlan(lowrank=RankSparsePlan(parts))
+    return SparsityPlan(parts=[RankSparsePlan(parts)])

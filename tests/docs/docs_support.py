@@ -3,8 +3,9 @@
 Every backticked span and every line of a fenced block is an *item*. From the items come the references a reader
 would act on, each checked where it lives:
 
-* paths under the project's own folders (``workers/decode/rotate.py``, ``k8s/``, ``orchestrator/sweeps/h200_*.yaml``)
-  exist; a placeholder segment (``<model>``, ``SPEC.yaml``, ``...``) checks the folder before it;
+* paths under the project's own folders (``workers/methods/larosa/runtime.py``, ``k8s/``,
+  ``orchestrator/sweeps/h200_*.yaml``) exist; a placeholder segment (``<model>``, ``SPEC.yaml``, ``...``) checks the
+  folder before it;
 * dotted names of the project (``kernels.cpu_quant.TransposedParts``, ``workers.decode.timing.densify_slow_ffn``)
   resolve, read statically from the modules' source (no import);
 * ``ctxsparse SUB [SUB] --flag``: the subcommands and flags exist in the real parser (``orchestrator.cli``);
@@ -250,11 +251,12 @@ def resolve_dotted(name: str) -> str | None:
 
 @lru_cache(maxsize=1)
 def method_options() -> dict[str, frozenset[str]]:
-    """{method: option names} of every ``@register``-ed method in workers/sparsity/predictors/, read from the
-    source the way ``register`` reads them: its ``options=`` mapping, else the fit function's keyword parameters
-    beside ctx, sparsity and rank."""
+    """{method: option names} of every ``@register``-ed method in workers/sparsity/predictors/ and in the method
+    folders of workers/methods/, read from the source the way ``register`` reads them: its ``options=`` mapping,
+    else the fit function's keyword parameters beside ctx, sparsity and rank."""
     out = {}
-    for f in sorted((ROOT / "workers" / "sparsity" / "predictors").glob("*.py")):
+    for f in [*sorted((ROOT / "workers" / "sparsity" / "predictors").glob("*.py")),
+              *sorted((ROOT / "workers" / "methods").glob("*/*.py"))]:
         tree = ast.parse(f.read_text())
         top = {n.targets[0].id: n.value for n in tree.body
                if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)}

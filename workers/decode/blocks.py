@@ -174,7 +174,7 @@ class Blocks:
             assert prologue is None and residual is None, "the quantized layer fuses natively (native_layer)"
             y = cpu_quant.input_sparse_linear_parts(x, w_t, thr, bias, counts=counts)
         elif prologue is not None or residual is not None:
-            assert counts is None and not group.lowrank, "the fused layer does not count inputs or add low-rank terms"
+            assert counts is None, "the fused layer does not count inputs"
             return ops.input_sparse_linear_segments(x, w_t, thr, sizes, bias, path=self.input_path,
                                                     prologue=prologue, residual=residual)
         elif ops.backend_name(x) == "cpu":
@@ -184,7 +184,7 @@ class Blocks:
             if self.count_inputs:
                 on = x.abs().float()[:, None, :] > (thr[None, :, :] if thr.dim() == 2 else thr[None, :, None])
                 counts.add_(on.sum((0, 2)).to(counts.dtype))
-        return low_rank_terms(x, y, group) if group.lowrank else y
+        return y
 
     def topk_in_linear(self, x, w_t, k, sizes, col, bias=None, counts=None):
         """x @ w_t (+ bias) over each token's ``k`` largest |x_j|, through the input-sparse kernels (TEAL's): on
@@ -197,7 +197,7 @@ class Blocks:
         return self.in_linear(x, w_t, InputGroup(thr, tuple(sizes), col), counts, bias)
 
     def topk_linear(self, x, w_t, top, bias=None, counts=None):
-        """x @ w_t (+ bias) over each row's inputs ``top`` [B, k] only (a rotated plan's top-k): the rows of w_t
+        """x @ w_t (+ bias) over each row's inputs ``top`` [B, k] only (LaRoSA's top-k): the rows of w_t
         [in, out] of the active inputs (the batch's union beyond batch 1), read once (``ops.gather_down``)."""
         B = x.shape[0]
         if B == 1:
@@ -283,18 +283,6 @@ class Blocks:
         if quant:
             return cpu_quant.head_sparse_out(a_act, _transposed(L, "o_t"), q_idx, q_count, hd, L.b_o)
         return ops.head_sparse_out(a_act, L.w_o_t, q_idx, q_count, hd, L.b_o)
-
-
-def low_rank_terms(x, y, group):
-    """y plus a rank-sparse group's terms on the inputs its thresholds drop (workers.sparsity.rank_sparse): per
-    projection with factors, y[:, lo:hi] += ((x ⊙ dropped) aᵀ) bᵀ (the kernels keep |x_i| > t_i)."""
-    thr = group.thresholds
-    for term in group.lowrank:
-        t = thr[term.j]
-        small = torch.where(x.abs() > t.to(x.dtype), torch.zeros((), dtype=x.dtype, device=x.device), x)
-        z = small.to(term.a.dtype) @ term.a.t()
-        y[:, term.lo: term.hi] += (z @ term.b.t()).to(y.dtype)
-    return y
 
 
 def _transposed(L: LayerWeights, key: str):

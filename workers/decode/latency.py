@@ -238,7 +238,7 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
 
     ``gguf`` (CPU; the file ``model`` was loaded from): dense decodes the file's quantized blocks (the fastest
     dense path a CPU user has), and so does the plan where the quantized runtime takes it (``runs_on_blocks``:
-    input sparsity, R-Sparse's, FFN and head predictors); a rotated plan runs over the float weights, still paired with the
+    input sparsity, R-Sparse's, FFN and head predictors); LaRoSA's plan runs over the float weights, still paired with the
     quantized dense. Each row's ``weights`` says what it read (:func:`weights_name`).
 
     At batch > 1 (unpaired) the warm-up's realized unions decide, per layer, whether the FFN runs dense from then
@@ -319,8 +319,9 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
 
 
 def _input_sparse(plan) -> bool:
-    """Whether ``plan`` skips input channels (TEAL / WINA thresholds, a rotated top-k, rank-sparse thresholds)."""
-    return bool(plan.inputs) or plan.rotated is not None or plan.lowrank is not None
+    """Whether ``plan`` skips input channels (TEAL / WINA thresholds, or a part that does: LaRoSA's top-k,
+    R-Sparse's thresholds)."""
+    return bool(plan.inputs) or any("inputs" in p.reports for p in plan.parts)
 
 
 @torch.no_grad()

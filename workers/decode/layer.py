@@ -23,7 +23,6 @@ from kernels.common import Prologue
 from kernels.reference import qk_norm_rope
 from workers.decode import native_layer
 from workers.decode.glue import EAGER, attn_prefill
-from workers.decode.weights import PROJ
 
 
 def forward(w, x, fns: dict, impl):
@@ -60,8 +59,8 @@ def forward(w, x, fns: dict, impl):
 
 
 def _add_norm(fns, x, y, adapt, n, nb, nk, eps):
-    """(x + y, its norm), or with a rotated plan's change of basis of the stream between them
-    (workers.decode.rotate): x <- (x + y) @ adapt."""
+    """(x + y, its norm), or with a change of basis of the stream between them (LaRoSA's adapters,
+    workers.methods.larosa.runtime): x <- (x + y) @ adapt."""
     if adapt is None:
         return fns["add_norm"](x, y, n, nb, nk, eps)
     x = (x + y) @ adapt
@@ -69,7 +68,7 @@ def _add_norm(fns, x, y, adapt, n, nb, nk, eps):
 
 
 def _rotate(h, q):
-    """A rotated plan's explicit rotation of a normed block input (workers.decode.rotate), or ``h`` itself."""
+    """An explicit rotation of a normed block input (LaRoSA's, workers.methods.larosa.runtime), or ``h`` itself."""
     return h if q is None else h @ q
 
 
@@ -127,8 +126,8 @@ class Step:
                 and w.norm_kind in ("rms", "rms1p") and L.post_attn is None and L.post_ffn is None):
             return False
         ia, ifn = rp.in_attn.get(l) or {}, rp.in_ffn.get(l) or {}
-        return (l not in rp.heads and l not in rp.mlp and {"qkv", "o"} <= ia.keys() and {"gu", "down"} <= ifn.keys()
-                and not any(g.lowrank for g in (*ia.values(), *ifn.values())))
+        return (l not in rp.heads and l not in rp.mlp and l not in rp.attn_fn and l not in rp.ffn_fn
+                and {"qkv", "o"} <= ia.keys() and {"gu", "down"} <= ifn.keys())
 
     def whole(self, x):
         """The stream after every layer in one native call, where every layer runs natively (else None)."""
@@ -153,10 +152,12 @@ class Step:
                            residual=x)
 
     def attn(self, l, L, h, x_in, x_prev):
-        """Dense attention (input sparsity on QKV / O where the plan has it) or the active heads only."""
+        """Dense attention (input sparsity on QKV / O where the plan has it), the active heads only, or a plan
+        part's own path for the layer (workers.methods.<method>.runtime)."""
         self.sets.layer_start(l, len(self.b.w.layers), x_in)   # look-ahead for l+1 (from x entering l), residual for l
-        if l in self.rp.rot:
-            return self._rot_attn(l, L, h, self.rp.rot[l])
+        part = self.rp.attn_fn.get(l)
+        if part is not None:
+            return part(self, l, L, h)
         hp = self.rp.heads.get(l)
         if hp is None:
             return self._dense_attn(l, L, h, self.rp.in_attn.get(l) or {})
@@ -172,60 +173,24 @@ class Step:
             qkv = b.in_linear(h, L.w_qkv_t, ia["qkv"], ia["qkv"].counts(self.c.inputs[l]), L.b_qkv)
         else:
             qkv = b.linear(h, L.w_qkv, L.b_qkv)
-        a = self._attend(l, L, qkv)
+        a = self.attend(l, L, qkv)
         if "o" in ia:
             return b.in_linear(a, L.w_o_in, ia["o"], ia["o"].counts(self.c.inputs[l]), L.b_o)
         return b.out_dense(L, a)
 
-    def _attend(self, l, L, qkv):
+    def attend(self, l, L, qkv):
         """RoPE, the cache write and the attention of the packed QKV product (every head)."""
         w, cache = self.b.w, self.cache
         q, k, v = split_qkv(qkv, w.dims)
         return self.fns["attn"](q, k, v, cache.k[l], cache.v[l], cache.pos, *(L.rope or (None, None)), L.qn, L.kn,
                                 w.eps, L.window)
 
-    def _top(self, x, tk):
-        """Each row's top-k inputs [B, k] of a rotated plan's group ``tk`` (plan.TopK)."""
-        s = x.abs() if tk.scale is None else x.abs() * tk.scale
-        return self.sets.sel.topk(s, tk.k)
-
-    def _rot_linear(self, l, x, w_t, tk, bias, col, n):
-        counts = self.c.inputs[l, col: col + n] if self.b.count_inputs or x.device.type == "cpu" else None
-        if tk.scale is None and (x.shape[0] == 1 or ops.backend_name(x) == "cpu"):
-            # each token's k-th largest |x_j| as the input-sparse kernels' threshold: exactly its top-k (and any
-            # entry tied with the k-th), without a top-k or a gather
-            return self.b.topk_in_linear(x, w_t, tk.k, tk.sizes, col, bias, counts)
-        return self.b.topk_linear(x, w_t, self._top(x, tk), bias, counts)
-
-    def _rot_attn(self, l, L, h, rot: dict):
-        """A rotated plan's attention: QKV on each token's top-k of the rotated input, O on its top-k (weights
-        rotated at set_plan, workers.decode.rotate)."""
-        b = self.b
-        if "attn_in" in rot:
-            qkv = self._rot_linear(l, h, L.w_qkv_t, rot["attn_in"], L.b_qkv, PROJ.index("q"), 3)
-        else:
-            qkv = b.linear(h, L.w_qkv, L.b_qkv)
-        a = self._attend(l, L, qkv)
-        if "o" in rot:
-            return self._rot_linear(l, a, L.w_o_t, rot["o"], L.b_o, PROJ.index("o"), 1)
-        return b.out_dense(L, a)
-
-    def _rot_ffn(self, l, L, h, rot: dict):
-        b, w = self.b, self.b.w
-        if "ffn_in" in rot:
-            gu = self._rot_linear(l, h, L.w_gu_t, rot["ffn_in"], None, PROJ.index("gate"), 2)
-        else:
-            gu = b.linear(h, L.gu())
-        a = self.fns["act_mul"](gu, w.act)
-        if "down" in rot:
-            return self._rot_linear(l, a, L.w_down_t, rot["down"], L.b_down, PROJ.index("down"), 1)
-        return b.linear_t(a, L.w_down_t, L.b_down)
-
     def ffn(self, l, L, h, x_in, x_prev):
-        """Dense, input-sparse, gate-threshold, or on the predictor's active set."""
+        """Dense, input-sparse, gate-threshold, on the predictor's active set, or a plan part's own path."""
         b, rp, c = self.b, self.rp, self.c
-        if l in rp.rot:
-            return self._rot_ffn(l, L, h, rp.rot[l])
+        part = rp.ffn_fn.get(l)
+        if part is not None:
+            return part(self, l, L, h)
         mp = rp.mlp.get(l)
         if mp is None:
             ifn = rp.in_ffn.get(l)

@@ -104,12 +104,12 @@ _LAYOUT = dict(qkv="qkv_t", o="o_t", gu="gu_t", down="down_t")      # workers.de
 def native_groups(w, rp, l: int) -> dict | None:
     """Layer ``l``'s input-sparse groups as cs_q_layers takes them ({group: (TransposedParts, thresholds)}), or
     None where the kernels cannot (a group other than QKV, O, gate|up, down; WINA's per-channel thresholds;
-    low-rank terms; a float part; a part of outputs not a multiple of 32)."""
+    a float part; a part of outputs not a multiple of 32)."""
     out = {}
     L = w.layers[l]
     for g, ent in [*(rp.in_attn.get(l) or {}).items(), *(rp.in_ffn.get(l) or {}).items()]:
         tp = L.layouts.get(_LAYOUT.get(g))
-        if (g not in cpu_quant.SPARSE_GROUPS or ent.thresholds.dim() != 1 or ent.lowrank
+        if (g not in cpu_quant.SPARSE_GROUPS or ent.thresholds.dim() != 1
                 or not isinstance(tp, cpu_quant.TransposedParts) or len(tp.parts) != ent.thresholds.numel()
                 or any(t.codes is None or t.cols % 32 for t in tp.parts)):
             return None
@@ -154,7 +154,7 @@ def _plan_layers(w, rp) -> tuple:
     if hit is None:
         covered, sparse_in = None, frozenset()
         if not rp.dense or rp.thr_ffn:
-            other = set(rp.mlp) | set(rp.heads) | set(rp.thr_ffn)
+            other = set(rp.mlp) | set(rp.heads) | set(rp.thr_ffn) | set(rp.attn_fn) | set(rp.ffn_fn)
             inputs = set(rp.in_attn) | set(rp.in_ffn)
             sparse_in = frozenset(l for l in inputs if l not in other and native_groups(w, rp, l) is not None)
             covered = (frozenset(range(len(w.layers))) - other - inputs) | sparse_in

@@ -3,9 +3,9 @@
     rp = RuntimePlan.build(plan, weights)     # plan None: dense
     rp.mlp[l], rp.heads[l]                    # predictors on the runtime's device / dtype (copies)
     rp.thr_ffn[l]                             # gate-threshold fast path: (threshold, score bias)
-    rp.in_attn[l], rp.in_ffn[l]               # input sparsity: {group: InputGroup} (R-Sparse: with low-rank terms)
-    rp.rot[l]                                 # a rotated plan's top-k: {group: TopK} (over weights rotated by
-                                              # workers.decode.rotate, which set_plan passes here)
+    rp.in_attn[l], rp.in_ffn[l]               # input sparsity: {group: InputGroup}
+    rp.attn_fn[l], rp.ffn_fn[l]               # a plan part's own paths for its layers: fn(step, l, L, h)
+                                              # (PartRuntime; over the weights its runtime_weights gave set_plan)
     rp.dense                                  # nothing sparse left: the runtime runs its dense step
 
 Keep-all parts are dropped, so they run the dense code (greedy tokens at s = 0 are the dense ones on every
@@ -39,7 +39,6 @@ from kernels.quant import QuantWeight
 from workers.decode.weights import PROJ, ModelWeights, column_norms
 from workers.sparsity.predictors.base import neuron_out_norm
 from workers.sparsity.predictors.threshold import GateThreshold
-from workers.sparsity.rotated import GROUP_PROJECTIONS, keep_count
 
 
 class InputGroup(NamedTuple):
@@ -47,7 +46,6 @@ class InputGroup(NamedTuple):
     thresholds: torch.Tensor        # [n] (one per projection) or, WINA, [n, n_in] (t / ‖W[:, i]‖ per input channel)
     sizes: tuple[int, ...]          # the output segment of each projection in the fused product
     col: int                        # the first projection's column of the input counters (PROJ); the rest follow
-    lowrank: tuple = ()             # rank-sparse: a LowRankTerm per projection with factors (the dropped inputs)
 
     @classmethod
     def of(cls, thresholds: torch.Tensor, sizes: tuple[int, ...], projections: tuple[str, ...]) -> "InputGroup":
@@ -56,9 +54,6 @@ class InputGroup(NamedTuple):
             raise ValueError(f"{projections}: not consecutive counter columns of {PROJ}, or not one size each")
         return cls(thresholds, tuple(sizes), col)
 
-    def with_lowrank(self, terms: tuple) -> "InputGroup":
-        return self._replace(lowrank=tuple(terms))
-
     @property
     def projections(self) -> tuple[str, ...]:
         return PROJ[self.col: self.col + len(self.sizes)]
@@ -66,6 +61,29 @@ class InputGroup(NamedTuple):
     def counts(self, row: torch.Tensor) -> torch.Tensor:
         """The group's columns of a layer's row of input counters (a view: kernels add to it)."""
         return row[self.col: self.col + len(self.sizes)]
+
+
+GROUP_LAYOUTS = {"qkv": "qkv_t", "o": "o_t", "gu": "gu_t", "up": "up_t", "down": "down_t"}   # the Wᵀ each reads
+
+
+@dataclass
+class PartRuntime:
+    """A plan part's runtime form (workers.sparsity.parts.PlanPart.runtime): per layer the callables that run its
+    attention and FFN blocks in the step (``fn(step, l, L, h)`` -> the block's output, ``step`` a
+    workers.decode.layer.Step), the blocks it runs as plain input sparsity (``in_attn`` / ``in_ffn``, as
+    RuntimePlan's), the projections whose inputs it skips ({layer: {projection: threshold or k}}: realized
+    sparsity), the Wᵀ layouts its callables read ({layer: {key}}) and the weight elements a token reads beside the
+    projections."""
+    attn: dict = field(default_factory=dict)
+    ffn: dict = field(default_factory=dict)
+    in_attn: dict = field(default_factory=dict)
+    in_ffn: dict = field(default_factory=dict)
+    inputs: dict = field(default_factory=dict)
+    layouts: dict = field(default_factory=dict)
+    extra_numel: int = 0
+
+    def layers(self) -> set[int]:
+        return set(self.attn) | set(self.ffn) | set(self.in_attn) | set(self.in_ffn)
 
 
 @dataclass
@@ -79,14 +97,16 @@ class RuntimePlan:
     in_attn: dict = field(default_factory=dict)
     in_ffn: dict = field(default_factory=dict)
     inputs: dict = field(default_factory=dict)   # input-sparse projections {layer: {projection: threshold or k}}
-    rot: dict = field(default_factory=dict)      # rotated top-k: {layer: {group: TopK}} (weights rotated already)
+    attn_fn: dict = field(default_factory=dict)  # {layer: a plan part's attention} (PartRuntime.attn)
+    ffn_fn: dict = field(default_factory=dict)   # {layer: a plan part's FFN}
+    parts: dict = field(default_factory=dict)    # {kind: PartRuntime} of the plan's parts
     extra_numel: int = 0                         # weight elements a token reads beside the projections
     reports: frozenset = frozenset()
     native: dict = field(default_factory=dict, repr=False)   # packed forms for the native layers (native_layer)
 
     @property
     def dense(self) -> bool:
-        return not (self.mlp or self.heads or self.in_attn or self.in_ffn or self.rot)
+        return not (self.mlp or self.heads or self.in_attn or self.in_ffn or self.attn_fn or self.ffn_fn)
 
     @property
     def dense_gate(self) -> bool:
@@ -100,18 +120,17 @@ class RuntimePlan:
 
     @classmethod
     def build(cls, plan, w: ModelWeights) -> "RuntimePlan":
-        """``w``: for a rotated plan, the weights with its rotations folded in (workers.decode.rotate)."""
+        """``w``: the weights the plan's parts run over (each part's ``runtime_weights``: LaRoSA's rotations
+        folded in)."""
         rp = cls(plan=plan)
         if plan is not None:
-            rotated, lowrank = getattr(plan, "rotated", None), getattr(plan, "lowrank", None)
+            part_reports = {r for part in plan.parts for r in part.reports}
             rp.reports = frozenset(k for k, on in (("mlp", plan.mlp), ("heads", plan.attn),
-                                                   ("inputs", plan.inputs or rotated or lowrank)) if on)
+                                                   ("inputs", plan.inputs or "inputs" in part_reports)) if on)
             _predictors(rp, plan, w)
             _inputs(rp, plan, w)
-            if rotated is not None:
-                _rotated(rp, rotated, w)
-            if lowrank is not None:
-                _lowrank(rp, lowrank, w)
+            for part in plan.parts:
+                _add_part(rp, part, part.runtime(w))
         _drop_unused_layouts(rp, w)
         return rp
 
@@ -208,7 +227,7 @@ def _inputs(rp: RuntimePlan, plan, w: ModelWeights) -> None:
             raise ValueError(f"layer {l}: input sparsity on attention projections and a head predictor on "
                              "the same layer")
         rp.inputs[l] = per
-        norms = _column_norms(w, l) if wina else None
+        norms = layer_column_norms(w, l) if wina else None
 
         def group(names, n_in, sizes) -> InputGroup:
             """The projections ``names`` sharing one input; thresholds [len] (one each) or, WINA, [len, n_in]
@@ -221,151 +240,69 @@ def _inputs(rp: RuntimePlan, plan, w: ModelWeights) -> None:
                 thr = torch.stack(rows).to(torch.float32).contiguous()
             return InputGroup.of(thr, sizes, names)
 
-        _add_groups(rp, w, l, per, group)
+        attn, ffn = input_groups(w, l, per, group)
+        if attn:
+            rp.in_attn[l] = attn
+        if ffn:
+            rp.in_ffn[l] = ffn
 
 
-def _add_groups(rp: RuntimePlan, w: ModelWeights, l: int, per: dict, group) -> None:
-    """Layer ``l``'s input-sparse groups for the projections in ``per`` (QKV, O, gate|up or fc1, down), each made
-    by ``group(names, n_in, sizes)``, and the Wᵀ layouts they read."""
+def input_groups(w: ModelWeights, l: int, per: dict, group) -> tuple[dict, dict]:
+    """Layer ``l``'s input-sparse groups ({group: entry}, attention's and the FFN's) for the projections in ``per``
+    (QKV, O, gate|up or fc1, down), each made by ``group(names, n_in, sizes)``, and the Wᵀ layouts they read."""
     L = w.layers[l]
 
     def add(names):
-        return group(names, _in_features(w.dims, names[0]), _out_sizes(w.dims, names))
+        return group(names, in_features(w.dims, names[0]), out_sizes(w.dims, names))
 
-    ent = {}
+    attn = {}
     if set(per) & {"q", "k", "v"}:
-        _qkv_t(L)
-        ent["qkv"] = add(("q", "k", "v"))
+        qkv_t(L)
+        attn["qkv"] = add(("q", "k", "v"))
     if "o" in per:
         if w.quantized:
             _layout(L, "o_t", None, L.w_o_t)
-        ent["o"] = add(("o",))
-    if ent:
-        rp.in_attn[l] = ent
-    ent = {}
+        attn["o"] = add(("o",))
+    ffn = {}
     if w.gated and set(per) & {"gate", "up"}:
-        _gu_t(L)
-        ent["gu"] = add(("gate", "up"))
+        gu_t(L)
+        ffn["gu"] = add(("gate", "up"))
     elif not w.gated and "up" in per:
         _layout(L, "up_t", lambda: L.w_up.t().contiguous(), L.w_up)
-        ent["up"] = add(("up",))
+        ffn["up"] = add(("up",))
     if "down" in per:
         if w.quantized:
             _layout(L, "down_t", None, L.w_down_t)
-        ent["down"] = add(("down",))
-    if ent:
-        rp.in_ffn[l] = ent
+        ffn["down"] = add(("down",))
+    return attn, ffn
 
 
-def _in_features(dims, p: str) -> int:
+def _add_part(rp: RuntimePlan, part, pr: PartRuntime) -> None:
+    """A part's runtime form into the plan: its layers carry no other sparse part."""
+    taken = (set(rp.heads) | set(rp.mlp) | set(rp.in_attn) | set(rp.in_ffn) | set(rp.attn_fn) | set(rp.ffn_fn)
+             | set(rp.inputs))
+    both = sorted(pr.layers() & taken)
+    if both:
+        raise ValueError(f"layer {both[0]}: a {part.label} plan carries no other sparse part on the same layer")
+    rp.parts[part.kind] = pr
+    rp.attn_fn.update(pr.attn)
+    rp.ffn_fn.update(pr.ffn)
+    rp.in_attn.update(pr.in_attn)
+    rp.in_ffn.update(pr.in_ffn)
+    rp.inputs.update(pr.inputs)
+    rp.extra_numel += pr.extra_numel
+
+
+def in_features(dims, p: str) -> int:
     """Projection ``p``'s input size (PROJ's names)."""
     return {"o": dims.n_heads * dims.head_dim, "down": dims.D}.get(p, dims.d)
 
 
-def _out_sizes(dims, names) -> tuple[int, ...]:
+def out_sizes(dims, names) -> tuple[int, ...]:
     """The output size of each projection of ``names`` (PROJ's names): a fused product's segments."""
     out = {"q": dims.n_heads * dims.head_dim, "k": dims.n_kv_heads * dims.head_dim,
            "v": dims.n_kv_heads * dims.head_dim, "o": dims.d, "down": dims.d}
     return tuple(out.get(p, dims.D) for p in names)
-
-
-class LowRankTerm(NamedTuple):
-    """A rank-sparse projection's term on the inputs its threshold drops: y[:, lo:hi] += ((x ⊙ dropped) aᵀ) bᵀ;
-    ``j`` its row of the group's thresholds."""
-    j: int
-    lo: int
-    hi: int
-    a: torch.Tensor                 # Σ_r V_rᵀ [r, in]
-    b: torch.Tensor                 # U_r [out, r]
-
-
-def _lowrank(rp: RuntimePlan, lowrank, w: ModelWeights) -> None:
-    """Per layer, a rank-sparse plan's (R-Sparse, workers.sparsity.rank_sparse) input thresholds in the groups of
-    :func:`_inputs` (one per projection; per input channel where a part scores |x_i|·‖W[:, i]‖) and each part's
-    factors as a :class:`LowRankTerm` of its group."""
-    dev = w.device
-    if not w.gated:
-        raise ValueError("rank-sparse plans run on gated FFNs in the decode runtime")
-    fdt = torch.float32 if w.quantized else w.dtype
-    for l, per in lowrank.parts.items():
-        l = int(l)
-        if not 0 <= l < len(w.layers):
-            raise ValueError(f"rank-sparse plan for layer {l}, model has {len(w.layers)}")
-        bad = set(per) - set(PROJ)
-        if bad:
-            raise ValueError(f"layer {l}: rank-sparse parts on {sorted(bad)}: not projections of this model")
-        per = {p: part for p, part in per.items() if part.threshold >= 0}
-        if not per:
-            continue
-        if l in rp.heads or l in rp.mlp or l in rp.in_attn or l in rp.in_ffn:
-            raise ValueError(f"layer {l}: a rank-sparse plan carries no other sparse part on the same layer")
-        norms = _column_norms(w, l) if any(pt.score == "wina" for pt in per.values()) else None
-        rp.inputs[l] = {p: float(part.threshold) for p, part in per.items()}
-        rp.extra_numel += sum(part.numel() for part in per.values())
-
-        def group(names, n_in, sizes) -> InputGroup:
-            wina = any(p in per and per[p].score == "wina" for p in names)
-            rows, terms, lo = [], [], 0
-            for j, (p, size) in enumerate(zip(names, sizes)):
-                part = per.get(p)
-                t = -1.0 if part is None else float(part.threshold)
-                if wina:
-                    rows.append(torch.full((n_in,), t, device=dev) if part is None or part.score == "abs"
-                                else t / norms[p].clamp_min(1e-30))
-                else:
-                    rows.append(torch.tensor(t, device=dev))
-                if part is not None and part.a is not None:
-                    if tuple(part.a.shape[1:]) != (n_in,) or part.b.shape[0] != size:
-                        raise ValueError(f"layer {l} {p}: factors {tuple(part.b.shape)} @ {tuple(part.a.shape)} "
-                                         f"do not fit a [{size}, {n_in}] weight")
-                    b = part.b * w.q_fold if p == "q" else part.b     # the query rows hold the attention scale
-                    terms.append(LowRankTerm(j, lo, lo + size, part.a.to(dev, fdt).contiguous(),
-                                             b.to(dev, fdt).contiguous()))
-                lo += size
-            thr = torch.stack(rows).to(torch.float32).contiguous()
-            return InputGroup.of(thr, sizes, names).with_lowrank(terms)
-
-        _add_groups(rp, w, l, per, group)
-
-
-class TopK(NamedTuple):
-    """A rotated plan's group: each token keeps its ``k`` largest |x_j| (``scale`` None) or |x_j|·scale_j;
-    ``sizes`` the output segment of each of its projections in the fused product (as InputGroup's)."""
-    k: int
-    scale: torch.Tensor | None
-    sizes: tuple[int, ...]
-
-
-def _rotated(rp: RuntimePlan, rotated, w: ModelWeights) -> None:
-    """Per layer, the top-k of each sparse group of a rotated plan (LaRoSA) over the rotated weights ``w``; the
-    WINA score's ‖W'[:, j]‖ over the group's consumers stacked (workers.sparsity.rotated)."""
-    dims = w.dims
-    for l, per in rotated.sparsity.items():
-        l = int(l)
-        if not 0 <= l < len(w.layers):
-            raise ValueError(f"rotated plan for layer {l}, model has {len(w.layers)}")
-        norms = _column_norms(w, l) if rotated.score == "wina" else None
-        ent = {}
-        for g, s in per.items():
-            names = GROUP_PROJECTIONS[g]
-            n = _in_features(dims, names[0])
-            if s <= 0 or keep_count(s, n) >= n:
-                continue
-            scale = None          # ‖W'[:, j]‖ over the group's consumers stacked
-            if norms is not None:
-                scale = torch.stack([norms[p] for p in names]).pow(2).sum(0).sqrt()
-            ent[g] = TopK(keep_count(s, n), None if scale is None else scale.to(w.device, w.dtype),
-                          _out_sizes(dims, names))
-            for p in names:
-                rp.inputs.setdefault(l, {})[p] = ent[g].k
-            if g == "attn_in":
-                _qkv_t(w.layers[l])
-            elif g == "ffn_in":
-                _gu_t(w.layers[l])
-        if ent:
-            rp.rot[l] = ent
-    rp.extra_numel += sum(t.numel() for L in w.layers for t in (L.adapt_attn, L.adapt_ffn, L.rot_attn, L.rot_ffn)
-                          if t is not None)
 
 
 def _layout(L, key: str, make, *weights) -> None:
@@ -378,17 +315,17 @@ def _layout(L, key: str, make, *weights) -> None:
         L.layouts[key] = cpu_quant.TransposedParts.of(*weights) if quant else make()
 
 
-def _qkv_t(L) -> None:
+def qkv_t(L) -> None:
     """QKV's Wᵀ (one copy for q, k and v, which read one input)."""
     _layout(L, "qkv_t", lambda: L.w_qkv.t().contiguous(), L.w_qkv)
 
 
-def _gu_t(L) -> None:
+def gu_t(L) -> None:
     """gate|up's Wᵀ (one copy for both, which read one input)."""
     _layout(L, "gu_t", lambda: torch.cat([L.w_gate, L.w_up], 0).t().contiguous(), L.w_gate, L.w_up)
 
 
-def _column_norms(w: ModelWeights, l: int) -> dict[str, torch.Tensor]:
+def layer_column_norms(w: ModelWeights, l: int) -> dict[str, torch.Tensor]:
     """‖W[:, i]‖₂ of layer ``l``'s projections (the WINA scores' weights; weights.column_norms)."""
     d = w.dims
     return column_norms(w.layers[l], w.q_fold, d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim)
@@ -398,14 +335,12 @@ def _drop_unused_layouts(rp: RuntimePlan, w: ModelWeights) -> None:
     for l, L in enumerate(w.layers):
         attn, ffn = rp.in_attn.get(l, {}), rp.in_ffn.get(l, {})
         out_sparse = w.quantized      # output sparsity over GGUF blocks reads W_oᵀ / W_downᵀ rows of the active set
-        rot = rp.rot.get(l, {})
-        used = {"qkv_t": "qkv" in attn or "attn_in" in rot, "gu_t": "gu" in ffn or "ffn_in" in rot,
-                "up_t": "up" in ffn,
-                "o_t": "o" in attn or (out_sparse and l in rp.heads),
-                "down_t": "down" in ffn or (out_sparse and l in rp.mlp)}
-        for key, keep in used.items():
-            if not keep:
-                L.layouts.pop(key, None)
+        used = {GROUP_LAYOUTS[g] for g in (*attn, *ffn)}
+        used |= {key for pr in rp.parts.values() for key in pr.layouts.get(l, ())}
+        used |= {"o_t"} if out_sparse and l in rp.heads else set()
+        used |= {"down_t"} if out_sparse and l in rp.mlp else set()
+        for key in set(GROUP_LAYOUTS.values()) - used:
+            L.layouts.pop(key, None)
 
 
 def _on(pred: nn.Module, device, dtype) -> nn.Module:

@@ -2,20 +2,20 @@
 
     rt = DecodeRuntime.from_hf(model)                      # copies the weights (workers.decode.weights)
     rt = DecodeRuntime.from_config(config, dtype, device)  # random weights of the real shapes
-    rt.set_plan(plan, overlap=True)                        # None: dense (a rotated plan: weights folded, rotate)
+    rt.set_plan(plan, overlap=True)                        # None: dense (a plan part may fold into the weights)
     rt.setup(batch=1, max_len=160)                         # static KV cache
     logits = rt.prefill(prompt_ids)                        # dense, eager; writes the cache
     tokens = rt.decode(n)                                  # greedy; one-token step, CUDA graph on CUDA
     tokens = rt.generate(prompt_ids, n)                    # setup (when needed) + prefill + decode
 
 The parts, each in its own module of workers/decode: ``weights`` (HF model -> frozen per-layer weight structs),
-``kv_cache`` (static cache + position counter), ``rotate`` (a rotated plan's rotations folded into a copy of the
-weights), ``plan`` (a SparsityPlan compiled for these weights; keep-all
-parts dropped, so a plan at s = 0 runs the dense step), ``select`` (active sets: predictor GEMVs, top-k or
-threshold rule, side-stream look-ahead), ``layer`` (the decoder layer, one function for the prefill and the
-step), ``blocks`` (dense / sparse projections, FFN variants, head-sparse attention), ``glue`` (norms, RoPE +
-attention; compiled on CUDA), ``graph`` (the step's CUDA graph), ``stats`` (realized sparsity), ``timing``
-(interleaved timing and the benchmark policy: ``pick_cpu_dense``, ``densify_slow_ffn``).
+``kv_cache`` (static cache + position counter), ``plan`` (a SparsityPlan compiled for these weights; keep-all
+parts dropped, so a plan at s = 0 runs the dense step; a plan part's runtime form, workers.methods.<method>.runtime,
+may run over its own copy of the weights, LaRoSA's with its rotations folded in), ``select`` (active sets:
+predictor GEMVs, top-k or threshold rule, side-stream look-ahead), ``layer`` (the decoder layer, one function for
+the prefill and the step), ``blocks`` (dense / sparse projections, FFN variants, head-sparse attention),
+``glue`` (norms, RoPE + attention; compiled on CUDA), ``graph`` (the step's CUDA graph), ``stats`` (realized
+sparsity), ``timing`` (interleaved timing and the benchmark policy: ``pick_cpu_dense``, ``densify_slow_ffn``).
 
 Every setting a benchmark varies is a keyword of the constructor (and of ``from_hf`` / ``from_config``), and
 :meth:`configure` changes it later: ``ffn_dense`` ("auto" | "torch"), ``compile`` (torch.compile of the glue on
@@ -49,7 +49,6 @@ from workers.decode.graph import StepGraph
 from workers.decode.kv_cache import KVCache
 from workers.decode.layer import Prompt, Step, forward
 from workers.decode.plan import RuntimePlan
-from workers.decode.rotate import rotated_weights
 from workers.decode.select import ActiveSetSelector, Lookahead
 from workers.decode.stats import Counters, realized_sparsity
 from workers.decode.weights import ModelWeights
@@ -58,10 +57,10 @@ KV_MODES = ("exact", "active")
 
 
 def runs_on_blocks(plan) -> bool:
-    """Whether a runtime over GGUF blocks (``from_gguf``) takes ``plan``: dense, input sparsity (with R-Sparse's
-    low-rank terms), FFN and head predictors (Deja Vu, SVD, gate thresholds: the active rows of the blocks); not
-    rotated plans (LaRoSA), whose rotations fold into float weights (workers.decode.rotate)."""
-    return plan is None or getattr(plan, "rotated", None) is None
+    """Whether a runtime over GGUF blocks (``from_gguf``) takes ``plan``: dense, input sparsity, FFN and head
+    predictors (Deja Vu, SVD, gate thresholds: the active rows of the blocks), and the parts that run there
+    (R-Sparse's low-rank terms); not LaRoSA's, whose rotations fold into float weights."""
+    return plan is None or all(p.blocks_refused is None for p in plan.parts)
 
 
 class DecodeRuntime:
@@ -70,7 +69,7 @@ class DecodeRuntime:
                  count_inputs: bool = True, input_path: str = "auto", glue: str = "auto", o_proj: str = "auto",
                  fuse: bool = True):
         self.weights = self.base_weights = weights
-        self._rotated = None                       # (rotated plan, its folded weights): the last one set
+        self._folded = None                        # (plan parts, the weights they fold into): the last ones set
         self.glue = check_glue(glue)
         self.blocks = Blocks(weights, ffn_dense=ffn_dense, cpu_rows=cpu_rows, count_inputs=count_inputs, fuse=fuse,
                              input_path=input_path, o_proj=o_proj)
@@ -195,20 +194,13 @@ class DecodeRuntime:
         if kv_mode not in KV_MODES:
             raise ValueError(f"kv_mode must be one of {KV_MODES}")
         if self.weights.quantized and not runs_on_blocks(plan):
+            why = "; ".join(p.blocks_refused for p in plan.parts if p.blocks_refused is not None)
             raise NotImplementedError("over a GGUF's blocks the runtime runs dense, input-sparsity (with low-rank "
-                                      "terms) and predictor plans; a rotated plan folds its rotations into float "
-                                      "weights: load the model with from_hf")
+                                      f"terms) and predictor plans; {why}: load the model with from_hf")
         if kv_mode != self.kv_mode:
             self.cache = None                      # the cache layout changes: setup() again
-        rotated = getattr(plan, "rotated", None)
-        if rotated is None:
-            weights = self.base_weights
-        elif self._rotated is not None and self._rotated[0] is rotated:
-            weights = self._rotated[1]             # the same rotated plan again (timing rounds): folded once
-        else:
-            weights = rotated_weights(self.base_weights, rotated)
-            self._rotated = (rotated, weights)
-        if weights is not self.weights:            # a rotated plan runs on its own copy of the weights
+        weights = self._part_weights(() if plan is None else tuple(plan.parts))
+        if weights is not self.weights:            # a part folded into the weights runs on its own copy
             b = self.blocks
             self.weights = weights
             self.blocks = Blocks(weights, ffn_dense=b.ffn_dense, cpu_rows=b.cpu_rows, count_inputs=b.count_inputs,
@@ -217,6 +209,19 @@ class DecodeRuntime:
         self.overlap, self.kv_mode = overlap, kv_mode
         self._graph.drop()
         return self
+
+    def _part_weights(self, parts: tuple):
+        """The weights ``parts`` run over (each part's ``runtime_weights`` in turn), folded once for the same
+        parts again (timing rounds)."""
+        if self._folded is not None and len(self._folded[0]) == len(parts) \
+                and all(a is b for a, b in zip(self._folded[0], parts)):
+            return self._folded[1]
+        weights = self.base_weights
+        for part in parts:
+            weights = part.runtime_weights(weights)
+        if weights is not self.base_weights:
+            self._folded = (parts, weights)
+        return weights
 
     def setup(self, batch: int, max_len: int) -> None:
         """Allocate the static KV cache and the step's buffers (and drop any captured graph)."""

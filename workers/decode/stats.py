@@ -67,7 +67,7 @@ def _weights_skipped(rp: RuntimePlan, w: ModelWeights, c: Counters, batch: int, 
             if p in numel:
                 n, n_in = numel[p]
                 skipped_in += (1.0 - float(stat[l, PROJ.index(p)]) / (seen * n_in)) * n
-    # what a rotated or rank-sparse plan reads beside the projections: adapters / rotations, low-rank factors
+    # what plan parts read beside the projections: LaRoSA's adapters / rotations, R-Sparse's low-rank factors
     skipped = skipped_in - rp.extra_numel
     if "mlp" in kept:
         for l in rp.mlp:

@@ -51,8 +51,8 @@ class LayerWeights:
     window: int | None                # sliding window of this layer
     rope: tuple | None                # (cos, sin) [max_pos, hd] fp32
     layouts: dict = field(default_factory=dict)   # derived layouts: "gu", "qkv_t", "gu_t", "up_t", "o_t", "down_t"
-    # rotated input sparsity (workers.decode.rotate): the residual stream's change of basis before the attention
-    # / FFN norm (x <- x @ A), or an explicit rotation of the normed input (h <- h @ Q); None: nothing
+    # rotated input sparsity (workers.methods.larosa.runtime): the residual stream's change of basis before the
+    # attention / FFN norm (x <- x @ A), or an explicit rotation of the normed input (h <- h @ Q); None: nothing
     adapt_attn: torch.Tensor | None = None
     adapt_ffn: torch.Tensor | None = None
     rot_attn: torch.Tensor | None = None

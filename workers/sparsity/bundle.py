@@ -5,18 +5,21 @@ A bundle is a folder of two files, never a pickle:
     manifest.json            format, model (ref, fingerprint, family, dims), method, s, r, attention sparsity,
                              allocation, options, per-layer budgets, the plan (mode, sequential filters, every
                              predictor's JSON config, input-sparsity thresholds {layer: {projection: t}} and
-                             their score, a rotated plan's sparsities and rotation keys, a rank-sparse plan's
-                             thresholds and ranks), versions, git revision, the unit it came from, the
+                             their score, and ``parts``: {kind: config} of every plan part, workers.sparsity.parts),
+                             versions, git revision, the unit it came from, the
                              sha256 and size of every data file, and ``manifest_sha256`` over the rest of itself;
                              an exported copy also ``measured``: where, at which thread count and how fast
                              the sweep timed the setting (``with_measurement``; older bundles lack it)
-    predictors.safetensors   every predictor tensor, keyed ``mlp.<layer>.<name>`` / ``attn.<layer>.<name>``; a
-                             rotated plan's (LaRoSA) rotations ``rot.<layer>.<group>`` (a rotation shared by several
-                             inputs or layers stored once, the manifest naming its key for each), a rank-sparse
-                             plan's (R-Sparse) factors ``lowrank.<layer>.<projection>.a`` / ``.b``
+    predictors.safetensors   every predictor tensor, keyed ``mlp.<layer>.<name>`` / ``attn.<layer>.<name>``, and
+                             every part's, keyed ``<kind>.<the part's own name>`` (LaRoSA's rotations
+                             ``larosa.<layer>.<group>``, a rotation shared by several inputs or layers stored once;
+                             R-Sparse's factors ``rsparse.<layer>.<projection>.a`` / ``.b``)
 
-A bundle with a rotated or rank-sparse plan is format version 2 (the code before it would not run those parts);
-every other bundle stays version 1. Both run in masked mode (``apply_bundle``), whatever mode is asked for.
+Format versions: 1, plans of predictors and input thresholds (still written for them: older code reads them);
+3, plans with parts (``plan.parts``). Version 2, written before parts were registered whole, had a rotated plan
+under ``plan.rotated`` (tensors ``rot.<layer>.<group>``, named in full by the manifest) and a rank-sparse one
+under ``plan.lowrank`` (tensors ``lowrank.<layer>.<projection>.a`` / ``.b``); it is read through each part type's
+``legacy_key`` / ``legacy_prefix``. Parts run in masked mode (``apply_bundle``), whatever mode is asked for.
 
 ``load_bundle`` checks all of it (a truncated tensor file, an edited manifest, a foreign file name all fail
 with ``BundleError``); ``apply_bundle(model, path)`` also checks that the model is the one the bundle was fitted
@@ -31,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -44,15 +47,14 @@ from workers.paths import atomic_dir, sha256_file
 
 FORMAT = "ctxsparse-bundle"
 FORMAT_VERSION = 1          # plans of predictors and input thresholds
-FORMAT_VERSION_PARTS = 2    # plans with a rotated (LaRoSA) or rank-sparse (R-Sparse) part
-_READS = (FORMAT_VERSION, FORMAT_VERSION_PARTS)
+FORMAT_VERSION_LEGACY = 2   # plans with a rotated (LaRoSA) or rank-sparse (R-Sparse) part, under their own keys
+FORMAT_VERSION_PARTS = 3    # plans with parts (plan.parts)
+_READS = (FORMAT_VERSION, FORMAT_VERSION_LEGACY, FORMAT_VERSION_PARTS)
 MANIFEST = "manifest.json"
 MEASURED = "measured"       # manifest key of an exported bundle: where and at which thread count it was timed
 TENSORS = "predictors.safetensors"
 _DATA_FILES = (TENSORS,)
 _KEY = re.compile(r"^(mlp|attn)\.(\d+)\.([A-Za-z0-9_.]+)$")
-_ROT_KEY = re.compile(r"^rot\.\d+\.[a-z_]+$")
-_LOWRANK_KEY = re.compile(r"^lowrank\.(\d+)\.([a-z]+)\.(a|b)$")
 
 
 class BundleError(ValueError):
@@ -64,6 +66,7 @@ class Bundle:
     path: Path
     manifest: dict
     tensors: dict[str, torch.Tensor]
+    parts: dict[str, tuple[dict, dict[str, torch.Tensor]]] = field(default_factory=dict)   # kind: (config, tensors)
 
     @property
     def fingerprint(self) -> str:
@@ -109,50 +112,20 @@ class Bundle:
                 except (KeyError, RuntimeError, ValueError) as e:
                     raise BundleError(f"{self.path}: {comp} layer {layer}: cannot rebuild the predictor ({e})") \
                         from None
-        if p.get("rotated") is not None:
-            plan.rotated = self._rotated(p["rotated"], len(layers), device)
-        if p.get("lowrank") is not None:
-            plan.lowrank = self._lowrank(p["lowrank"], len(layers), device)
+        plan.parts = [self._part(kind, cfg, tensors, len(layers), device)
+                      for kind, (cfg, tensors) in self.parts.items()]
         return plan
 
-    def _rotated(self, cfg: dict, n_layers: int, device):
-        from workers.sparsity.rotated import RotatedPlan
-
+    def _part(self, kind: str, cfg: dict, tensors: dict, n_layers: int, device):
+        typ = _part_types()[kind]
         try:
-            keys = {key for per in cfg["rotations"].values() for key in per.values()}
-            shared = {key: self.tensors[key].to(device) for key in keys}     # one object per stored rotation
-            rots = {int(l): {g: shared[key] for g, key in per.items()} for l, per in cfg["rotations"].items()}
-            plan = RotatedPlan(sparsity={int(l): {g: float(s) for g, s in per.items()}
-                                         for l, per in cfg["sparsity"].items()},
-                               rotations=rots, score=cfg["score"], scaled=bool(cfg["scaled"]))
+            part = typ.from_bundle(cfg, tensors, device)
         except (AttributeError, KeyError, TypeError, ValueError) as e:
-            raise BundleError(f"{self.path}: bad rotated plan in the manifest ({e!r})") from None
-        bad = [l for l in plan.layers() if not 0 <= l < n_layers]
+            raise BundleError(f"{self.path}: bad {typ.label} plan in the manifest ({e})") from None
+        bad = [l for l in part.layers() if not 0 <= l < n_layers]
         if bad:
-            raise BundleError(f"{self.path}: rotated plan for layer {bad[0]}, model has {n_layers}")
-        return plan
-
-    def _lowrank(self, cfg: dict, n_layers: int, device):
-        from workers.sparsity.rank_sparse import LowRankPart, RankSparsePlan
-
-        plan = RankSparsePlan()
-        try:
-            for l_s, per in cfg.items():
-                l = int(l_s)
-                for proj, part in per.items():
-                    a, b = (self.tensors.get(f"lowrank.{l}.{proj}.{x}") for x in ("a", "b"))
-                    got = LowRankPart(float(part["threshold"]), part["score"], None if a is None else a.to(device),
-                                      None if b is None else b.to(device))
-                    if got.rank != int(part["rank"]):
-                        raise ValueError(f"layer {l} {proj}: factors of rank {got.rank}, manifest says "
-                                         f"{part['rank']}")
-                    plan.parts.setdefault(l, {})[proj] = got
-        except (AttributeError, KeyError, TypeError, ValueError) as e:
-            raise BundleError(f"{self.path}: bad rank-sparse plan in the manifest ({e})") from None
-        bad = [l for l in plan.layers() if not 0 <= l < n_layers]
-        if bad:
-            raise BundleError(f"{self.path}: rank-sparse part for layer {bad[0]}, model has {n_layers}")
-        return plan
+            raise BundleError(f"{self.path}: {typ.label} part for layer {bad[0]}, model has {n_layers}")
+        return part
 
 
 def _predictor_classes() -> dict[tuple[str, str], type]:
@@ -173,6 +146,13 @@ def _predictor_classes() -> dict[tuple[str, str], type]:
     walk(MLPPredictor, "mlp")
     walk(HeadPredictor, "attn")
     return out
+
+
+def _part_types() -> dict[str, type]:
+    import workers.methods  # noqa: F401  (registers every method's part type)
+    from workers.sparsity.parts import PART_TYPES
+
+    return PART_TYPES
 
 
 def _canonical(obj: Any) -> bytes:
@@ -196,12 +176,14 @@ def save_bundle(plan, lm, out: str | Path, *, method: str, sparsity: float, rank
             cfgs[comp][str(layer)] = pred.config()
             for name, t in pred.to_tensors().items():
                 tensors[f"{comp}.{layer}.{name}"] = t.detach().to("cpu").contiguous().clone()
-    rotated, lowrank = getattr(plan, "rotated", None), getattr(plan, "lowrank", None)
-    parts = {"rotated": None if rotated is None else _rotated_config(rotated, tensors),
-             "lowrank": None if lowrank is None else _lowrank_config(lowrank, tensors)}
+    parts = {}
+    for part in plan.parts:
+        parts[part.kind], own = part.to_bundle()
+        for name, t in own.items():
+            tensors[f"{part.kind}.{name}"] = t.detach().to("cpu").contiguous().clone()
     manifest = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION if rotated is None and lowrank is None else FORMAT_VERSION_PARTS,
+        "format_version": FORMAT_VERSION_PARTS if parts else FORMAT_VERSION,
         "model": {"ref": lm.ref, "fingerprint": lm.fingerprint, "family": lm.family,
                   "dims": {k: int(v) for k, v in asdict(lm.dims).items()}},
         "method": method, "sparsity": float(sparsity), "rank": rank,
@@ -214,8 +196,7 @@ def save_bundle(plan, lm, out: str | Path, *, method: str, sparsity: float, rank
                  "info": {str(k): v for k, v in sorted(plan.info.items())},
                  "inputs": {str(k): {p: float(t) for p, t in sorted(per.items())}
                             for k, per in sorted(plan.inputs.items())},
-                 "input_score": plan.input_score, **cfgs,
-                 **{k: v for k, v in parts.items() if v is not None}},
+                 "input_score": plan.input_score, **cfgs, **({"parts": parts} if parts else {})},
         "unit_id": unit_id, "versions": dict(versions or {}), "git_rev": git_rev,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
@@ -229,36 +210,6 @@ def save_bundle(plan, lm, out: str | Path, *, method: str, sparsity: float, rank
             raise BundleError(f"plan info is not plain JSON ({e})") from None
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return out
-
-
-def _rotated_config(rotated, tensors: dict) -> dict:
-    """A RotatedPlan's manifest entry; its rotations go into ``tensors``, each distinct tensor once (a rotation
-    shared by both block inputs of a layer, or by every layer, stays one object when the bundle is read: the bytes
-    charged for basis changes depend on it)."""
-    keys: dict[int, str] = {}
-    rotations: dict[str, dict[str, str]] = {}
-    for l, per in sorted(rotated.rotations.items()):
-        for g, t in sorted(per.items()):
-            if id(t) not in keys:
-                keys[id(t)] = f"rot.{l}.{g}"
-                tensors[keys[id(t)]] = t.detach().to("cpu").contiguous().clone()
-            rotations.setdefault(str(l), {})[g] = keys[id(t)]
-    return {"sparsity": {str(l): {g: float(s) for g, s in sorted(per.items())}
-                         for l, per in sorted(rotated.sparsity.items())},
-            "rotations": rotations, "score": rotated.score, "scaled": bool(rotated.scaled)}
-
-
-def _lowrank_config(lowrank, tensors: dict) -> dict:
-    """A RankSparsePlan's manifest entry (thresholds, scores, ranks); its factors go into ``tensors``."""
-    cfg: dict[str, dict[str, dict]] = {}
-    for l, per in sorted(lowrank.parts.items()):
-        for p, part in sorted(per.items()):
-            cfg.setdefault(str(l), {})[p] = {"threshold": float(part.threshold), "score": part.score,
-                                             "rank": part.rank}
-            if part.a is not None:
-                tensors[f"lowrank.{l}.{p}.a"] = part.a.detach().to("cpu").contiguous().clone()
-                tensors[f"lowrank.{l}.{p}.b"] = part.b.detach().to("cpu").contiguous().clone()
-    return cfg
 
 
 def with_measurement(path: str | Path, measured: dict) -> Bundle:
@@ -331,23 +282,40 @@ def load_bundle(path: str | Path) -> Bundle:
     except (SafetensorError, OSError, ValueError) as e:
         raise BundleError(f"{path}/{TENSORS}: unreadable ({e})") from None
     plan = manifest.get("plan") or {}
-    rot_keys = {key for per in ((plan.get("rotated") or {}).get("rotations") or {}).values() for key in per.values()}
-    lowrank = plan.get("lowrank") or {}
+    parts, claimed = _parts(path, manifest["format_version"], plan, tensors)
     for k in tensors:
         m = _KEY.match(k)
-        if m:
-            ok = str(int(m.group(2))) in plan[m.group(1)]
-        elif _ROT_KEY.match(k):
-            ok = k in rot_keys
-        else:
-            m = _LOWRANK_KEY.match(k)
-            ok = bool(m) and m.group(2) in lowrank.get(str(int(m.group(1))), {})
-        if not ok:
+        if not (k in claimed or (m and str(int(m.group(2))) in plan[m.group(1)])):
             raise BundleError(f"{path}/{TENSORS}: unexpected tensor {k!r}")
-    missing = sorted(rot_keys - set(tensors))
-    if missing:
-        raise BundleError(f"{path}/{TENSORS}: no tensor {missing[0]!r}, which the manifest's rotated plan names")
-    return Bundle(path, manifest, tensors)
+    return Bundle(path, manifest, tensors, parts)
+
+
+def _parts(path: Path, version: int, plan: dict, tensors: dict) -> tuple[dict, set[str]]:
+    """({kind: (config, the part's tensors by its own names)}, the bundle's keys of those tensors): format 3's
+    ``plan.parts``, or format 2's parts under their ``legacy_key`` (tensor keys starting ``legacy_prefix``)."""
+    types = _part_types()
+    if version == FORMAT_VERSION_PARTS:
+        unknown = sorted(set(plan.get("parts") or {}) - set(types))
+        if unknown:
+            raise BundleError(f"{path}: plan part {unknown[0]!r} is not known here (known: {sorted(types)})")
+        found = {kind: (cfg, f"{kind}.") for kind, cfg in (plan.get("parts") or {}).items()}
+    else:
+        found = {kind: (typ.legacy_config(plan[typ.legacy_key]), typ.legacy_prefix) for kind, typ in types.items()
+                 if typ.legacy_key is not None and plan.get(typ.legacy_key) is not None}
+    parts, claimed = {}, set()
+    for kind, (cfg, prefix) in found.items():
+        try:
+            names = types[kind].tensor_keys(cfg)
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise BundleError(f"{path}: bad {types[kind].label} plan in the manifest ({e})") from None
+        own = {k[len(prefix):]: k for k in tensors if k.startswith(prefix)}
+        missing = sorted(names - set(own))
+        if missing:
+            raise BundleError(f"{path}/{TENSORS}: no tensor {prefix + missing[0]!r}, which the manifest's "
+                              f"{types[kind].label} plan names")
+        parts[kind] = (cfg, {name: tensors[own[name]] for name in names})
+        claimed |= {own[name] for name in names}
+    return parts, claimed
 
 
 def apply_bundle(model: torch.nn.Module, bundle: str | Path | Bundle, *, check_model: bool = True,

@@ -13,7 +13,7 @@ per layer the uncentred covariances Σ n nᵀ (float32, summed over every record
 last shard) of the rms-normalized block inputs before the norm's gain, n = h / rms(h), at the attention
 (``attn_in`` [d, d]) and at the FFN (``ffn_in`` [d, d]), and of the attention output (o's input) per KV head
 group, Σ over the group's query heads of a_h a_hᵀ (``o`` [n_kv_heads, head_dim, head_dim]): what the rotations
-of :mod:`workers.sparsity.predictors.larosa` are fitted from (``ActivationCache.load_cov``). SmolLM2: 81 MB per
+of :mod:`workers.methods.larosa.fit` are fitted from (``ActivationCache.load_cov``). SmolLM2: 81 MB per
 cache whatever its token count (benchmarks/results/history-quality.md, "LaRoSA"); RMSNorm models only.
 
 The cache key is sha256(model fingerprint, data fingerprint, token budget, dtype, components, layers, format).
@@ -41,10 +41,10 @@ from safetensors.torch import save_file
 from workers.loading.adapters import get_path
 from workers.loading.data import TokenSet
 from workers.loading.models import LoadedModel
+from workers.methods.larosa.rotations import is_rms_norm, rms_normalized
 from workers.paths import atomic_dir, home, sha256_file
 from workers.sparsity.histograms import N_COUNTS, bin_of_log, signed_histograms
 from workers.sparsity.input_sparse import SHARED_INPUT, column_norms, projection_modules
-from workers.sparsity.rotated import is_rms_norm, rms_normalized
 
 log = logging.getLogger(__name__)
 

@@ -38,8 +38,6 @@ from workers.sparsity.input_sparse import (
     InputStats, apply_input_sparsity, check_plan_parts, decoder_weight_skipped, model_projection_numel,
 )
 from workers.sparsity.predictors.base import HeadPredictor, MLPPredictor, SparsityPlan, layer_out_norms
-from workers.sparsity.rank_sparse import apply_rank_sparsity
-from workers.sparsity.rotated import apply_rotated_sparsity
 from workers.sparsity.swaps import ModuleSwaps
 
 
@@ -244,15 +242,14 @@ def apply_sparsity(model: nn.Module, plan: SparsityPlan, input_mode: str = "mask
     result's ``mode`` says which ran.
 
     ``plan.inputs`` (input sparsity) swaps projections for ``input_sparse.InputSparseLinear`` in ``input_mode``
-    (``masked`` for accuracy runs, ``kernel`` to skip the work). ``plan.rotated`` (rotated input sparsity,
-    :mod:`workers.sparsity.rotated`) runs masked whatever the modes, its rotations counted in
-    ``stats.extra_numel``; so does ``plan.lowrank`` (R-Sparse, :mod:`workers.sparsity.rank_sparse`), its low-rank
-    factors counted there."""
+    (``masked`` for accuracy runs, ``kernel`` to skip the work). ``plan.parts`` (workers.sparsity.parts: LaRoSA's
+    rotations, R-Sparse's low-rank factors) run their masked form whatever the modes, what they read beside the
+    projections counted in ``stats.extra_numel``."""
     check_plan_parts(plan)
-    if plan.rotated is not None and (plan.mlp or plan.attn or plan.inputs):
-        raise ValueError("a rotated plan carries no other part (predictors, input thresholds) beside it")
-    if plan.lowrank is not None and (plan.mlp or plan.attn or plan.inputs or plan.rotated is not None):
-        raise ValueError("a rank-sparse plan carries no other part (predictors, thresholds, rotations) beside it")
+    for part in plan.parts:
+        if part.alone and (plan.mlp or plan.attn or plan.inputs or len(plan.parts) > 1):
+            raise ValueError(f"a {part.label} plan carries no other part (predictors, input thresholds, other parts) "
+                             "beside it")
     ad = adapter_for(model)
     dims = ad.dims(model.config)
     act = ad.act_name(model.config)
@@ -293,10 +290,8 @@ def apply_sparsity(model: nn.Module, plan: SparsityPlan, input_mode: str = "mask
             applied.swap(attn, ad.attn.o, TokenSparseHeadOut(l, orig, pred, dims.head_dim, taps, stats, mode))
         if plan.inputs:
             apply_input_sparsity(model, plan.inputs, plan.input_score, input_mode, stats.inputs, swaps=applied)
-        if plan.rotated is not None:
-            stats.extra_numel = apply_rotated_sparsity(model, plan.rotated, stats.inputs, swaps=applied).extra_numel
-        if plan.lowrank is not None:
-            stats.extra_numel = apply_rank_sparsity(model, plan.lowrank, stats.inputs, swaps=applied).extra_numel
+        for part in plan.parts:
+            stats.extra_numel += part.apply_masked(model, stats.inputs, applied)
     except Exception:
         applied.revert()
         raise

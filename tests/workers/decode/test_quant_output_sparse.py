@@ -25,6 +25,7 @@ from kernels.quant import QuantWeight
 from tests.workers.decode.test_native_layer import _blocks, _decode_logits, _engaged, _quantized, _tiny
 from workers.decode.latency import calibrated_input_plan, random_plan
 from workers.decode.runtime import DecodeRuntime, runs_on_blocks
+from workers.methods.larosa.part import RotatedPlan
 from workers.sparsity.predictors.base import SparsityPlan
 from workers.sparsity.predictors.threshold import GateThreshold
 
@@ -264,7 +265,7 @@ def test_runs_on_blocks_takes_predictor_plans_not_rotated_ones():
     for plan in (None, random_plan(model, 0.5, 0.5, rank=16), calibrated_input_plan(model, 0.4, n_tokens=16)):
         assert runs_on_blocks(plan)
         DecodeRuntime(wq).set_plan(plan)
-    rotated = SparsityPlan(rotated=object())
+    rotated = SparsityPlan(parts=[RotatedPlan()])
     assert not runs_on_blocks(rotated)
     with pytest.raises(NotImplementedError, match="a rotated plan folds its rotations into float"):
         DecodeRuntime(wq).set_plan(rotated)

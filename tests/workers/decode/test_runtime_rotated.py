@@ -13,7 +13,7 @@ from tests.workers.sparsity.test_rsparse import recipe_tokens  # noqa: F401  (a 
 from tests.workers.tiny_model_support import tiny_model
 from workers.decode.runtime import DecodeRuntime
 from workers.sparsity.predictors import fit_method
-from workers.sparsity.rotated import keep_count
+from workers.methods.larosa.rotations import keep_count
 
 
 def _hf_rotated(m, plan, ids, n_prompt, greedy: int = 0):
@@ -57,7 +57,7 @@ def test_rotated_runtime_is_exact_at_zero_sparsity(tmp_path, family, rotation, b
     dense = _runtime_decode(rt, ids, 10)
     base = rt.weights
     rt.set_plan(plan)
-    assert rt.weights is not base and rt.sparse_plan.rot == {}
+    assert rt.weights is not base and rt.sparse_plan.attn_fn == rt.sparse_plan.ffn_fn == {}
     if (family, rotation, basis) == ("llama", "block", "normed"):
         assert rt.weights.layers[0].adapt_ffn is not None and rt.weights.layers[1].adapt_attn is not None
     if family == "gemma3" or basis == "scaled":
@@ -118,11 +118,11 @@ def test_rank_sparse_plan_matches_sparse_exec(tmp_path, recipe_tokens, family, r
     tokens and the weights skipped (factor bytes charged) are the masked model's."""
     m = tiny_model(family)
     plan = fit_method("rsparse", _ctx(m, tmp_path), 0.5, rho=rho)
-    assert any(p.rank > 0 for per in plan.lowrank.parts.values() for p in per.values())
+    assert any(p.rank > 0 for per in plan.part("rsparse").parts.values() for p in per.values())
     ids = _ids(3)
     want, stats = _hf_sparse_decode(m, plan, ids, 10)
     rt = DecodeRuntime.from_hf(m).set_plan(plan)
-    assert any(g.lowrank for per in rt.sparse_plan.in_ffn.values() for g in per.values())
+    assert any(g.terms for fn in rt.sparse_plan.ffn_fn.values() for g in fn.keywords["groups"].values())
     _assert_logits(_runtime_decode(rt, ids, 10), want)
     sp = rt.realized_sparsity()
     assert sp["weights"] == pytest.approx(stats.weight_skipped(), rel=1e-9)
@@ -132,7 +132,7 @@ def test_rank_sparse_plan_matches_sparse_exec(tmp_path, recipe_tokens, family, r
 
 def test_rank_sparse_at_full_rank_is_dense_in_the_runtime(tmp_path):
     """Every input dropped to the low-rank term at full rank: W exactly, so the dense runtime's logits."""
-    from workers.sparsity.rank_sparse import LowRankPart, RankSparsePlan
+    from workers.methods.rsparse.part import LowRankPart, RankSparsePlan
     from workers.sparsity.predictors.base import SparsityPlan
     from workers.loading.adapters import adapter_for, get_path, linear_weight
     from workers.sparsity.input_sparse import projection_paths
@@ -146,7 +146,7 @@ def test_rank_sparse_at_full_rank_is_dense_in_the_runtime(tmp_path):
             u, sig, vh = torch.linalg.svd(linear_weight(get_path(layer, path)).double(), full_matrices=False)
             parts[l][p] = LowRankPart(1e9, "abs", (sig[:, None] * vh).float(), u.float())   # nothing kept
     plan = SparsityPlan()
-    plan.lowrank = RankSparsePlan(parts)
+    plan.parts = [RankSparsePlan(parts)]
     ids = _ids(4)
     dense = _runtime_decode(DecodeRuntime.from_hf(m), ids, 10)
     rt = DecodeRuntime.from_hf(m).set_plan(plan)
@@ -158,7 +158,7 @@ def test_rank_sparse_at_full_rank_is_dense_in_the_runtime(tmp_path):
 
 
 def test_rotated_plan_refused_over_gguf_blocks_and_on_other_models(tmp_path):
-    from workers.decode.rotate import check, rotated_weights
+    from workers.methods.larosa.runtime import check, rotated_weights
     from workers.decode.weights import from_hf
 
     m = tiny_model("opt")
@@ -167,5 +167,5 @@ def test_rotated_plan_refused_over_gguf_blocks_and_on_other_models(tmp_path):
     llama = tiny_model("llama")
     plan = fit_method("larosa", _ctx(llama, tmp_path), 0.4)
     w = from_hf(llama)
-    w2 = rotated_weights(w, plan.rotated)
+    w2 = rotated_weights(w, plan.part("larosa"))
     assert w2.layers[0].w_qkv is not w.layers[0].w_qkv and torch.equal(w.layers[0].n1, from_hf(llama).layers[0].n1)

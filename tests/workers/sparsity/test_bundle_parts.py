@@ -42,10 +42,10 @@ def test_rotated_bundle_round_trips_with_shared_rotations_kept_shared(tmp_path, 
                        options={"rotation": rotation})
     b = load_bundle(path)
     assert b.manifest["format_version"] == B.FORMAT_VERSION_PARTS
-    assert len(b.tensors) == n_tensors and all(k.startswith("rot.") for k in b.tensors)
-    back = b.plan(model).rotated
+    assert len(b.tensors) == n_tensors and all(k.startswith("larosa.") for k in b.tensors)
+    back = b.plan(model).part("larosa")
     assert back.rotations[0]["attn_in"] is back.rotations[0]["ffn_in"]
-    assert back.sparsity == plan.rotated.sparsity and back.score == plan.rotated.score
+    assert back.sparsity == plan.part("larosa").sparsity and back.score == plan.part("larosa").score
     applied = _same_sparse_model(model, plan, path)
     assert applied.stats.extra_numel == extra * 48 * 48
 
@@ -57,10 +57,10 @@ def test_rank_sparse_bundle_round_trips(tmp_path):
                        options={"rho": 0.8})
     b = load_bundle(path)
     assert b.manifest["format_version"] == B.FORMAT_VERSION_PARTS
-    assert set(b.manifest["plan"]["lowrank"]["1"]) == {"q", "k", "v", "o", "gate", "up", "down"}
-    assert b.tensors["lowrank.1.down.a"].shape == (3, 80) and b.tensors["lowrank.1.down.b"].shape == (48, 3)
-    back = b.plan(model).lowrank
-    assert back.parts[0]["q"].threshold == plan.lowrank.parts[0]["q"].threshold
+    assert set(b.manifest["plan"]["parts"]["rsparse"]["1"]) == {"q", "k", "v", "o", "gate", "up", "down"}
+    assert b.tensors["rsparse.1.down.a"].shape == (3, 80) and b.tensors["rsparse.1.down.b"].shape == (48, 3)
+    back = b.plan(model).part("rsparse")
+    assert back.parts[0]["q"].threshold == plan.part("rsparse").parts[0]["q"].threshold
     applied = _same_sparse_model(model, plan, path)
     assert applied.stats.extra_numel > 0
     plain = save_bundle(SparsityPlan(inputs={0: {"q": 0.1}}), loaded(model, "tiny"), tmp_path / "p", method="teal",
@@ -90,17 +90,17 @@ def test_inconsistent_parts_are_refused(tmp_path):
     rs = fit_method("rsparse", ctx, 0.5, rho=0.8)
     la = fit_method("larosa", ctx, 0.4)
     cases = [
-        ("rsparse", rs, lambda m: m["plan"]["lowrank"]["0"]["q"].__setitem__("rank", 5), None,
+        ("rsparse", rs, lambda m: m["plan"]["parts"]["rsparse"]["0"]["q"].__setitem__("rank", 5), None,
          "bad rank-sparse plan.*rank 2, manifest says 5"),
-        ("rsparse", rs, lambda m: m["plan"]["lowrank"]["0"]["q"].__setitem__("score", "norm"), None,
+        ("rsparse", rs, lambda m: m["plan"]["parts"]["rsparse"]["0"]["q"].__setitem__("score", "norm"), None,
          "bad rank-sparse plan"),
-        ("rsparse", rs, None, lambda t: t.__setitem__("lowrank.0.zz.a", torch.zeros(1, 48)), "unexpected tensor"),
-        ("rsparse", rs, lambda m: m["plan"]["lowrank"].__setitem__("7", m["plan"]["lowrank"]["0"]),
+        ("rsparse", rs, None, lambda t: t.__setitem__("rsparse.0.zz.a", torch.zeros(1, 48)), "unexpected tensor"),
+        ("rsparse", rs, lambda m: m["plan"]["parts"]["rsparse"].__setitem__("7", m["plan"]["parts"]["rsparse"]["0"]),
          lambda t: t.update({k.replace(".0.", ".7."): v.clone() for k, v in list(t.items())
-                             if k.startswith("lowrank.0.")}),
+                             if k.startswith("rsparse.0.")}),
          "rank-sparse part for layer 7, model has 2"),
-        ("larosa", la, None, lambda t: t.__setitem__("rot.5.o", torch.zeros(1)), "unexpected tensor"),
-        ("larosa", la, None, lambda t: t.pop("rot.1.o"), "no tensor 'rot.1.o'"),
+        ("larosa", la, None, lambda t: t.__setitem__("larosa.5.o", torch.zeros(1)), "unexpected tensor"),
+        ("larosa", la, None, lambda t: t.pop("larosa.1.o"), "no tensor 'larosa.1.o'"),
     ]
     for i, (method, plan, edit_m, edit_t, match) in enumerate(cases):
         path = save_bundle(plan, lm, tmp_path / f"b{i}", method=method, sparsity=0.5)

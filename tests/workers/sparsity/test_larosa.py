@@ -12,8 +12,9 @@ from workers.loading.data import TokenSet
 from workers.sparsity.capture import capture_activations
 from workers.sparsity.input_sparse import projection_modules
 from workers.sparsity.predictors import FitContext, fit_method
-from workers.sparsity.predictors.larosa import pca_rotation
-from workers.sparsity.rotated import RotatedTopKNorm, TopKInputLinear, keep_count, rms_normalized
+from workers.methods.larosa.fit import pca_rotation
+from workers.methods.larosa.masked import RotatedTopKNorm, TopKInputLinear
+from workers.methods.larosa.rotations import keep_count, rms_normalized
 from workers.sparsity.sparse_exec import apply_sparsity
 
 ALL = ("q", "k", "v", "o", "gate", "up", "down")
@@ -31,8 +32,8 @@ def _ctx(model, tmp_path, **kw) -> FitContext:
 
 
 def _zero_sparsity(plan):
-    for l in plan.rotated.sparsity:
-        plan.rotated.sparsity[l] = {g: 0.0 for g in plan.rotated.sparsity[l]}
+    for l in plan.part("larosa").sparsity:
+        plan.part("larosa").sparsity[l] = {g: 0.0 for g in plan.part("larosa").sparsity[l]}
     return plan
 
 
@@ -93,7 +94,7 @@ def test_rotation_is_exact_at_zero_sparsity(tmp_path, family, rotation, basis):
     model = tiny_model(family)
     ctx = _ctx(model, tmp_path)
     plan = _zero_sparsity(fit_method("larosa", ctx, 0.4, rotation=rotation, basis=basis))
-    assert set(plan.rotated.rotations[0]) == {"attn_in", "ffn_in", "o"}
+    assert set(plan.part("larosa").rotations[0]) == {"attn_in", "ffn_in", "o"}
     ids = _tokens(7, 2, 24).windows
     with torch.no_grad():
         dense = model(input_ids=ids).logits
@@ -190,11 +191,11 @@ def test_options_and_refusals(tmp_path):
     c, _ = ctx.cache.load_cov(1, "ffn_in")                     # basis "scaled": the PCA of g ⊙ n
     g = ctx.lm.model.model.layers[1].post_attention_layernorm.weight.detach().double()
     scaled = fit_method("larosa", ctx, 0.5, rotation="block", basis="scaled")
-    assert scaled.rotated.scaled and torch.equal(scaled.rotated.rotations[1]["ffn_in"],
+    assert scaled.part("larosa").scaled and torch.equal(scaled.part("larosa").rotations[1]["ffn_in"],
                                                  pca_rotation(g[:, None] * c * g[None, :])[0])
-    assert not torch.equal(scaled.rotated.rotations[1]["ffn_in"], pca_rotation(c)[0])
+    assert not torch.equal(scaled.part("larosa").rotations[1]["ffn_in"], pca_rotation(c)[0])
     plan = fit_method("larosa", ctx, 0.5, projections=["gate", "up", "down"])
-    assert plan.rotated.sparsity[0] == {"ffn_in": 0.5, "down": 0.5} and set(plan.rotated.rotations[0]) == {"ffn_in"}
+    assert plan.part("larosa").sparsity[0] == {"ffn_in": 0.5, "down": 0.5} and set(plan.part("larosa").rotations[0]) == {"ffn_in"}
     no_cov = capture_activations(ctx.lm, _tokens(0), components=("inhist",), root=tmp_path / "c", progress=False)
     with pytest.raises(ValueError, match="no covariances"):
         fit_method("larosa", FitContext(ctx.lm, no_cov, [0, 1]), 0.5)

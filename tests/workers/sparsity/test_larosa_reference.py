@@ -1,6 +1,6 @@
 """LaRoSA at s > 0 against a reference written here, for one layer of a tiny Llama.
 
-The reference, from the definitions (Liu et al., arXiv 2507.01299; ``workers.sparsity.predictors.larosa``):
+The reference, from the definitions (Liu et al., arXiv 2507.01299; ``workers.methods.larosa``):
 
 1. The rotation. The layer's calibration block inputs h (the inputs of its two RMSNorms, recorded here with hooks
    on the same calibration windows) give n = h / sqrt(mean(h²) + eps) (eps from the config) and x = n (basis
@@ -135,8 +135,8 @@ def test_masked_layer_matches_a_hand_written_rotated_topk(setup, s, rotation, ba
     assert k == {"d": round((1 - s) * d), "o": round((1 - s) * n_heads * hd), "D": round((1 - s) * D)}
 
     plan = fit_method("larosa", ctx, {0: 0.0, LAYER: s}, rotation=rotation, basis=basis)
-    rot = plan.rotated.rotations[LAYER]
-    assert set(rot) == {"attn_in", "ffn_in", "o"} and list(plan.rotated.rotations) == [LAYER]
+    rot = plan.part("larosa").rotations[LAYER]
+    assert set(rot) == {"attn_in", "ffn_in", "o"} and list(plan.part("larosa").rotations) == [LAYER]
 
     # ---- 1. the rotations are the PCA bases of the calibration inputs
     xs = {}

@@ -12,10 +12,11 @@ from workers.loading.adapters import adapter_for, linear_weight
 from workers.loading.data import TokenSet
 from workers.sparsity.capture import capture_activations
 from workers.sparsity.input_sparse import InputStats, projection_modules
+from workers.methods.rsparse import fit as R
+from workers.methods.rsparse.masked import RankSparseLinear
+from workers.methods.rsparse.part import LowRankPart, RankSparsePlan, lowrank_numel
 from workers.sparsity.input_thresholds import Thresholds
 from workers.sparsity.predictors import FitContext, SparsityPlan, fit_method
-from workers.sparsity.predictors import rsparse as R
-from workers.sparsity.rank_sparse import LowRankPart, RankSparseLinear, RankSparsePlan, lowrank_numel
 from workers.sparsity.sparse_exec import apply_sparsity
 
 ALL = ("q", "k", "v", "o", "gate", "up", "down")
@@ -76,7 +77,7 @@ def test_full_rank_plan_on_a_model_gives_the_dense_logits():
     ids = _tokens(7, 2, 24).windows
     with torch.no_grad():
         dense = model(input_ids=ids).logits
-        with apply_sparsity(model, SparsityPlan(lowrank=plan)) as applied:
+        with apply_sparsity(model, SparsityPlan(parts=[plan])) as applied:
             got = model(input_ids=ids).logits
         assert torch.equal(model(input_ids=ids).logits, dense)          # reverted
     torch.testing.assert_close(got, dense, rtol=1e-4, atol=1e-4)
@@ -89,7 +90,7 @@ def test_zero_sparsity_is_dense(tmp_path):
     model = tiny_model("llama")
     ctx = _ctx(model, tmp_path)
     plan = fit_method("rsparse", ctx, 0.0, rho=0.8)
-    assert plan.lowrank.parts == {}
+    assert plan.part("rsparse").parts == {}
     lin = model.model.layers[0].mlp.down_proj
     mod = RankSparseLinear(lin, LowRankPart(-1.0, "abs", *R.low_rank_factors(_svd(lin.weight), 5)), 0, "down",
                            InputStats())
@@ -110,7 +111,7 @@ def test_bytes_charged_known_answer():
     plan = RankSparsePlan({0: {"q": LowRankPart(float("inf"), "abs", *R.low_rank_factors(_svd(q.weight), 4))},
                            1: {"down": LowRankPart(-1.0, "wina", *R.low_rank_factors(_svd(down.weight), 3))}})
     assert lowrank_numel(plan) == 768
-    with torch.no_grad(), apply_sparsity(model, SparsityPlan(lowrank=plan)) as applied:
+    with torch.no_grad(), apply_sparsity(model, SparsityPlan(parts=[plan])) as applied:
         model(input_ids=_tokens(4, 2, 16).windows)
     st = applied.stats
     assert st.extra_numel == 768
@@ -125,9 +126,9 @@ def test_fitted_plan_charges_its_factors_within_each_budget(tmp_path):
     model = tiny_model("llama")
     ctx = _ctx(model, tmp_path)
     plan = fit_method("rsparse", ctx, 0.5, rho=0.8)
-    ranks = {p: part.rank for p, part in plan.lowrank.parts[1].items()}
+    ranks = {p: part.rank for p, part in plan.part("rsparse").parts[1].items()}
     assert ranks == {"q": 2, "k": 1, "v": 1, "o": 2, "gate": 3, "up": 3, "down": 3}
-    for l, per in plan.lowrank.parts.items():
+    for l, per in plan.part("rsparse").parts.items():
         for p, part in per.items():
             rec = plan.info[l]["rsparse"]["recipe"][p]
             assert rec["input_sparsity"] == pytest.approx(0.6) and part.score == "wina"
@@ -135,7 +136,7 @@ def test_fitted_plan_charges_its_factors_within_each_budget(tmp_path):
             assert (1 - rec["calib_sparsity"]) * n_in * n_out + part.numel() <= 0.5 * n_in * n_out * 1.02
     with torch.no_grad(), apply_sparsity(model, plan) as applied:
         model(input_ids=_tokens(5, 2, 16).windows)
-    assert applied.stats.extra_numel == lowrank_numel(plan.lowrank) == 2 * (
+    assert applied.stats.extra_numel == lowrank_numel(plan.part("rsparse")) == 2 * (
         2 * 96 + 1 * 72 * 2 + 2 * 96 + 3 * 128 * 3)
     skipped = applied.stats.inputs.skipped_numel()
     assert applied.stats.weight_skipped() == pytest.approx((skipped - applied.stats.extra_numel) / 36864)
@@ -159,7 +160,7 @@ def test_recipe_errors_known_answer_and_search(tmp_path, recipe_tokens):
     o = _low_rank_o(model)
     ctx = _ctx(model, tmp_path)
     plan = fit_method("rsparse", ctx, 0.5)
-    assert plan.info[1]["rsparse"]["recipe"]["o"]["rho"] == 0.8 and plan.lowrank.parts[1]["o"].rank == 2
+    assert plan.info[1]["rsparse"]["recipe"]["o"]["rho"] == 0.8 and plan.part("rsparse").parts[1]["o"].rank == 2
     assert plan.info[1]["rsparse"]["recipe"]["o"]["rel_error"] == pytest.approx(0.0, abs=1e-9)
     assert plan.info[1]["rsparse"]["recipe"]["q"]["rho"] == 1.0          # random weights: no low-rank structure
 
@@ -220,12 +221,12 @@ def test_options_and_refusals(tmp_path):
     with pytest.raises(ValueError, match="leave rank unset"):
         fit_method("rsparse", ctx, 0.5, rank=8)
     plan = fit_method("rsparse", ctx, 0.5, rho=1.0, score="abs", projections=["gate", "up"])
-    assert set(plan.lowrank.parts[0]) == {"gate", "up"} and lowrank_numel(plan.lowrank) == 0
+    assert set(plan.part("rsparse").parts[0]) == {"gate", "up"} and lowrank_numel(plan.part("rsparse")) == 0
     no_hist = capture_activations(ctx.lm, _tokens(0), components=("ffn_in",), root=tmp_path / "c", progress=False)
     with pytest.raises(ValueError, match="no input histograms"):
         fit_method("rsparse", FitContext(ctx.lm, no_hist, [0, 1]), 0.5, rho=0.9)
     with pytest.raises(ValueError, match="rank-sparse plan carries no other part"):
-        apply_sparsity(model, SparsityPlan(lowrank=plan.lowrank, inputs={0: {"q": 0.1}}))
+        apply_sparsity(model, SparsityPlan(parts=[plan.part("rsparse")], inputs={0: {"q": 0.1}}))
 
 
 def test_registered_and_accepted_by_a_sweep_spec():

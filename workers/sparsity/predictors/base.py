@@ -189,12 +189,19 @@ class SparsityPlan:
     # score |x_i| (``input_score="abs"``) or |x_i|·‖W[:, i]‖₂ ("wina"); see workers.sparsity.input_sparse
     inputs: dict[int, dict[str, float]] = field(default_factory=dict)
     input_score: str = "abs"
-    # rotated input sparsity (LaRoSA): a workers.sparsity.rotated.RotatedPlan (its own swaps; no other part beside it)
-    rotated: object = None
-    # rank-aware input sparsity (R-Sparse): a workers.sparsity.rank_sparse.RankSparsePlan (no other part beside it)
-    lowrank: object = None
+    # whole methods' shares (workers.sparsity.parts.PlanPart: LaRoSA's rotations, R-Sparse's low-rank factors),
+    # at most one of each kind; each carries its bundle, masked and runtime forms
+    parts: list = field(default_factory=list)
+
+    def part(self, kind: str):
+        """The plan's part of ``kind`` (a registered part type's name), or None."""
+        return next((p for p in self.parts if p.kind == kind), None)
 
     def __post_init__(self):
+        self.parts = list(self.parts)
+        kinds = [p.kind for p in self.parts]
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"one part of each kind, got {kinds}")
         if self.mlp_mode not in ("parallel", "sequential"):
             raise ValueError("mlp_mode must be 'parallel' or 'sequential'")
         if self.seq_filter_on not in SEQ_FILTERS:

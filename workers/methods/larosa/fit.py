@@ -6,8 +6,8 @@ Reference: Liu et al., "LaRoSA: Enhancing LLM Efficiency via Layerwise Rotated S
 inputs a plain top-k). Each layer's block inputs are rotated by the eigenvectors of their calibration covariance
 (PCA: the reference adds 0.01 · mean(diag) to the diagonal and takes ``eigh`` in float64, as here), and each
 token keeps its top-k rotated entries, so every token has exactly the target sparsity (TEAL's thresholds give
-each token a different count). How the rotations are folded into the weights, what they cost in bytes and how a
-plan runs: :mod:`workers.sparsity.rotated`.
+each token a different count). How the rotations are folded into the weights and what they cost in bytes:
+:mod:`.rotations`; how a plan runs: :mod:`.masked` (accuracy) and :mod:`.runtime` (decode).
 
 Fitted from the activation cache's ``cov`` component (:mod:`workers.sparsity.capture`): per layer Σ n nᵀ of the
 rms-normalized block inputs before the norm's gain (the gain is folded into the next linear), at the attention
@@ -32,10 +32,11 @@ from __future__ import annotations
 import torch
 
 from workers.loading.adapters import get_path, norm_gain
+from workers.methods.larosa.masked import check_model
+from workers.methods.larosa.part import RotatedPlan
+from workers.methods.larosa.rotations import BLOCK_INPUTS, GROUP_PROJECTIONS, GROUPS, SCORES, keep_count
 from workers.sparsity.input_sparse import projection_paths
 from workers.sparsity.predictors.base import FitContext, SparsityPlan, register
-from workers.sparsity.rotated import BLOCK_INPUTS, GROUP_PROJECTIONS, GROUPS, SCORES, RotatedPlan, check_model, \
-    keep_count
 
 ROTATIONS = ("layer", "block", "model", "none")
 BASES = ("normed", "scaled")
@@ -108,7 +109,7 @@ def fit_larosa(ctx: FitContext, sparsity: dict[int, float], rank=None, rotation:
 
     covs = {(l, g): cov(l, g) for l in layers for g in rotated_inputs}
     plan = RotatedPlan(score=score, scaled=basis == "scaled")
-    out = SparsityPlan(rotated=plan)
+    out = SparsityPlan(parts=[plan])
     shared = None
     if rotation == "model" and layers and rotated_inputs:
         shared = pca_rotation(sum(covs.values()))

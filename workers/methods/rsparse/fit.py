@@ -5,7 +5,7 @@ Reference: Zhang et al., "R-Sparse: Rank-Aware Activation Sparsity for Efficient
 weight, no input statistics), ``utils/setup.py`` (``set_threshold_r_sparse``: a linear's recipe (s, ρ) -> its
 kept inputs and its rank), ``models/modeling_llama.py`` (the forward) and
 ``config/llama3_sparsity_50_evolutionary_search.npy`` (their searched recipe for Llama-3-8B at 50 %). How a plan
-runs and what its factors cost in bytes: :mod:`workers.sparsity.rank_sparse`.
+runs and what its factors cost in bytes: :mod:`workers.methods.rsparse`.
 
 **A projection's recipe**, as the reference: a budget b = 1 - s of its dense weight bytes, a share ρ of it spent on
 W's columns (the inputs whose score is above the (1 - ρ·b)-quantile of the calibration scores are kept: a fraction
@@ -55,12 +55,12 @@ import torch
 
 from workers.loading import data
 from workers.loading.adapters import get_path, linear_weight
+from workers.methods.rsparse.part import LowRankPart, RankSparsePlan
 from workers.paths import home, write_json_atomic
 from workers.sparsity.greedy import greedy_allocate
 from workers.sparsity.input_sparse import projection_paths
 from workers.sparsity.input_thresholds import Thresholds, calib_sparsity
 from workers.sparsity.predictors.base import FitContext, SparsityPlan, register
-from workers.sparsity.rank_sparse import LowRankPart, RankSparsePlan
 
 RHOS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5)       # the share of a projection's budget on W's columns, searched
 GRID = tuple(round(0.1 * i, 1) for i in range(10))  # the greedy allocation's sparsity levels per projection: 0 .. 0.9
@@ -213,7 +213,7 @@ def fit_rsparse(ctx: FitContext, sparsity: dict[int, float], rank=None, rho="sea
 
     thr = {sc: Thresholds(ctx, sc) for sc in SCORE_OPTIONS[1:]}
     lowrank = RankSparsePlan()
-    out = SparsityPlan(lowrank=lowrank)
+    out = SparsityPlan(parts=[lowrank])
     for l in layers:
         recipe = {}
         for p in projs:
