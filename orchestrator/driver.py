@@ -10,11 +10,11 @@
    against weights skipped (``db.front.pareto.front_pick``) picks the settings they run for, dense's among
    them; those are registered and run, the rest never are.
 3. Run what is not done, in dependency order, on actor pools (``workers.actors``), at most one unit in flight
-   per actor (backpressure through ``ray.wait``); among ready units of one kind, the lower ``priority`` first (the
-   plan starts fits from activation statistics first, then the longest, ``orchestrator.plan.fit_priority``).
-   Actors write each unit's rows the moment it finishes. A dead actor is replaced and its unit retried (up to
-   ``resources.max_attempts``); a unit that raises is recorded as failed with its traceback, and what depends on
-   it is marked failed too (a resume retries them).
+   per actor (backpressure through ``ray.wait``); which unit starts when is ``orchestrator.scheduler``'s: among
+   ready units of one kind, the lower ``priority`` first (the plan starts fits from activation statistics first,
+   then the longest, ``orchestrator.plan.fit_priority``). Actors write each unit's rows the moment it finishes.
+   A dead actor is replaced and its unit retried (up to ``resources.max_attempts``); a unit that raises is
+   recorded as failed with its traceback, and what depends on it is marked failed too (a resume retries them).
 4. Units for a device type the cluster does not have (no ``GPU`` / ``NPU`` resource) stay pending, and the log
    says so: no latency is ever invented.
 5. Print the Pareto front per model and device type.
@@ -37,6 +37,7 @@ from db.schemas import DatasetSpec, ModelSpec, NewUnit
 from db.store import Store, StoreError, first_line, open_store
 from orchestrator.placement import DevicePlacement, alive_nodes, pool_sizes
 from orchestrator.plan import PlannedUnit, node_cores, plan_units, without_needless_shards
+from orchestrator.scheduler import Scheduler
 from orchestrator.spec import SpecError, SweepSpec, check_inputs, load_spec, parse_spec
 from workers.names import DENSE, DEVICE_TYPES, RAY_RESOURCE
 
@@ -270,15 +271,6 @@ def front_units(store: Store, held: list[PlannedUnit], gate: set[str]) -> tuple[
     return [u for u in held if u.config["fit_unit"] in chosen[u.within]], pick
 
 
-def enqueue(queue: deque, unit: PlannedUnit) -> None:
-    """Put a ready unit into its queue behind every unit of its priority or a lower one (first come, first served
-    within a priority; ``PlannedUnit.priority``)."""
-    i = len(queue)
-    while i and queue[i - 1].priority > unit.priority:
-        i -= 1
-    queue.insert(i, unit)
-
-
 def before_front(spec: SweepSpec, units: list[PlannedUnit]) -> set[str]:
     """The units the ``only: front`` units wait for besides the fronts' own (``FrontWait``'s ``after``): the latency
     units, when the spec times latency alone."""
@@ -361,141 +353,100 @@ def run_sweep(spec: SweepSpec, db_url: str | None = None, submission_id: str | N
 
 def _execute(ray, store: Store, pools: _Pools, spec: SweepSpec, sweep_id: int, units: list[PlannedUnit],
              heartbeat_s: float, described: dict[str, dict]) -> SweepOutcome:
-    from ray.exceptions import RayActorError
-
-    exclusive = spec.latency is not None and spec.latency.exclusive
     front = FrontWait(store, spec, described, sweep_id, units, after=before_front(spec, units))
     units = [u for u in units if not u.only]
-    by_id = {u.id: u for u in units}
-    status = store.unit_statuses(list(by_id))
-    done = {k for k, v in status.items() if v == "done"}
-    have = cluster_device_types(ray)
-    unplaceable = [u.id for u in units if u.device_type not in have and u.id not in done]
-    for dev in sorted({by_id[k].device_type for k in unplaceable}):
-        n = sum(by_id[k].device_type == dev for k in unplaceable)
-        log.warning("no %s resources in this cluster (%s): %d %s units stay pending; no %s rows are written",
-                    dev, RAY_RESOURCE[dev], n, dev, dev)
-    skip = done | set(unplaceable)
-    todo = [u for u in units if u.id not in skip]
-    out = SweepOutcome(sweep_id, total=len(units), done=len(done), unplaceable=unplaceable)
-    log.info("%d of %d units already done; %d to run", len(done), len(units), len(todo))
-
-    attempts: dict[str, int] = defaultdict(int)
-    failed: set[str] = set()
-    waiting = {u.id: u for u in todo}
-    ready: dict[tuple[str, str], deque] = defaultdict(deque)
-    inflight: dict = {}          # ObjectRef -> (unit, actor)
-    t_start, n_ran = time.time(), 0
-
-    def release_front():
-        chosen, statuses = front.release(done | failed | set(unplaceable))
-        out.total += len(chosen)
-        for u in chosen:
-            by_id[u.id] = u
-            if statuses.get(u.id) == "done":
-                done.add(u.id)
-            elif u.device_type not in have:
-                unplaceable.append(u.id)
-            else:
-                waiting[u.id] = u
-        out.done = len(done)
-
-    def release_ready():
-        release_front()
-        for uid in list(waiting):
-            u = waiting[uid]
-            if any(d in failed for d in u.deps):
-                waiting.pop(uid)
-                store.fail_unit(u.id, f"not run: a unit it depends on failed ({[d for d in u.deps if d in failed]})")
-                failed.add(uid)
-            elif all(d in done for d in u.deps):
-                enqueue(ready[(u.kind, u.device_type)], waiting.pop(uid))
-
-    def dispatch():
-        # latency is timed alone when the spec says so: no other unit of this sweep runs beside a bencher
-        others_busy = any(k[0] != "latency" and q for k, q in ready.items()) or \
-            any(u.kind != "latency" for u in waiting.values()) or any(u.kind != "latency" for u, _ in inflight.values())
-        while True:
-            for key, q in ready.items():
-                if key[0] == "latency" and exclusive and others_busy:
-                    continue
-                while q:
-                    actor = pools.take(*key)
-                    if actor is None:
-                        break
-                    u = q.popleft()
-                    task = {"id": u.id, "kind": u.kind, "config": u.config}
-                    if u.shards:
-                        task["shards"] = list(u.shards)
-                    ref = actor.run.remote(task)
-                    inflight[ref] = (u, actor)
-            # room an idle actor left is used now, not after the next unit ends (each pass retires at least one
-            # idle actor, and takes none back to idle: this ends)
-            if not pools.rebalance(ready, [a for _, a in inflight.values()]):
-                break
-
-    release_ready()
-    last_beat = time.time()
-    while True:
-        dispatch()
-        if not inflight:
-            break
-        finished, _ = ray.wait(list(inflight), num_returns=1, timeout=heartbeat_s)
-        if not finished:
-            if time.time() - last_beat >= heartbeat_s:
-                running = ", ".join(u.label for u, _ in inflight.values())
-                log.info("[%d/%d] running: %s", len(done), out.total, running)
-                last_beat = time.time()
-            continue
-        ref = finished[0]
-        u, actor = inflight.pop(ref)
-        try:
-            res = ray.get(ref)
-        except RayActorError as e:
-            out.worker_deaths += 1
-            attempts[u.id] += 1
-            pools.replace(u.kind, u.device_type, actor)
-            msg = f"worker died while running the unit (attempt {attempts[u.id]}): {type(e).__name__}"
-            if attempts[u.id] < spec.resources.max_attempts:
-                log.warning("%s: %s; retrying on a new worker", u.label, msg)
-                ready[(u.kind, u.device_type)].appendleft(u)
-            else:
-                log.error("%s: %s; giving up after %d attempts", u.label, msg, attempts[u.id])
-                store.fail_unit(u.id, msg)
-                failed.add(u.id)
-                release_ready()
-            continue
-        except Exception as e:   # the actor's own bookkeeping failed (e.g. the store was unreachable from it)
-            res = {"status": "failed", "error": reason(e), "worker": "?"}
-            store.fail_unit(u.id, f"the worker could not run or record the unit: {res['error']}")
-        pools.give_back(u.kind, u.device_type, actor)
-        if res["status"] == "done":
-            done.add(u.id)
-            if not res.get("skipped"):
-                n_ran += 1
-            elapsed = time.time() - t_start
-            left = len(waiting) + sum(len(q) for q in ready.values()) + len(inflight)
-            eta = elapsed / max(n_ran, 1) * left    # wall time per unit already reflects parallelism
-            log.info("[%d/%d] %s: %s (%.1fs, %s) ETA %s", len(done), out.total, u.label,
-                     res.get("summary") or ("already done" if res.get("skipped") else ""),
-                     res.get("duration_s") or 0.0, res["worker"], _fmt_eta(eta))
-        else:
-            failed.add(u.id)
-            log.error("[%d/%d] %s FAILED on %s: %s", len(done), out.total, u.label, res["worker"], res["error"])
-        release_ready()
-
-    out.done, out.failed, out.ran = len(done), sorted(failed), n_ran
-    if failed:
+    status = store.unit_statuses([u.id for u in units])
+    sched = Scheduler(units, {k for k, v in status.items() if v == "done"}, cluster_device_types(ray),
+                      max_attempts=spec.resources.max_attempts,
+                      exclusive_latency=spec.latency is not None and spec.latency.exclusive,
+                      front=front.release, record_failure=store.fail_unit)
+    _warn_unplaceable(units, sched.unplaceable)
+    log.info("%d of %d units already done; %d to run", len(sched.done), sched.total, len(sched.waiting))
+    run = _Run(ray, store, pools, sched, heartbeat_s)
+    run.loop()
+    out = SweepOutcome(sweep_id, total=sched.total, done=len(sched.done), failed=sorted(sched.failed),
+                       unplaceable=sched.unplaceable, ran=run.ran, worker_deaths=run.deaths)
+    if sched.failed:
         final = "failed"
-    elif unplaceable:
+    elif sched.unplaceable:
         final = "running"   # resumable on a cluster that has the missing devices
     else:
         final = "done"
     prog = store.finish_sweep(sweep_id, final)
     log.info("sweep %s: %d/%d units done, %d failed, %d waiting for devices this cluster lacks; %d computed "
-             "now in %s; %d worker deaths", spec.name, prog.done, prog.total, prog.failed, len(unplaceable),
-             n_ran, _fmt_eta(time.time() - t_start), out.worker_deaths)
+             "now in %s; %d worker deaths", spec.name, prog.done, prog.total, prog.failed, len(sched.unplaceable),
+             run.ran, _fmt_eta(time.time() - run.t_start), run.deaths)
     return out
+
+
+def _warn_unplaceable(units: list[PlannedUnit], unplaceable: list[str]) -> None:
+    by_id = {u.id: u for u in units}
+    for dev in sorted({by_id[k].device_type for k in unplaceable}):
+        n = sum(by_id[k].device_type == dev for k in unplaceable)
+        log.warning("no %s resources in this cluster (%s): %d %s units stay pending; no %s rows are written",
+                    dev, RAY_RESOURCE[dev], n, dev, dev)
+
+
+def _task(u: PlannedUnit) -> dict:
+    """What an actor's ``run`` is given."""
+    task = {"id": u.id, "kind": u.kind, "config": u.config}
+    if u.shards:
+        task["shards"] = list(u.shards)
+    return task
+
+
+class _Run:
+    """The scheduler's units run on the actor pools, at most one in flight per actor (backpressure through
+    ``ray.wait``): each result, or an actor's death, is told to the scheduler, and the progress logged."""
+
+    def __init__(self, ray, store: Store, pools: _Pools, sched: Scheduler, heartbeat_s: float):
+        self.ray, self.store, self.pools, self.sched, self.heartbeat_s = ray, store, pools, sched, heartbeat_s
+        self.inflight: dict = {}          # ObjectRef -> (unit, actor)
+        self.t_start, self.ran, self.deaths = time.time(), 0, 0      # ran: computed now (not done already)
+
+    def loop(self) -> None:
+        last_beat = time.time()
+        while True:
+            for u, actor in self.sched.dispatch(self.pools):
+                self.inflight[actor.run.remote(_task(u))] = (u, actor)
+            if not self.inflight:
+                return
+            finished, _ = self.ray.wait(list(self.inflight), num_returns=1, timeout=self.heartbeat_s)
+            if finished:
+                self._result(finished[0])
+            elif time.time() - last_beat >= self.heartbeat_s:
+                running = ", ".join(u.label for u, _ in self.inflight.values())
+                log.info("[%d/%d] running: %s", len(self.sched.done), self.sched.total, running)
+                last_beat = time.time()
+
+    def _result(self, ref) -> None:
+        from ray.exceptions import RayActorError
+
+        u, actor = self.inflight.pop(ref)
+        try:
+            res = self.ray.get(ref)
+        except RayActorError as e:
+            self.deaths += 1
+            self.pools.replace(u.kind, u.device_type, actor)
+            self.sched.worker_died(u.id, type(e).__name__)
+            return
+        except Exception as e:   # the actor's own bookkeeping failed (e.g. the store was unreachable from it)
+            res = {"status": "failed", "error": reason(e), "worker": "?"}
+            self.store.fail_unit(u.id, f"the worker could not run or record the unit: {res['error']}")
+        self.pools.give_back(u.kind, u.device_type, actor)
+        sched = self.sched
+        if res["status"] != "done":
+            sched.unit_failed(u.id)
+            log.error("[%d/%d] %s FAILED on %s: %s", len(sched.done), sched.total, u.label, res["worker"],
+                      res["error"])
+            return
+        sched.unit_done(u.id)
+        if not res.get("skipped"):
+            self.ran += 1
+        eta = (time.time() - self.t_start) / max(self.ran, 1) * sched.left  # per unit: reflects parallelism already
+        log.info("[%d/%d] %s: %s (%.1fs, %s) ETA %s", len(sched.done), sched.total, u.label,
+                 res.get("summary") or ("already done" if res.get("skipped") else ""),
+                 res.get("duration_s") or 0.0, res["worker"], _fmt_eta(eta))
 
 
 def print_fronts(store: Store, models: list[str], device_types: tuple[str, ...] = DEVICE_TYPES) -> None:

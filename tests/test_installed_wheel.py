@@ -25,8 +25,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # Files of the packages that belong to the project tree only, not to an installed copy (no installed code reads
 # them): bare_host.sh runs from the tree a GPU host is given (its PYTHONPATH is that tree), demo.sh is `make demo`.
-TREE_ONLY = {"orchestrator/bare_host.sh": "the GPU host's set-up, run from the project tree",
-             "orchestrator/demo.sh": "`make demo`, run from the project tree",
+TREE_ONLY = {"orchestrator/deploy/bare_host.sh": "the GPU host's set-up, run from the project tree",
+             "orchestrator/deploy/demo.sh": "`make demo`, run from the project tree",
              "kernels/NOTES.md": "developers' notes"}
 
 PROBE = r"""

@@ -1,10 +1,10 @@
-"""``orchestrator/bare_host.sh`` set-ups that succeed, on small real shipments built here.
+"""``orchestrator/deploy/bare_host.sh`` set-ups that succeed, on small real shipments built here.
 
-A shipment is laid out and its manifest written by ``orchestrator.ship`` itself (``file_entry``, ``make_manifest``:
-the batch-NN/ folders and ship-manifest.json that ``make ship`` writes), around tiny pure-Python wheels built here
-with setuptools. It carries no Ray tarball, no model, no data and no tokenizer (the script says so and sets up what
-it has: its import check finds the environment's own Ray, as a host with Ray would). No GPU, no network.
-The failure paths before the set-up (a damaged piece, MPS) are in test_ship.py.
+A shipment is laid out and its manifest written by ``orchestrator.deploy.ship`` itself (``file_entry``,
+``make_manifest``: the batch-NN/ folders and ship-manifest.json that ``make ship`` writes), around tiny pure-Python
+wheels built here with setuptools. It carries no Ray tarball, no model, no data and no tokenizer (the script says so
+and sets up what it has: its import check finds the environment's own Ray, as a host with Ray would). No GPU, no
+network. The failure paths before the set-up (a damaged piece, MPS) are in test_ship.py.
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import ship
+from orchestrator.deploy import ship
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "orchestrator" / "bare_host.sh"
+SCRIPT = ROOT / "orchestrator" / "deploy" / "bare_host.sh"
 NEEDS = {"name": "bare-host-test", "models": [], "tasks": [], "data_folders": [], "elsewhere": []}
 PROJECTS = {   # name -> (package, dependencies, __init__.py)
     "ctxsparse-probe-alpha": ("ctxsparse_probe_alpha", [], "VALUE = 'alpha'\n"),
@@ -182,7 +182,7 @@ def test_before_the_set_up_a_bare_host_parses_and_says_the_rest_follows(tmp_path
     ship_dir, _ = _shipment(tmp_path, wheels, ["ctxsparse-probe-alpha"])
     spec = tmp_path / "spec.yaml"
     spec.write_text("name: x\nmodels: [smollm3-135m]\nmethods: [{name: oracle, sparsity: [0.5]}]\n")
-    args = ["-m", "orchestrator.ship", "check-spec", str(spec), "--ship", str(ship_dir), "--before-setup"]
+    args = ["-m", "orchestrator.deploy.ship", "check-spec", str(spec), "--ship", str(ship_dir), "--before-setup"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     r = subprocess.run([str(_bare_python(tmp_path)), *args], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=120)

@@ -303,7 +303,7 @@ def test_fits_start_cheapest_first_then_longest():
     SVD predictor's and R-Sparse's decompositions; ready units of one priority keep their order."""
     from collections import deque
 
-    from orchestrator.driver import enqueue
+    from orchestrator.scheduler import enqueue
     from orchestrator.plan import fit_priority
 
     assert [fit_priority(m) for m in ("dense", "oracle", "threshold", "teal", "wina", "static")] == [0] * 6

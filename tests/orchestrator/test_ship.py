@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import ship
+from orchestrator.deploy import ship
 
 ROOT = Path(__file__).resolve().parents[2]
 PIECE, BATCH = 1000, 2500  # bytes
@@ -109,7 +109,7 @@ def test_bare_host_stops_on_a_damaged_piece_before_installing(tmp_path):
     bad.write_bytes(b"x" + bad.read_bytes()[1:])
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(SHIP=str(out), SITE=str(tmp_path / "site"), PYTHON=shutil.which("python") or "python3")
-    r = subprocess.run(["bash", str(ROOT / "orchestrator" / "bare_host.sh"), "--setup-only"], env=env,
+    r = subprocess.run(["bash", str(ROOT / "orchestrator" / "deploy" / "bare_host.sh"), "--setup-only"], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "model.whl.part-000: sha256" in r.stderr
@@ -128,7 +128,7 @@ def test_bare_host_refuses_mps_it_cannot_start_before_the_set_up(tmp_path, mps, 
     env.update(SHIP=str(out), SITE=str(tmp_path / "site"), PYTHON=shutil.which("python") or "python3",
                CTXSPARSE_MPS=mps, PATH="/usr/bin:/bin")
     assert shutil.which("nvidia-cuda-mps-control", path=env["PATH"]) is None
-    r = subprocess.run(["bash", str(ROOT / "orchestrator" / "bare_host.sh"), str(spec)], env=env,
+    r = subprocess.run(["bash", str(ROOT / "orchestrator" / "deploy" / "bare_host.sh"), str(spec)], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and message in r.stderr
     assert not (tmp_path / "site").exists()
@@ -188,7 +188,7 @@ def test_spec_needs_keep_exactly_the_specs_models_and_task_data(tmp_path):
 
 def _run_ship(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, "-m", "orchestrator.ship", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "orchestrator.deploy.ship", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -210,7 +210,7 @@ def test_bad_spec_stops_the_build_before_anything_is_written(tmp_path):
     # make passes SPEC through (dry run: nothing built)
     r = subprocess.run(["make", "-n", "-o", ".venv/.ctxsparse-installed", "ship", "SPEC=my spec.yaml",
                         f"SHIP_DIR={out}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and f'-m orchestrator.ship build {out} --spec "my spec.yaml"' in r.stdout
+    assert r.returncode == 0 and f'-m orchestrator.deploy.ship build {out} --spec "my spec.yaml"' in r.stdout
 
 
 def test_check_spec_names_what_the_shipment_lacks(tmp_path):

