@@ -19,7 +19,7 @@ use for the instruction set ``CTXSPARSE_CPU_ISA`` asks for (kernels.isa: native,
 :class:`NativeBuildWarning` (once per library) gives the compiler's message; ``CTXSPARSE_CPU_NATIVE=0`` chooses the
 fallback knowingly, without one. Then, and for other dtypes, the same ops run on torch primitives:
 ``F.embedding_bag`` for the row sums (no copy; one thread per bag) and ``index_select`` + ``F.linear`` for the row
-dots (a gathered copy). ``native_available()`` says which one runs; :func:`native_status` / :func:`describe` what
+dots (a gathered copy). ``native_available()`` says which one runs; kernels.native.native_status / describe what
 was built, for which instruction set, or why not (every native library: this one and kernels.cpu_quant's). Dense
 products at full density use the same kernels over every row (``dense_ffn``): on a 2-core CPU they read the
 weights faster than MKL's GEMV (see ``benchmarks/cpu_ops.py``).
@@ -80,7 +80,7 @@ def native_flags(isa: str | None = None, extra_flags=()) -> list[str]:
 
 _LIB = None
 _LIB_TRIED = False
-_LIB_STATUS: dict | None = None         # the default library's status (native_status)
+_LIB_STATUS: dict | None = None         # the default library's status (library_status)
 _WARNED: set[str] = set()               # libraries whose failure was reported
 _LOCK = threading.Lock()
 _WARN_LOCK = threading.Lock()
@@ -263,56 +263,9 @@ def reload_native() -> None:
         cq._forget()
 
 
-def _first_line(error: str | None, chars: int = 160) -> str:
-    line = (error or "").strip().splitlines()[0] if (error or "").strip() else "unknown reason"
-    return line if len(line) <= chars else line[: chars - 3] + "..."
-
-
-def native_status() -> dict:
-    """What every native library is, building it (or reading the cache) where not done yet: {"cpu_native":
-    {built, isa, error, requested, flags}, "cpu_quant": {...}, "cpu_model", "cpu_flags"} (kernels.isa.cpu_info;
-    ``isa``: what the compiler targeted, from the library itself). ``CTXSPARSE_CPU_NATIVE=0``: not built,
-    ``disabled`` True, no error. An unknown ``CTXSPARSE_CPU_ISA`` raises ValueError."""
-    from . import cpu_quant
-
-    info = _isa.cpu_info("native")
-    requested = _isa.requested()
-    out: dict = {}
-    if native_disabled():
-        for name in LIBRARIES:
-            out[name] = {"built": False, "isa": None, "error": None, "requested": requested, "disabled": True}
-    else:
-        _native()
-        cpu_quant.load_library()
-        for name, st in (("cpu_native", _LIB_STATUS), ("cpu_quant", cpu_quant.library_status())):
-            st = dict(st) if st is not None else {"built": False, "isa": None, "error": "not loaded",
-                                                  "requested": requested}
-            st["disabled"] = False
-            out[name] = st
-    out["cpu_model"], out["cpu_flags"] = info["cpu_model"], info["cpu_flags"]
-    return out
-
-
-def describe(status: dict | None = None) -> str:
-    """One line: which build the native kernels are (or why there are none), on which CPU, e.g.
-    ``native kernels: avx2 build (AMD EPYC 7B13; flags avx2 f16c fma)`` or
-    ``native kernels: NOT BUILT (no C compiler found ...); torch fallback (slow)``."""
-    st = native_status() if status is None else status
-    cpu = f"{st['cpu_model']}; flags {st['cpu_flags'] or '(none of interest)'}"
-    libs = {n: st[n] for n in LIBRARIES}
-    req = next(iter(libs.values())).get("requested", "native")
-    asked = "" if req == "native" else f"{_isa.ISA_ENV}={req}; "
-    if all(s.get("disabled") for s in libs.values()):
-        return f"native kernels: off ({NATIVE_ENV}=0); torch fallback (slow) ({cpu})"
-    built = {n: s for n, s in libs.items() if s["built"]}
-    isas = {s["isa"] for s in built.values()}
-    if len(built) == len(libs) and len(isas) == 1:
-        return f"native kernels: {isas.pop()} build ({asked}{cpu})"
-    if not built:
-        return f"native kernels: NOT BUILT ({_first_line(libs['cpu_native']['error'])}); torch fallback (slow) ({cpu})"
-    parts = [f"{n} {s['isa']} build" if s["built"] else f"{n} NOT BUILT ({_first_line(s['error'])}; torch "
-             "fallback, slow)" for n, s in libs.items()]
-    return f"native kernels: {', '.join(parts)} ({asked}{cpu})"
+def library_status() -> dict | None:
+    """The status (load_native's) of this module's library; None before its first use."""
+    return _LIB_STATUS
 
 
 def native_available() -> bool:

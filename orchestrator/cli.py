@@ -89,13 +89,13 @@ def cmd_capture(args) -> int:
 
 def cmd_kernels(args) -> int:
     """Which CPU kernels run here; exit 0 either way (a fallback is information, not an error)."""
-    from kernels import cpu
+    from kernels import cpu, native
 
-    st = cpu.native_status()
+    st = native.native_status()
     if args.json:
         print(json.dumps(st, indent=1))
         return 0
-    print(cpu.describe(st))
+    print(native.describe(st))
     for name in cpu.LIBRARIES:
         lib = st[name]
         if lib.get("built"):
@@ -378,9 +378,9 @@ def cmd_generate(args) -> int:
     from workers.decode.generate import run_bundle
 
     if args.device == "cpu":
-        from kernels import cpu
+        from kernels.native import describe
 
-        print(cpu.describe(), flush=True)
+        print(describe(), flush=True)
     res = run_bundle(args.model, args.bundle, args.prompt, tokens=args.tokens, device=args.device,
                      repeats=args.repeats, threads=args.threads, weights=args.weights)
     print(res.text)
@@ -499,7 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_ingest_kernels)
     sp = sub.add_parser("kernels", help="which CPU kernels run here: the native build and its instruction set, or "
                         "the torch fallback", **db)
-    sp.add_argument("--json", action="store_true", help="kernels.cpu.native_status() as JSON")
+    sp.add_argument("--json", action="store_true", help="kernels.native.native_status() as JSON")
     sp.set_defaults(fn=cmd_kernels)
     return p
 

@@ -32,12 +32,12 @@ TREE_ONLY = {"orchestrator/deploy/bare_host.sh": "the GPU host's set-up, run fro
 PROBE = r"""
 import json, os, sys
 import torch
-import kernels, kernels.cpu as C, kernels.cpu_quant as Q
+import kernels, kernels.cpu as C, kernels.cpu_quant as Q, kernels.native as N
 from kernels.quant import QuantWeight
 
-st = C.native_status()
+st = N.native_status()
 out = {"kernels": kernels.__file__, "sys_path": sys.path, "native": C.native_available(),
-       "quant": Q.native_available(), "describe": C.describe(st), "status": st,
+       "quant": Q.native_available(), "describe": N.describe(st), "status": st,
        "built": sorted(os.listdir(os.path.join(os.environ["CTXSPARSE_HOME"], "cpu_kernels")))}
 g = torch.Generator().manual_seed(0)
 x = torch.randn(2, 64, generator=g)

@@ -26,13 +26,6 @@ MAY_IMPORT: dict[str, set[str]] = {
 }
 OURS = set(MAY_IMPORT) | {"tests"}          # imports of anything else (the standard library, third parties) are free
 
-# Known breaks of the rules, (importer, imported) and cycles. Each entry must still occur (the test fails once it is
-# gone, so the lists only shrink): remove it with the change that fixes it.
-KNOWN_BACK_IMPORTS: set = set()
-KNOWN_CYCLES = {
-    # kernels.cpu.native_status imports cpu_quant to report its library; cpu_quant builds on kernels.cpu
-    frozenset({"kernels.cpu", "kernels.cpu_quant"}),
-}
 
 
 # --------------------------------------------------------------------------------------------- the checker
@@ -126,20 +119,15 @@ def test_every_package_is_scanned():
 
 def test_imports_follow_the_layer_order():
     found = back_imports(_ours())
-    new = [f"{src} imports {dst} (line {line})" for (src, dst), line in sorted(found.items())
-           if (src, dst) not in KNOWN_BACK_IMPORTS]
-    assert not new, "imports against the layer order (MAY_IMPORT):\n" + "\n".join(new)
-    gone = sorted(KNOWN_BACK_IMPORTS - set(found))
-    assert not gone, f"no longer imported, remove from KNOWN_BACK_IMPORTS: {gone}"
+    bad = [f"{src} imports {dst} (line {line})" for (src, dst), line in sorted(found.items())]
+    assert not bad, "imports against the layer order (MAY_IMPORT):\n" + "\n".join(bad)
 
 
 def test_no_import_cycles():
     graph = _ours()
     found = cycles(graph)
-    new = [_describe_cycle(graph, c) for c in sorted(found - KNOWN_CYCLES, key=sorted)]
-    assert not new, "modules that import each other (top-level or lazily):\n" + "\n".join(new)
-    gone = [sorted(c) for c in KNOWN_CYCLES - found]
-    assert not gone, f"no longer a cycle, remove from KNOWN_CYCLES: {gone}"
+    bad = [_describe_cycle(graph, c) for c in sorted(found, key=sorted)]
+    assert not bad, "modules that import each other (top-level or lazily):\n" + "\n".join(bad)
 
 
 def test_the_checker_finds_a_back_import_and_a_cycle(tmp_path):

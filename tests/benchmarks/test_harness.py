@@ -1,7 +1,10 @@
-"""The shared benchmark harness: timers, the result row and its writer, and every benchmark script's CLI."""
+"""The shared benchmark harness: timers, the result row and its writer, every benchmark script's CLI, and the split
+of benchmarks/ into maintained tools (each feeding a section of BENCHMARKS.md) and one-off experiments."""
+import ast
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -11,11 +14,21 @@ import pytest
 import torch
 
 from benchmarks import harness as H
+from tests.docs import docs_support as ds
 
 ROOT = Path(__file__).resolve().parents[2]
-# every script in benchmarks/ (the harness is the library they share)
-LIBRARIES = ("__init__", "harness", "shape_plans")      # what the scripts share, not scripts themselves
-SCRIPTS = sorted(f"benchmarks.{p.stem}" for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in LIBRARIES)
+
+
+def _modules(folder: Path) -> list[str]:
+    return sorted(".".join(p.relative_to(ROOT).with_suffix("").parts) for p in folder.glob("*.py")
+                  if p.stem != "__init__")
+
+
+# the maintained tools (benchmarks/) and the one-off experiments (benchmarks/experiments/)
+TOOLS = _modules(ROOT / "benchmarks")
+EXPERIMENTS = _modules(ROOT / "benchmarks" / "experiments")
+LIBRARIES = ("benchmarks.harness", "benchmarks.shape_plans")     # tools the scripts share, not scripts themselves
+SCRIPTS = [m for m in TOOLS if m not in LIBRARIES] + EXPERIMENTS
 
 
 # ---- statistics ------------------------------------------------------------------------------------------------
@@ -206,7 +219,7 @@ def test_harness_rows_load_into_the_store(tmp_path):
 
 # ---- every benchmark script: --help without a GPU, and no service-side imports ---------------------------------
 def test_the_known_scripts_are_all_found():
-    assert {"benchmarks.kernels", "benchmarks.decode", "benchmarks.svd", "benchmarks.dejavu",
+    assert {"benchmarks.kernels", "benchmarks.decode", "benchmarks.experiments.svd", "benchmarks.experiments.dejavu",
             "benchmarks.quality"} <= set(SCRIPTS)
 
 
@@ -253,3 +266,174 @@ def test_layer_costs_smoke_names_every_part_and_the_step(tmp_path):
     assert all(r.median > 0 for r in rows)
     assert all(meta[f"step_us_glue_{g}_o_{o}"] > 0 for g, o in (("torch", "torch"), ("kernel", "torch"),
                                                                  ("kernel", "kernel")))
+
+
+# ---- tools and experiments: each tool tied to the BENCHMARKS.md section it feeds --------------------------------
+BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
+HISTORY = sorted((ROOT / "benchmarks" / "results").glob("history-*.md"))
+# modules that history files name as gone (kept there as the record of what ran)
+GONE = {"benchmarks.generation_stop"}
+
+
+def _docstring(module: str) -> str:
+    return ast.get_docstring(ast.parse(ROOT.joinpath(*module.split(".")).with_suffix(".py").read_text())) or ""
+
+
+def _labelled(module: str, label: str) -> str | None:
+    """The line of the module's docstring that starts with ``label:``, with the lines after it up to a blank one."""
+    lines = _docstring(module).splitlines()
+    start = next((k for k, line in enumerate(lines) if line.startswith(f"{label}:")), None)
+    if start is None:
+        return None
+    end = next((k for k in range(start, len(lines)) if not lines[k].strip()), len(lines))
+    return " ".join(" ".join(lines[start:end]).split())
+
+
+def _feeds(module: str) -> list[str] | None:
+    """The BENCHMARKS.md sections a tool feeds: ``Feeds: BENCHMARKS.md, "SECTION"[ and "SECTION"] [(note)].``"""
+    text = _labelled(module, "Feeds")
+    if text is None:
+        return None
+    assert text.startswith("Feeds: BENCHMARKS.md, "), (module, text)
+    return re.findall(r'"([^"]+)"', text)
+
+
+def _recorded(module: str) -> tuple[str, str] | None:
+    """(history file, section) that records an experiment's answer: ``Recorded: FILE, "SECTION".``"""
+    text = _labelled(module, "Recorded")
+    if text is None:
+        return None
+    m = re.fullmatch(r'Recorded: (benchmarks/results/[\w-]+\.md), "([^"]+)"\.?', text)
+    assert m, (module, text)
+    return m.group(1), m.group(2)
+
+
+def _headings(path: Path) -> list[tuple[int, int, str]]:
+    """(line index, level, title) of every heading of a markdown file, fenced blocks aside."""
+    out, fence = [], False
+    for n, line in enumerate(path.read_text().splitlines()):
+        if line.lstrip().startswith(("```", "~~~")):
+            fence = not fence
+        elif not fence and (m := re.match(r"(#{1,6})\s+(.*?)\s*$", line)):
+            out.append((n, len(m.group(1)), m.group(2)))
+    return out
+
+
+def _sections(path: Path) -> dict[str, str]:
+    """{title: text up to the next heading of its level or above} of a markdown file, whitespace collapsed."""
+    lines, heads = path.read_text().splitlines(), _headings(path)
+    out = {}
+    for i, (n, level, title) in enumerate(heads):
+        end = next((k for k, lv, _ in heads[i + 1:] if lv <= level), len(lines))
+        out.setdefault(title, " ".join(" ".join(lines[n + 1:end]).split()))
+    return out
+
+
+def _current_sections() -> list[str]:
+    """The titles of the sections under BENCHMARKS.md's "Current figures"."""
+    heads = _headings(BENCHMARKS_MD)
+    k = next(i for i, (_, level, title) in enumerate(heads) if level == 2 and title == "Current figures")
+    out = []
+    for _, level, title in heads[k + 1:]:
+        if level <= 2:
+            break
+        if level == 3:
+            out.append(title)
+    return out
+
+
+def _names(text: str, module: str) -> bool:
+    """``text`` names the module: ``benchmarks.NAME`` (a command or a name) or its file ``benchmarks/NAME.py``."""
+    return re.search(rf"{re.escape(module)}\b|{re.escape(module.replace('.', '/'))}\.py", text) is not None
+
+
+def _commands(text: str) -> set[str]:
+    """The modules of the ``python -m benchmarks...`` commands in ``text``, placeholders (``NAME``, ``<name>``)
+    left out."""
+    mods = re.findall(r"python3?\s+-m\s+(benchmarks(?:\.[\w<>]+)*)", text)
+    return {m for m in mods if not re.search(r"[<>A-Z]", m)}
+
+
+def test_tools_and_experiments_are_found():
+    assert {"benchmarks.harness", "benchmarks.cpu_peer", "benchmarks.quant_sparse_layers", "benchmarks.decode",
+            "benchmarks.kernels"} <= set(TOOLS)
+    assert {"benchmarks.experiments.svd", "benchmarks.experiments.lambada_copy"} <= set(EXPERIMENTS)
+    in_tree = {".".join(p.relative_to(ROOT).with_suffix("").parts) for p in (ROOT / "benchmarks").rglob("*.py")
+               if p.stem != "__init__" and "__pycache__" not in p.parts}
+    assert in_tree == set(TOOLS) | set(EXPERIMENTS)          # no script in a third place
+
+
+def test_every_tool_feeds_a_section_of_benchmarks_md_that_names_it():
+    """A tool's docstring names the BENCHMARKS.md sections it feeds; each exists and names the tool's command (or,
+    for the tools the others share, its file)."""
+    sections, errors = _sections(BENCHMARKS_MD), []
+    for module in TOOLS:
+        feeds = _feeds(module)
+        if not feeds:
+            errors.append(f'{module}: no `Feeds: BENCHMARKS.md, "SECTION"` in its docstring (a one-off experiment '
+                          "belongs in benchmarks/experiments/)")
+        for title in feeds or ():
+            if title not in sections:
+                errors.append(f"{module}: BENCHMARKS.md has no section {title!r}")
+            elif not _names(sections[title], module):
+                errors.append(f"{module}: BENCHMARKS.md, {title!r} does not name it")
+    assert not errors, "\n".join(errors)
+
+
+def test_the_current_figures_come_from_tools_that_say_they_feed_them():
+    """Every command in a section under "Current figures" runs a tool (not an experiment), and that tool's Feeds
+    line names the section."""
+    sections, errors = _sections(BENCHMARKS_MD), []
+    titles = _current_sections()
+    assert len(titles) >= 8
+    for title in titles:
+        for module in sorted(_commands(sections[title])):
+            if module not in TOOLS:
+                errors.append(f"BENCHMARKS.md, {title!r}: `python -m {module}` is not a tool of benchmarks/")
+            elif title not in (_feeds(module) or ()):
+                errors.append(f"BENCHMARKS.md, {title!r}: {module}'s Feeds line does not name this section")
+    assert not errors, "\n".join(errors)
+
+
+def test_every_experiment_is_under_experiments_and_recorded_in_a_history_file():
+    """An experiment feeds no current figure: it lives in benchmarks/experiments/ and names the history section
+    that records its answer; a tool names none."""
+    errors = [f"{m}: a `Recorded:` line (an experiment's): move it to benchmarks/experiments/" for m in TOOLS
+              if _recorded(m) is not None]
+    for module in EXPERIMENTS:
+        if _feeds(module) is not None:
+            errors.append(f"{module}: an experiment with a Feeds line (a tool belongs in benchmarks/)")
+        rec = _recorded(module)
+        if rec is None:
+            errors.append(f'{module}: no `Recorded: benchmarks/results/history-….md, "SECTION"` in its docstring')
+            continue
+        path = ROOT / rec[0]
+        if not path.is_file():
+            errors.append(f"{module}: no file {rec[0]}")
+        elif not any(title.startswith(rec[1]) for _, _, title in _headings(path)):
+            errors.append(f"{module}: {rec[0]} has no section {rec[1]!r}")
+    assert not errors, "\n".join(errors)
+
+
+def test_every_benchmarks_command_in_the_documents_names_a_module():
+    """``python -m benchmarks.X`` in BENCHMARKS.md, README.md, docs/ and the history files names a module of the
+    tree, as do the ``benchmarks.X`` names and ``benchmarks/X.py`` files of the first three."""
+    current = [BENCHMARKS_MD, *ds.doc_files()]
+    errors = []
+    for path in current + HISTORY:
+        text = path.read_text()
+        where = path.relative_to(ROOT)
+        for module in sorted(_commands(text) - GONE):
+            if ds.module_file(module) is None or ds.module_file(module).name == "__init__.py":
+                errors.append(f"{where}: `python -m {module}`: no such module")
+        if path not in current:
+            continue
+        for name in sorted(set(re.findall(r"`(benchmarks\.[\w.]*\w)", text))):
+            if (why := ds.resolve_dotted(name)) is not None:
+                errors.append(f"{where}: `{name}`: {why}")
+        for file in sorted(set(re.findall(r"(?<![\w/.])benchmarks/[\w/]+\.py", text))):
+            if not (ROOT / file).is_file():
+                errors.append(f"{where}: {file}: no such file")
+    assert not errors, "\n".join(errors)
+    assert all(ds.module_file(m) is None for m in GONE)      # a module back in the tree leaves this list
+

@@ -1,10 +1,10 @@
-"""Every benchmark script that a BENCHMARKS.md figure comes from, run once in-process (``main(argv)``) on a tiny
-shape: the tiny random Qwen2 GGUF of ``conftest.tiny_gguf`` (real LAMBADA / task data, a few tokens, one or two
-repeats), or a GPU script's CPU path (``--smoke``: the CPU kernels, or its Triton kernels in the interpreter). Each
-test checks that the script's figures come out: the rows or columns it prints or writes, with finite positive
-timings and, where the setting has one, a known answer (the oracle keeps exactly half the neurons, its predicted
-set is the oracle set, ...). Written results carry the CPU they ran on (``kernels.isa.cpu_info``), and the
-header line of the timed scripts names it.
+"""Every benchmark tool that a BENCHMARKS.md figure comes from, and every experiment (``benchmarks/experiments/``),
+run once in-process (``main(argv)``) on a tiny shape: the tiny random Qwen2 GGUF of ``conftest.tiny_gguf`` (real
+LAMBADA / task data, a few tokens, one or two repeats), or a GPU script's CPU path (``--smoke``: the CPU kernels, or
+its Triton kernels in the interpreter). Each test checks that the script's figures come out: the rows or columns
+it prints or writes, with finite positive timings and, where the setting has one, a known answer (the oracle keeps
+exactly half the neurons, its predicted set is the oracle set, ...). Written results carry the CPU they ran on
+(``kernels.isa.cpu_info``), and the header line of the timed scripts names it.
 
 Covered elsewhere in the default suite: ``benchmarks.accuracy_table`` (tests/benchmarks/test_accuracy_table.py),
 ``benchmarks.layer_costs --smoke`` (random weights; tests/benchmarks/test_harness.py; its ``--gguf`` path is here),
@@ -66,8 +66,9 @@ def test_quality_measures_each_point(tiny_model, tmp_path, capsys):
 
 
 def test_svd_times_the_greedy_and_the_fit(tiny_model, tmp_path, capsys):
-    """``benchmarks.svd``: the three greedy implementations (the same allocation) and the all-layer fit, timed."""
-    from benchmarks import svd
+    """``benchmarks.experiments.svd``: the three greedy implementations (the same allocation) and the all-layer fit,
+    timed."""
+    from benchmarks.experiments import svd
 
     out = tmp_path / "svd.json"
     rows = svd.main(["--model", tiny_model, "--tokens", "1024", "--layer", "1", "--rank", "8", "--repeats", "1",
@@ -84,9 +85,9 @@ def test_svd_times_the_greedy_and_the_fit(tiny_model, tmp_path, capsys):
 
 
 def test_dejavu_reports_recall_by_input_kind_and_for_the_heads(tiny_model, capsys):
-    """``benchmarks.dejavu``: a recall row per (sparsity, input kind) over both layers and a head row (layer 0
-    keeps every head: one predicted layer, k = 2 of 4 heads)."""
-    from benchmarks import dejavu
+    """``benchmarks.experiments.dejavu``: a recall row per (sparsity, input kind) over both layers and a head row
+    (layer 0 keeps every head: one predicted layer, k = 2 of 4 heads)."""
+    from benchmarks.experiments import dejavu
 
     dejavu.main(["--model", tiny_model, "--tokens", "1024", "--sparsities", "0.5", "--kinds", "ffn_in",
                  "--attn", "0.5", "--epochs", "1", "--threads", "1"])
@@ -119,8 +120,9 @@ def test_diagnose_measures_the_oracle_layer_by_layer(tiny_model, tmp_path):
 
 
 def test_method_allocation_spends_the_mean_budget(tiny_model, tmp_path, capsys):
-    """``benchmarks.method_allocation``: per-layer KL curves of SVDP, an allocation of mean 0.5 and its perplexity."""
-    from benchmarks import method_allocation
+    """``benchmarks.experiments.method_allocation``: per-layer KL curves of SVDP, an allocation of mean 0.5 and its
+    perplexity."""
+    from benchmarks.experiments import method_allocation
 
     out = tmp_path / "alloc.json"
     assert method_allocation.main(["--model", tiny_model, "--calib-tokens", "512", "--heldout-tokens", "512",
@@ -135,8 +137,9 @@ def test_method_allocation_spends_the_mean_budget(tiny_model, tmp_path, capsys):
 
 
 def test_kl_gives_each_points_distance_to_dense(tiny_model, tmp_path, capsys):
-    """``benchmarks.kl``: KL(dense || sparse) and the NLL change per point; the dense point (s = 0) is at 0."""
-    from benchmarks import kl
+    """``benchmarks.experiments.kl``: KL(dense || sparse) and the NLL change per point; the dense point (s = 0) is
+    at 0."""
+    from benchmarks.experiments import kl
 
     out = tmp_path / "kl.json"
     assert kl.main(["--model", tiny_model, "--points", '[{"method": "teal", "sparsity": 0.5}, '
@@ -150,9 +153,10 @@ def test_kl_gives_each_points_distance_to_dense(tiny_model, tmp_path, capsys):
 
 
 def test_exec_modes_compares_the_selections_of_both_paths(tiny_model, tmp_path):
-    """``benchmarks.exec_modes`` on the oracle: the selections of the masked path (from the FFN's own activations)
-    and of the kernel path, layer by layer; layer 0 sees the same input in both, so they select the same pairs."""
-    from benchmarks import exec_modes
+    """``benchmarks.experiments.exec_modes`` on the oracle: the selections of the masked path (from the FFN's own
+    activations) and of the kernel path, layer by layer; layer 0 sees the same input in both, so they select the same
+    pairs."""
+    from benchmarks.experiments import exec_modes
 
     out = tmp_path / "modes.json"
     assert exec_modes.main(["--model", tiny_model, "--method", "oracle", "--calib-tokens", "512",
@@ -238,8 +242,9 @@ def test_generation_waste_counts_each_loops_steps(tiny_model, tmp_path, capsys):
 
 
 def test_lambada_copy_splits_dense_and_a_bundle(tiny_model, tmp_path):
-    """``benchmarks.lambada_copy``: accuracy and mean log-likelihood, copy / no copy, dense and a fitted bundle."""
-    from benchmarks import lambada_copy
+    """``benchmarks.experiments.lambada_copy``: accuracy and mean log-likelihood, copy / no copy, dense and a fitted
+    bundle."""
+    from benchmarks.experiments import lambada_copy
     from workers.loading.data import token_windows
     from workers.loading.models import load_model
     from workers.sparsity.bundle import save_bundle

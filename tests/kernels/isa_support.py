@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from kernels import cpu, cpu_quant, isa
+from kernels import cpu, cpu_quant, isa, native
 
 TEST_ISAS_ENV = "CTXSPARSE_TEST_ISAS"
 MARK = "every_isa"
@@ -76,7 +76,7 @@ def deselect(config, items, own=None) -> None:
 def check_build(name: str) -> None:
     """Both native libraries are loaded, built for what ``name`` targets on this CPU (kernels.isa.resolved)."""
     want = isa.resolved(name)
-    st = cpu.native_status()
+    st = native.native_status()
     for lib in cpu.LIBRARIES:
         s = st[lib]
         assert s["built"], f"{lib} ({name} build) did not build: {s['error']}"

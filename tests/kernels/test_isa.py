@@ -1,4 +1,4 @@
-"""Which build the native CPU kernels are (kernels.isa, kernels.cpu.native_status / describe), and a native build
+"""Which build the native CPU kernels are (kernels.isa, kernels.native.native_status / describe), and a native build
 that fails is loud: a compiler that fails or is missing gives one NativeBuildWarning per library with the
 compiler's message and the switch that silences it (CTXSPARSE_CPU_NATIVE=0: the fallback, knowingly, no warning);
 an unknown CTXSPARSE_CPU_ISA is a clear error. The broken compilers are real executables (a script that prints an
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu, cpu_quant, isa
+from kernels import cpu, cpu_quant, isa, native
 from tests.kernels import isa_support
 
 CC_ERROR = "cc1: error: unrecognized command-line option '-mfancy-vectors'"
@@ -49,7 +49,7 @@ def _use_every_library():
         for b in isa.ISA_CHOICES:
             cpu_quant.load_library(isa=b)
         cpu.compile_native(cpu._SRC, isa="scalar")
-    return cpu.native_status()
+    return native.native_status()
 
 
 def _native_build_warnings(caught) -> list[str]:
@@ -68,7 +68,7 @@ def test_a_failing_compiler_warns_once_per_library_with_its_message(fresh, monke
         assert "CTXSPARSE_CPU_NATIVE=0" in msg and "fallback" in msg, msg
         s = st[name]
         assert s["built"] is False and s["isa"] is None and CC_ERROR in s["error"], s
-    line = cpu.describe(st)
+    line = native.describe(st)
     assert line.startswith("native kernels: NOT BUILT (") and "exited with status 1" in line
     assert "torch fallback (slow)" in line and "\n" not in line
     # the ops still run, on the fallback
@@ -86,7 +86,7 @@ def test_the_fallback_chosen_knowingly_gives_no_warning(fresh, monkeypatch):
     assert cpu_quant.load_library() is None and not cpu.native_available()
     for name in cpu.LIBRARIES:
         assert st[name]["built"] is False and st[name]["disabled"] is True and st[name]["error"] is None
-    assert cpu.describe(st).startswith("native kernels: off (CTXSPARSE_CPU_NATIVE=0); torch fallback (slow)")
+    assert native.describe(st).startswith("native kernels: off (CTXSPARSE_CPU_NATIVE=0); torch fallback (slow)")
     assert not (fresh / "home" / "cpu_kernels").exists()            # nothing was compiled
 
 
@@ -105,7 +105,7 @@ def test_a_missing_compiler_warns_once_per_library(fresh, monkeypatch, how):
     msgs = _native_build_warnings(caught)
     assert len(msgs) == 2 and all(want in m and "CTXSPARSE_CPU_NATIVE=0" in m for m in msgs), msgs
     assert not st["cpu_native"]["built"] and want in st["cpu_native"]["error"]
-    assert want in cpu.describe(st)
+    assert want in native.describe(st)
 
 
 def test_the_quantized_library_is_one_unit_of_its_parts_each_in_the_build_key(fresh, monkeypatch):
@@ -139,7 +139,7 @@ def test_the_quantized_library_is_one_unit_of_its_parts_each_in_the_build_key(fr
 
 def test_an_unknown_instruction_set_is_a_clear_error(fresh, monkeypatch):
     monkeypatch.setenv(isa.ISA_ENV, "avx3")
-    for what in (cpu.native_available, cpu_quant.load_library, cpu.native_status, isa.requested):
+    for what in (cpu.native_available, cpu_quant.load_library, native.native_status, isa.requested):
         with pytest.raises(ValueError, match=r"CTXSPARSE_CPU_ISA='avx3': expected one of native, avx2, scalar"):
             what()
     with pytest.raises(ValueError, match="unknown instruction-set build 'sse9'"):
@@ -151,7 +151,7 @@ def test_status_says_what_each_build_targets(cpu_isa):
     """Each build: both libraries compiled with that build's flags (kernels.isa.ISA_FLAGS after -march=native),
     for what it resolves to on this CPU (as the libraries themselves say: cs_isa()), into a file of its own;
     describe() says so on one line with the CPU's model and flags."""
-    st = cpu.native_status()
+    st = native.native_status()
     info = isa.cpu_info(cpu_isa)
     want = isa.resolved(cpu_isa)
     for name, extra in (("cpu_native", ()), ("cpu_quant", cpu_quant.EXTRA_FLAGS)):
@@ -162,7 +162,7 @@ def test_status_says_what_each_build_targets(cpu_isa):
         assert flags[:2] == ["-O3", "-march=native"] and flags[len(flags) - len(mine) - len(extra):] == [*mine, *extra]
     assert (st["cpu_model"], st["cpu_flags"]) == (info["cpu_model"], info["cpu_flags"])
     asked = "" if cpu_isa == "native" else f"CTXSPARSE_CPU_ISA={cpu_isa}; "
-    assert cpu.describe(st) == f"native kernels: {want} build ({asked}{info['cpu_model']}; flags {info['cpu_flags']})"
+    assert native.describe(st) == f"native kernels: {want} build ({asked}{info['cpu_model']}; flags {info['cpu_flags']})"
 
 
 def test_describe_a_mixed_state():
@@ -170,7 +170,7 @@ def test_describe_a_mixed_state():
     st = {"cpu_native": {"built": True, "isa": "avx2", "error": None, "requested": "native"},
           "cpu_quant": {"built": False, "isa": None, "error": "gcc exited with status 1:\nboom", "requested": "native"},
           "cpu_model": "Some CPU", "cpu_flags": "avx2 fma"}
-    assert cpu.describe(st) == ("native kernels: cpu_native avx2 build, cpu_quant NOT BUILT (gcc exited with status "
+    assert native.describe(st) == ("native kernels: cpu_native avx2 build, cpu_quant NOT BUILT (gcc exited with status "
                                 "1:; torch fallback, slow) (Some CPU; flags avx2 fma)")
 
 

@@ -243,10 +243,10 @@ def test_status_says_when_no_ray_cluster_is_reachable(tmp_path, capsys, monkeypa
 
 
 def test_kernels_names_the_build_or_the_fallback(capsys, monkeypatch):
-    """`ctxsparse kernels --json` is kernels.cpu.native_status(): each library built for this CPU's instruction set
+    """`ctxsparse kernels --json` is kernels.native.native_status(): each library built for this CPU's instruction set
     (kernels.isa); the plain form starts with describe()'s line. With the fallback chosen it still exits 0 and says
     so."""
-    from kernels import cpu, isa
+    from kernels import cpu, isa, native
 
     monkeypatch.delenv(cpu.NATIVE_ENV, raising=False)
     rc, out, _ = _cli(capsys, "kernels", "--json")
@@ -257,7 +257,7 @@ def test_kernels_names_the_build_or_the_fallback(capsys, monkeypatch):
     assert st["cpu_quant"]["built"] and st["cpu_quant"]["isa"] == want, st
     assert st["cpu_flags"] == isa.cpu_info()["cpu_flags"]
     rc, out, _ = _cli(capsys, "kernels")
-    assert rc == 0 and out.splitlines()[0] == cpu.describe(st) and f"native kernels: {want} build" in out
+    assert rc == 0 and out.splitlines()[0] == native.describe(st) and f"native kernels: {want} build" in out
     monkeypatch.setenv(cpu.NATIVE_ENV, "0")
     rc, out, _ = _cli(capsys, "kernels")
     assert rc == 0 and out.startswith("native kernels: off (CTXSPARSE_CPU_NATIVE=0); torch fallback"), out

@@ -141,7 +141,7 @@ def cpu_build(device) -> dict:
     from kernels.isa import cpu_info
 
     info = cpu_info()
-    # native_available(): whether the library the decode called was built (kernels.cpu.native_status() says the
+    # native_available(): whether the library the decode called was built (kernels.native.native_status() says the
     # same of it, but also builds kernels.cpu_quant, seconds on a cold cache, which a float decode never loads)
     return {"cpu_flags": info["cpu_flags"], "isa": info["isa"] if cpu_kernels.native_available() else "fallback"}
 

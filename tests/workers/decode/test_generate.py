@@ -133,7 +133,7 @@ def test_cli_generate_and_its_errors(tiny, tok, tmp_path, capsys):
     assert main(["generate", "--model", ref, "--bundle", str(path), "--prompt", PROMPT, "--tokens", "6",
                  "--repeats", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
-    from kernels.cpu import describe
+    from kernels.native import describe
 
     assert out[0] == describe()            # which CPU kernels run, first (`ctxsparse kernels`)
     assert out[2].startswith("tokens/s on cpu") and "dense" in out[2] and "sparse" in out[2]
