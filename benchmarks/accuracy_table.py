@@ -8,6 +8,8 @@ Reads the file ``python -m db export`` writes (plain or gzipped; no store needed
 (default): a task's length-normalized accuracy where lm-eval reports one (PIQA, ARC, HellaSwag), its accuracy
 elsewhere (Winogrande); ``acc``: plain accuracy everywhere. A mean's standard error is that of the average of
 independent tasks, sqrt(Σ se²) / n; the change from dense is unpaired (both rows' errors combined).
+
+Feeds: BENCHMARKS.md, "Quality of the methods on SmolLM2 and Gemma-3".
 """
 from __future__ import annotations
 

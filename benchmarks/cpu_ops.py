@@ -31,6 +31,9 @@ the decoder weight bytes skipped) and, with ``--ppl-tokens N``, its held-out per
 
 Writes ``benchmarks/results/cpu_ops.json`` (or ``--json NAME``). Other processes on a shared machine make the
 numbers noisier (see the IQR).
+
+Feeds: BENCHMARKS.md, "CPU kernels: the GGUF's quantized blocks and the fp32 rows" and "Input-sparse and sparse decode
+on the CPU".
 """
 from __future__ import annotations
 

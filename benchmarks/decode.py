@@ -24,6 +24,9 @@ CUDA), one after the other per point, on runtimes that share the weights; points
 ``NAME [glue kernel]``. ``--o-proj torch,kernel`` likewise for the dense O projection (cuBLAS, or the down kernel
 over every head: the runtime's ``o_proj``), and ``--select-impl`` for the top-k (``select_impl``); with several,
 every combination runs. Speedups in the table are over the fastest dense row at each prompt length.
+
+Feeds: BENCHMARKS.md, "GPU decode, end to end (one H200)" and "GPU kernels against cuBLAS and TEAL's kernel (one H200)"
+(the top-k select).
 """
 from __future__ import annotations
 

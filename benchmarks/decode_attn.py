@@ -15,6 +15,8 @@ layer at the measured time (GB/s). Writes ``benchmarks/results/<--json>`` (defau
 
     python -m benchmarks.decode_attn --smoke      # CPU, a tiny shape, the kernel in Triton's interpreter and the
                                                   # torch function uncompiled: checks the script runs
+
+Feeds: BENCHMARKS.md, "GPU kernels against cuBLAS and TEAL's kernel (one H200)".
 """
 from __future__ import annotations
 

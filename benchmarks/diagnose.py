@@ -9,6 +9,8 @@ and end to end, the per-token NLL increase of the sparse model over dense, at po
 
     python -m benchmarks.diagnose --model gemma3-270m --method svd --sparsity 0.5 --rank 256 \\
         --calib-tokens 8192 --heldout-tokens 2048 --json benchmarks/results/diagnose_gemma3_svd.json
+
+Feeds: BENCHMARKS.md, "Scripts and result files" (no figure of its own: docs/methods.md runs it to explain a setting).
 """
 from __future__ import annotations
 

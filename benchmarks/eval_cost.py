@@ -26,6 +26,8 @@ FFN input again, TEAL's and WINA's masked inputs in three or four eager kernels,
 
 ``--profile`` runs each (setting, mode, batching) of the first task once more under ``torch.profiler``, untimed,
 and keeps its ops by device time: where a scoring forward's time goes.
+
+Feeds: BENCHMARKS.md, "Scoring and evaluation cost".
 """
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ logits of both are compared as well: they must be equal.
 
     python -m benchmarks.eval_counting --device cpu --settings teal:0.5,threshold:0.5 --batch 16 --seq-len 128 \\
         --threads 2 --repeats 9 --json eval_counting_cpu.json
+
+Feeds: BENCHMARKS.md, "Scoring and evaluation cost".
 """
 from __future__ import annotations
 

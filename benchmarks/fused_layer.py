@@ -15,6 +15,8 @@ Attention sits between QKV and O in a real step; it is the same in both chains a
 vector). Each part is also timed alone (one call per layer, each on its own layer's weights). The two chains'
 outputs are compared (relative error) and the fused chain replayed twice for bit-identical output. Writes
 ``benchmarks/results/<--json>`` (default ``fused_layer_<shape>_<dtype>.json``).
+
+Feeds: BENCHMARKS.md, "GPU kernels against cuBLAS and TEAL's kernel (one H200)".
 """
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ it runs, ``generation.GRAD_MODE``) against ``torch.no_grad``, side by side: inte
 
 A decode step is hundreds of small ops, each paying autograd's bookkeeping under ``no_grad`` (version counters,
 view tracking); ``inference_mode`` skips it.
+
+Feeds: BENCHMARKS.md, "Scoring and evaluation cost".
 """
 from __future__ import annotations
 

@@ -19,6 +19,8 @@ the first ``--limit`` items at ``--batch`` sequences per batch and reports:
 round) beside the one that keeps the cache of the rows still going, interleaved. ``--max-gen-toks N`` ends every
 answer after N new tokens instead of the task's 256 (both loops): a check of the script on a small model, whose
 answers may never stop.
+
+Feeds: BENCHMARKS.md, "Scoring and evaluation cost".
 """
 from __future__ import annotations
 

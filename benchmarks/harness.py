@@ -16,6 +16,8 @@
 Imports only the standard library and torch (triton only for its version, and only if installed; ``kernels.isa``
 for the CPU's description); CUDA is touched only inside the functions that time on a GPU, so this module imports
 on a CPU-only machine.
+
+Feeds: BENCHMARKS.md, "Scripts and result files" (where it is described; every timed tool's figures go through it).
 """
 from __future__ import annotations
 

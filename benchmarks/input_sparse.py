@@ -43,6 +43,8 @@ over the replays. Its last column block reads past a row's end (only rows are ma
 allocated with slack after it, as in a packed model buffer.
 Every sparse row carries ``rel_err`` = ||y - ref|| / ||ref|| against the masked product in fp64 (cuBLAS: run on
 the masked x).
+
+Feeds: BENCHMARKS.md, "GPU kernels against cuBLAS and TEAL's kernel (one H200)".
 """
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ over that, and its fraction of the device-to-device copy bandwidth measured at s
 union of the batch's active sets (what is read). ``--json NAME`` writes ``benchmarks.harness.Row`` rows
 (op = variant; d, D, sparsity, k, speedup over dense in ``extra``) to ``benchmarks/results/NAME``, which
 ``ctxsparse ingest-kernels`` loads into the store. Imports only torch/triton/numpy/stdlib.
+
+Feeds: BENCHMARKS.md, "GPU kernels against cuBLAS and TEAL's kernel (one H200)".
 """
 from __future__ import annotations
 

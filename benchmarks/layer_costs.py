@@ -24,6 +24,9 @@ projections, the whole layer in one native call and every layer in one call (wor
 the step is timed per op (``fuse`` off) and with the one call (what the runtime makes); the sparse parts are left
 out (dense plans only). Writes
 ``benchmarks/results/<--json>`` (default ``layer_costs_<shape>.json``).
+
+Feeds: BENCHMARKS.md, "CPU kernels: the GGUF's quantized blocks and the fp32 rows" and "GPU kernels against cuBLAS and
+TEAL's kernel (one H200)" (the O projection).
 """
 from __future__ import annotations
 

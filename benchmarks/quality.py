@@ -8,6 +8,8 @@ loads: a bad one (an unknown allocation, say) is an error, exit 2.
 
     python -m benchmarks.quality --model smollm2-135m --methods oracle,static,threshold,svd,dejavu \\
         --sparsity 0.3,0.5,0.7 --heldout-tokens 8192 --jsonl results.jsonl
+
+Feeds: BENCHMARKS.md, "Quality of the methods on SmolLM2 and Gemma-3".
 """
 from __future__ import annotations
 

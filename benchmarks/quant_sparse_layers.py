@@ -14,6 +14,8 @@ each group's inputs that were active. The dense row of each thread count is the 
 no sparse group. ``--dense-above``: the share of active inputs above which a group runs its dense rows on the
 masked input (kernels.cpu_quant.DENSE_ABOVE; 1: never); several values time each sparse configuration at each,
 side by side.
+
+Feeds: BENCHMARKS.md, "CPU kernels: the GGUF's quantized blocks and the fp32 rows".
 """
 from __future__ import annotations
 

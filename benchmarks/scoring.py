@@ -15,6 +15,8 @@ host). What is left: templating, tokenization, batching, per-item metrics, aggre
     python -m benchmarks.scoring --model smollm2-135m --device cuda \\
         --tasks piqa:1000,arc_easy,hellaswag:2000,mmlu:20,lambada_openai:2000 --repeats 2 --json scoring.json
     python -m benchmarks.scoring --device cpu --layers 1 --paths cached --profile cached.prof   # where it goes
+
+Feeds: BENCHMARKS.md, "Scoring and evaluation cost".
 """
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ The values are random (a shape has no calibration data); what is timed is what a
 the rotated weights' top-k rows and the adapters between layers (``workers.methods.larosa.runtime``), or the kept
 rows plus the rank-r factors of every projection (``workers.methods.rsparse.fit``'s recipe: r = ⌊(1 - ρ)(1 - s)·in·out
 / (in + out)⌋, inputs kept 1 - ρ(1 - s), scored |x_i|·‖W[:, i]‖ as the reference does where ρ < 1).
+
+Feeds: BENCHMARKS.md, "GPU decode, end to end (one H200)" (the LaRoSA and R-Sparse points, through benchmarks.decode).
 """
 from __future__ import annotations
 

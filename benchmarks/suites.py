@@ -1,6 +1,9 @@
 """Multiple-choice suites on a real model from the command line: accuracy per task with its standard error.
 
     python -m benchmarks.suites --model smollm2-135m --tasks piqa,arc_easy,copa --limit 200 [--json out.json]
+
+Feeds: BENCHMARKS.md, "Scripts and result files" (no figure of its own: docs/evaluation.md runs it, accuracy outside a
+sweep).
 """
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ For each width (SmolLM2's FFN 1,536, Gemma-3-270M's 2,048) and kept fraction k /
 replays, median, p10, p90; the order of the ways reversed from one shape to the next), the bytes the one pass must
 move (the float32 scores read, one byte of mask written per entry) over that time against the measured copy
 bandwidth, each way's ratio to ``torch.topk``, and whether the masks are equal (random normal scores: no ties).
+
+Feeds: BENCHMARKS.md, "GPU kernels against cuBLAS and TEAL's kernel (one H200)".
 """
 from __future__ import annotations
 

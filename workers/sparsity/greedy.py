@@ -8,7 +8,7 @@ sparsity across layers (:func:`workers.sparsity.allocation.allocate`).
 
 Three exact implementations give identical allocations (ties go to the lowest unit index, as with ``argmin``):
 ``sort`` (default), ``heap`` (a binary heap, O(log U) per step) and :func:`greedy_reference` (the SVDP paper code's
-O(U) argmin per step; kept for tests and ``python -m benchmarks.svd``). ``sort`` rests on this fact: the greedy
+O(U) argmin per step; kept for tests and ``python -m benchmarks.experiments.svd``). ``sort`` rests on this fact: the greedy
 takes steps in non-decreasing order of their *prefix-max marginal* e_i(k) = max(m_i(start..k)) -- a step with a
 marginal below the current level is taken right after its predecessor -- and, within equal e, by (unit, step). So
 one stable argsort of e plus a cumulative sum of step sizes reproduces the whole greedy. Timings: BENCHMARKS.md,

@@ -60,7 +60,7 @@ layers 0..min(4, L // 6) dense -- the same 5 layers on SmolLM2 (30 layers), 4 of
 test model. That is a larger share of a small model's depth, chosen because the first layers change the
 residual stream most (the paper's Fig. 5) and lookahead there reads a very different input; it is not tuned.
 
-Measured (``python -m benchmarks.dejavu``; SmolLM2-135M, 16,384 LAMBADA calibration tokens,
+Measured (``python -m benchmarks.experiments.dejavu``; SmolLM2-135M, 16,384 LAMBADA calibration tokens,
 last 10 % held out, r = 256, defaults): mean held-out recall of the oracle top-k set, all 30 layers at s = 0.5:
 ffn_in 0.709, residual 0.707, lookahead 0.702 (chance 0.5); every 3rd layer at s = 0.3 / 0.7: about 0.79 / 0.63
 for all three inputs (chance 0.7 / 0.3), lookahead lowest by < 0.01. No BCE epoch beat the regression start on

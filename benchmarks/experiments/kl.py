@@ -3,8 +3,11 @@ change on the same tokens (calibration or held-out), so that settings can be com
 perplexity. The points are ``benchmarks.quality``'s (method, sparsity, rank, allocation, options); fits and
 allocation curves are cached under ``$CTXSPARSE_HOME``.
 
-    python -m benchmarks.kl --model smollm2-135m --points '[{"method": "teal", "sparsity": 0.4},
+    python -m benchmarks.experiments.kl --model smollm2-135m --points '[{"method": "teal", "sparsity": 0.4},
         {"method": "teal", "sparsity": 0.4, "options": {"greedy": "model"}}]' --split heldout --threads 2
+
+An experiment: whether the allocations lower the distance to dense.
+Recorded: benchmarks/results/history-quality.md, "One sparsity per projection kind, allocated by end-to-end KL".
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ def _logp(model, windows) -> list[torch.Tensor]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.kl", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.experiments.kl", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--points", required=True, help="a JSON list of points, or a file holding one")
     ap.add_argument("--split", default="heldout", choices=("calib", "heldout"))

@@ -1,10 +1,13 @@
 """Greedy allocation over per-layer damage curves measured with the method's own predictors (SVDP r256) instead of
 the oracle's: each layer alone sparsified by SVDP fitted at s = 0.1 … 0.9, next-token KL to the dense model on 256
 calibration tokens, the same interpolation and greedy as workers.sparsity.allocation, then SVDP fitted at the
-allocated budgets (mean 0.5) and held-out perplexity on 8,192 tokens. An experiment (not an allocation option:
-it allocated worse than uniform on Gemma-3, BENCHMARKS.md).
+allocated budgets (mean 0.5) and held-out perplexity on 8,192 tokens. Not an allocation option: it allocated worse
+than uniform on Gemma-3.
 
-    python -m benchmarks.method_allocation --model gemma3-270m --calib-tokens 8192 --json OUT.json
+    python -m benchmarks.experiments.method_allocation --model gemma3-270m --calib-tokens 8192 --json OUT.json
+
+An experiment: whether the method's own damage curves allocate better than the oracle's.
+Recorded: benchmarks/results/history-quality.md, "Allocation on Gemma-3".
 """
 import argparse
 import json
@@ -22,7 +25,8 @@ from workers.sparsity.sparse_exec import apply_sparsity
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="greedy allocation over SVDP's own single-layer damage curves")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.experiments.method_allocation",
+                                 description="greedy allocation over SVDP's own single-layer damage curves")
     ap.add_argument("--model", default="gemma3-270m")
     ap.add_argument("--calib-tokens", type=int, default=8192)
     ap.add_argument("--heldout-tokens", type=int, default=8192, help="tokens of the held-out perplexity")

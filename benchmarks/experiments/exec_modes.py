@@ -6,7 +6,10 @@ difference in one layer's output can flip a neuron at the selection boundary of 
 that layer's output by far more than rounding. This measures, for one fitted setting on one held-out window, the
 fraction of pairs selected differently per layer, the largest logit difference and both perplexities.
 
-    python -m benchmarks.exec_modes --model smollm2-135m --method oracle --sparsity 0.5 --threads 2
+    python -m benchmarks.experiments.exec_modes --model smollm2-135m --method oracle --sparsity 0.5 --threads 2
+
+An experiment: why the two execution modes' perplexities differ.
+Recorded: benchmarks/results/history-eval.md, "SmolLM2 on GPU actors through Ray, real weights, full-size suites".
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ def _run(lm, plan, mode: str, window: torch.Tensor, toks):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.exec_modes", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.experiments.exec_modes", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--method", default="oracle")
     ap.add_argument("--sparsity", type=float, default=0.5)

@@ -1,12 +1,15 @@
 """Benchmark of the SVDP fit on SmolLM2 (CPU): the greedy bias calibration (sort / heap / the paper's argmin loop)
 on one layer, and the SVD build + calibration of every layer.
 
-    python -m benchmarks.svd [--tokens 8192] [--layer 15] [--rank 64] [--sparsity 0.5] [--json NAME]
+    python -m benchmarks.experiments.svd [--tokens 8192] [--layer 15] [--rank 64] [--sparsity 0.5] [--json NAME]
 
 Calibration activations (``ffn_in``, all layers) are captured once and then read from the activation cache.
 The three greedy implementations are timed interleaved (``benchmarks.harness.time_cpu``: median and IQR of
 ``--repeats`` rounds, speedup over the argmin loop). ``--json NAME`` writes ``benchmarks.harness.Row`` rows
 (seconds) to ``benchmarks/results/NAME``.
+
+An experiment: which greedy the SVDP fit calibrates with, and what the fit costs.
+Recorded: benchmarks/results/history-quality.md, "SVDP internals".
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from benchmarks.harness import Row, command_line, device_line, device_name, time
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.svd",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.experiments.svd",
                                  description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tokens", type=int, default=8192, help="calibration tokens (half fit, half calibration)")
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                                      max_layer_s=max(plan.info[x]["fit_s"] for x in layers)))
              for target, (t, plan, cpu) in full.items()]
     if args.json:
-        print("wrote", write_results(args.json, rows, command=command_line("benchmarks.svd"), device="cpu",
+        print("wrote", write_results(args.json, rows, command=command_line("benchmarks.experiments.svd"), device="cpu",
                                      meta=dict(threads=torch.get_num_threads(), load_avg=load)))
     return rows
 

@@ -1,6 +1,9 @@
 """Deja Vu predictors on a real model: recall by sparsity and input kind, and the head predictors' recall.
 
-    python -m benchmarks.dejavu --model smollm2-135m --tokens 16384 --sparsities 0.3,0.5,0.7
+    python -m benchmarks.experiments.dejavu --model smollm2-135m --tokens 16384 --sparsities 0.3,0.5,0.7
+
+An experiment: how well the Deja Vu predictors recall the oracle set, by input kind.
+Recorded: benchmarks/results/history-quality.md, "Deja Vu internals".
 """
 from __future__ import annotations
 
@@ -11,11 +14,11 @@ from workers.sparsity.predictors.dejavu import DEFAULTS, INITS, default_dense_at
 
 
 def main(argv=None) -> None:
-    """``python -m benchmarks.dejavu``: recall by sparsity and input kind on SmolLM2."""
+    """``python -m benchmarks.experiments.dejavu``: recall by sparsity and input kind on SmolLM2."""
     import argparse
     import statistics
 
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.dejavu", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.experiments.dejavu", description=main.__doc__)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--layers", default="all", help="'all' or comma-separated layer indices")
