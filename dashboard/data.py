@@ -32,6 +32,7 @@ from db.front.settings import BASELINE_RUNTIMES, DENSE, Setting, accuracy_metric
 from db.schemas import (AccuracyRecord, ArtifactRecord, DeviceType, LatencyRecord, LayerRecord, ModelInfo, SweepInfo,
                         UnitInfo)
 from db.store import Store, StoreState
+from db.units import UNIT_KINDS, CollectConfig, EvalConfig, LatencyConfig, unit_config
 
 TTL_S = 15
 DEVICE_TYPES: tuple[str, ...] = tuple(get_args(DeviceType))     # cuda, npu, cpu
@@ -90,19 +91,18 @@ class SweepRow:
 
 
 def _describe(u: UnitInfo) -> str:
-    c = u.config
+    c = unit_config(u.kind, u.config) if u.kind in UNIT_KINDS else None     # not an ingested kernel row's
     parts = [u.method or ""]
     if u.sparsity is not None:
         parts.append(f"s={u.sparsity:g}")
     if u.rank is not None:
         parts.append(f"r={u.rank}")
-    if u.kind == "eval":
-        parts.append(str(c.get("suite", "")))
-    if u.kind == "latency":
-        parts += [str(c.get("device_type", "")), f"b{c.get('batch')}", f"p{c.get('prompt_len')}",
-                  str(c.get("runtime", ""))]
-    if u.kind == "collect":
-        parts.append(str(c.get("model", "")))
+    if isinstance(c, EvalConfig):
+        parts.append(c.suite)
+    if isinstance(c, LatencyConfig):
+        parts += [c.device_type, f"b{c.batch}", f"p{c.prompt_len}", c.runtime]
+    if isinstance(c, CollectConfig):
+        parts.append(c.model)
     return " ".join(p for p in parts if p)
 
 

@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session
 from db.models import (AccuracyResult, Dataset, LatencyResult, LayerMetric, Model, RequestScore, Sweep, SweepUnit,
                        WorkUnit)
 from db.queries import _insert, _refresh_sweep_counts, _table, get_or_create_sweep, upsert_dataset, upsert_model
+from db.units import TaskEvalConfig, unit_config
 
 FORMAT = "ctxsparse-resultset-1"
 RESULT_TABLES = {"accuracy_results": AccuracyResult, "latency_results": LatencyResult,
@@ -56,12 +57,13 @@ def _row(obj) -> dict[str, Any]:
 def _assembled_shards(units: list) -> set[str]:
     """The shard units (eval config with ``shard``) whose task's unit (the same config without it: the id of the
     unsharded unit, ``orchestrator.plan.task_units``) is done among ``units``: nothing reads their scores again."""
-    def key(cfg: dict) -> str:
-        return json.dumps({k: v for k, v in cfg.items() if k != "shard"}, sort_keys=True)
+    def key(c: TaskEvalConfig) -> str:
+        return json.dumps(c.canonical(), sort_keys=True)
 
-    done = {key(u.config) for u in units
-            if u.kind == "eval" and u.status == "done" and "shard" not in (u.config or {})}
-    return {u.id for u in units if u.kind == "eval" and "shard" in (u.config or {}) and key(u.config) in done}
+    evals = [(u, unit_config("eval", u.config)) for u in units if u.kind == "eval"]
+    tasks = [(u, c) for u, c in evals if isinstance(c, TaskEvalConfig)]
+    done = {key(c) for u, c in tasks if u.status == "done" and c.shard is None}
+    return {u.id for u, c in tasks if c.shard is not None and key(c.whole) in done}
 
 
 def export_sweep(session: Session, sweep: str | int, schema_revision: str | None = None,

@@ -265,10 +265,10 @@ def front_units(store: Store, held: list[PlannedUnit], gate: set[str]) -> tuple[
     (``db.front.pareto.front_pick``) drawn on the rows of ``gate`` (the model's front-defining eval units,
     all finished) among the settings the units belong to, less those beyond the unit's task's ``within``
     (``FrontPick.within``); with their shards, if split."""
-    fits = list(dict.fromkeys(u.config["fit_unit"] for u in held))
-    pick = store.front_pick(held[0].config["model_fp"], fits, gate)
+    fits = list(dict.fromkeys(u.config.fit_unit for u in held))
+    pick = store.front_pick(held[0].config.model_fp, fits, gate)
     chosen = {w: set(pick.within(w)) for w in {u.within for u in held}}
-    return [u for u in held if u.config["fit_unit"] in chosen[u.within]], pick
+    return [u for u in held if u.config.fit_unit in chosen[u.within]], pick
 
 
 def before_front(spec: SweepSpec, units: list[PlannedUnit]) -> set[str]:
@@ -319,7 +319,7 @@ class FrontWait:
             budgets = sorted({u.within for u in mine if u.within is not None})
             log.info("%s: the front of %s vs %s: %d of %d settings (%s); 'only: front' units of dense and the "
                      "front%s: %d of %d", m, pick.metric or "(no front-defining rows)", pick.axis, len(pick.front),
-                     len({u.config["fit_unit"] for u in mine}), on,
+                     len({u.config.fit_unit for u in mine}), on,
                      f" within {', '.join(f'{b:g}' for b in budgets)} of dense" if budgets else "",
                      len(chosen), len(mine))
             out += chosen
@@ -388,8 +388,8 @@ def _warn_unplaceable(units: list[PlannedUnit], unplaceable: list[str]) -> None:
 
 
 def _task(u: PlannedUnit) -> dict:
-    """What an actor's ``run`` is given."""
-    task = {"id": u.id, "kind": u.kind, "config": u.config}
+    """What an actor's ``run`` is given (the config in its stored form, typed again by ``Units.run``)."""
+    task = {"id": u.id, "kind": u.kind, "config": u.config.canonical()}
     if u.shards:
         task["shards"] = list(u.shards)
     return task

@@ -14,7 +14,8 @@ predictors are drawn at random with the real shapes at each grid sparsity, so th
 meaningless. A ``dense`` fit (an empty plan) is always planned: the baseline every setting is compared with,
 evaluated and timed like the others; Hugging Face ``generate`` is timed on it too. It reads no activations, so it
 does not wait for the collection: dense's evaluations start while the model's activations are still being
-captured. A unit's id is the hash of its kind, its canonical config (model and data fingerprints included) and
+captured. A unit's config is the typed model of its kind (``db.units``); its id is the hash of its kind, its
+canonical config (model and data fingerprints included; the fields added later left out at their defaults) and
 ``CODE_VERSION``: the same work always gets the same id, whichever sweep asks for it, so finished units are reused
 and never run twice.
 
@@ -29,13 +30,13 @@ our dense decode); when it is not installed the plan logs why, once.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from dataclasses import dataclass, field
 
 from db.front.settings import setting_label
-from orchestrator.spec import MATMUL_FP32, SweepSpec
+from db.units import (AnyUnitConfig, CollectConfig, DataConfig, FitConfig, GridSetting, LatencyConfig,
+                      PerplexityConfig, PerplexityEvalConfig, TaskEvalConfig)
+from orchestrator.spec import SweepSpec
 from workers.host import available_cores
 from workers.names import DENSE, RUNTIME_HF, RUNTIME_LLAMA_CPP, is_shape
 
@@ -53,7 +54,7 @@ class PlannedUnit:
     kind: str                  # collect | fit | eval | latency
     model: str
     device_type: str
-    config: dict
+    config: AnyUnitConfig
     deps: tuple[str, ...] = ()
     method: str | None = None
     sparsity: float | None = None
@@ -69,17 +70,12 @@ class PlannedUnit:
         """The db.schemas.UnitSpec fields (model/dataset ids added by the driver)."""
         return {"id": self.id, "kind": self.kind, "method": self.method, "sparsity": self.sparsity,
                 "rank": self.rank, "attn_sparsity": self.attn_sparsity, "device_type": self.device_type,
-                "config": self.config, "code_version": CODE_VERSION}
+                "config": self.config.canonical(), "code_version": CODE_VERSION}
 
 
-def unit_id(kind: str, config: dict) -> str:
-    blob = json.dumps({"kind": kind, "config": config, "code_version": CODE_VERSION}, sort_keys=True,
-                      separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()[:40]
-
-
-def _unit(kind: str, model: str, device: str, config: dict, deps=(), label="", **coords) -> PlannedUnit:
-    return PlannedUnit(unit_id(kind, config), kind, model, device, config, tuple(deps), label=label, **coords)
+def _unit(config: AnyUnitConfig, device: str, deps=(), label="", **coords) -> PlannedUnit:
+    return PlannedUnit(config.unit_id(CODE_VERSION), config.kind, config.model, device, config, tuple(deps),
+                       label=label, **coords)
 
 
 def fit_priority(method: str) -> int:
@@ -130,16 +126,15 @@ def llama_cpp_plan(spec: SweepSpec, described: dict[str, dict]) -> tuple[bool, s
     return why is None, why
 
 
-def settings(spec: SweepSpec) -> list[dict]:
+def settings(spec: SweepSpec) -> list[GridSetting]:
     """Every (method, s, r, attention s, allocation, options) of the grid, dense first."""
-    out = [{"method": DENSE, "sparsity": 0.0, "rank": None, "attn_sparsity": None, "allocation": "uniform",
-            "options": {}}]
+    out = [GridSetting(method=DENSE, sparsity=0.0)]
     for m in spec.methods:
         for s in m.sparsity:
             for r in m.rank:
                 for a in m.attn_sparsity:
-                    out.append({"method": m.name, "sparsity": s, "rank": r, "attn_sparsity": a,
-                                "allocation": m.allocation, "options": dict(m.options)})
+                    out.append(GridSetting(method=m.name, sparsity=s, rank=r, attn_sparsity=a,
+                                           allocation=m.allocation, options=dict(m.options)))
     return out
 
 
@@ -147,9 +142,6 @@ def plan_units(spec: SweepSpec, described: dict[str, dict], cpu_cores: int | Non
     """All units of the sweep, in dependency order. ``described[model]`` comes from Units.describe; ``cpu_cores``:
     the CPUs of the node CPU latency is timed on (the driver: the largest node's, as Ray counts them; default: the
     cores of this process)."""
-    acc = spec.resources.accelerator
-    data = spec.data.model_dump()
-    threads = torch_threads(spec)
     cores = available_cores() if cpu_cores is None else cpu_cores
     llama, why = llama_cpp_plan(spec, described)
     if why:
@@ -159,76 +151,88 @@ def plan_units(spec: SweepSpec, described: dict[str, dict], cpu_cores: int | Non
                  "resources.torch_threads" if spec.resources.torch_threads else "every core of a node")
     from workers.sparsity.predictors import CAPTURES
 
-    capture = sorted({c for st in settings(spec) for c in CAPTURES.get(st["method"], ())})
+    capture = tuple(sorted({c for st in settings(spec) for c in CAPTURES.get(st.method, ())}))
     units: list[PlannedUnit] = []
     for ref in spec.models:
-        d = described[ref]
-        shape = is_shape(ref)   # random weights: latency only, nothing to collect or evaluate
-        base = {"model": ref, "model_fp": d["fingerprint"]}
+        units += _model_units(spec, ref, described[ref], capture, llama, cores)
+    return units
+
+
+def _model_units(spec: SweepSpec, ref: str, d: dict, capture: tuple[str, ...], llama: bool,
+                 cores: int) -> list[PlannedUnit]:
+    """The units of model ``ref`` (``d``: what Units.describe said of it): its collection, then each setting's fit,
+    evaluations and latency."""
+    acc = spec.resources.accelerator
+    shape = is_shape(ref)   # random weights: latency only, nothing to collect or evaluate
+    base = {"model": ref, "model_fp": d["fingerprint"]}
+    units: list[PlannedUnit] = []
+    if not shape:
+        base.update(data=DataConfig(**spec.data.model_dump()), calib_fp=d["calib_fp"], capture=capture)
+        collect = _unit(CollectConfig(**base), acc, label=f"{ref} collect")
+        units.append(collect)
+    for st in settings(spec):
+        tag = _tag(st)
+        coords = dict(method=st.method, sparsity=st.sparsity, rank=st.rank, attn_sparsity=st.attn_sparsity)
+        fit = _unit(FitConfig(**base, **dict(st), seed=spec.seed, threads=torch_threads(spec)), acc,
+                    [] if shape or st.method == DENSE else [collect.id],   # dense fits nothing
+                    f"{ref} {tag} fit", priority=fit_priority(st.method), **coords)
+        units.append(fit)
         if not shape:
-            base.update(data=data, calib_fp=d["calib_fp"])
-            if capture:     # absent otherwise, so the units of sweeps without such a method keep their ids
-                base["capture"] = capture
-            collect = _unit("collect", ref, acc, base, label=f"{ref} collect")
-            units.append(collect)
-        for st in settings(spec):
-            tag = _tag(st)
-            fit = _unit("fit", ref, acc, {**base, **st, "seed": spec.seed, "threads": threads},
-                        [] if shape or st["method"] == DENSE else [collect.id],   # dense fits nothing
-                        f"{ref} {tag} fit", method=st["method"], sparsity=st["sparsity"], rank=st["rank"],
-                        attn_sparsity=st["attn_sparsity"], priority=fit_priority(st["method"]))
-            units.append(fit)
-            coords = dict(method=st["method"], sparsity=st["sparsity"], rank=st["rank"],
-                          attn_sparsity=st["attn_sparsity"])
-            # accuracy rows: dense products with the unselected entries zeroed, on every device (the same
-            # selection and numbers up to summation order as the token-sparse products, and faster than them for
-            # evaluation forwards on a CPU and on an H200: workers/sparsity/sparse_exec.py); latency rows run the
-            # decode kernels, which really skip the work
-            ev = {**base, "fit_unit": fit.id, "threads": threads, "exec_mode": "masked"}
-            if spec.suites.matmul != MATMUL_FP32:     # absent at the default: the units keep their ids
-                ev["matmul"] = spec.suites.matmul
-            if spec.suites.fused:                     # likewise
-                ev["fused"] = True
-            if shape:
-                pass
-            elif spec.suites.perplexity is not None:
-                p = spec.suites.perplexity.model_dump()
-                units.append(_unit("eval", ref, acc, {**ev, "suite": "perplexity", "perplexity": p,
-                                                      "heldout_fp": d["heldout_fp"]},
-                                   [fit.id], f"{ref} {tag} perplexity", **coords))
-            # accelerators score log-likelihoods in forwards of up to 32,768 padded tokens and generate 64
-            # sequences at a time, or suites.generation_batch (8 sequences on the CPU: the keys are left out there,
-            # so CPU units keep their ids); batching changes only summation order
-            gen_batch = spec.suites.generation_batch or EVAL_BATCH_ACCELERATOR
-            task_ev = ev if acc == "cpu" else {**ev, "batch_size": gen_batch, "batch_tokens": EVAL_TOKENS_ACCELERATOR}
-            for t in ([] if shape else spec.suites.tasks):
-                units += task_units(t, ref, acc, {**task_ev, "suite": t.name, "limit": t.limit}, fit.id,
-                                    f"{ref} {tag} {t.name}", coords)
-            if spec.latency is None:
-                continue
-            lat = spec.latency
-            dense = st["method"] == DENSE
-            for dev in lat.devices:
-                runtimes = ["ctxsparse"] + ([RUNTIME_HF] if dense and lat.hf_generate_baseline else [])
-                if dense and dev == "cpu" and llama and d.get("gguf"):
-                    runtimes.append(RUNTIME_LLAMA_CPP)      # batch 1 only (one sequence)
-                for b in lat.batch:
-                    for pl in lat.prompt_len:
-                        for rt in runtimes:
-                            if rt == RUNTIME_LLAMA_CPP and b != 1:
-                                continue
-                            cfg = {"model": ref, "model_fp": d["fingerprint"], "fit_unit": fit.id,
-                                   "device_type": dev, "batch": b, "prompt_len": pl, "gen_len": lat.gen_len,
-                                   "repeats": lat.repeats, "runtime": rt,
-                                   "threads": latency_threads(spec, dev, cores),
-                                   # a sparse setting on the CPU is timed side by side with dense (one process)
-                                   "paired": dev == "cpu" and rt == "ctxsparse" and not dense}
-                            if dev == "cpu" and rt != RUNTIME_HF and gguf_weights(lat, ref, d):
-                                cfg["weights"] = "gguf"     # the GGUF's blocks (absent: float, as before)
-                            if shape:
-                                cfg["setting"] = st
-                            units.append(_unit("latency", ref, dev, cfg, [fit.id],
-                                               f"{ref} {tag} latency {dev} b{b} p{pl} {rt}", **coords))
+            units += _eval_units(spec, base, d, fit.id, f"{ref} {tag}", coords)
+        if spec.latency is not None:
+            units += _latency_units(spec, ref, d, st, fit.id, llama, cores, f"{ref} {tag}", coords)
+    return units
+
+
+def _eval_units(spec: SweepSpec, base: dict, d: dict, fit_id: str, label: str, coords: dict) -> list[PlannedUnit]:
+    """A setting's eval units: the held-out perplexity and each task.
+
+    Accuracy rows are dense products with the unselected entries zeroed on every device (``exec_mode: masked``:
+    the same selection and numbers up to summation order as the token-sparse products, and faster than them for
+    evaluation forwards on a CPU and on an H200: workers/sparsity/sparse_exec.py); latency rows run the decode
+    kernels, which really skip the work. Accelerators score log-likelihoods in forwards of up to 32,768 padded
+    tokens and generate 64 sequences at a time, or suites.generation_batch (the CPU: the worker's 8 sequences);
+    batching changes only summation order."""
+    acc, suites = spec.resources.accelerator, spec.suites
+    ev = dict(**base, fit_unit=fit_id, threads=torch_threads(spec), exec_mode="masked", matmul=suites.matmul,
+              fused=suites.fused)
+    units = []
+    if suites.perplexity is not None:
+        units.append(_unit(PerplexityEvalConfig(**ev, perplexity=PerplexityConfig(**suites.perplexity.model_dump()),
+                                                heldout_fp=d["heldout_fp"]),
+                           acc, [fit_id], f"{label} perplexity", **coords))
+    if acc != "cpu":
+        ev.update(batch_size=suites.generation_batch or EVAL_BATCH_ACCELERATOR, batch_tokens=EVAL_TOKENS_ACCELERATOR)
+    for t in suites.tasks:
+        units += task_units(t, acc, TaskEvalConfig(**ev, suite=t.name, limit=t.limit), f"{label} {t.name}", coords)
+    return units
+
+
+def _latency_units(spec: SweepSpec, ref: str, d: dict, st: GridSetting, fit_id: str, llama: bool, cores: int,
+                   label: str, coords: dict) -> list[PlannedUnit]:
+    """A setting's latency units: each device, batch, prompt length and runtime (``llama``: the llama.cpp
+    baseline is timed on this model)."""
+    lat = spec.latency
+    dense = st.method == DENSE
+    units = []
+    for dev in lat.devices:
+        runtimes = ["ctxsparse"] + ([RUNTIME_HF] if dense and lat.hf_generate_baseline else [])
+        if dense and dev == "cpu" and llama and d.get("gguf"):
+            runtimes.append(RUNTIME_LLAMA_CPP)      # batch 1 only (one sequence)
+        for b in lat.batch:
+            for pl in lat.prompt_len:
+                for rt in runtimes:
+                    if rt == RUNTIME_LLAMA_CPP and b != 1:
+                        continue
+                    gguf = dev == "cpu" and rt != RUNTIME_HF and gguf_weights(lat, ref, d)
+                    cfg = LatencyConfig(model=ref, model_fp=d["fingerprint"], fit_unit=fit_id, device_type=dev,
+                                        batch=b, prompt_len=pl, gen_len=lat.gen_len, repeats=lat.repeats,
+                                        runtime=rt, threads=latency_threads(spec, dev, cores),
+                                        # a sparse setting on the CPU is timed side by side with dense (one process)
+                                        paired=dev == "cpu" and rt == "ctxsparse" and not dense,
+                                        weights="gguf" if gguf else "float",    # the GGUF's blocks, or float
+                                        setting=st if is_shape(ref) else None)
+                    units.append(_unit(cfg, dev, [fit_id], f"{label} latency {dev} b{b} p{pl} {rt}", **coords))
     return units
 
 
@@ -244,18 +248,18 @@ def gguf_weights(lat, ref: str, described: dict) -> bool:
     return True
 
 
-def task_units(t, ref: str, device: str, cfg: dict, fit_id: str, label: str, coords: dict) -> list[PlannedUnit]:
+def task_units(t, device: str, cfg: TaskEvalConfig, label: str, coords: dict) -> list[PlannedUnit]:
     """The eval units of task ``t`` (a ``TaskSpec``) for one setting: one unit of config ``cfg``; split in
     ``t.shards`` > 1, also that many shard units (``cfg`` with ``shard: [k, n]``), which the task's unit depends on
     and assembles. The task's unit keeps the config, so the id, of the unsharded unit: its rows are the same."""
     front = {"only": getattr(t, "only", None), "within": getattr(t, "within", None)}
     n = getattr(t, "shards", 1)
     if n == 1:
-        return [_unit("eval", ref, device, cfg, [fit_id], label, **front, **coords)]
-    shards = [_unit("eval", ref, device, {**cfg, "shard": [k, n]}, [fit_id], f"{label} shard {k + 1}/{n}",
+        return [_unit(cfg, device, [cfg.fit_unit], label, **front, **coords)]
+    shards = [_unit(cfg.model_copy(update={"shard": (k, n)}), device, [cfg.fit_unit], f"{label} shard {k + 1}/{n}",
                     **front, **coords) for k in range(n)]
     ids = tuple(u.id for u in shards)
-    return shards + [_unit("eval", ref, device, cfg, [fit_id, *ids], label, shards=ids, **front, **coords)]
+    return shards + [_unit(cfg, device, [cfg.fit_unit, *ids], label, shards=ids, **front, **coords)]
 
 
 def without_needless_shards(units: list[PlannedUnit], done: set[str]) -> list[PlannedUnit]:
@@ -265,6 +269,5 @@ def without_needless_shards(units: list[PlannedUnit], done: set[str]) -> list[Pl
     return [u for u in units if u.id not in drop]
 
 
-def _tag(st: dict) -> str:
-    return setting_label(st["method"], st["sparsity"], st["rank"], st["attn_sparsity"], st["allocation"],
-                         st["options"])
+def _tag(st: GridSetting) -> str:
+    return setting_label(st.method, st.sparsity, st.rank, st.attn_sparsity, st.allocation, st.options)

@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator,
-                      model_serializer, model_validator)
+from pydantic import (AfterValidator, BeforeValidator, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
+from db.units import OMIT_AT_DEFAULT, Canonical
 from workers.names import DEVICE_TYPES, MATMUL_BF16, MATMUL_FP32, MATMUL_TF32, SHAPE_PREFIX, is_shape, shape_name
 
 DeviceType = Literal[DEVICE_TYPES]
@@ -41,7 +42,9 @@ class SpecError(ValueError):
     """A sweep spec that cannot run; the message names the field."""
 
 
-class _Strict(BaseModel):
+class _Strict(Canonical):
+    """A spec section; its fields marked ``OMIT_AT_DEFAULT`` (added later) are left out of the spec's canonical form
+    at their defaults, so specs without them keep their hash."""
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -166,9 +169,9 @@ class TaskSpec(_Strict):
 
     name: str
     limit: Annotated[Positive | None, BeforeValidator(_all_items)] = 100
-    shards: Annotated[int, BeforeValidator(_shards)] = 1
-    only: Literal["front"] | None = None
-    within: Annotated[float, Field(gt=0)] | None = None
+    shards: Annotated[int, BeforeValidator(_shards), OMIT_AT_DEFAULT] = 1
+    only: Annotated[Literal["front"] | None, OMIT_AT_DEFAULT] = None
+    within: Annotated[Annotated[float, Field(gt=0)] | None, OMIT_AT_DEFAULT] = None
 
     @field_validator("name")
     @classmethod
@@ -202,18 +205,6 @@ class TaskSpec(_Strict):
                              "item")
         return v
 
-    @model_serializer(mode="wrap")
-    def _canonical(self, handler):
-        out = handler(self)
-        if isinstance(out, dict):       # the defaults of the later fields stay out (spec hashes and unit ids)
-            if out.get("shards") == 1:
-                out.pop("shards")
-            if out.get("only") is None:
-                out.pop("only", None)
-            if out.get("within") is None:
-                out.pop("within", None)
-        return out
-
     @model_validator(mode="after")
     def _within_the_front(self):
         if self.within is not None and self.only != ONLY_FRONT:
@@ -234,9 +225,9 @@ class SuitesSpec(_Strict):
     hash."""
     perplexity: PerplexitySpec | None = PerplexitySpec()
     tasks: list[TaskSpec] = Field(default_factory=list)
-    matmul: Literal["fp32", "tf32", "bf16"] = MATMUL_FP32
-    fused: bool = False
-    generation_batch: Annotated[int, Field(ge=1, le=4096)] | None = None
+    matmul: Annotated[Literal["fp32", "tf32", "bf16"], OMIT_AT_DEFAULT] = MATMUL_FP32
+    fused: Annotated[bool, OMIT_AT_DEFAULT] = False
+    generation_batch: Annotated[Annotated[int, Field(ge=1, le=4096)] | None, OMIT_AT_DEFAULT] = None
 
     @model_validator(mode="after")
     def _something(self) -> "SuitesSpec":
@@ -248,15 +239,6 @@ class SuitesSpec(_Strict):
             raise ValueError(f"tasks {deferred} run only on the front ('only: front'), but no suite draws it: give "
                              "perplexity or a task without 'only'")
         return self
-
-    @model_serializer(mode="wrap")
-    def _canonical(self, handler):
-        out = handler(self)
-        if isinstance(out, dict):       # the later fields, at their defaults, stay out (spec hashes and unit ids)
-            for key, default in (("matmul", MATMUL_FP32), ("fused", False), ("generation_batch", None)):
-                if key in out and out[key] == default:
-                    del out[key]
-        return out
 
 
 class LatencySpec(_Strict):
@@ -270,19 +252,12 @@ class LatencySpec(_Strict):
     # what CPU latency decodes: "auto" the GGUF's quantized blocks for a model loaded from a GGUF (the weights a
     # CPU user runs; every plan the runtime decodes runs over them), else the float weights; "gguf" the same but an
     # error for a model without a GGUF; "float" always the float weights
-    cpu_weights: Literal["auto", "gguf", "float"] = "auto"
+    cpu_weights: Annotated[Literal["auto", "gguf", "float"], OMIT_AT_DEFAULT] = "auto"
 
     @field_validator("devices", "batch", "prompt_len")
     @classmethod
     def _no_dupes(cls, v: list, info) -> list:
         return _unique(v, info.field_name)
-
-    @model_serializer(mode="wrap")
-    def _canonical(self, handler):
-        out = handler(self)
-        if isinstance(out, dict) and out.get("cpu_weights") == "auto":
-            out.pop("cpu_weights")      # left out at its default: spec hashes unchanged
-        return out
 
 
 AUTO = "auto"     # a pool size sized from the cluster's resources when the sweep starts

@@ -1,6 +1,7 @@
 """What one sweep unit computes, without Ray or a database: config in, plain rows out.
 
-A unit's ``config`` (built by the orchestrator, hashed into its id) says everything it needs:
+A unit's ``config`` (the typed model of its kind, ``db.units``: built by the orchestrator, hashed into its id) says
+everything it needs:
 
   collect   model, data                 -> the calibration and held-out activation caches
   fit       + method, sparsity, rank, attn_sparsity, allocation, options, seed, threads
@@ -31,12 +32,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from db.units import (CollectConfig, EvalConfig, FitConfig, LatencyConfig, PerplexityEvalConfig, TaskEvalConfig,
+                      Threaded, UnitConfig, unit_config)
 from workers.host import available_cores
 from workers.names import (DENSE, MATMUL_BF16, MATMUL_FP32, MATMUL_TF32, RUNTIME_LLAMA_CPP, UNIT_KINDS, is_shape,
                            shape_name)
@@ -52,6 +57,9 @@ def shape_identity(name: str) -> tuple[str, str]:
 
     d, D, _, _ = ffn_shape(name)
     return _shape_identity(name, d, D)
+
+
+EVAL_BATCH_CPU = 8     # sequences per batch of a task unit without batch_size (the plan leaves it out on the CPU)
 
 
 def bundle_dir(fit_unit: str) -> Path:
@@ -183,22 +191,24 @@ class Units:
             out.update(heldout_fp=held.fingerprint, heldout_n_tokens=held.n_tokens)
         return out
 
-    def _caches(self, cfg: dict):
+    def _caches(self, cfg: CollectConfig | FitConfig):
         from workers.sparsity.capture import capture_activations, sweep_components
         from workers.loading.data import token_windows
 
-        lm = self.lm(cfg["model"], cfg["model_fp"])
-        d = cfg["data"]
-        comps = sweep_components(cfg.get("capture", ()))    # optional parts only where a method of the sweep needs them
-        calib = capture_activations(lm, token_windows(lm.tokenizer, d["source"], "calib", d["calib_tokens"],
-                                                      d["seq_len"]), comps, progress=False)
-        held = capture_activations(lm, token_windows(lm.tokenizer, d["source"], "heldout", d["metric_tokens"],
-                                                     d["seq_len"]), comps, progress=False)
+        lm = self.lm(cfg.model, cfg.model_fp)
+        d = cfg.data
+        comps = sweep_components(cfg.capture)    # optional parts only where a method of the sweep needs them
+        calib = capture_activations(lm, token_windows(lm.tokenizer, d.source, "calib", d.calib_tokens, d.seq_len),
+                                    comps, progress=False)
+        held = capture_activations(lm, token_windows(lm.tokenizer, d.source, "heldout", d.metric_tokens, d.seq_len),
+                                   comps, progress=False)
         return lm, calib, held
 
     # ------------------------------------------------------------------ kinds
-    def run(self, kind: str, unit_id: str, cfg: dict, shard_scores: list | None = None) -> UnitOutput:
-        """Compute one unit. ``shard_scores`` (an eval unit of a task split into shards): every shard's scores
+    def run(self, kind: str, unit_id: str, cfg: UnitConfig | Mapping[str, Any],
+            shard_scores: list | None = None) -> UnitOutput:
+        """Compute one unit of config ``cfg`` (typed, or its stored form: ``db.units.unit_config``).
+        ``shard_scores`` (an eval unit of a task split into shards): every shard's scores
         (``workers.evals.suites.ShardScores``), from which the task's rows are assembled instead of scored."""
         fns = {"collect": self.collect, "fit": self.fit, "eval": self.evaluate, "latency": self.latency}
         assert tuple(fns) == UNIT_KINDS
@@ -207,8 +217,9 @@ class Units:
             raise ValueError(f"unknown unit kind {kind!r}; known: {list(UNIT_KINDS)}")
         if shard_scores is not None and kind != "eval":
             raise ValueError(f"a {kind} unit has no shards to assemble")
-        if cfg.get("threads") is not None:      # before anything computes (see the module docstring)
-            torch.set_num_threads(int(cfg["threads"]))
+        cfg = unit_config(kind, cfg)
+        if isinstance(cfg, Threaded) and cfg.threads is not None:  # before anything computes (module docstring)
+            torch.set_num_threads(cfg.threads)
         try:
             if shard_scores is not None:
                 return self.assemble(unit_id, cfg, shard_scores)
@@ -216,27 +227,27 @@ class Units:
         finally:
             release_cached_memory(self.device)
 
-    def collect(self, unit_id: str, cfg: dict) -> UnitOutput:
+    def collect(self, unit_id: str, cfg: CollectConfig) -> UnitOutput:
         _, calib, held = self._caches(cfg)
         out = UnitOutput(summary={"calib_tokens": calib.n_tokens, "cache_hit": calib.hit})
         for name, c in (("calib", calib), ("heldout", held)):
             out.artifacts.append({"kind": f"activations_{name}", "uri": str(c.path), "size_bytes": c.size_bytes()})
         return out
 
-    def fit(self, unit_id: str, cfg: dict) -> UnitOutput:
+    def fit(self, unit_id: str, cfg: FitConfig) -> UnitOutput:
         from workers.sparsity import fit as F
         from workers.sparsity.bundle import save_bundle
         from workers.sparsity.predictors import FitContext
 
-        allocation = F.check_allocation(cfg.get("allocation", "uniform"))
-        if is_shape(cfg["model"]):   # random predictors of the real shapes are drawn by the latency unit itself
-            return UnitOutput(summary={"random_predictors": cfg["method"] != DENSE})
-        method, s, rank, attn = cfg["method"], cfg["sparsity"], cfg.get("rank"), cfg.get("attn_sparsity")
+        allocation = F.check_allocation(cfg.allocation)
+        if is_shape(cfg.model):   # random predictors of the real shapes are drawn by the latency unit itself
+            return UnitOutput(summary={"random_predictors": cfg.method != DENSE})
+        method, s, rank, attn = cfg.method, cfg.sparsity, cfg.rank, cfg.attn_sparsity
         if method == DENSE:     # nothing to fit or score: no activations (the plan does not wait for the collection)
-            lm, calib, held = self.lm(cfg["model"], cfg["model_fp"]), None, None
+            lm, calib, held = self.lm(cfg.model, cfg.model_fp), None, None
         else:
             lm, calib, held = self._caches(cfg)
-        ctx = FitContext(lm, calib, list(range(lm.dims.n_layers)), seed=cfg.get("seed", 0), device=self.device)
+        ctx = FitContext(lm, calib, list(range(lm.dims.n_layers)), seed=cfg.seed, device=self.device)
         t0 = time.time()
         dest = bundle_dir(unit_id)
         cached = self._cached_bundle(dest, lm)
@@ -244,12 +255,12 @@ class Units:
             plan = cached.plan(lm.model, device="cpu")     # scored on the cached activations (CPU) below
             per_layer = {int(k): v for k, v in cached.manifest["per_layer_sparsity"].items()}
         else:
-            fitted = F.fit_setting(ctx, method, s, rank, attn, allocation, cfg.get("options"))
+            fitted = F.fit_setting(ctx, method, s, rank, attn, allocation, cfg.options)
             plan, per_layer = fitted.plan, fitted.per_layer
         fit_s = time.time() - t0
         path = dest if cached is not None else save_bundle(
             plan, lm, dest, method=method, sparsity=s, rank=rank, attn_sparsity=attn,
-            allocation=allocation, options=cfg.get("options"), per_layer_sparsity=per_layer,
+            allocation=allocation, options=cfg.options, per_layer_sparsity=per_layer,
             unit_id=unit_id, versions=self.versions, git_rev=self.git_rev)
         out = UnitOutput(summary={"fit_s": round(fit_s, 1), **({"bundle_cache_hit": True} if cached else {})})
         quality = F.layer_quality(plan, held, lm, attn)
@@ -280,86 +291,82 @@ class Units:
             return None
         return b if b.fingerprint == lm.fingerprint else None
 
-    def _bundle(self, cfg: dict):
+    def _bundle(self, cfg: EvalConfig | LatencyConfig):
         """(lm, the fit unit's bundle), checked against the loaded model."""
         from workers.sparsity.bundle import BundleError, load_bundle
 
-        lm = self.lm(cfg["model"], cfg["model_fp"])
-        b = load_bundle(bundle_dir(cfg["fit_unit"]))
+        lm = self.lm(cfg.model, cfg.model_fp)
+        b = load_bundle(bundle_dir(cfg.fit_unit))
         if b.fingerprint != lm.fingerprint:
-            raise BundleError(f"bundle of unit {cfg['fit_unit']} is for another model")
+            raise BundleError(f"bundle of unit {cfg.fit_unit} is for another model")
         return lm, b
 
-    def evaluate(self, unit_id: str, cfg: dict) -> UnitOutput:
-        from workers.loading.data import token_windows
+    def evaluate(self, unit_id: str, cfg: EvalConfig) -> UnitOutput:
         from workers.evals.fused_forward import fused_elementwise
-        from workers.evals.perplexity import perplexity
-        from workers.evals.suites import run_suite
-
         from workers.sparsity.bundle import apply_bundle
 
         lm, b = self._bundle(cfg)
         # fingerprint compared in _bundle (cached on lm); exec_mode: how the rows are computed (plan.py says why)
-        applied = apply_bundle(lm.model, b, check_model=False, mode=cfg.get("exec_mode", "auto"))
+        applied = apply_bundle(lm.model, b, check_model=False, mode=cfg.exec_mode)
         # only the perplexity unit reports the realized sparsity: the task units' forwards count nothing
-        applied.stats.counting = cfg["suite"] == "perplexity"
-        out = UnitOutput()
-        fused = fused_elementwise(lm.model) if cfg.get("fused") else nullcontext()     # suites.fused
-        with applied, matmul_precision(cfg.get("matmul", MATMUL_FP32), self.device), fused:
-            if cfg["suite"] == "perplexity":
-                p = cfg["perplexity"]
-                toks = token_windows(lm.tokenizer, cfg["data"]["source"], "heldout", p["tokens"], p["seq_len"])
-                r = perplexity(lm.model, toks)
-                task = f"{cfg['data']['source']}-heldout"
-                n = r.n_tokens
-                # each row says which way its metric improves; the sparsities are measurements (more is
-                # more skipped), kept out of the accuracy metrics a front is drawn on
-                out.accuracy += [
-                    {"suite": "perplexity", "task": task, "metric": "ppl", "higher_is_better": False,
-                     "value": r.ppl, "n": n},
-                    {"suite": "perplexity", "task": task, "metric": "nll", "higher_is_better": False,
-                     "value": r.nll, "stderr": r.stderr_nll, "n": n},
-                    {"suite": "perplexity", "task": task, "metric": "mlp_sparsity", "higher_is_better": True,
-                     "value": applied.stats.mlp_sparsity(), "n": n},
-                    {"suite": "perplexity", "task": task, "metric": "head_sparsity", "higher_is_better": True,
-                     "value": applied.stats.head_sparsity(), "n": n},
-                    {"suite": "perplexity", "task": task, "metric": "input_sparsity", "higher_is_better": True,
-                     "value": applied.stats.input_sparsity(), "n": n},
-                    {"suite": "perplexity", "task": task, "metric": "weight_skipped", "higher_is_better": True,
-                     "value": applied.stats.weight_skipped(), "n": n},
-                ]
-                out.summary = {"ppl": round(r.ppl, 3), "mlp_sparsity": round(applied.stats.mlp_sparsity(), 3)}
-            elif cfg.get("shard") is not None:      # one shard of the task: its scored requests, no rows yet
-                from workers.evals.suites import score_shard
+        perplexity = isinstance(cfg, PerplexityEvalConfig)
+        applied.stats.counting = perplexity
+        fused = fused_elementwise(lm.model) if cfg.fused else nullcontext()     # suites.fused
+        with applied, matmul_precision(cfg.matmul, self.device), fused:
+            return self._perplexity(lm, applied.stats, cfg) if perplexity else self._task(lm, cfg)
 
-                k, n = cfg["shard"]
-                sc = score_shard(lm.model, lm.tokenizer, cfg["suite"], cfg.get("limit"), k, n,
-                                 batch_size=cfg.get("batch_size", 8), batch_tokens=cfg.get("batch_tokens"))
-                out.scores = [{"request": r, "loglikelihood": v, "greedy": g}
-                              for r, v, g in zip(sc.request, sc.loglikelihood, sc.greedy)]
-                out.summary = {"shard": f"{k + 1}/{n}", "requests": len(sc.request)}
-            else:
-                rows = run_suite(lm.model, lm.tokenizer, [cfg["suite"]], cfg.get("limit"),
-                                 batch_size=cfg.get("batch_size", 8), batch_tokens=cfg.get("batch_tokens"),
-                                 generation=cfg.get("generation", "rounds"))
-                out.accuracy += task_rows(rows)
-                out.summary = {r.metric: round(r.value, 3) for r in rows}
-        return out
+    @staticmethod
+    def _perplexity(lm, stats, cfg: PerplexityEvalConfig) -> UnitOutput:
+        """The held-out perplexity rows, and the sparsities the forwards realized (``stats``, counted)."""
+        from workers.evals.perplexity import perplexity
+        from workers.loading.data import token_windows
 
-    def assemble(self, unit_id: str, cfg: dict, shard_scores: list) -> UnitOutput:
+        toks = token_windows(lm.tokenizer, cfg.data.source, "heldout", cfg.perplexity.tokens, cfg.perplexity.seq_len)
+        r = perplexity(lm.model, toks)
+        task = f"{cfg.data.source}-heldout"
+        n = r.n_tokens
+        # each row says which way its metric improves; the sparsities are measurements (more is more skipped),
+        # kept out of the accuracy metrics a front is drawn on
+        rows = [{"metric": "ppl", "higher_is_better": False, "value": r.ppl},
+                {"metric": "nll", "higher_is_better": False, "value": r.nll, "stderr": r.stderr_nll},
+                {"metric": "mlp_sparsity", "higher_is_better": True, "value": stats.mlp_sparsity()},
+                {"metric": "head_sparsity", "higher_is_better": True, "value": stats.head_sparsity()},
+                {"metric": "input_sparsity", "higher_is_better": True, "value": stats.input_sparsity()},
+                {"metric": "weight_skipped", "higher_is_better": True, "value": stats.weight_skipped()}]
+        return UnitOutput(accuracy=[{"suite": "perplexity", "task": task, **row, "n": n} for row in rows],
+                          summary={"ppl": round(r.ppl, 3), "mlp_sparsity": round(stats.mlp_sparsity(), 3)})
+
+    @staticmethod
+    def _task(lm, cfg: TaskEvalConfig) -> UnitOutput:
+        """A task's rows; of one shard of the task, its scored requests (no rows yet)."""
+        from workers.evals.suites import run_suite, score_shard
+
+        batch_size = EVAL_BATCH_CPU if cfg.batch_size is None else cfg.batch_size
+        if cfg.shard is not None:
+            k, n = cfg.shard
+            sc = score_shard(lm.model, lm.tokenizer, cfg.suite, cfg.limit, k, n, batch_size=batch_size,
+                             batch_tokens=cfg.batch_tokens)
+            return UnitOutput(scores=[{"request": r, "loglikelihood": v, "greedy": g}
+                                      for r, v, g in zip(sc.request, sc.loglikelihood, sc.greedy)],
+                              summary={"shard": f"{k + 1}/{n}", "requests": len(sc.request)})
+        rows = run_suite(lm.model, lm.tokenizer, [cfg.suite], cfg.limit, batch_size=batch_size,
+                         batch_tokens=cfg.batch_tokens, generation=cfg.generation)
+        return UnitOutput(accuracy=task_rows(rows), summary={r.metric: round(r.value, 3) for r in rows})
+
+    def assemble(self, unit_id: str, cfg: EvalConfig, shard_scores: list) -> UnitOutput:
         """A task's rows from its shards' scores (``workers.evals.suites.assemble_shards``): the rows the unsharded
         unit (same config, same id) computes, to the bit. Nothing is run on the model; its tokenizer keys the
         task's requests."""
         from workers.evals.suites import assemble_shards
 
-        if cfg.get("suite") == "perplexity" or cfg.get("shard") is not None:
+        if not isinstance(cfg, TaskEvalConfig) or cfg.shard is not None:
             raise ValueError(f"unit {unit_id[:12]} is not a task's unit: nothing to assemble")
-        lm = self.lm(cfg["model"], cfg["model_fp"])
-        rows = assemble_shards(lm.model, lm.tokenizer, cfg["suite"], cfg.get("limit"), shard_scores)
+        lm = self.lm(cfg.model, cfg.model_fp)
+        rows = assemble_shards(lm.model, lm.tokenizer, cfg.suite, cfg.limit, shard_scores)
         return UnitOutput(accuracy=task_rows(rows), summary={**{r.metric: round(r.value, 3) for r in rows},
                                                              "shards": len(shard_scores)})
 
-    def latency(self, unit_id: str, cfg: dict) -> UnitOutput:
+    def latency(self, unit_id: str, cfg: LatencyConfig) -> UnitOutput:
         from workers.decode.latency import bench_decode, bench_llama_cpp, random_plan
 
         threads = torch.get_num_threads()      # set by run() from the config: what the rows record
@@ -367,32 +374,31 @@ class Units:
         if self.device == "cpu" and threads > cores:
             log.warning("latency unit %s: %d threads on %d cores of this host (the sweep planned the count from "
                         "the cluster's nodes): its times are oversubscribed", unit_id[:12], threads, cores)
-        if cfg["runtime"] == RUNTIME_LLAMA_CPP:     # the dense setting's baseline: llama.cpp on the model's GGUF
-            lm = self.lm(cfg["model"], cfg["model_fp"])
+        if cfg.runtime == RUNTIME_LLAMA_CPP:     # the dense setting's baseline: llama.cpp on the model's GGUF
+            lm = self.lm(cfg.model, cfg.model_fp)
             if lm.meta.get("kind") != "gguf":
-                raise ValueError(f"model {cfg['model']} was not loaded from a GGUF file: llama.cpp has nothing to run")
-            rows = bench_llama_cpp(lm.model, lm.source, prompt_len=cfg["prompt_len"], gen_len=cfg["gen_len"],
-                                   repeats=cfg["repeats"], ours_quantized=cfg.get("weights") == "gguf")
+                raise ValueError(f"model {cfg.model} was not loaded from a GGUF file: llama.cpp has nothing to run")
+            rows = bench_llama_cpp(lm.model, lm.source, prompt_len=cfg.prompt_len, gen_len=cfg.gen_len,
+                                   repeats=cfg.repeats, ours_quantized=cfg.weights == "gguf")
             return UnitOutput(latency=rows, summary={
                 "p50_ms": round(rows[0]["p50_ms_per_token"], 2), "threads": threads, "isa": rows[0].get("isa"),
                 "speedup_vs_paired_dense": round(rows[1]["p50_ms_per_token"] / rows[0]["p50_ms_per_token"], 3)})
-        if is_shape(cfg["model"]):
-            lm = self.lm(cfg["model"], cfg["model_fp"])
-            st = cfg["setting"]
-            plan = None if st["method"] == DENSE else random_plan(
-                lm.model, st["sparsity"], st.get("attn_sparsity"), rank=st.get("rank") or 256)
+        if is_shape(cfg.model):
+            lm = self.lm(cfg.model, cfg.model_fp)
+            st = cfg.setting
+            plan = None if st.method == DENSE else random_plan(lm.model, st.sparsity, st.attn_sparsity,
+                                                                rank=st.rank or 256)
         else:
             lm, b = self._bundle(cfg)
             plan = None if b.manifest["method"] == DENSE else b.plan(lm.model)
         gguf = None
-        if cfg.get("weights") == "gguf":        # the GGUF's quantized blocks (orchestrator.plan.gguf_weights)
+        if cfg.weights == "gguf":        # the GGUF's quantized blocks (orchestrator.plan.gguf_weights)
             if lm.meta.get("kind") != "gguf":
-                raise ValueError(f"model {cfg['model']} was not loaded from a GGUF file: no quantized blocks to time")
+                raise ValueError(f"model {cfg.model} was not loaded from a GGUF file: no quantized blocks to time")
             gguf = lm.source
-        rows = bench_decode(lm.model, plan, device=self.device,
-                            batch=cfg["batch"], prompt_len=cfg["prompt_len"], gen_len=cfg["gen_len"],
-                            repeats=cfg["repeats"], runtime=cfg["runtime"],
-                            paired=bool(cfg.get("paired")) and plan is not None, gguf=gguf)
+        rows = bench_decode(lm.model, plan, device=self.device, batch=cfg.batch, prompt_len=cfg.prompt_len,
+                            gen_len=cfg.gen_len, repeats=cfg.repeats, runtime=cfg.runtime,
+                            paired=cfg.paired and plan is not None, gguf=gguf)
         summary = {"p50_ms": round(rows[0]["p50_ms_per_token"], 2), "threads": threads} if rows else {}
         if rows:
             summary["weights"] = rows[0].get("weights")
@@ -400,4 +406,3 @@ class Units:
         if len(rows) == 2:      # sparse and its paired dense
             summary["speedup_vs_paired_dense"] = round(rows[1]["p50_ms_per_token"] / rows[0]["p50_ms_per_token"], 3)
         return UnitOutput(latency=rows, summary=summary)
-

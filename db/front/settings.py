@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from db import queries
 from db.schemas import LatencyRecord
+from db.units import FitConfig, TaskEvalConfig, unit_config
 
 # the names the workers write into these rows (workers.names; db/ imports no workers: tests/workers/test_names.py
 # checks that these copies are the same)
@@ -103,16 +104,20 @@ def settings_for_model(session: Session, model_id: int, eval_units: set[str] | N
     """Every fitted setting of a model with its accuracy and latency rows, dense first. ``eval_units``: only the
     accuracy rows of these units (the front a sweep decides on: ``db.front.pareto.front_pick_in_store``)."""
     units = queries.units_for_model(session, model_id)
-    fits = {u.id: u for u in units if u.kind == "fit"}
-    owner = {u.id: u.config.get("fit_unit") for u in units if u.kind in ("eval", "latency")}
+    configs = {u.id: unit_config(u.kind, u.config) for u in units if u.kind in ("fit", "eval", "latency")}
+    owner = {k: c.fit_unit for k, c in configs.items() if not isinstance(c, FitConfig)}
     name = next((m.name for m in queries.list_models(session) if m.id == model_id), str(model_id))
-    out = {k: Setting(fit_unit=k, model_id=model_id, model_name=name, method=u.method or "?",
-                      sparsity=u.sparsity or 0.0, rank=u.rank, attn_sparsity=u.attn_sparsity,
-                      allocation=u.config.get("allocation", "uniform"), options=dict(u.config.get("options") or {}),
-                      status=u.status)
-           for k, u in fits.items()}
+    out = {}
+    for u in units:
+        c = configs.get(u.id)
+        if isinstance(c, FitConfig):
+            out[u.id] = Setting(fit_unit=u.id, model_id=model_id, model_name=name, method=u.method or "?",
+                                sparsity=u.sparsity or 0.0, rank=u.rank, attn_sparsity=u.attn_sparsity,
+                                allocation=c.allocation, options=dict(c.options), status=u.status)
     for u in units:       # a task's shards are not evaluations of their own: their task's unit has the rows
-        if u.kind == "eval" and owner.get(u.id) in out and u.config.get("shard") is None:
+        c = configs.get(u.id)
+        shard = isinstance(c, TaskEvalConfig) and c.shard is not None
+        if u.kind == "eval" and owner.get(u.id) in out and not shard:
             out[owner[u.id]].eval_units.append(u.id)
     for r in queries.accuracy_table(session, model_id=model_id):
         if eval_units is not None and r.unit_id not in eval_units:

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from dashboard import data
+from db.units import unit_config
 from kernels.isa import cpu_info
 from tests.sweep_support import FAILING_ERROR
+from tests.unit_configs import eval_config, fit_config, latency_config
 from workers.decode.llama_cpp import llama_cpp_missing
 
 PAGES = ("views/overview.py", "views/pareto.py", "views/unit.py", "views/bundle.py")
@@ -254,7 +256,8 @@ def test_unit_page(app, tiny_sweep):
     assert len(paired) == 1 and re.fullmatch(r"\d+\.\d\d-\d+\.\d\dx", paired["speedup_spread"].iloc[0])
     assert (lat[lat["runtime"] == "hf-generate"]["speedup_spread"] == "").all()
     config = json.loads(at.json[0].value)                     # the unit config that produced the setting
-    assert config == data.unit(url, fit).config and config["method"] == "threshold" and config["sparsity"] == 0.5
+    typed = unit_config("fit", config)
+    assert config == data.unit(url, fit).config and typed.method == "threshold" and typed.sparsity == 0.5
     # and the spec of every sweep the setting belongs to
     specs = _sweep_specs(at)
     assert [sp["name"] for sp in specs] == [sw.name for sw in data.sweeps_of(url, fit)] == ["tiny-test"]
@@ -382,9 +385,8 @@ def _hand_store(path: Path, settings: dict[str, tuple[float, float, float]], tim
         for method, (sp, ppl, narrow) in settings.items():
             fit, ev = uid("fit", method), uid("eval", method)
             common = dict(model_id=mid, method=method, sparsity=sp, code_version="t")
-            q.register_units(s, sid, [dict(id=fit, kind="fit", config={"allocation": "uniform"}, **common),
-                                      dict(id=ev, kind="eval", config={"fit_unit": fit, "suite": "perplexity"},
-                                           **common)])
+            q.register_units(s, sid, [dict(id=fit, kind="fit", config=fit_config(method, sp), **common),
+                                      dict(id=ev, kind="eval", config=eval_config(fit), **common)])
             q.finish_unit(s, fit)
             q.finish_unit(s, ev, accuracy_rows=[
                 dict(suite="perplexity", task=task, metric="ppl", higher_is_better=False, value=v, n=100, **PROV)
@@ -395,7 +397,7 @@ def _hand_store(path: Path, settings: dict[str, tuple[float, float, float]], tim
             for dev, rows in by_device.items():
                 lat = uid("lat", method, dev)
                 q.register_units(s, sid, [dict(id=lat, kind="latency", device_type=dev,
-                                               config={"fit_unit": fit, "device_type": dev}, **common)])
+                                               config=latency_config(fit, dev), **common)])
                 q.finish_unit(s, lat, latency_rows=[dict(
                     device_type=dev, accelerator_name=CPU if dev == "cpu" else "NVIDIA H200", batch=1, prompt_len=8,
                     gen_len=4, p50_ms_per_token=t["ms"], p90_ms_per_token=t["ms"], tokens_per_s=1000 / t["ms"],

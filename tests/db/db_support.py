@@ -9,6 +9,7 @@ from sqlalchemy import Engine
 from db import queries as q
 from db.engine import get_engine, session_scope
 from db.schemas import AccuracyRow, ArtifactRow, LatencyRow, LayerRow, UnitSpec
+from tests.unit_configs import eval_config
 
 PROV = {"package_versions": {"sqlalchemy": "2.1.9"}, "git_rev": "0123abcd"}
 N_ACC, N_LAT, N_LAYER, N_ART = 3, 2, 4, 1
@@ -20,7 +21,7 @@ def uid(i: int) -> str:
 
 def unit_spec(i: int, model_id: int, **kw) -> UnitSpec:
     base = dict(id=uid(i), model_id=model_id, kind="eval", method="svdp", sparsity=(i % 10) / 10,
-                rank=256, device_type="cpu", config={"i": i}, code_version="0.1.0")
+                rank=256, device_type="cpu", config=eval_config("f" * 16, "copa", limit=i + 1), code_version="0.1.0")
     return UnitSpec(**{**base, **kw})
 
 

@@ -14,6 +14,7 @@ from db.engine import get_engine, session_scope, upgrade
 from db.models import AccuracyResult, LatencyResult, LayerMetric, Sweep, WorkUnit
 from db.resultset import FORMAT, ResultSetError, export_sweep, load_records, read_jsonl, write_jsonl
 from tests.db.db_support import N_ACC, N_LAT, N_LAYER, finish_all, seed, uid
+from tests.unit_configs import eval_config
 
 
 def _source(tmp_path, n_done=3, n_units=4):
@@ -150,7 +151,7 @@ def test_request_scores_of_assembled_tasks_stay_out_unless_asked(tmp_path):
 
     eng = get_engine(f"sqlite:///{tmp_path / 'shards.db'}")
     upgrade(eng)
-    task_a, task_b = {"suite": "mmlu", "fit_unit": "f1"}, {"suite": "hellaswag", "fit_unit": "f1"}
+    task_a, task_b = eval_config("f1", "mmlu"), eval_config("f1", "hellaswag")
     cfgs = {"a": task_a, "a0": {**task_a, "shard": [0, 2]}, "a1": {**task_a, "shard": [1, 2]},
             "b": task_b, "b0": {**task_b, "shard": [0, 2]}, "b1": {**task_b, "shard": [1, 2]}}
     ids = {k: hashlib.sha256(k.encode()).hexdigest()[:16] for k in cfgs}

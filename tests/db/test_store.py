@@ -12,6 +12,7 @@ from db.__main__ import main as db_main
 from db.engine import ReadOnlyDatabaseError
 from db.schemas import DatasetSpec, ModelSpec, NewUnit
 from db.store import Store, StoreError, StoreState, open_store
+from tests.unit_configs import eval_config, fit_config, latency_config
 
 PROV = {"package_versions": {"x": "1"}, "git_rev": "r"}
 MODEL = ModelSpec(name="tiny", fingerprint="fp-tiny", family="llama", config={"d": 8}, n_params=100)
@@ -25,7 +26,7 @@ def uid(label: str) -> str:
 
 def new_unit(label: str, model: ModelSpec = MODEL, dataset: DatasetSpec | None = None, **cols) -> NewUnit:
     return NewUnit(model=model, dataset=dataset, unit={"id": uid(label), "kind": "eval", "method": "threshold",
-                                                       "sparsity": 0.5, "config": {"label": label},
+                                                       "sparsity": 0.5, "config": eval_config("f" * 16, "copa"),
                                                        "code_version": "t", **cols})
 
 
@@ -122,10 +123,10 @@ def _front_store(tmp_path) -> tuple[Store, dict[str, str]]:
     for k, (s, *_rest) in rows.items():
         method = "dense" if k == "dense" else "threshold"
         common = {"method": method, "sparsity": s}
-        units += [new_unit(f"fit-{k}", kind="fit", **{**common, "config": {"allocation": "uniform"}}),
-                  new_unit(f"ev-{k}", **{**common, "config": {"fit_unit": uid(f"fit-{k}"), "suite": "perplexity"}}),
+        units += [new_unit(f"fit-{k}", kind="fit", **{**common, "config": fit_config(method, s)}),
+                  new_unit(f"ev-{k}", **{**common, "config": eval_config(uid(f"fit-{k}"))}),
                   new_unit(f"lat-{k}", kind="latency", device_type="cpu",
-                           **{**common, "config": {"fit_unit": uid(f"fit-{k}")}})]
+                           **{**common, "config": latency_config(uid(f"fit-{k}"))})]
     store.record_sweep(name="f", spec_hash="f" * 64, spec={}, units=units)
     for k, (_, ppl, skipped, ms) in rows.items():
         store.finish_unit(uid(f"fit-{k}"))

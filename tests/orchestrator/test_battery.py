@@ -30,6 +30,7 @@ import yaml
 
 from db import queries
 from db.engine import get_engine, session_scope
+from db.units import unit_config
 from tests.sweep_support import FAILING_ERROR, FAILING_METHOD, PERPLEXITY_METRICS, PG_DATABASE, READONLY, TINY_SPEC
 
 LOCK_TROUBLE = re.compile(r"deadlock|could not obtain lock|could not serialize|lock timeout|database is locked",
@@ -46,11 +47,11 @@ def _units(url: str, sweep_id: int) -> dict:
 def _expected_rows(u) -> int:
     from workers.evals.tasks import SUITES
 
+    cfg = unit_config(u.kind, u.config)
     if u.kind == "eval":
-        suite = u.config["suite"]
-        return len(PERPLEXITY_METRICS) if suite == "perplexity" else len(SUITES[suite].metrics)
+        return len(PERPLEXITY_METRICS) if cfg.suite == "perplexity" else len(SUITES[cfg.suite].metrics)
     if u.kind == "latency":      # a paired timing adds the dense it ran beside
-        return 2 if u.config.get("paired") else 1
+        return 2 if cfg.paired else 1
     return 0
 
 
@@ -58,7 +59,8 @@ def test_pg_sweep_with_two_evaluators_loses_and_duplicates_nothing(pg_sweep):
     url, out = pg_sweep.url, pg_sweep.outcome
     units = _units(url, out.sweep_id)
     assert len(units) == out.total == 7              # collect; per setting a fit and 2 evals; no latency
-    bad_fit = [u for u in units.values() if u.kind == "fit" and u.config.get("options") == FAILING_METHOD["options"]]
+    bad_fit = [u for u in units.values()
+               if u.kind == "fit" and unit_config("fit", u.config).options == FAILING_METHOD["options"]]
     assert len(bad_fit) == 1
     chain = {bad_fit[0].id} | {u.id for u in units.values() if bad_fit[0].id in json.dumps(u.config)}
     assert len(chain) == 3                                   # the fit and its 2 evals

@@ -160,7 +160,7 @@ ROWS = {("dense", 0.0): (10.0, 0.0, 0.75), ("threshold", 0.3): (11.0, 0.30, 0.75
 def _rows_of(u) -> list[tuple[str, str, str, bool, float]]:
     """The rows of a front-defining eval unit ``u`` from ``ROWS``: its perplexity unit's, or its copa unit's."""
     ppl, skipped, acc = ROWS[(u.method, u.sparsity)]
-    if u.config["suite"] == "perplexity":
+    if u.config.suite == "perplexity":
         return [("perplexity", "lambada-heldout", "ppl", False, ppl),
                 ("perplexity", "lambada-heldout", "weight_skipped", True, skipped)]
     return [("mc", "copa", "acc", True, acc)]
@@ -170,7 +170,7 @@ def test_front_units_are_registered_once_when_the_front_is_drawn(tmp_path):
     spec = _spec()
     store, units, sweep_id = _store(tmp_path, spec)
     held = [u for u in units if u.only]
-    assert [u.config["suite"] for u in held] == ["gsm8k_cot"] * 4
+    assert [u.config.suite for u in held] == ["gsm8k_cot"] * 4
     assert store.unit_statuses([u.id for u in held]) == {}      # held back: not in the store yet
     wait = FrontWait(store, spec, DESCRIBED, sweep_id, units)
     gate = sorted(u.id for u in units if u.kind == "eval" and not u.only)
@@ -212,7 +212,7 @@ def test_a_front_without_rows_still_runs_dense(tmp_path):
     for u in gate:
         _finish(store, u, None)
     chosen, _ = FrontWait(store, spec, DESCRIBED, sweep_id, units).release({u.id for u in gate})
-    assert [(u.method, u.config["suite"]) for u in chosen] == [("dense", "gsm8k_cot")]
+    assert [(u.method, u.config.suite) for u in chosen] == [("dense", "gsm8k_cot")]
     wait = FrontWait(store, spec, DESCRIBED, sweep_id, units)
     assert wait.release(set()) == ([], {})
     assert [u.method for u in wait.release({u.id for u in gate})[0]] == ["dense"]

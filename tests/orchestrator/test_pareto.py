@@ -31,6 +31,7 @@ from db.front.pareto import (
 from db.front.settings import MEAN_TASKS, Setting, accuracy_metrics, settings_for_model
 from db.schemas import LatencyRecord
 from orchestrator.cli import main as cli
+from tests.unit_configs import eval_config, fit_config, latency_config
 
 PPL = "perplexity/lambada-heldout/ppl"
 ACC = "mc/piqa/acc"
@@ -517,11 +518,11 @@ def store(tmp_path):
             ev, mc, lat = _uid(f"eval-{method}"), _uid(f"mc-{method}"), _uid(f"lat-{method}")
             common = dict(model_id=mid, method=method, sparsity=sp, code_version="t")
             q.register_units(s, sid, [
-                dict(id=fit, kind="fit", config={"allocation": "uniform"}, **common),
-                dict(id=ev, kind="eval", config={"fit_unit": fit, "suite": "perplexity"}, **common),
-                dict(id=mc, kind="eval", config={"fit_unit": fit, "suite": "piqa"}, **common),
+                dict(id=fit, kind="fit", config=fit_config(method, sp), **common),
+                dict(id=ev, kind="eval", config=eval_config(fit), **common),
+                dict(id=mc, kind="eval", config=eval_config(fit, "piqa"), **common),
                 # rows written without a thread count of their own: read through to their unit's config
-                dict(id=lat, kind="latency", device_type="cpu", config={"fit_unit": fit, "threads": 2}, **common),
+                dict(id=lat, kind="latency", device_type="cpu", config=latency_config(fit, threads=2), **common),
             ])
             if status == "failed":
                 for u in (fit, ev, mc, lat):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from db.units import FitConfig, unit_id
 from orchestrator.plan import plan_units, torch_threads
 from orchestrator.spec import parse_spec
 
@@ -29,9 +30,9 @@ def test_different_thread_counts_give_different_units():
     assert {u.kind for u in one} == {"collect", "fit", "eval", "latency"}
     for a, b in zip(one, two):
         if a.kind == "collect":            # activations do not depend on the workers' thread count
-            assert a.id == b.id and "threads" not in a.config
+            assert a.id == b.id and "threads" not in a.config.canonical()
         else:
-            assert a.config["threads"] == 1 and b.config["threads"] == 2 and a.id != b.id
+            assert a.config.threads == 1 and b.config.threads == 2 and a.id != b.id
     assert [u.id for u in _plan(torch_threads=1)] == [u.id for u in one]      # and stable
 
 
@@ -41,7 +42,8 @@ def test_the_worker_applies_the_configured_count():
     before = torch.get_num_threads()
     want = 1 if before != 1 else 2
     try:
-        out = Units().run("fit", "0" * 40, {"model": "shape:llama2-7b", "method": "dense", "threads": want})
+        cfg = FitConfig(model="shape:llama2-7b", model_fp="fp", method="dense", sparsity=0.0, threads=want)
+        out = Units().run("fit", "0" * 40, cfg)
         assert torch.get_num_threads() == want and out.summary == {"random_predictors": False}
     finally:
         torch.set_num_threads(before)
@@ -49,32 +51,36 @@ def test_the_worker_applies_the_configured_count():
 
 def test_evaluation_on_an_accelerator_runs_on_it_with_larger_batches():
     cpu, gpu = _plan(), _plan(accelerator="cuda")
-    ev = {u.config["suite"]: u for u in cpu if u.kind == "eval" and u.method == "oracle"}
-    ev_gpu = {u.config["suite"]: u for u in gpu if u.kind == "eval" and u.method == "oracle"}
+    ev = {u.config.suite: u for u in cpu if u.kind == "eval" and u.method == "oracle"}
+    ev_gpu = {u.config.suite: u for u in gpu if u.kind == "eval" and u.method == "oracle"}
     assert set(ev) == set(ev_gpu) == {"perplexity", "piqa"}
-    assert ev["piqa"].config["exec_mode"] == "masked" and "batch_size" not in ev["piqa"].config
-    assert "batch_tokens" not in ev["piqa"].config
-    assert ev_gpu["piqa"].config["exec_mode"] == "masked" and ev_gpu["piqa"].config["batch_size"] == 64
-    assert ev_gpu["piqa"].config["batch_tokens"] == 32768
+    assert ev["piqa"].config.exec_mode == "masked" and ev["piqa"].config.batch_size is None
+    assert ev["piqa"].config.batch_tokens is None
+    assert not {"batch_size", "batch_tokens"} & set(ev["piqa"].config.canonical())     # the CPU units' ids held
+    assert ev_gpu["piqa"].config.exec_mode == "masked" and ev_gpu["piqa"].config.batch_size == 64
+    assert ev_gpu["piqa"].config.batch_tokens == 32768
     assert ev_gpu["piqa"].device_type == "cuda" and ev_gpu["piqa"].id != ev["piqa"].id
-    assert "batch_size" not in ev_gpu["perplexity"].config      # one window per forward on every device
-    assert "batch_tokens" not in ev_gpu["perplexity"].config
+    # one window per forward on every device
+    assert not {"batch_size", "batch_tokens"} & set(ev_gpu["perplexity"].config.canonical())
 
 
 def test_every_config_field_is_part_of_the_unit_id():
     """A unit's id is the hash of its kind and its whole config: changing any one field (a fingerprint, the data,
     the method's options, a task's limit, the thread count, the latency point, ...) gives another id, so rows of
     different work never share one; the same config always gives the same id."""
-    from orchestrator.plan import unit_id
+    from orchestrator.plan import CODE_VERSION
 
     spec = parse_spec({**SPEC, "methods": [{"name": "svd", "sparsity": [0.5], "rank": [8],
                                             "options": {"target": "gate"}}],
                        "latency": {"devices": ["cpu"], "prompt_len": [16], "gen_len": 4, "repeats": 1}})
     fields = set()
     for u in plan_units(spec, DESCRIBED):
-        assert u.id == unit_id(u.kind, dict(u.config)) != unit_id("other", u.config)
-        for key, value in u.config.items():
-            assert unit_id(u.kind, {**u.config, key: ["changed", value]}) != u.id, (u.label, key)
+        cfg = u.config.canonical()
+        assert not u.config.model_extra                             # every key the plan writes is a typed field
+        assert u.id == u.config.unit_id(CODE_VERSION) == unit_id(u.kind, cfg, CODE_VERSION) != \
+            unit_id("other", cfg, CODE_VERSION)
+        for key, value in cfg.items():
+            assert unit_id(u.kind, {**cfg, key: ["changed", value]}, CODE_VERSION) != u.id, (u.label, key)
             fields.add((u.kind, key))
     assert {("collect", "model_fp"), ("collect", "calib_fp"), ("collect", "data"), ("fit", "options"),
             ("fit", "rank"), ("fit", "sparsity"), ("fit", "threads"), ("eval", "limit"), ("eval", "fit_unit"),
@@ -102,12 +108,12 @@ def test_cpu_latency_defaults_to_every_core_and_torch_threads_overrides():
     for a, b in zip(four, two):
         cpu_latency = a.kind == "latency" and a.device_type == "cpu"
         if cpu_latency:
-            assert (a.config["threads"], b.config["threads"]) == (4, 2) and a.id != b.id
+            assert (a.config.threads, b.config.threads) == (4, 2) and a.id != b.id
         else:
-            assert a.id == b.id and a.config.get("threads") in (None, 1)      # one CPU per actor
+            assert a.id == b.id and (a.kind == "collect" or a.config.threads == 1)      # one CPU per actor
     assert {u.device_type for u in four if u.kind == "latency"} == {"cpu", "cuda"}
     for u in _latency_plan(4, torch_threads=3):                              # the spec's count wins everywhere
-        assert u.kind == "collect" or u.config["threads"] == 3
+        assert u.kind == "collect" or u.config.threads == 3
     spec = parse_spec(SPEC)
     assert latency_threads(spec, "cpu", 16) == 16 and latency_threads(spec, "cuda", 16) == 1
     assert latency_threads(parse_spec({**SPEC, "resources": {"torch_threads": 2}}), "cpu", 16) == 2
@@ -117,14 +123,14 @@ def test_cpu_latency_without_a_count_uses_this_process_cores():
     from workers.host import available_cores
 
     lat = [u for u in _latency_plan(None) if u.kind == "latency" and u.device_type == "cpu"]
-    assert lat and {u.config["threads"] for u in lat} == {available_cores()}
+    assert lat and {u.config.threads for u in lat} == {available_cores()}
 
 
 GGUF = {"smollm2-135m": {**DESCRIBED["smollm2-135m"], "gguf": True}}
 
 
 def _llama_units(units):
-    return [u for u in units if u.config.get("runtime") == "llama.cpp"]
+    return [u for u in units if u.kind == "latency" and u.config.runtime == "llama.cpp"]
 
 
 def test_llama_cpp_row_is_planned_when_the_package_imports_else_the_plan_says_why(caplog):
@@ -141,9 +147,9 @@ def test_llama_cpp_row_is_planned_when_the_package_imports_else_the_plan_says_wh
     if why is None:
         dense_fit = next(u.id for u in units if u.kind == "fit" and u.method == "dense")
         assert warned == [] and len(llama) == len(LATENCY["prompt_len"])
-        assert {(u.device_type, u.config["fit_unit"], u.config["batch"], u.config["threads"]) for u in llama} == \
+        assert {(u.device_type, u.config.fit_unit, u.config.batch, u.config.threads) for u in llama} == \
             {("cpu", dense_fit, 1, 2)}
-        assert sorted(u.config["prompt_len"] for u in llama) == LATENCY["prompt_len"]
+        assert sorted(u.config.prompt_len for u in llama) == LATENCY["prompt_len"]
         assert len({u.id for u in llama}) == len(llama)
     else:
         assert llama == [] and len(warned) == 1 and "make llama-cpp" in warned[0], warned
@@ -169,7 +175,7 @@ def test_llama_cpp_row_is_absent_and_explained_where_the_package_does_not_import
     monkeypatch.setattr(plan_mod, "llama_cpp_plan", lambda spec, described: (True, None))
     with_package = _latency_plan(2, GGUF)
     assert _llama_units(with_package)
-    assert [u.id for u in units] == [u.id for u in with_package if u.config.get("runtime") != "llama.cpp"]
+    assert [u.id for u in units] == [u.id for u in with_package if u not in _llama_units(with_package)]
 
 
 def test_cpu_latency_of_a_gguf_model_decodes_its_quantized_blocks():
@@ -179,15 +185,14 @@ def test_cpu_latency_of_a_gguf_model_decodes_its_quantized_blocks():
     without one is an error saying what to give; the default stays out of the spec's hash."""
     gguf = _latency_plan(2, GGUF)
     lat = [u for u in gguf if u.kind == "latency"]
-    quant = [u for u in lat if u.config.get("weights") == "gguf"]
-    assert quant and all(u.config["device_type"] == "cpu" and u.config["runtime"] != "hf-generate" for u in quant)
-    assert all(u.config["runtime"] == "hf-generate" or u.config["device_type"] != "cpu"
-               for u in lat if u not in quant)
-    assert all("weights" not in u.config for u in _latency_plan(2))
+    quant = [u for u in lat if u.config.weights == "gguf"]
+    assert quant and all(u.config.device_type == "cpu" and u.config.runtime != "hf-generate" for u in quant)
+    assert all(u.config.runtime == "hf-generate" or u.config.device_type != "cpu" for u in lat if u not in quant)
+    assert all("weights" not in u.config.canonical() for u in _latency_plan(2))
     spec = parse_spec({**SPEC, "latency": {**LATENCY, "cpu_weights": "float"}})
     floats = plan_units(spec, GGUF, cpu_cores=2)
-    assert all("weights" not in u.config for u in floats)
-    assert [u.id for u in floats if u.config.get("runtime") != "llama.cpp"] == [u.id for u in _latency_plan(2)]
+    assert all("weights" not in u.config.canonical() for u in floats)
+    assert [u.id for u in floats if u not in _llama_units(floats)] == [u.id for u in _latency_plan(2)]
     with pytest.raises(ValueError, match="cpu_weights is 'gguf' but model smollm2-135m was not loaded from a GGUF"):
         plan_units(parse_spec({**SPEC, "latency": {**LATENCY, "cpu_weights": "gguf"}}), DESCRIBED, cpu_cores=2)
     assert parse_spec({**SPEC, "latency": {**LATENCY, "cpu_weights": "auto"}}).spec_hash() == \
@@ -209,12 +214,12 @@ def test_covariances_are_collected_only_for_sweeps_with_a_method_that_fits_from_
     from workers.sparsity.capture import COMPONENTS, sweep_components
 
     plain = plan_units(parse_spec(SPEC), DESCRIBED)
-    assert all("capture" not in u.config for u in plain)
+    assert all("capture" not in u.config.canonical() for u in plain)
     both = {**SPEC, "methods": SPEC["methods"] + [{"name": "larosa", "sparsity": [0.4]}]}
     rotated = plan_units(parse_spec(both), DESCRIBED)
-    with_data = [u for u in rotated if "data" in u.config]
+    with_data = [u for u in rotated if u.kind != "latency" and u.config.data is not None]
     assert {u.kind for u in with_data} >= {"collect", "fit", "eval"}
-    assert all(u.config["capture"] == ["cov"] for u in with_data)
+    assert all(u.config.capture == ("cov",) and u.config.canonical()["capture"] == ["cov"] for u in with_data)
     assert "cov" in COMPONENTS and "cov" not in sweep_components() and "cov" in sweep_components(["cov"])
     assert set(COMPONENTS) - set(sweep_components()) == {"cov"}
 
@@ -239,9 +244,9 @@ def test_tf32_scoring_is_a_choice_of_the_spec_that_changes_only_the_eval_units()
     assert [u.kind for u in fp32] == [u.kind for u in tf32]
     for a, b in zip(fp32, tf32):
         if a.kind == "eval":
-            assert b.config["matmul"] == "tf32" and "matmul" not in a.config and a.id != b.id
+            assert b.config.matmul == "tf32" and "matmul" not in a.config.canonical() and a.id != b.id
         else:
-            assert a.id == b.id and "matmul" not in b.config
+            assert a.id == b.id and "matmul" not in b.config.canonical()
     assert parse_spec({**gpu, "suites": {**SPEC["suites"], "matmul": "fp32"}}).spec_hash() == \
         parse_spec(gpu).spec_hash()
     with pytest.raises(ValueError, match="tf32 is a CUDA GPU's precision; resources.accelerator is 'cpu'"):
@@ -251,7 +256,7 @@ def test_tf32_scoring_is_a_choice_of_the_spec_that_changes_only_the_eval_units()
     with pytest.raises(ValueError, match="bf16 is an accelerator's precision"):
         parse_spec({**SPEC, "suites": {**SPEC["suites"], "matmul": "bf16"}})
     bf16 = plan_units(parse_spec({**gpu, "suites": {**SPEC["suites"], "matmul": "bf16"}}), DESCRIBED)
-    assert {u.config["matmul"] for u in bf16 if u.kind == "eval"} == {"bf16"}
+    assert {u.config.matmul for u in bf16 if u.kind == "eval"} == {"bf16"}
     assert {u.id for u in bf16 if u.kind == "eval"}.isdisjoint(u.id for u in tf32)
 
 
@@ -264,9 +269,9 @@ def test_fused_scoring_is_a_cuda_choice_of_the_spec_that_changes_only_the_eval_u
     assert [u.kind for u in plain] == [u.kind for u in fused]
     for a, b in zip(plain, fused):
         if a.kind == "eval":
-            assert b.config["fused"] is True and "fused" not in a.config and a.id != b.id
+            assert b.config.fused is True and "fused" not in a.config.canonical() and a.id != b.id
         else:
-            assert a.id == b.id and "fused" not in b.config
+            assert a.id == b.id and "fused" not in b.config.canonical()
     assert parse_spec({**gpu, "suites": {**SPEC["suites"], "fused": False}}).spec_hash() == \
         parse_spec(gpu).spec_hash()
     for accelerator in ("cpu", "npu"):
@@ -284,9 +289,9 @@ def test_generation_batch_sizes_the_accelerator_task_units_only():
     assert [u.kind for u in plain] == [u.kind for u in big]
     tasks = 0
     for a, b in zip(plain, big):
-        if a.kind == "eval" and a.config["suite"] != "perplexity":
+        if a.kind == "eval" and a.config.suite != "perplexity":
             tasks += 1
-            assert a.config["batch_size"] == 64 and b.config["batch_size"] == 128 and a.id != b.id
+            assert a.config.batch_size == 64 and b.config.batch_size == 128 and a.id != b.id
         else:
             assert a.id == b.id
     assert tasks > 0

@@ -65,16 +65,18 @@ def test_a_sharded_task_keeps_the_unsharded_id_and_waits_for_its_shards():
     plain = plan_units(parse_spec(IDS_SPEC), DESCRIBED, cpu_cores=2)
     units = plan_units(_spec(shards=3), DESCRIBED, cpu_cores=2)
     assert len(units) == len(plain) + 2 * 3
-    others = [u for u in units if not (u.kind == "eval" and u.config["suite"] == "hellaswag")]
-    assert [u.id for u in others] == [u.id for u in plain if not (u.kind == "eval" and
-                                                                  u.config["suite"] == "hellaswag")]
+    hellaswag = lambda u: u.kind == "eval" and u.config.suite == "hellaswag"     # noqa: E731
+    others = [u for u in units if not hellaswag(u)]
+    assert [u.id for u in others] == [u.id for u in plain if not hellaswag(u)]
     for method, task_id in IDS_HELLASWAG.items():
-        mine = [u for u in units if u.method == method and u.kind == "eval" and u.config["suite"] == "hellaswag"]
+        mine = [u for u in units if u.method == method and hellaswag(u)]
         shards, (task,) = mine[:3], mine[3:]
-        assert task.id == task_id and "shard" not in task.config and task.shards == tuple(u.id for u in shards)
-        assert [u.config["shard"] for u in shards] == [[0, 3], [1, 3], [2, 3]]
-        assert all({**u.config, "shard": None} == {**task.config, "shard": None} for u in shards)
-        assert task.deps == (task.config["fit_unit"], *task.shards) and all(u.deps == task.deps[:1] for u in shards)
+        assert task.id == task_id and task.config.shard is None and task.shards == tuple(u.id for u in shards)
+        assert "shard" not in task.config.canonical()
+        assert [u.config.shard for u in shards] == [(0, 3), (1, 3), (2, 3)]
+        assert [u.config.canonical()["shard"] for u in shards] == [[0, 3], [1, 3], [2, 3]]
+        assert all(u.config.whole == task.config for u in shards)
+        assert task.deps == (task.config.fit_unit, *task.shards) and all(u.deps == task.deps[:1] for u in shards)
         assert len({u.id for u in mine}) == 4 and [u.label.split()[-2:] for u in shards][0] == ["shard", "1/3"]
     done_task = next(u for u in units if u.shards and u.method == "dense")
     kept = without_needless_shards(units, {done_task.id})
@@ -115,7 +117,7 @@ def _actor(url: str):
 
 
 def _task(u, shards=None) -> dict:
-    t = {"id": u.id, "kind": u.kind, "config": u.config}
+    t = {"id": u.id, "kind": u.kind, "config": u.config.canonical()}
     if shards is not None:
         t["shards"] = list(shards)
     return t

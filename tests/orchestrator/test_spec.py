@@ -156,7 +156,7 @@ def test_plan_has_one_unit_per_grid_point_and_stable_ids():
                        "suites": {"tasks": [{"name": "piqa", "limit": 10}]},
                        "latency": {"devices": ["cpu", "cuda"], "prompt_len": [64, 128]}})
     st = settings(spec)
-    assert len(st) == 1 + 4 + 2 and st[0]["method"] == "dense"
+    assert len(st) == 1 + 4 + 2 and st[0].method == "dense"
     units = plan_units(spec, _described(spec))
     kinds = [u.kind for u in units]
     n_lat = len(st) * 2 * 2 + 2 * 2          # + the HF generate baseline per device and prompt
@@ -179,8 +179,8 @@ def test_shape_models_get_latency_units_only():
     units = plan_units(spec, d)
     assert {u.kind for u in units} == {"fit", "latency"} and all(u.device_type == "cuda" for u in units
                                                                   if u.kind == "latency")
-    lat = [u for u in units if u.kind == "latency" and u.config["runtime"] == "ctxsparse"]
-    assert sorted(u.config["setting"]["sparsity"] for u in lat) == [0.0, 0.5]
+    lat = [u for u in units if u.kind == "latency" and u.config.runtime == "ctxsparse"]
+    assert sorted(u.config.setting.sparsity for u in lat) == [0.0, 0.5]
 
 
 def test_one_window_budgets_and_every_model_ref_form_are_valid(tmp_path):

@@ -15,6 +15,7 @@ from db import queries
 from db.engine import get_engine, session_scope
 from db.front.pareto import pareto
 from db.front.settings import settings_for_model
+from db.units import unit_config
 from tests.sweep_support import (FAILING_ERROR, FAILING_METHOD, PERPLEXITY_METRICS, SHARED_METHOD, SHARED_OVERRIDES,
                                  copy_store, home_set_to, run_tiny_sweep, tiny_spec)
 from workers.decode.llama_cpp import llama_cpp_missing
@@ -48,11 +49,12 @@ def test_tiny_sweep_writes_every_row_once(tiny_sweep):
     units = _all_units(url)
     assert len(units) == outcome.total
     # the failing fit and what depends on it (its 2 evals, its cpu latency unit) failed, with the reason
-    bad_fit = [u for u in units.values() if u.kind == "fit" and u.config.get("options") == FAILING_METHOD["options"]]
+    cfgs = {k: unit_config(u.kind, u.config) for k, u in units.items()}
+    bad_fit = [u for u in units.values() if u.kind == "fit" and cfgs[u.id].options == FAILING_METHOD["options"]]
     assert len(bad_fit) == 1 and bad_fit[0].status == "failed"
     assert FAILING_ERROR in bad_fit[0].error
-    chain = {u.id for u in units.values() if bad_fit[0].id in (u.id, u.config.get("fit_unit"))
-             and u.device_type == "cpu"}
+    chain = {u.id for u in units.values() if u.device_type == "cpu" and (
+        u.id == bad_fit[0].id or u.kind in ("eval", "latency") and cfgs[u.id].fit_unit == bad_fit[0].id)}
     assert sorted(u.kind for u in units.values() if u.id in chain) == ["eval", "eval", "fit", "latency"]
     assert sorted(outcome.failed) == sorted(chain) and outcome.worker_deaths == 1     # the killed evaluator
     assert all(units[i].error.startswith("not run: a unit it depends on failed") for i in chain - {bad_fit[0].id})
@@ -174,7 +176,7 @@ def test_worker_killed_mid_unit_loses_nothing_and_duplicates_nothing(tiny_sweep)
         rows = [r for r in queries.accuracy_table(s) if r.unit_id == killed.unit]
     from workers.evals.tasks import SUITES
 
-    suite = u.config["suite"]
+    suite = unit_config(u.kind, u.config).suite
     expected = PERPLEXITY_METRICS if suite == "perplexity" else SUITES[suite].metrics
     assert sorted(r.metric for r in rows) == sorted(expected)
 

@@ -14,6 +14,7 @@ from sqlalchemy import delete, func, select, update
 from db import queries
 from db.engine import get_engine, session_scope
 from db.models import AccuracyResult, RequestScore, WorkUnit
+from db.units import TaskEvalConfig, unit_config
 from tests.sweep_support import copy_store, home_set_to, private_home
 
 pytestmark = pytest.mark.slow
@@ -50,7 +51,7 @@ def test_sharded_sweep_runs_resumes_and_counts_every_shard_once(ray_local, tiny_
         with session_scope(get_engine(url)) as s:     # latency, timed alone, went before the front's GSM8K
             units = s.execute(select(WorkUnit.kind, WorkUnit.config, WorkUnit.started_at, WorkUnit.finished_at)).all()
         timed = max(f for k, _, _, f in units if k == "latency")
-        gsm8k = [st for k, c, st, _ in units if c.get("suite") == "gsm8k_cot"]
+        gsm8k = [st for k, c, st, _ in units if k == "eval" and unit_config(k, c).suite == "gsm8k_cot"]
         assert len(gsm8k) == 2 and min(gsm8k) >= timed
         rows = _rows(url)
         copa = [r for r in rows if r[3] == "copa"]
@@ -65,8 +66,10 @@ def test_sharded_sweep_runs_resumes_and_counts_every_shard_once(ray_local, tiny_
         with session_scope(engine) as s:
             evals = s.execute(select(WorkUnit.id, WorkUnit.config).where(WorkUnit.method == "dense",
                                                                          WorkUnit.kind == "eval")).all()
-            shard = next(k for k, c in evals if c.get("shard") == [1, 2])
-            task = next(k for k, c in evals if c.get("suite") == "copa" and "shard" not in c)
+            typed = [(k, unit_config("eval", c)) for k, c in evals]
+            tasks = [(k, c) for k, c in typed if isinstance(c, TaskEvalConfig)]
+            shard = next(k for k, c in tasks if c.shard == (1, 2))
+            task = next(k for k, c in tasks if c.suite == "copa" and c.shard is None)
             s.execute(delete(RequestScore).where(RequestScore.unit_id == shard))
             s.execute(delete(AccuracyResult).where(AccuracyResult.unit_id == task))
             s.execute(update(WorkUnit).where(WorkUnit.id == shard).values(status="running"))

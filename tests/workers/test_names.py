@@ -52,6 +52,14 @@ def test_the_front_keeps_the_same_names():
         names.RUNTIME_DENSE_PAIRED, names.RUNTIME_HF, names.RUNTIME_LLAMA_CPP)
 
 
+def test_the_unit_configs_keep_the_same_names():
+    """db/ imports no workers: the kinds and precisions of the typed unit configs (db.units) are copies."""
+    from db import units
+
+    assert units.UNIT_KINDS == names.UNIT_KINDS
+    assert get_args(units.Matmul) == (names.MATMUL_FP32, names.MATMUL_TF32, names.MATMUL_BF16)
+
+
 def test_actors_and_spec_take_the_names():
     from orchestrator.spec import DeviceType as SpecDevice
     from workers.actors import DeviceType as ActorDevice, UnitTask

@@ -8,6 +8,7 @@ import pytest
 from db import queries as q
 from db.engine import get_engine, session_scope, upgrade
 from db.front.settings import MEAN_TASKS, settings_for_model
+from tests.unit_configs import eval_config, fit_config
 from workers.evals.suites import SuiteResult
 from workers.evals.tasks import task_kind
 from workers.units import task_rows
@@ -62,8 +63,8 @@ def test_the_mean_task_accuracy_averages_multiple_choice_tasks_only(tmp_path):
         mid = q.upsert_model(s, name="tiny", fingerprint="f" * 64, family="llama")
         sid, _ = q.get_or_create_sweep(s, name="t", spec_hash="a" * 64, spec={})
         common = dict(model_id=mid, method="dense", sparsity=0.0, code_version="t")
-        q.register_units(s, sid, [dict(id=FIT, kind="fit", config={"allocation": "uniform"}, **common),
-                                  dict(id=EVAL, kind="eval", config={"fit_unit": FIT, "suite": "x"}, **common)])
+        q.register_units(s, sid, [dict(id=FIT, kind="fit", config=fit_config(), **common),
+                                  dict(id=EVAL, kind="eval", config=eval_config(FIT, "x"), **common)])
         q.finish_unit(s, FIT)
         q.finish_unit(s, EVAL, accuracy_rows=[{**r, **PROV} for r in task_rows(RESULTS)])
     with session_scope(get_engine(url, read_only=True)) as s:

@@ -50,10 +50,11 @@ def test_dense_fits_nothing():
 
 def test_unknown_allocation_is_one_error_through_the_fit_unit_and_the_points_runner(tmp_path, capsys):
     from benchmarks.quality import main, run_point
+    from db.units import FitConfig
     from workers.units import Units
 
-    cfg = {"model": "smollm2-135m", "model_fp": "x", "method": "oracle", "sparsity": 0.5, "allocation": "magic",
-           "data": {"source": "lambada", "calib_tokens": 1024, "metric_tokens": 512, "seq_len": 256}}
+    cfg = FitConfig(model="smollm2-135m", model_fp="x", method="oracle", sparsity=0.5, allocation="magic",
+                    data={"source": "lambada", "calib_tokens": 1024, "metric_tokens": 512, "seq_len": 256})
     with pytest.raises(ValueError) as unit_err:
         Units().fit("0" * 40, cfg)                 # raised before any model is loaded
     with pytest.raises(ValueError) as point_err:
@@ -91,6 +92,7 @@ def test_the_dense_fit_reads_no_activations_and_waits_for_no_collection(smollm2)
     """Dense has nothing to fit or score: its fit unit saves the dense bundle without the calibration and held-out
     activations (so its evaluations can start while the model's collection still runs), and the plan gives it no
     dependency; every other fit reads them and waits for the collection."""
+    from db.units import FitConfig
     from orchestrator.plan import plan_units
     from orchestrator.spec import parse_spec
     from workers.units import Units
@@ -99,15 +101,15 @@ def test_the_dense_fit_reads_no_activations_and_waits_for_no_collection(smollm2)
     units._lms["smollm2-135m"] = smollm2
 
     def no_activations(cfg):
-        raise AssertionError(f"{cfg['method']}'s fit asked for activations")
+        raise AssertionError(f"{cfg.method}'s fit asked for activations")
 
     units._caches = no_activations
-    cfg = {"model": "smollm2-135m", "model_fp": smollm2.fingerprint, "method": "dense", "sparsity": 0.0,
-           "data": {"source": "lambada", "calib_tokens": 1024, "metric_tokens": 512, "seq_len": 256}}
+    cfg = FitConfig(model="smollm2-135m", model_fp=smollm2.fingerprint, method="dense", sparsity=0.0,
+                    data={"source": "lambada", "calib_tokens": 1024, "metric_tokens": 512, "seq_len": 256})
     out = units.fit("d" * 40, cfg)
     assert out.summary["fit_s"] == 0.0 and out.layers == [] and out.artifacts
     with pytest.raises(AssertionError, match="oracle's fit asked for activations"):
-        units.fit("o" * 40, {**cfg, "method": "oracle", "sparsity": 0.5})
+        units.fit("o" * 40, cfg.model_copy(update={"method": "oracle", "sparsity": 0.5}))
 
     spec = parse_spec({"name": "t", "models": ["smollm2-135m"], "methods": [{"name": "oracle", "sparsity": [0.5]}],
                        "suites": {"tasks": [{"name": "piqa", "limit": 10}]}, "latency": None})
