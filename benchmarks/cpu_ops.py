@@ -410,7 +410,7 @@ def eval_table(tokens: int, sparsity: float, repeats: int, model_ref: str = "smo
     from workers.loading.data import token_windows
     from workers.loading.models import load_model
     from workers.sparsity.predictors.base import SparsityPlan, k_for
-    from workers.sparsity.predictors.oracle import OracleMLP
+    from workers.methods.oracle.predictor import OracleMLP
     from workers.sparsity.sparse_exec import apply_sparsity
 
     lm = load_model(model_ref)

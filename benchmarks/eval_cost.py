@@ -135,8 +135,8 @@ def _masks(how: str | None):
         raise ValueError(f"masks {how!r}: one of {list(MASKS)}")
     from workers.sparsity import input_sparse
     from workers.sparsity.predictors import base
-    from workers.sparsity.predictors.oracle import OracleMLP
-    from workers.sparsity.predictors.threshold import GateThreshold
+    from workers.methods.oracle.predictor import OracleMLP
+    from workers.methods.threshold.predictor import GateThreshold
 
     def sorted_topk_mask(values, k):         # base.topk_mask as it was: the same set, the k values sorted
         m = torch.zeros_like(values, dtype=torch.bool)

@@ -398,38 +398,46 @@ def _threads(v: str) -> int:
     return n
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ctxsparse", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-    # --db on every command (each leaf: `bundle export`, not `bundle`), defined once; commands that never read or
-    # write the store accept it and ignore it
+def _store_option() -> argparse.ArgumentParser:
+    """The --db parent of every leaf command (`bundle export`, not `bundle`); those that never use the store
+    accept it and ignore it."""
     store = argparse.ArgumentParser(add_help=False)
     store.add_argument("--db", default=None, metavar="URL",
                        help="the store's SQLAlchemy URL (default: $CTXSPARSE_DB_URL, else SQLite under "
                             "$CTXSPARSE_HOME); commands that never use the store ignore it")
-    db = {"parents": [store]}
+    return store
 
-    def common(sp, tokens):
-        sp.add_argument("--model", default="smollm2-135m", help="model ref (default: smollm2-135m)")
-        sp.add_argument("--source", default="lambada", help="text source (default: lambada)")
-        sp.add_argument("--tokens", type=int, default=tokens, help=f"token budget (default: {tokens})")
-        sp.add_argument("--seq-len", type=int, default=512)
-        sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
+def _add_model_args(sp, tokens: int) -> None:
+    """The model, text and window options of `ppl` and `capture`."""
+    sp.add_argument("--model", default="smollm2-135m", help="model ref (default: smollm2-135m)")
+    sp.add_argument("--source", default="lambada", help="text source (default: lambada)")
+    sp.add_argument("--tokens", type=int, default=tokens, help=f"token budget (default: {tokens})")
+    sp.add_argument("--seq-len", type=int, default=512)
+    sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def _add_address(sp, default="$RAY_ADDRESS or http://127.0.0.1:8265") -> None:
+    sp.add_argument("--address", default=None, help=f"Ray dashboard address (default: {default})")
+
+
+def _add_step_parsers(sub, db: dict) -> None:
+    """`ppl` and `capture`."""
     sp = sub.add_parser("ppl", help="held-out perplexity", **db)
-    common(sp, 2048)
+    _add_model_args(sp, 2048)
     sp.set_defaults(fn=cmd_ppl)
     sp = sub.add_parser("capture", help="collect activations into the cache", **db)
-    common(sp, 16384)
+    _add_model_args(sp, 16384)
     sp.add_argument("--store-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"])
     sp.add_argument("--twice", action="store_true", help="call twice to show the cache hit")
     sp.set_defaults(fn=cmd_capture)
-    def cluster(sp, default="$RAY_ADDRESS or http://127.0.0.1:8265"):
-        sp.add_argument("--address", default=None, help=f"Ray dashboard address (default: {default})")
 
+
+def _add_sweep_parsers(sub, db: dict) -> None:
+    """`submit`, `resume`, `status`, `logs` and `pareto`."""
     sp = sub.add_parser("submit", help="validate a sweep spec and submit it as a Ray job", **db)
     sp.add_argument("spec")
-    cluster(sp)
+    _add_address(sp)
     sp.add_argument("--follow", action="store_true", help="stream the job's log until it ends")
     sp.add_argument("--working-dir", default=None, help="upload this folder as the job's working_dir")
     sp.add_argument("--skip-local-checks", action="store_true",
@@ -437,18 +445,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_submit)
     sp = sub.add_parser("resume", help="submit a stored sweep again; finished units are skipped", **db)
     sp.add_argument("sweep", help="sweep name, id or submission id")
-    cluster(sp)
+    _add_address(sp)
     sp.add_argument("--follow", action="store_true")
     sp.add_argument("--working-dir", default=None)
     sp.add_argument("--skip-local-checks", action="store_true")
     sp.set_defaults(fn=cmd_resume)
     sp = sub.add_parser("status", help="sweeps and their progress (from the store)", **db)
     sp.add_argument("sweep", nargs="?")
-    cluster(sp, "$RAY_ADDRESS, else the head `ray start` started on this machine, where one answers")
+    _add_address(sp, "$RAY_ADDRESS, else the head `ray start` started on this machine, where one answers")
     sp.set_defaults(fn=cmd_status)
     sp = sub.add_parser("logs", help="a sweep's driver log (from Ray)", **db)
     sp.add_argument("ref", help="sweep name/id or Ray submission id")
-    cluster(sp)
+    _add_address(sp)
     sp.add_argument("--follow", action="store_true")
     sp.set_defaults(fn=cmd_logs)
     sp = sub.add_parser("pareto", help="the Pareto front of a model from the store", **db)
@@ -459,6 +467,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--threads", type=_threads, default=None,
                     help="the thread count the latencies were measured at (default: the largest with rows)")
     sp.set_defaults(fn=cmd_pareto)
+
+
+def _add_bundle_parser(sub, db: dict) -> None:
+    """`bundle export` and `bundle download`."""
     sp = sub.add_parser("bundle", help="export or download a predictor bundle")
     bsub = sp.add_subparsers(dest="action", required=True)
     be = bsub.add_parser("export", help="a fit unit's bundle (or the best on a front) to a folder or .tar.gz", **db)
@@ -478,6 +490,10 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("src")
     bd.add_argument("--out", required=True)
     bd.set_defaults(fn=cmd_bundle)
+
+
+def _add_generate_parser(sub, db: dict) -> None:
+    """`generate`."""
     sp = sub.add_parser("generate", help="greedy text with a bundle on the decode runtime; tokens/s dense vs sparse",
                         **db)
     sp.add_argument("--model", required=True, help="model ref the bundle was fitted on (e.g. smollm2-135m)")
@@ -494,6 +510,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "the sweep timed the setting on, as the bundle records; else the GGUF's blocks for a "
                          "model loaded from one)")
     sp.set_defaults(fn=cmd_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ctxsparse", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    db = {"parents": [_store_option()]}
+    _add_step_parsers(sub, db)
+    _add_sweep_parsers(sub, db)
+    _add_bundle_parser(sub, db)
+    _add_generate_parser(sub, db)
     sp = sub.add_parser("ingest-kernels", help="load `benchmarks.kernels --json` results into the SQL store", **db)
     sp.add_argument("file")
     sp.set_defaults(fn=cmd_ingest_kernels)

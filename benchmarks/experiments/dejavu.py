@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from workers.methods.dejavu.fit import DEFAULTS, INITS, default_dense_attn_layers, default_rank, fit_dejavu
 from workers.sparsity.predictors.base import FitContext
-from workers.sparsity.predictors.dejavu import DEFAULTS, INITS, default_dense_attn_layers, default_rank, fit_dejavu
 
 
 def main(argv=None) -> None:

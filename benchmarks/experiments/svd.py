@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     from workers.sparsity.predictors.base import FitContext, fit_method
     from workers.loading.adapters import activation_fn
     from workers.sparsity.greedy import greedy_allocate, greedy_reference
-    from workers.sparsity.predictors.svd import SVDPredictor
-    from workers.sparsity.predictors.svd_calibration import Q_STEPS, calibration_costs
+    from workers.methods.svd.predictor import SVDPredictor
+    from workers.methods.svd.calibration import Q_STEPS, calibration_costs
     from workers.sparsity.whitening import whitened_lowrank, whitening_factor
 
     print(device_line("cpu"), flush=True)

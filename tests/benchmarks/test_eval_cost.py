@@ -34,8 +34,8 @@ def test_the_masks_options_put_back_the_earlier_masks_and_restore():
     from benchmarks.eval_cost import _masks
     from workers.sparsity import input_sparse
     from workers.sparsity.predictors.base import MLPPredictor
-    from workers.sparsity.predictors.oracle import OracleMLP
-    from workers.sparsity.predictors.threshold import GateThreshold
+    from workers.methods.oracle.predictor import OracleMLP
+    from workers.methods.threshold.predictor import GateThreshold
 
     from workers.sparsity.predictors import base
 

@@ -251,12 +251,11 @@ def resolve_dotted(name: str) -> str | None:
 
 @lru_cache(maxsize=1)
 def method_options() -> dict[str, frozenset[str]]:
-    """{method: option names} of every ``@register``-ed method in workers/sparsity/predictors/ and in the method
-    folders of workers/methods/, read from the source the way ``register`` reads them: its ``options=`` mapping,
-    else the fit function's keyword parameters beside ctx, sparsity and rank."""
+    """{method: option names} of every ``@register``-ed method in the method folders of workers/methods/, read from
+    the source the way ``register`` reads them: its ``options=`` mapping, else the fit function's keyword parameters
+    beside ctx, sparsity and rank."""
     out = {}
-    for f in [*sorted((ROOT / "workers" / "sparsity" / "predictors").glob("*.py")),
-              *sorted((ROOT / "workers" / "methods").glob("*/*.py"))]:
+    for f in sorted((ROOT / "workers" / "methods").glob("*/*.py")):
         tree = ast.parse(f.read_text())
         top = {n.targets[0].id: n.value for n in tree.body
                if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)}

@@ -57,7 +57,7 @@ def test_the_oracles_masked_ffn_uses_it_and_keeps_its_logits(monkeypatch):
     from tests.workers.tiny_model_support import tiny_model
     from workers.loading.adapters import adapter_for
     from workers.sparsity.predictors.base import SparsityPlan, k_for
-    from workers.sparsity.predictors.oracle import OracleMLP
+    from workers.methods.oracle.predictor import OracleMLP
     from workers.sparsity.sparse_exec import apply_sparsity
 
     model = tiny_model("llama")

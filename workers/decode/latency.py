@@ -58,7 +58,7 @@ def random_plan(model_or_config, mlp_sparsity: float | None, head_sparsity: floa
     ``mlp_rule="positive"``: the FFN predictors keep the neurons whose score is > 0 (the SVD predictors' rule: no
     top-k, a compaction), about half of them for these random scores whatever ``mlp_sparsity`` says."""
     from workers.loading.adapters import adapter_for
-    from workers.sparsity.predictors.dejavu import DejaVuHeadPredictor, DejaVuMLPPredictor
+    from workers.methods.dejavu.predictor import DejaVuHeadPredictor, DejaVuMLPPredictor
 
     cfg = getattr(model_or_config, "config", model_or_config)
     dims = adapter_for(cfg).dims(cfg)
@@ -259,11 +259,24 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
         raise ValueError("paired timing needs a sparse plan (dense is the other half of the pair)")
     if gguf is not None and device.type != "cpu":
         raise ValueError("gguf: the quantized blocks decode on the CPU only")
+    return _bench_ours(model, plan, device, batch, prompt_len, gen_len, repeats, warmup, g, detail, vocab,
+                       paired=paired, overlap=overlap, kv_mode=kv_mode, gguf=gguf)
+
+
+def _ours_runtimes(model, plan, device: torch.device, gguf) -> tuple[DecodeRuntime, DecodeRuntime]:
+    """The runtimes :func:`bench_decode` times dense and ``plan`` on, each on its fastest dense path here."""
     rt_dense = runtime_for(model, device, gguf)
     rt_plan = rt_dense if gguf is None or runs_on_blocks(plan) else runtime_for(model, device)
     for r_ in {id(rt_dense): rt_dense, id(rt_plan): rt_plan}.values():
         if device.type == "cpu" and r_.cpu_rows is None and not r_.weights.quantized:
             pick_cpu_dense(r_)       # the fastest dense path here, for the dense and the sparse runs alike
+    return rt_dense, rt_plan
+
+
+def _bench_ours(model, plan, device, batch, prompt_len, gen_len, repeats, warmup, g, detail, vocab, *, paired,
+                overlap, kv_mode, gguf) -> list[dict]:
+    """:func:`bench_decode`'s rows of our runtime: ``plan``'s, and with ``paired`` the dense timed alternately."""
+    rt_dense, rt_plan = _ours_runtimes(model, plan, device, gguf)
     V = vocab or rt_dense.vocab
     plans = [plan, None] if paired else [plan]
     runtimes = {id(plan): rt_plan if plan is not None else rt_dense, id(None): rt_dense}
@@ -298,11 +311,7 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
     rows = []
     for i, (p, run_p) in enumerate(zip(plans, runs)):
         times = [t for _, ts in run_p for t in ts]
-        sp = None
-        if p is not None:   # input sparsity (alone or with predictors): fraction of decoder weight bytes skipped
-            key = "weights" if _input_sparse(p) else "mlp"
-            vals = [s[key] for s in sparsities[id(p)] if key in s]
-            sp = float(sum(vals) / len(vals)) if vals else None
+        sp = _realized_sparsity(p, sparsities[id(p)]) if p is not None else None
         extra = None
         if detail:
             heads = [s["heads"] for s in sparsities[id(p)] if "heads" in s]
@@ -316,6 +325,14 @@ def bench_decode(model, plan: SparsityPlan | None = None, *, device="cpu", batch
         rows.append(_row(device, batch, prompt_len, gen_len, times, name, sp, extra, spread,
                          weights_name(runtimes[id(p)])))
     return rows
+
+
+def _realized_sparsity(plan, samples: list[dict]) -> float | None:
+    """The mean realized sparsity of ``plan`` over ``samples``: with input sparsity (alone or with predictors) the
+    fraction of decoder weight bytes skipped, else the FFN's."""
+    key = "weights" if _input_sparse(plan) else "mlp"
+    vals = [s[key] for s in samples if key in s]
+    return float(sum(vals) / len(vals)) if vals else None
 
 
 def _input_sparse(plan) -> bool:

@@ -37,8 +37,8 @@ from kernels import cpu_quant
 from kernels.common import ACTS
 from kernels.quant import QuantWeight
 from workers.decode.weights import PROJ, ModelWeights, column_norms
+from workers.methods.threshold.predictor import GateThreshold
 from workers.sparsity.predictors.base import neuron_out_norm
-from workers.sparsity.predictors.threshold import GateThreshold
 
 
 class InputGroup(NamedTuple):

@@ -160,6 +160,29 @@ def from_config(config, dtype=torch.float16, device="cuda", seed: int = 0) -> Mo
     return w
 
 
+@dataclass(frozen=True)
+class _Cast:
+    """Copies of HF tensors on the runtime's device, in its dtype (or float32)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    rms1p: bool                       # norms store 1 + weight (Gemma)
+
+    def copy(self, t):
+        return None if t is None else t.detach().to(device=self.device, dtype=self.dtype).contiguous()
+
+    def f32(self, t):
+        return t.to(device=self.device, dtype=torch.float32).contiguous()
+
+    def norm(self, m):
+        return self.f32(1.0 + m.weight.detach().float()) if self.rms1p else self.copy(m.weight)
+
+
+def _eps_of(m) -> float:
+    e = getattr(m, "variance_epsilon", None)
+    return float(e if e is not None else m.eps)
+
+
 @torch.no_grad()
 def from_hf(model: nn.Module, dtype: torch.dtype | None = None, device=None) -> ModelWeights:
     ad = adapter_for(model)
@@ -174,77 +197,70 @@ def from_hf(model: nn.Module, dtype: torch.dtype | None = None, device=None) -> 
     dev = torch.device(device) if device is not None else p0.device
     dtype = dtype or p0.dtype
     dims = ad.dims(cfg)
-    hd = dims.head_dim
     norm_kind = "ln" if fam == "opt" else ("rms1p" if fam == "gemma3" else "rms")
-
-    def T(t):
-        return None if t is None else t.detach().to(device=dev, dtype=dtype).contiguous()
-
-    def F32(t):
-        return t.to(device=dev, dtype=torch.float32).contiguous()
-
-    def norm_w(m):
-        return F32(1.0 + m.weight.detach().float()) if norm_kind == "rms1p" else T(m.weight)
-
-    def eps_of(m):
-        e = getattr(m, "variance_epsilon", None)
-        return float(e if e is not None else m.eps)
-
+    c = _Cast(dev, dtype, norm_kind == "rms1p")
     q_scalar = getattr(cfg, "query_pre_attn_scalar", None)
-    scale = (q_scalar if q_scalar is not None else hd) ** -0.5
+    scale = (q_scalar if q_scalar is not None else dims.head_dim) ** -0.5
     rope = _rope_tables(model, cfg, fam)
     layer_types = getattr(cfg, "layer_types", None)
     sw = getattr(cfg, "sliding_window", None)
     layers, eps = [], None
     for i, layer in ad.iter_layers(model):
-        attn = ad.attn_module(layer)
-        q, k, v, o = (get_path(attn, p) for p in (ad.attn.q, ad.attn.k, ad.attn.v, ad.attn.o))
-        qn = get_path(attn, "q_norm") if fam == "gemma3" else None
-        wq = q.weight.detach().float()
-        bq = q.bias.detach().float() if q.bias is not None else None
-        if qn is None:        # fold the attention scale into the query rows (RoPE and scores are linear)
-            wq = wq * scale
-            bq = bq * scale if bq is not None else None
-        n1, n2 = get_path(layer, ad.attn.norm), get_path(layer, ad.ffn.norm)
-        eps = eps_of(n1)
-        w = ad.ffn_weights(layer)
+        eps = _eps_of(get_path(layer, ad.attn.norm))
         lt = layer_types[i] if layer_types else "full_attention"
         rt = rope.get(lt, rope.get("full_attention")) if rope else None
-        gemma = fam == "gemma3"
-        layers.append(LayerWeights(
-            w_qkv=T(torch.cat([wq, k.weight.detach().float(), v.weight.detach().float()], 0)),
-            b_qkv=T(torch.cat([bq, k.bias.detach().float(), v.bias.detach().float()], 0)) if bq is not None else None,
-            w_o_t=T(linear_weight(o).t()),
-            b_o=T(o.bias) if getattr(o, "bias", None) is not None else None,
-            n1=norm_w(n1), n1b=T(getattr(n1, "bias", None)), n2=norm_w(n2), n2b=T(getattr(n2, "bias", None)),
-            post_attn=norm_w(get_path(layer, "post_attention_layernorm")) if gemma else None,
-            post_ffn=norm_w(get_path(layer, "post_feedforward_layernorm")) if gemma else None,
-            # Gemma: the attention scale goes into the q-norm weight instead
-            qn=F32((1.0 + qn.weight.detach().float()) * scale) if qn is not None else None,
-            kn=F32(1.0 + get_path(attn, "k_norm").weight.detach().float()) if qn is not None else None,
-            w_gate=T(w.get("gate")), w_up=T(w["up"]), w_down_t=T(w["down"].t()),
-            b_up=T(w.get("b_up")), b_down=T(w.get("b_down")),
-            window=sw if fam == "mistral" or lt == "sliding_attention" else None,
-            rope=tuple(F32(t) for t in rt) if rt is not None else None))
+        window = sw if fam == "mistral" or lt == "sliding_attention" else None
+        layers.append(_layer_weights(ad, c, layer, scale, rt, window))
     emb = model.get_input_embeddings()
-    pos_embed = proj_in = proj_out = None
-    pos_offset = 0
-    if fam == "opt":
-        dec = model.model.decoder
-        pos_embed = T(dec.embed_positions.weight)
-        pos_offset = getattr(dec.embed_positions, "offset", 2)
-        proj_in = T(dec.project_in.weight) if dec.project_in is not None else None
-        proj_out = T(dec.project_out.weight) if dec.project_out is not None else None
+    pos_embed, pos_offset, proj_in, proj_out = _opt_inputs(model, c) if fam == "opt" else (None, 0, None, None)
     fn = get_path(model, ad.final_norm)
     embed_scale = (torch.tensor(float(getattr(emb, "scalar_embed_scale", 1.0)), dtype=dtype, device=dev)
                    if fam == "gemma3" else None)
     return ModelWeights(
         family=fam, dims=dims, act=ad.act_name(cfg), gated=ad.ffn.gated, vocab=cfg.vocab_size,
-        norm_kind=norm_kind, eps=eps, final_eps=eps_of(fn), q_fold=1.0 if fam == "gemma3" else scale,
-        layers=tuple(layers), embed=T(emb.weight), embed_scale=embed_scale, pos_embed=pos_embed,
-        pos_offset=pos_offset, proj_in=proj_in, proj_out=proj_out, final_norm=norm_w(fn),
-        final_norm_b=T(getattr(fn, "bias", None)), lm_head=T(model.get_output_embeddings().weight),
+        norm_kind=norm_kind, eps=eps, final_eps=_eps_of(fn), q_fold=1.0 if fam == "gemma3" else scale,
+        layers=tuple(layers), embed=c.copy(emb.weight), embed_scale=embed_scale, pos_embed=pos_embed,
+        pos_offset=pos_offset, proj_in=proj_in, proj_out=proj_out, final_norm=c.norm(fn),
+        final_norm_b=c.copy(getattr(fn, "bias", None)), lm_head=c.copy(model.get_output_embeddings().weight),
         softcap=getattr(cfg, "final_logit_softcapping", None), device=dev, dtype=dtype)
+
+
+def _layer_weights(ad, c: _Cast, layer, scale: float, rope, window: int | None) -> LayerWeights:
+    """One decoder layer in the runtime's layout; ``scale``, the attention scale, goes into the query rows (Gemma:
+    into the q-norm weight)."""
+    gemma = ad.family == "gemma3"
+    attn = ad.attn_module(layer)
+    q, k, v, o = (get_path(attn, p) for p in (ad.attn.q, ad.attn.k, ad.attn.v, ad.attn.o))
+    qn = get_path(attn, "q_norm") if gemma else None
+    wq = q.weight.detach().float()
+    bq = q.bias.detach().float() if q.bias is not None else None
+    if qn is None:        # fold the attention scale into the query rows (RoPE and scores are linear)
+        wq = wq * scale
+        bq = bq * scale if bq is not None else None
+    n1, n2 = get_path(layer, ad.attn.norm), get_path(layer, ad.ffn.norm)
+    w = ad.ffn_weights(layer)
+    return LayerWeights(
+        w_qkv=c.copy(torch.cat([wq, k.weight.detach().float(), v.weight.detach().float()], 0)),
+        b_qkv=(c.copy(torch.cat([bq, k.bias.detach().float(), v.bias.detach().float()], 0))
+               if bq is not None else None),
+        w_o_t=c.copy(linear_weight(o).t()),
+        b_o=c.copy(o.bias) if getattr(o, "bias", None) is not None else None,
+        n1=c.norm(n1), n1b=c.copy(getattr(n1, "bias", None)), n2=c.norm(n2), n2b=c.copy(getattr(n2, "bias", None)),
+        post_attn=c.norm(get_path(layer, "post_attention_layernorm")) if gemma else None,
+        post_ffn=c.norm(get_path(layer, "post_feedforward_layernorm")) if gemma else None,
+        qn=c.f32((1.0 + qn.weight.detach().float()) * scale) if qn is not None else None,
+        kn=c.f32(1.0 + get_path(attn, "k_norm").weight.detach().float()) if qn is not None else None,
+        w_gate=c.copy(w.get("gate")), w_up=c.copy(w["up"]), w_down_t=c.copy(w["down"].t()),
+        b_up=c.copy(w.get("b_up")), b_down=c.copy(w.get("b_down")),
+        window=window, rope=tuple(c.f32(t) for t in rope) if rope is not None else None)
+
+
+def _opt_inputs(model, c: _Cast) -> tuple:
+    """OPT's (learned positions, their offset, project_in, project_out)."""
+    dec = model.model.decoder
+    proj_in = c.copy(dec.project_in.weight) if dec.project_in is not None else None
+    proj_out = c.copy(dec.project_out.weight) if dec.project_out is not None else None
+    return c.copy(dec.embed_positions.weight), getattr(dec.embed_positions, "offset", 2), proj_in, proj_out
 
 
 def column_norms(L: LayerWeights, q_fold: float, nq: int, nkv: int) -> dict[str, torch.Tensor]:

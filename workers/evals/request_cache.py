@@ -391,16 +391,34 @@ def build(name: str, limit: int | None, seed: int, hflm, key: str) -> RequestSet
     """Template, tokenize and order a packaged task's requests: lm-eval's ``build_all_requests`` with the arguments
     ``simple_evaluate`` gives it for ``run_suite``, lm-eval's tokenization (``hflm.encode``), lm-eval's scoring
     order (``scoring_order``)."""
+    from workers.evals.scoring import scoring_order
+
+    leaves, instances, docs = _task_requests(name, limit, seed)
+    encoded = hflm.encode(instances)
+    if len(encoded) != len(instances):
+        raise RuntimeError(f"{name}: {len(instances)} requests, {len(encoded)} encoded")
+    tables = _request_tables(name, instances, encoded)
+    doc_arrays, items = _document_arrays(name, leaves, docs, instances)
+    row_off, members_order = scoring_order(encoded)
+    rs = RequestSet(key=key, task=name, limit=limit, leaves=tuple(leaves), items_fingerprint=fingerprint_items(items),
+                    row_off=row_off, members=members_order, **doc_arrays, **tables)
+    rs.check()
+    counts["built"] += 1
+    return rs
+
+
+def _task_requests(name: str, limit: int | None, seed: int) -> tuple[list[Leaf], list, list]:
+    """A packaged task's leaves, its instances as lm-eval sends them, and its documents: (leaf index, doc id, doc,
+    its instances in index order, its task)."""
     from lm_eval.evaluator_utils import get_sample_size
 
-    from workers.evals.scoring import scoring_order
     from workers.evals.tasks import SUITES, build_task
 
     spec = SUITES[name]
     members = spec.members()
     built = [(f"{spec.lm_eval_task}_{m}", build_task(name, m)) for m in members] if members else \
         [(spec.lm_eval_task, build_task(name))]
-    leaves, instances, docs = [], [], []          # docs: (leaf index, doc id, doc, its instances)
+    leaves, instances, docs = [], [], []
     for li, (leaf_key, task) in enumerate(built):
         leaf = _check_leaf(task)
         leaves.append(replace(leaf, subtask=leaf_key if members else None))
@@ -418,11 +436,11 @@ def build(name: str, limit: int | None, seed: int, hflm, key: str) -> RequestSet
         for doc_id in sorted(by_doc):
             mine = sorted(by_doc[doc_id], key=lambda x: x.idx)
             docs.append((li, doc_id, mine[0].doc, mine, task))
-    encoded = hflm.encode(instances)
-    if len(encoded) != len(instances):
-        raise RuntimeError(f"{name}: {len(instances)} requests, {len(encoded)} encoded")
-    position = {id(inst): r for r, inst in enumerate(instances)}
+    return leaves, instances, docs
 
+
+def _request_tables(name: str, instances: list, encoded: list) -> dict[str, np.ndarray]:
+    """The requests' ``RequestSet`` arrays: contexts (each distinct one stored once), continuations and strings."""
     strings: dict[str, int] = {}
     contexts: dict[tuple, int] = {}
 
@@ -436,6 +454,20 @@ def build(name: str, limit: int | None, seed: int, hflm, key: str) -> RequestSet
         req_ctx.append(contexts.setdefault(tuple(ctx), len(contexts)))
         req_text.append((string(str(inst.args[0])), string(str(inst.args[1]))))
         conts.append(cont)
+    text = [s.encode("utf-8") for s in strings]
+    ctx_off, ctx_tokens = _flat(list(contexts))
+    cont_off, cont_tokens = _flat(conts)
+    token_dtype = np.int32 if max(ctx_tokens.max(initial=0), cont_tokens.max(initial=0)) < 2 ** 31 else np.int64
+    return dict(req_ctx=np.asarray(req_ctx, dtype=np.int64), ctx_off=ctx_off, ctx_tokens=ctx_tokens.astype(token_dtype),
+                cont_off=cont_off, cont_tokens=cont_tokens.astype(token_dtype),
+                req_text=np.asarray(req_text, dtype=np.int64).reshape(-1, 2), text_off=_offsets(text),
+                text=np.frombuffer(b"".join(text), dtype=np.uint8))
+
+
+def _document_arrays(name: str, leaves: list[Leaf], docs: list, instances: list) -> tuple[dict, list[ItemScore]]:
+    """The documents' ``RequestSet`` arrays (leaf, doc id, gold, requests; each request's choice length) and their
+    items."""
+    position = {id(inst): r for r, inst in enumerate(instances)}
     choice_len = np.zeros(len(instances), dtype=np.float64)
     doc_leaf, doc_id, gold, doc_req, doc_off, items = [], [], [], [], [0], []
     for li, d, doc, mine, task in docs:
@@ -457,31 +489,18 @@ def build(name: str, limit: int | None, seed: int, hflm, key: str) -> RequestSet
         doc_off.append(len(doc_req))
         items.append(ItemScore(doc_id=d, gold=g, requests=tuple((str(i.args[0]), str(i.args[1])) for i in mine),
                                loglikelihoods=(), metrics={}, subtask=leaves[li].subtask))
-    row_off, members_order = scoring_order(encoded)
-    text = [s.encode("utf-8") for s in strings]
+    arrays = dict(doc_leaf=np.asarray(doc_leaf, dtype=np.int32), doc_id=np.asarray(doc_id, dtype=np.int64),
+                  gold=np.asarray(gold, dtype=np.int64), doc_off=np.asarray(doc_off, dtype=np.int64),
+                  doc_req=np.asarray(doc_req, dtype=np.int64), choice_len=choice_len)
+    return arrays, items
 
-    def offsets(seqs) -> np.ndarray:
-        off = np.zeros(len(seqs) + 1, dtype=np.int64)
-        off[1:] = np.cumsum([len(s) for s in seqs])
-        return off
 
-    def flat(seqs) -> tuple[np.ndarray, np.ndarray]:
-        off = offsets(seqs)
-        return off, np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(off[-1]))
+def _offsets(seqs) -> np.ndarray:
+    off = np.zeros(len(seqs) + 1, dtype=np.int64)
+    off[1:] = np.cumsum([len(s) for s in seqs])
+    return off
 
-    ctx_off, ctx_tokens = flat(list(contexts))
-    cont_off, cont_tokens = flat(conts)
-    text_off, text_bytes = offsets(text), np.frombuffer(b"".join(text), dtype=np.uint8)
-    token_dtype = np.int32 if max(ctx_tokens.max(initial=0), cont_tokens.max(initial=0)) < 2 ** 31 else np.int64
-    rs = RequestSet(
-        key=key, task=name, limit=limit, leaves=tuple(leaves), items_fingerprint=fingerprint_items(items),
-        doc_leaf=np.asarray(doc_leaf, dtype=np.int32), doc_id=np.asarray(doc_id, dtype=np.int64),
-        gold=np.asarray(gold, dtype=np.int64), doc_off=np.asarray(doc_off, dtype=np.int64),
-        doc_req=np.asarray(doc_req, dtype=np.int64), choice_len=choice_len,
-        req_ctx=np.asarray(req_ctx, dtype=np.int64), ctx_off=ctx_off, ctx_tokens=ctx_tokens.astype(token_dtype),
-        cont_off=cont_off, cont_tokens=cont_tokens.astype(token_dtype),
-        req_text=np.asarray(req_text, dtype=np.int64).reshape(-1, 2), text_off=text_off,
-        text=text_bytes, row_off=row_off, members=members_order)
-    rs.check()
-    counts["built"] += 1
-    return rs
+
+def _flat(seqs) -> tuple[np.ndarray, np.ndarray]:
+    off = _offsets(seqs)
+    return off, np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(off[-1]))

@@ -1,3 +1,4 @@
-"""Sparsity methods kept whole, one folder each: the fit, the plan part (workers.sparsity.parts) and its forms
-(bundle, masked, runtime) of a method side by side. Importing registers every method and its part type."""
-from workers.methods import larosa, rsparse  # noqa: F401
+"""Sparsity methods, one folder each: a method's fit, its predictors or plan part (workers.sparsity.parts) and their
+forms (bundle, masked, runtime) side by side; the shared interfaces and the registry are
+workers.sparsity.predictors.base. Importing registers every method (and every part type)."""
+from workers.methods import dejavu, larosa, oracle, rsparse, static, svd, teal, threshold  # noqa: F401

@@ -55,7 +55,7 @@ def _cached_per_layer(key_parts: list, compute):
 
 @torch.no_grad()
 def _measure_curves(ctx, tokens, points, grid) -> dict[int, list[float]]:
-    from workers.sparsity.predictors.oracle import OracleMLP
+    from workers.methods.oracle.predictor import OracleMLP
     from workers.sparsity.sparse_exec import apply_sparsity
 
     model, act = ctx.lm.model, ctx.act_name()
@@ -125,7 +125,7 @@ def exchange_allocation(ctx, tokens, budget: float, delta: float = 0.1, rounds: 
 
 @torch.no_grad()
 def _exchange(ctx, tokens, budget, delta, rounds, lo, hi) -> dict[int, float]:
-    from workers.sparsity.predictors.oracle import OracleMLP
+    from workers.methods.oracle.predictor import OracleMLP
     from workers.sparsity.sparse_exec import apply_sparsity
 
     model, act, D = ctx.lm.model, ctx.act_name(), ctx.lm.dims.D

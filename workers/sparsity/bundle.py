@@ -129,15 +129,15 @@ class Bundle:
 
 
 def _predictor_classes() -> dict[tuple[str, str], type]:
-    import workers.sparsity.predictors  # noqa: F401  (registers every method module)
+    import workers.methods  # noqa: F401  (registers every method, defining its predictor classes)
     from workers.sparsity.predictors.base import HeadPredictor, MLPPredictor
 
     out: dict[tuple[str, str], type] = {}
 
     def walk(base, comp):
         for c in base.__subclasses__():
-            # only our own predictor modules: a subclass defined elsewhere (a test's, a user's) is not trusted
-            if c.__dict__.get("method") and c.__module__.startswith("workers.sparsity.predictors."):
+            # only our own method folders' classes: a subclass defined elsewhere (a test's, a user's) is not trusted
+            if c.__dict__.get("method") and c.__module__.startswith("workers.methods."):
                 if (comp, c.method) in out and out[(comp, c.method)] is not c:
                     raise RuntimeError(f"two {comp} predictor classes claim method {c.method!r}")
                 out[(comp, c.method)] = c

@@ -381,6 +381,13 @@ def capture_activations(lm: LoadedModel, tokens: TokenSet, components: tuple[str
             log.warning("activation cache invalid (%s); moved to %s and collecting again", e, aside.name)
             os.rename(final, aside)
 
+    _collect(lm, tokens, final, key, dtype, components, layers, max_buffer_mb, batch_windows, progress)
+    return ActivationCache(final, json.loads((final / "manifest.json").read_text()), hit=False)
+
+
+def _collect(lm: LoadedModel, tokens: TokenSet, final: Path, key: str, dtype: str, components, layers: list[int],
+             max_buffer_mb: int, batch_windows: int, progress: bool) -> None:
+    """Run ``lm`` over ``tokens`` with the recording hooks and publish the shards and their manifest at ``final``."""
     store_dtype = _STORE_DTYPES[dtype]
     payload = tokens.seq_len - tokens.prefix_len
     per_tok = _bytes_per_token(lm, components, len(layers), store_dtype.itemsize)
@@ -397,18 +404,6 @@ def capture_activations(lm: LoadedModel, tokens: TokenSet, components: tuple[str
     try:
         with atomic_dir(final) as tmp, torch.inference_mode():
             pending = 0
-
-            def flush(last: bool):
-                tensors, n = rec.take(last)
-                bad_t = [k for k, v in tensors.items() if not torch.isfinite(v).all()]
-                if bad_t:
-                    raise OverflowError(f"non-finite activations in {bad_t[:3]} when stored as {dtype}; "
-                                        "capture with dtype='float32' or 'bfloat16'")
-                name = f"shard-{len(shards):05d}.safetensors"
-                save_file(tensors, str(tmp / name))
-                shards.append({"file": name, "n_tokens": n, "bytes": (tmp / name).stat().st_size,
-                               "sha256": sha256_file(tmp / name)})
-
             for start in range(0, n_win, batch):
                 ids = tokens.windows[start:start + batch].to(device)
                 lm.model.base_model(input_ids=ids, use_cache=False)
@@ -416,7 +411,7 @@ def capture_activations(lm: LoadedModel, tokens: TokenSet, components: tuple[str
                 bar.update(ids.shape[0] * payload)
                 last = start + batch >= n_win
                 if pending >= windows_per_shard or last:
-                    flush(last)
+                    shards.append(_write_shard(rec, tmp / f"shard-{len(shards):05d}.safetensors", dtype, last))
                     pending = 0
             elapsed = time.time() - t0
             manifest = {
@@ -433,4 +428,14 @@ def capture_activations(lm: LoadedModel, tokens: TokenSet, components: tuple[str
     finally:
         rec.close()
         bar.close()
-    return ActivationCache(final, json.loads((final / "manifest.json").read_text()), hit=False)
+
+
+def _write_shard(rec: _Recorder, path: Path, dtype: str, last: bool) -> dict:
+    """Save what ``rec`` buffered as one shard at ``path``; its manifest entry."""
+    tensors, n = rec.take(last)
+    bad_t = [k for k, v in tensors.items() if not torch.isfinite(v).all()]
+    if bad_t:
+        raise OverflowError(f"non-finite activations in {bad_t[:3]} when stored as {dtype}; "
+                            "capture with dtype='float32' or 'bfloat16'")
+    save_file(tensors, str(path))
+    return {"file": path.name, "n_tokens": n, "bytes": path.stat().st_size, "sha256": sha256_file(path)}

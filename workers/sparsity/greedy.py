@@ -3,7 +3,7 @@
 A unit (an SVDP neuron's quantile steps, a layer's sparsity grid) has a cost for every number of steps taken, and its
 steps can only be taken in order. The greedy repeatedly takes the available step with the smallest marginal cost
 until a budget of steps (or of step sizes) is spent. Used by SVDP's per-neuron bias calibration
-(:func:`workers.sparsity.predictors.svd_calibration.calibrate_bias`) and by the model-wide allocation of FFN
+(:func:`workers.methods.svd.calibration.calibrate_bias`) and by the model-wide allocation of FFN
 sparsity across layers (:func:`workers.sparsity.allocation.allocate`).
 
 Three exact implementations give identical allocations (ties go to the lowest unit index, as with ``argmin``):

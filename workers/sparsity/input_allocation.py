@@ -27,7 +27,7 @@ budget asked for; a larger budget later continues it.
 Both paths are cached under ``$CTXSPARSE_HOME/input_greedy`` (``<key>.json`` and ``model-<key>.json``) by
 (model, activation cache, tokens, score, projections, settings). :func:`per_projection_sparsities` turns a
 per-layer budget into each layer's per-projection sparsities (``uniform`` or either greedy); the method fits
-(:mod:`workers.sparsity.predictors.input_sparsity`) turn those into thresholds.
+(:mod:`workers.methods.teal.fit`) turn those into thresholds.
 
 Imports: :mod:`workers.sparsity.input_thresholds` (thresholds) and :mod:`workers.sparsity.input_sparse` (the
 module swap the searches measure with); never the method fits.

@@ -9,7 +9,7 @@ symmetric around 0; ``symmetric=True`` reproduces that rule and :func:`symmetry_
 two are on a cache.
 
 This module is the bottom of the input-sparsity stack: allocation (:mod:`workers.sparsity.input_allocation`) and
-the method fits (:mod:`workers.sparsity.predictors.input_sparsity`) import it, it imports neither.
+the method fits (:mod:`workers.methods.teal.fit`) import it, it imports neither.
 """
 from __future__ import annotations
 

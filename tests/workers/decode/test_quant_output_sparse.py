@@ -27,7 +27,7 @@ from workers.decode.latency import calibrated_input_plan, random_plan
 from workers.decode.runtime import DecodeRuntime, runs_on_blocks
 from workers.methods.larosa.part import RotatedPlan
 from workers.sparsity.predictors.base import SparsityPlan
-from workers.sparsity.predictors.threshold import GateThreshold
+from workers.methods.threshold.predictor import GateThreshold
 
 # (gate, up, down) formats: Q4_0 / Q4_1 / Q8_0 and a K-quant in each role
 FFN_FORMATS = [("Q4_0", "Q4_1", "Q8_0"), ("Q8_0", "Q4_K", "Q4_0"), ("Q4_K", "Q8_0", "Q4_1")]

@@ -173,7 +173,7 @@ def _threshold_plan(m, ids, s):
     """Method ``threshold``'s plan: per layer a GateThreshold on |act(W1 h)| at its s-quantile on ``ids``."""
     from workers.loading.adapters import adapter_for
     from workers.sparsity.predictors.base import SparsityPlan
-    from workers.sparsity.predictors.threshold import GateThreshold
+    from workers.methods.threshold.predictor import GateThreshold
     from kernels.common import apply_act
 
     ad = adapter_for(m)

@@ -14,10 +14,10 @@ from workers.loading.adapters import adapter_for
 from workers.sparsity.bundle import (BundleError, apply_bundle, extract_bundle, load_bundle, pack_bundle, save_bundle)
 from workers.loading.models import fingerprint
 from workers.sparsity.predictors.base import SparsityPlan
-from workers.sparsity.predictors.dejavu import DejaVuHeadPredictor, DejaVuMLPPredictor
-from workers.sparsity.predictors.oracle import OracleMLP
-from workers.sparsity.predictors.static import StaticMLP
-from workers.sparsity.predictors.svd import SVDPredictor
+from workers.methods.dejavu.predictor import DejaVuHeadPredictor, DejaVuMLPPredictor
+from workers.methods.oracle.predictor import OracleMLP
+from workers.methods.static.predictor import StaticMLP
+from workers.methods.svd.predictor import SVDPredictor
 from workers.sparsity.sparse_exec import apply_sparsity
 
 

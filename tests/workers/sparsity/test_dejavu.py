@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.sparsity.capture import capture_activations
-from workers.sparsity.predictors import dejavu as dv
+from workers.methods.dejavu import fit as dv
 from workers.sparsity.predictors.base import FitContext, fit_method, get_method, k_for
 
 LAYERS = [3, 4]

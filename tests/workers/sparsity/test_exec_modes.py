@@ -136,8 +136,8 @@ def test_oracle_and_threshold_select_from_the_ffns_own_activations(family, monke
     again, and the kernel mode's to rounding."""
     from workers.loading.adapters import adapter_for
     from workers.sparsity.predictors.base import MLPPredictor, SparsityPlan, k_for
-    from workers.sparsity.predictors.oracle import OracleMLP
-    from workers.sparsity.predictors.threshold import GateThreshold
+    from workers.methods.oracle.predictor import OracleMLP
+    from workers.methods.threshold.predictor import GateThreshold
 
     model = tiny_model(family)
     ad = adapter_for(model)

@@ -6,8 +6,8 @@ import torch
 
 from kernels import cpu as cpu_kernels
 from workers.sparsity.predictors import base
-from workers.sparsity.predictors.dejavu import DejaVuMLPPredictor
-from workers.sparsity.predictors.svd import SVDPredictor
+from workers.methods.dejavu.predictor import DejaVuMLPPredictor
+from workers.methods.svd.predictor import SVDPredictor
 
 
 def _counting(monkeypatch):

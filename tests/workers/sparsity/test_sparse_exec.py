@@ -5,7 +5,7 @@ from kernels.common import apply_act
 from tests.workers.tiny_model_support import tiny_model
 from workers.loading.adapters import adapter_for
 from workers.sparsity.predictors.base import HeadPredictor, MLPPredictor, SparsityPlan
-from workers.sparsity.predictors.oracle import OracleHeads, OracleMLP
+from workers.methods.oracle.predictor import OracleHeads, OracleMLP
 from workers.sparsity.sparse_exec import apply_sparsity
 
 FAMILIES = ["llama", "mistral", "qwen2", "gemma3", "opt", "gpt2"]

@@ -11,8 +11,8 @@ import torch
 from workers.sparsity.capture import capture_activations
 from workers.loading.data import token_windows
 from workers.sparsity.predictors.base import FitContext, fit_method, k_for
-from workers.sparsity.predictors.svd import SVDPredictor
-from workers.sparsity.predictors.svd_calibration import Q_STEPS, calibrate_bias
+from workers.methods.svd.predictor import SVDPredictor
+from workers.methods.svd.calibration import Q_STEPS, calibrate_bias
 from workers.sparsity.whitening import plain_lowrank, whitened_lowrank, whitening_factor
 
 LAYERS = [3, 15]

@@ -1,6 +1,6 @@
 import torch
 
-from workers.sparsity.predictors.threshold import quantile
+from workers.methods.threshold.predictor import quantile
 
 
 def test_quantile_of_a_tensor_larger_than_the_sample_cap():
@@ -24,7 +24,7 @@ def test_the_fitted_threshold_scores_with_fc1s_bias_as_it_was_calibrated(tmp_pat
     from workers.loading.models import LoadedModel
     from workers.sparsity.capture import capture_activations
     from workers.sparsity.predictors import FitContext, fit_method
-    from workers.sparsity.predictors.threshold import GateThreshold
+    from workers.methods.threshold.predictor import GateThreshold
 
     model = tiny_model("opt")
     ad = adapter_for(model)

@@ -27,7 +27,7 @@ a first half X1 (builds the factors) and a second half X2 (calibrates the biases
    norm's gain and divided by the token's rms(y) (:func:`~workers.sparsity.predictors.base.output_damage`).
    Without that, on Gemma-3-270M at s = 0.5 the predictor with the best recall had the worst perplexity.
 
-4. **Greedy bias calibration on X2** (:mod:`workers.sparsity.predictors.svd_calibration`): per neuron, the bias
+4. **Greedy bias calibration on X2** (:mod:`workers.methods.svd.calibration`): per neuron, the bias
    that switches off the lowest-scored tokens, the steps given greedily to the neurons whose next step costs least.
 
 **Target sparsity.** In the paper's code the target is relative to the layer's natural ReLU sparsity. Our models
@@ -48,87 +48,19 @@ from typing import NamedTuple
 import torch
 
 from workers.loading.adapters import activation_fn
-from workers.sparsity.predictors.base import (
-    INPUT_KINDS, OPTIONS, SEQ_FILTERS, FitContext, MLPPredictor, SparsityPlan, linear, neuron_out_norm, output_damage,
-    register,
-)
-from workers.sparsity.predictors.svd_calibration import (
+from workers.methods.svd.calibration import (
     CALIB_IMPLS, Q_STEPS, calibrate_bias, seq_filter_threshold, superset_filter_threshold,
+)
+from workers.methods.svd.predictor import TARGETS, SVDPredictor
+from workers.sparsity.predictors.base import (
+    INPUT_KINDS, OPTIONS, SEQ_FILTERS, FitContext, SparsityPlan, neuron_out_norm, output_damage, register,
 )
 from workers.sparsity.whitening import whitened_lowrank, whitened_map, whitening_factor
 
 DAMAGES = ("gate", "gate_up", "full")
-TARGETS = ("gate", "product")
 MODES = ("parallel", "sequential")
 # Default rank as a fraction of min(d, D) (see default_rank).
 DEFAULT_RANK_FRAC = 0.125
-
-
-class SVDPredictor(MLPPredictor):
-    """score(x) = proxy(x) + bias; a neuron runs iff score > 0.
-
-    ``target="gate"``: proxy = (x Aᵀ) Bᵀ.  ``target="product"``: proxy = |act((x Aᵀ) Bᵀ) · (x A_upᵀ) B_upᵀ|
-    (bias = −t: keep iff |act(ĝ)·û| > t). B A is never formed: two skinny matmuls per factor pair.
-    """
-
-    method = "svd"
-
-    def __init__(self, A: torch.Tensor, B: torch.Tensor, bias: torch.Tensor, input_kind: str = "ffn_in",
-                 target: str = "gate", act: str | None = None, A_up: torch.Tensor | None = None,
-                 B_up: torch.Tensor | None = None):
-        D = B.shape[0]
-        super().__init__(input_kind=input_kind, rule="positive", k=None, n_neurons=D)
-        if target not in TARGETS:
-            raise ValueError(f"target must be one of {TARGETS}")
-        if A.ndim != 2 or B.ndim != 2 or A.shape[0] != B.shape[1] or bias.shape != (D,):
-            raise ValueError(f"shapes: A [r, d], B [D, r], bias [D]; got {tuple(A.shape)}, {tuple(B.shape)}, "
-                             f"{tuple(bias.shape)}")
-        if target == "product":
-            if A_up is None or B_up is None or act is None:
-                raise ValueError("target 'product' needs A_up, B_up and act")
-            if A_up.shape[1] != A.shape[1] or B_up.shape[0] != D or A_up.shape[0] != B_up.shape[1]:
-                raise ValueError("A_up [r_up, d], B_up [D, r_up] must match A and B")
-            activation_fn(act)  # validates the name
-        self.target, self.act = target, act
-        self.register_buffer("A", A.detach().float().contiguous())
-        self.register_buffer("B", B.detach().float().contiguous())
-        self.register_buffer("bias", bias.detach().float().contiguous())
-        if target == "product":
-            self.register_buffer("A_up", A_up.detach().float().contiguous())
-            self.register_buffer("B_up", B_up.detach().float().contiguous())
-        self._act_fn = activation_fn(act) if act is not None else None
-
-    @property
-    def rank(self) -> int:
-        return self.A.shape[0]
-
-    @torch.no_grad()
-    def proxy(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, d] -> [T, D]: the score before the bias (what the calibration sorts tokens by)."""
-        x = x.to(self.A.dtype)
-        g = linear(linear(x, self.A), self.B)
-        if self.target == "gate":
-            return g
-        u = linear(linear(x, self.A_up), self.B_up)
-        return (self._act_fn(g) * u).abs_()
-
-    @torch.no_grad()
-    def scores(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proxy(x) + self.bias
-
-    def config(self) -> dict:
-        cfg = super().config()
-        cfg.update({"target": self.target, "act": self.act, "rank": self.rank,
-                    "rank_up": self.A_up.shape[0] if self.target == "product" else None})
-        return cfg
-
-    @classmethod
-    def from_parts(cls, config: dict, tensors: dict[str, torch.Tensor], weights: dict[str, torch.Tensor] | None = None):
-        if config.get("method") != cls.method:
-            raise ValueError(f"not an {cls.method!r} predictor config: {config.get('method')!r}")
-        return cls(tensors["A"], tensors["B"], tensors["bias"], input_kind=config["input_kind"],
-                   target=config.get("target", "gate"), act=config.get("act"),
-                   A_up=tensors.get("A_up"), B_up=tensors.get("B_up"))
 
 
 def default_rank(d: int, D: int) -> int:
