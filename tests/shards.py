@@ -8,6 +8,12 @@ dashboard) keep a second core busy only while their sweeps run. Two shards, star
 * ``compute``: everything else under tests/ (kernels, workers, benchmarks, docs, ...), found anew on each run so
   that a new folder is never left out.
 
+Both shards run with ``OMP_WAIT_POLICY=PASSIVE`` (unless the caller sets it): torch's OpenMP threads otherwise
+spin between parallel regions, a core each, while their process runs Python between two small ops; with two
+sessions (and their Ray workers) on two cores, the spinning took the other shard's core. Measured on the 2-core
+VM, two pytest runs side by side (tests/workers/decode beside tests/workers/evals and tests/workers/sparsity):
+144 and 203 s by default, 97 and 149 s passive. No test times anything against a bound, so no figure moves.
+
 Each shard is a whole pytest session (its own temporary ``CTXSPARSE_HOME``; the model cache is shared, its
 conversions made once under a lock). Each shard's output is printed whole when it ends; the exit status is 0 only
 when every shard passed (pytest's 5, no test collected, fails too), and the last line sums the counts.
@@ -17,6 +23,7 @@ when every shard passed (pytest's 5, no test collected, fails too), and the last
 from __future__ import annotations
 
 import re
+import os
 import subprocess
 import sys
 import tempfile
@@ -49,16 +56,22 @@ def counts(log: str) -> dict[str, int]:
     return {("errors" if k.startswith("error") else k): int(n) for n, k in COUNT.findall(lines[-1])}
 
 
+def shard_env(environ) -> dict[str, str]:
+    """The shards' environment: the caller's, OpenMP's threads sleeping between regions unless it says otherwise."""
+    return {**environ, "OMP_WAIT_POLICY": environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+
+
 def main(argv: list[str]) -> int:
     plan = shards()
     logs = Path(tempfile.mkdtemp(prefix="ctxsparse-shards-"))
     procs = {}
+    env = shard_env(os.environ)
     t0 = time.time()
     for name, paths in plan.items():
         log = logs / f"{name}.log"
         print(f"shard {name}: {' '.join(paths)} (output: {log})", flush=True)
         procs[name] = (subprocess.Popen([sys.executable, "-m", "pytest", *argv, *paths], cwd=REPO,
-                                        stdout=log.open("w"), stderr=subprocess.STDOUT), log)
+                                        env=env, stdout=log.open("w"), stderr=subprocess.STDOUT), log)
     status, total = {}, {}
     while procs:
         for name, (p, log) in list(procs.items()):

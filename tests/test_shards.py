@@ -36,3 +36,8 @@ def test_closing_lines_add_up():
         {"failed": 2, "passed": 1604, "skipped": 3, "deselected": 1057, "errors": 1}
     assert shards.counts("1 passed in 0.1s\n") == {"passed": 1}
     assert shards.counts("no tests ran in 0.01s\n") == {}
+
+
+def test_the_shards_run_with_openmp_threads_that_sleep_unless_told_otherwise():
+    assert shards.shard_env({"HOME": "/h"}) == {"HOME": "/h", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert shards.shard_env({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
