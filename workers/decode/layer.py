@@ -113,6 +113,7 @@ class Step:
     def __init__(self, blocks, plan, cache, counters, sets, fns: dict):
         self.b, self.rp, self.cache, self.c, self.sets, self.fns = blocks, plan, cache, counters, sets, fns
         self.native = native_layer.for_step(blocks, plan, cache, fns, counters.inputs)   # quantized CPU layers
+        self.attn_paths, self.ffn_paths = step_paths(plan, len(blocks.w.layers))
 
     def fuses(self, l, L, x) -> bool:
         """Whether layer ``l`` runs fused (:meth:`fused`): the plan has input sparsity on its QKV, O, gate|up and
@@ -152,23 +153,22 @@ class Step:
                            residual=x)
 
     def attn(self, l, L, h, x_in, x_prev):
-        """Dense attention (input sparsity on QKV / O where the plan has it), the active heads only, or a plan
-        part's own path for the layer (workers.methods.<method>.runtime)."""
+        """Layer ``l``'s attention by its path in the plan's table (:func:`step_paths`)."""
         self.sets.layer_start(l, len(self.b.w.layers), x_in)   # look-ahead for l+1 (from x entering l), residual for l
-        part = self.rp.attn_fn.get(l)
-        if part is not None:
-            return part(self, l, L, h)
-        hp = self.rp.heads.get(l)
-        if hp is None:
-            return self._dense_attn(l, L, h, self.rp.in_attn.get(l) or {})
-        q_idx, q_count = self.sets.get("attn", l, x_in if hp.input_kind == "residual" or l == 0 else x_prev)
-        o = self.b.sparse_attn(L, l, h, q_idx, q_count, self.cache, self.fns["attn"])
-        if q_count is not None:
-            self.c.heads[l] += q_count[0]
-        return o
+        return self.attn_paths[l](self, l, L, h, x_in, x_prev)
 
-    def _dense_attn(self, l, L, h, ia: dict):
-        b = self.b
+    def ffn(self, l, L, h, x_in, x_prev):
+        """Layer ``l``'s FFN by its path in the plan's table (:func:`step_paths`)."""
+        return self.ffn_paths[l](self, l, L, h, x_in, x_prev)
+
+    # ---- attention paths
+    def part_attn(self, l, L, h, x_in, x_prev):
+        """A plan part's own attention (workers.methods.<method>.runtime)."""
+        return self.rp.attn_fn[l](self, l, L, h)
+
+    def dense_attn(self, l, L, h, x_in, x_prev):
+        """Every head; input sparsity on QKV and on O where the plan has it."""
+        b, ia = self.b, self.rp.in_attn.get(l) or {}
         if "qkv" in ia:
             qkv = b.in_linear(h, L.w_qkv_t, ia["qkv"], ia["qkv"].counts(self.c.inputs[l]), L.b_qkv)
         else:
@@ -178,6 +178,15 @@ class Step:
             return b.in_linear(a, L.w_o_in, ia["o"], ia["o"].counts(self.c.inputs[l]), L.b_o)
         return b.out_dense(L, a)
 
+    def head_attn(self, l, L, h, x_in, x_prev):
+        """The heads the layer's predictor keeps (from the residual entering this layer or the one before)."""
+        hp = self.rp.heads[l]
+        q_idx, q_count = self.sets.get("attn", l, x_in if hp.input_kind == "residual" or l == 0 else x_prev)
+        o = self.b.sparse_attn(L, l, h, q_idx, q_count, self.cache, self.fns["attn"])
+        if q_count is not None:
+            self.c.heads[l] += q_count[0]
+        return o
+
     def attend(self, l, L, qkv):
         """RoPE, the cache write and the attention of the packed QKV product (every head)."""
         w, cache = self.b.w, self.cache
@@ -185,23 +194,41 @@ class Step:
         return self.fns["attn"](q, k, v, cache.k[l], cache.v[l], cache.pos, *(L.rope or (None, None)), L.qn, L.kn,
                                 w.eps, L.window)
 
-    def ffn(self, l, L, h, x_in, x_prev):
-        """Dense, input-sparse, gate-threshold, on the predictor's active set, or a plan part's own path."""
-        b, rp, c = self.b, self.rp, self.c
-        part = rp.ffn_fn.get(l)
-        if part is not None:
-            return part(self, l, L, h)
-        mp = rp.mlp.get(l)
-        if mp is None:
-            ifn = rp.in_ffn.get(l)
-            if ifn is None:
-                return b.ffn_dense_(L, h, self.fns["act_mul"])
-            return b.ffn_input_sparse(L, h, ifn, c.inputs[l], self.fns["act_mul"])
-        if l in rp.thr_ffn:
-            return b.ffn_threshold(L, h, rp.thr_ffn[l], c.mlp[l])
-        kind = mp.input_kind
+    # ---- FFN paths
+    def part_ffn(self, l, L, h, x_in, x_prev):
+        """A plan part's own FFN (workers.methods.<method>.runtime)."""
+        return self.rp.ffn_fn[l](self, l, L, h)
+
+    def dense_ffn(self, l, L, h, x_in, x_prev):
+        return self.b.ffn_dense_(L, h, self.fns["act_mul"])
+
+    def input_sparse_ffn(self, l, L, h, x_in, x_prev):
+        """Input sparsity on the FFN's projections."""
+        return self.b.ffn_input_sparse(L, h, self.rp.in_ffn[l], self.c.inputs[l], self.fns["act_mul"])
+
+    def threshold_ffn(self, l, L, h, x_in, x_prev):
+        """The gate threshold: the first projection dense, up / down on the kept neurons."""
+        return self.b.ffn_threshold(L, h, self.rp.thr_ffn[l], self.c.mlp[l])
+
+    def predicted_ffn(self, l, L, h, x_in, x_prev):
+        """The neurons the layer's predictor keeps (from the FFN's input, or the residual entering this layer or
+        the one before)."""
+        rp, c, kind = self.rp, self.c, self.rp.mlp[l].input_kind
         idx, count = self.sets.get("mlp", l, h if kind == "ffn_in" else
                                    (x_in if kind == "residual" or l == 0 else x_prev))
         if count is not None:
             c.mlp[l] += count[0]
-        return b.sparse_ffn(L, h, idx, count, rp.seq_thr.get(l), rp.seq_w.get(l))
+        return self.b.sparse_ffn(L, h, idx, count, rp.seq_thr.get(l), rp.seq_w.get(l))
+
+
+def step_paths(rp, n_layers: int) -> tuple[list, list]:
+    """The plan's table: per layer, the attention and the FFN path a step runs (:class:`Step` methods), chosen
+    once per plan (``rp.paths`` keeps it; ``RuntimePlan.drop_ffn`` clears it)."""
+    if n_layers not in rp.paths:
+        attn = [Step.part_attn if l in rp.attn_fn else Step.head_attn if l in rp.heads else Step.dense_attn
+                for l in range(n_layers)]
+        ffn = [Step.part_ffn if l in rp.ffn_fn else
+               (Step.threshold_ffn if l in rp.thr_ffn else Step.predicted_ffn) if l in rp.mlp else
+               Step.input_sparse_ffn if l in rp.in_ffn else Step.dense_ffn for l in range(n_layers)]
+        rp.paths[n_layers] = attn, ffn
+    return rp.paths[n_layers]

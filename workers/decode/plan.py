@@ -103,6 +103,7 @@ class RuntimePlan:
     extra_numel: int = 0                         # weight elements a token reads beside the projections
     reports: frozenset = frozenset()
     native: dict = field(default_factory=dict, repr=False)   # packed forms for the native layers (native_layer)
+    paths: dict = field(default_factory=dict, repr=False)    # the step's per-layer paths (layer.step_paths)
 
     @property
     def dense(self) -> bool:
@@ -117,6 +118,7 @@ class RuntimePlan:
         for part in (self.mlp, self.thr_ffn, self.seq_thr, self.seq_w):
             part.pop(l, None)
         self.native.clear()
+        self.paths.clear()
 
     @classmethod
     def build(cls, plan, w: ModelWeights) -> "RuntimePlan":
