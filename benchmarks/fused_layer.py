@@ -165,6 +165,7 @@ def run(shape: str, dtype: torch.dtype, sparsities, reps: int, device: str, smok
     x = torch.randn(1, d, generator=g).to(dtype).to(dev)
     a = torch.randn(1, H * hd, generator=g).to(dtype).to(dev)
     add_norm, act_mul = _glue(dev)
+    warmup = 0 if smoke else 3          # the interpreter compiles nothing: nothing to warm
     rows, summary = [], []
     for s in sparsities:
         calibrate(layers, x, a, s, eps, act)
@@ -174,12 +175,13 @@ def run(shape: str, dtype: torch.dtype, sparsities, reps: int, device: str, smok
         same = torch.equal(fused(), yf)
         timed = {}
         for name, fn in (("layer, unfused", unfused), ("layer, fused", fused)):
-            t = time_graph(fn, reps=reps, per_replay=n_layers, device=device)
+            t = time_graph(fn, reps=reps, warmup=warmup, per_replay=n_layers, device=device)
             timed[name] = t.median
             rows.append(Row.measured("fused_layer", name, t, nbytes=layers[0].nbytes_read(s), shape=shape,
                                      dtype=str(dtype), extra=dict(s=s, rel_err=err, repeat_identical=same)))
         for name, calls in parts(layers, x, a, eps, act, add_norm, act_mul).items():
-            t = time_graph(lambda calls=calls: [c() for c in calls], reps=reps, per_replay=n_layers, device=device)
+            t = time_graph(lambda calls=calls: [c() for c in calls], reps=reps, warmup=warmup, per_replay=n_layers,
+                           device=device)
             timed[name] = t.median
             rows.append(Row.measured("fused_layer", name, t, shape=shape, dtype=str(dtype), extra=dict(s=s)))
         summary.append((s, timed, err, same))

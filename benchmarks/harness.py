@@ -114,11 +114,12 @@ def time_graph(fn: Callable[[], Any], reps: int = 30, warmup: int = 3, per_repla
     """µs per call of ``fn``: run it eagerly and on a side stream (compiles, allocates), capture one call in a
     CUDA graph, replay ``warmup`` times, then time ``reps`` replays with CUDA events. ``fn`` may issue several
     ops (e.g. one per layer); ``per_replay`` divides each replay's time (µs per op). On a non-CUDA ``device``
-    each call is timed with the host clock instead (no graph)."""
+    each call is timed with the host clock instead (no graph), after one untimed call (none with ``warmup=0``)."""
     if reps < 1:
         raise ValueError("reps must be >= 1")
     if torch.device(device).type != "cuda":
-        fn()
+        if warmup:
+            fn()
         ts = []
         for _ in range(reps):
             t0 = time.perf_counter()

@@ -4,7 +4,8 @@ One pytest process computes on one core; the service tests (Ray sweeps in the ba
 dashboard) keep a second core busy only while their sweeps run. Two shards, started together, keep both busy:
 
 * ``service``: the tests of the Ray cluster, the store and the dashboard (``SERVICE``): every Ray cluster and
-  PostgreSQL server of the suite starts in this shard;
+  PostgreSQL server of the suite starts in this shard. The evaluation tests (tests/workers/evals) run here too:
+  this shard's process mostly waits on its background sweeps, and without them it ended 100 s before the other;
 * ``compute``: everything else under tests/ (kernels, workers, benchmarks, docs, ...), found anew on each run so
   that a new folder is never left out.
 
@@ -22,8 +23,8 @@ when every shard passed (pytest's 5, no test collected, fails too), and the last
 """
 from __future__ import annotations
 
-import re
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -32,7 +33,7 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-SERVICE = ("orchestrator", "dashboard", "db", "k8s", "test_session_home.py")
+SERVICE = ("orchestrator", "dashboard", "db", "k8s", "test_session_home.py", "workers/evals")
 COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected)")
 
 
@@ -41,10 +42,20 @@ def shards() -> dict[str, list[str]]:
     for name in SERVICE:
         if not (TESTS / name).exists():
             raise SystemExit(f"tests/shards.py names {name!r}, which is not under tests/")
-    entries = sorted(p.name for p in TESTS.iterdir()
-                     if (p.is_dir() and any(p.rglob("test_*.py"))) or re.fullmatch(r"test_.*\.py", p.name))
-    rel = lambda names: [f"tests/{n}" for n in names]     # noqa: E731
-    return {"service": rel(SERVICE), "compute": rel(n for n in entries if n not in SERVICE)}
+    return {"service": [f"tests/{n}" for n in SERVICE], "compute": [f"tests/{n}" for n in _rest(TESTS, SERVICE)]}
+
+
+def _rest(folder: Path, taken) -> list[str]:
+    """The test folders and files under ``folder`` outside ``taken`` (paths relative to tests/), whole folders
+    where nothing in them is taken."""
+    out = []
+    for p in sorted(folder.iterdir(), key=lambda p: p.name):
+        rel = p.relative_to(TESTS).as_posix()
+        if not ((p.is_dir() and any(p.rglob("test_*.py"))) or re.fullmatch(r"test_.*\.py", p.name)) or rel in taken:
+            continue
+        inside = [t for t in taken if t.startswith(rel + "/")]
+        out += _rest(p, taken) if inside else [rel]
+    return out
 
 
 def counts(log: str) -> dict[str, int]:
