@@ -4,8 +4,8 @@ One pytest process computes on one core; the service tests (Ray sweeps in the ba
 dashboard) keep a second core busy only while their sweeps run. Two shards, started together, keep both busy:
 
 * ``service``: the tests of the Ray cluster, the store and the dashboard (``SERVICE``): every Ray cluster and
-  PostgreSQL server of the suite starts in this shard. The evaluation tests (tests/workers/evals) run here too:
-  this shard's process mostly waits on its background sweeps, and without them it ended 100 s before the other;
+  PostgreSQL server of the suite starts in this shard. Most evaluation tests (tests/workers/evals) run here too:
+  this shard's process mostly waits on its background sweeps; without them it ended 100 s before the other;
 * ``compute``: everything else under tests/ (kernels, workers, benchmarks, docs, ...), found anew on each run so
   that a new folder is never left out.
 
@@ -33,7 +33,8 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-SERVICE = ("orchestrator", "dashboard", "db", "k8s", "test_session_home.py", "workers/evals")
+SERVICE = ("orchestrator", "dashboard", "db", "k8s", "test_session_home.py",
+           *(f"workers/evals/test_{n}.py" for n in ("generation", "request_cache", "scoring", "shards")))
 COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected)")
 
 

@@ -83,7 +83,7 @@ def test_generate_until_keeps_lm_evals_texts(smollm2):
 
     prompts = ["Question: What is 2 + 3?\nAnswer:", "The capital of France is", "Once upon a time, there",
                "def add(a, b):\n   ", "Q: Name a colour.\nA:"]
-    kwargs = {"until": ["\n\n", "Question:"], "max_gen_toks": 24, "do_sample": False}
+    kwargs = {"until": ["\n\n", "Question:"], "max_gen_toks": 12, "do_sample": False}
     reqs = [Instance(request_type="generate_until", doc={}, arguments=(p, dict(kwargs)), idx=0) for p in prompts]
     texts = {}
     for loop in ("rounds", "lm_eval"):
