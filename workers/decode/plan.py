@@ -37,7 +37,6 @@ from kernels import cpu_quant
 from kernels.common import ACTS
 from kernels.quant import QuantWeight
 from workers.decode.weights import PROJ, ModelWeights, column_norms
-from workers.methods.threshold.predictor import GateThreshold
 from workers.sparsity.predictors.base import neuron_out_norm
 
 
@@ -140,8 +139,9 @@ class RuntimePlan:
 def keeps_all(pred, n: int, info: dict | None = None) -> bool:
     """Whether ``pred`` keeps all ``n`` neurons / heads for every input (see the module doc)."""
     rule = getattr(pred, "rule", "topk")
-    if getattr(pred, "method", None) == "threshold" and hasattr(pred, "threshold"):
-        return float(pred.threshold) < 0
+    gt = getattr(pred, "gate_threshold", lambda: None)()
+    if gt is not None:
+        return float(gt[3]) < 0
     if rule == "topk":
         return pred.k is not None and int(pred.k) >= n
     return rule == "positive" and (info or {}).get("target_sparsity", None) == 0
@@ -183,24 +183,24 @@ def _threshold_fast(w: ModelWeights, l: int, p, plan):
     """(threshold, score bias) when layer ``l``'s predictor is a gate threshold (|act(W1 h)| > t, W1 the FFN's
     own first projection): the FFN then runs the first projection dense once and reads up/down rows of the kept
     neurons only. None: the predictor runs as any other."""
-    if not isinstance(p, GateThreshold) or p.input_kind != "ffn_in":
+    gt = p.gate_threshold() if p.input_kind == "ffn_in" else None
+    if gt is None:
         return None
-    if plan.mlp_mode == "sequential" or p.act != w.act or w.act not in ACTS:
+    pw, b, act, t = gt
+    if plan.mlp_mode == "sequential" or act != w.act or w.act not in ACTS:
         return None
     L = w.layers[l]
     w1 = L.w_gate if w.gated else L.w_up
-    pw = p.w_first
     if tuple(pw.shape) != tuple(w1.shape):
         return None
     w1 = cpu_quant.dequantize(w1) if isinstance(w1, QuantWeight) else w1     # GGUF blocks: their exact values
     if not torch.equal(pw.to(w1.device, w1.dtype), w1):
         return None
-    b = p.b_first
     if b is not None:
         if w.gated:
             return None
         b = b.to(device=w.device, dtype=w.dtype).contiguous()
-    return float(p.threshold), b
+    return float(t), b
 
 
 def _inputs(rp: RuntimePlan, plan, w: ModelWeights) -> None:

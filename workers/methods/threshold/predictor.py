@@ -46,6 +46,9 @@ class GateThreshold(MLPPredictor):
 
     reads_ffn = True
 
+    def gate_threshold(self):
+        return self._w, self._b, self.act, self.threshold
+
     def scores_from_ffn(self, a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return a.abs() - self.threshold
 

@@ -108,6 +108,11 @@ class MLPPredictor(nn.Module):
         the same tensors, bias included), so that ``scores_from_ffn`` gives the same values."""
         return False
 
+    def gate_threshold(self):
+        """(W1, b1, act, t) where the score is |act(x W1ᵀ + b1)| − t over the FFN input (a gate threshold: the decode
+        runtime then runs the first projection once and reads the kept neurons' rows only), else None."""
+        return None
+
     @torch.no_grad()
     def mask(self, x: torch.Tensor) -> torch.Tensor:
         """[T, d] -> bool [T, D]: the neurons each token computes."""
