@@ -41,7 +41,7 @@ from safetensors.torch import save_file
 from workers.loading.adapters import get_path
 from workers.loading.data import TokenSet
 from workers.loading.models import LoadedModel
-from workers.methods.larosa.rotations import is_rms_norm, rms_normalized
+from workers.sparsity.norms import is_rms_norm, rms_normalized
 from workers.paths import atomic_dir, home, sha256_file
 from workers.sparsity.histograms import N_COUNTS, bin_of_log, signed_histograms
 from workers.sparsity.input_sparse import SHARED_INPUT, column_norms, projection_modules

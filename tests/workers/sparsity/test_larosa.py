@@ -14,7 +14,8 @@ from workers.sparsity.input_sparse import projection_modules
 from workers.sparsity.predictors import FitContext, fit_method
 from workers.methods.larosa.fit import pca_rotation
 from workers.methods.larosa.masked import RotatedTopKNorm, TopKInputLinear
-from workers.methods.larosa.rotations import keep_count, rms_normalized
+from workers.methods.larosa.rotations import keep_count
+from workers.sparsity.norms import rms_normalized
 from workers.sparsity.sparse_exec import apply_sparsity
 
 ALL = ("q", "k", "v", "o", "gate", "up", "down")

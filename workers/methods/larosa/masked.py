@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from workers.loading.adapters import adapter_for, get_path, linear_weight, norm_gain
-from workers.methods.larosa.rotations import GROUP_PROJECTIONS, is_rms_norm, keep_count, rms_normalized, \
-    rotation_numel
+from workers.methods.larosa.rotations import GROUP_PROJECTIONS, keep_count, rotation_numel
 from workers.sparsity.input_sparse import InputStats, model_projection_numel, projection_paths
+from workers.sparsity.norms import is_rms_norm, rms_normalized
 from workers.sparsity.swaps import ModuleSwaps
 
 
