@@ -174,7 +174,10 @@ def test_every_component_matches_hooks_on_the_models_own_modules(family, prefix,
         act = _mod(layer, P["act"])
         with torch.no_grad():
             want_inter = act(gate) * watch[f"{l}.up"] if P["gate"] else act(gate)
-        assert torch.equal(inter, want_inter), f"{family} layer {l}: down's input is not act(gate)*up"
+        # recomputed on another batching than the model's forward: torch's activation kernels round a vector's
+        # lanes and its scalar tail differently (AVX-512 builds: one element of 2,640 one ulp apart)
+        torch.testing.assert_close(inter, want_inter, rtol=4 * U, atol=4 * U * float(want_inter.abs().max()),
+                                   msg=f"{family} layer {l}: down's input is not act(gate)*up")
 
         heads = torch.stack([o_in[:, h * head_dim:(h + 1) * head_dim].double().pow(2).sum(-1).sqrt()
                              for h in range(n_heads)], dim=1)
@@ -208,4 +211,10 @@ def test_every_component_matches_hooks_on_the_models_own_modules(family, prefix,
         assert got.shape == (n_kv, head_dim, head_dim)
         _assert_sum_close(got, a.transpose(1, 2) @ a, a.abs().transpose(1, 2) @ a.abs(), batch_tokens * rep, 4,
                           f"{family} layer {l} cov o")
+
+    # the head's input: the decoder's output after its last norm, batch by batch as the capture ran it
+    with torch.no_grad():
+        final = torch.cat([model.base_model(input_ids=windows[i:i + 2], use_cache=False).last_hidden_state
+                           for i in range(0, N_WIN, 2)])
+    assert torch.equal(cache.load_final(), final[:, prefix:].reshape(n_tok, -1)), f"{family} final"
 
