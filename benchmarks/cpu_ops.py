@@ -276,21 +276,37 @@ def _setting(m: str, sp: float, options: dict) -> str:
     return f"{m} s={sp}" + (f" {opts}" if opts else "")
 
 
+def _head(options: dict) -> dict | None:
+    """The predicted head of a method's options (``head=RANK/K`` or ``head=RANK/K/SCREEN``), taken out of them."""
+    spec = options.pop("head", None)
+    if spec is None:
+        return None
+    parts = str(spec).split("/")
+    if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[:2]):
+        raise argparse.ArgumentTypeError(f"head=RANK/K[/SCREEN], got head={spec}")
+    return {"rank": int(parts[0]), "candidates": int(parts[1]), **({"screen": parts[2]} if len(parts) == 3 else {})}
+
+
 def fitted_plans(lm, methods: list[tuple[str, float, dict]], calib_tokens: int) -> dict:
-    """{"METHOD s=S [options]": plan} fitted on ``calib_tokens`` lambada calibration tokens (uniform allocation)."""
+    """{"METHOD s=S [options]": plan} fitted on ``calib_tokens`` lambada calibration tokens (uniform allocation).
+    An option ``head=RANK/K[/SCREEN]`` adds the predicted output head (``dense:0:head=64/2048``: the head alone)."""
     from workers.loading.data import token_windows
-    from workers.sparsity.capture import capture_activations, sweep_components
+    from workers.sparsity.capture import FINAL, capture_activations, sweep_components
     from workers.sparsity.fit import fit_setting
     from workers.sparsity.predictors.base import CAPTURES, FitContext
+    from workers.names import DENSE
 
     toks = token_windows(lm.tokenizer, "lambada", "calib", calib_tokens, 512)
+    heads = [_head(dict(o)) for _, _, o in methods]
     # input thresholds need the gate's and the inputs' histograms only; predictors the residual stream and more
-    inputs_only = all(m in ("teal", "wina") for m, _, _ in methods)
-    components = ("gate", "inhist") if inputs_only else sweep_components([c for m, _, _ in methods
-                                                                          for c in CAPTURES[m]])
+    inputs_only = all(m in ("teal", "wina", DENSE) for m, _, _ in methods)
+    extra = [FINAL] if any(heads) else []
+    components = ("gate", "inhist", *extra) if inputs_only else sweep_components(
+        [c for m, _, _ in methods for c in CAPTURES.get(m, ())] + extra)
     cache = capture_activations(lm, toks, components=components, progress=False)
     ctx = FitContext(lm, cache, list(range(lm.dims.n_layers)))
-    return {_setting(m, sp, o): fit_setting(ctx, m, sp, options=o).plan for m, sp, o in methods}
+    return {_setting(m, sp, o): fit_setting(ctx, m, sp, options={k: v for k, v in o.items() if k != "head"},
+                                            head=h).plan for (m, sp, o), h in zip(methods, heads)}
 
 
 def plan_perplexity(lm, plans: dict, tokens: int) -> dict:

@@ -20,7 +20,9 @@ LAMBADA passage, token ids shared by all runners):
                            benchmarks.cpu_ops --methods) over the GGUF's blocks: input sparsity (TEAL, WINA) every
                            layer in one native call, FFN / head predictors (threshold, SVD, Deja Vu) a call per op
                            on their layers (workers.decode.runtime.runs_on_blocks); with ``--fp32-sparse`` each plan
-                           over the fp32 weights too (``ours fp32 METHOD``)
+                           over the fp32 weights too (``ours fp32 METHOD``); an option ``head=RANK/K`` adds the
+                           predicted output head (``teal:0.3:head=64/2048``; ``dense:0:head=64/2048``: the head
+                           alone)
 * ``ours quant METHOD s=S h=H (random)`` with ``--random-plans METHOD:S[:H]``: predictors with random weights of
                            rank ``--rank`` (workers.decode.latency.random_plan, the latency benchmark's shape plans:
                            real predictor GEMVs and active-set sizes, arbitrary sets; no fitting): ``dejavu``, top-k

@@ -28,7 +28,7 @@ from db.engine import default_url, display_url as _display_url
 from db.front.pareto import (DEFAULT_ISA, LATENCY_TIE, Front, default_threads, isa_label,  # noqa: F401
                              isa_rank, pareto, spread_label, threads_label, where_label)
 # (LATENCY_TIE, isa_label, threads_label, where_label: for the views)
-from db.front.settings import BASELINE_RUNTIMES, DENSE, Setting, accuracy_metrics, is_sparsity_metric
+from db.front.settings import BASELINE_RUNTIMES, Setting, accuracy_metrics, is_sparsity_metric
 from db.schemas import (AccuracyRecord, ArtifactRecord, DeviceType, LatencyRecord, LayerRecord, ModelInfo, SweepInfo,
                         UnitInfo)
 from db.store import Store, StoreState
@@ -292,7 +292,7 @@ def latency_breakdown(url: str, model_id: int, fit_unit: str) -> list[tuple[str,
     for s in settings(url, model_id):
         if s.fit_unit == fit_unit:
             out += [("this setting", r) for r in s.latency]
-        elif s.method == DENSE:
+        elif s.is_dense:
             out += [("dense", r) for r in s.latency]
     return sorted(out, key=lambda t: (t[1].device_type, t[1].accelerator_name, isa_rank(t[1].isa), t[1].batch,
                                       t[1].prompt_len, t[0] != "this setting", t[1].runtime))

@@ -90,14 +90,29 @@ class PerplexityConfig(_Record):
     seq_len: int
 
 
+class HeadSetting(_Record):
+    """A predicted output head (workers.methods.head): the screen's rank, the candidates given exact logits, the
+    screen's kind."""
+    rank: int
+    candidates: int
+    screen: str = "hidden"
+
+
 class GridSetting(_Record):
-    """One setting of the grid: what a fit unit fits (``dense``: nothing, the baseline)."""
+    """One setting of the grid: what a fit unit fits (``dense``: nothing, the baseline; ``dense`` with a ``head``:
+    the predicted head alone)."""
     method: str
     sparsity: float
     rank: int | None = None
     attn_sparsity: float | None = None
     allocation: str = "uniform"
     options: dict[str, Any] = {}
+    head: Annotated[HeadSetting | None, OMIT_AT_DEFAULT] = None
+
+    @property
+    def baseline(self) -> bool:
+        """The dense baseline: no decoder method and the dense head."""
+        return self.method == "dense" and self.head is None
 
 
 class UnitConfig(_Record):

@@ -114,7 +114,7 @@ def _trim(text: str, lines: int = 10, chars: int = 1200) -> str:
 
 def _parts(src: Path) -> list[Path]:
     """The C files ``src`` includes by a quoted name, in order: the parts it compiles as one translation unit
-    (kernels/cpu_quant.c's cpu_quant_*.c; none for cpu_native.c)."""
+    (kernels/cpu_quant.c's cpu_quant_*.c; cpu_native.c's cpu_head.c)."""
     return [src.parent / m.decode() for m in _PART_RE.findall(src.read_bytes())]
 
 
@@ -224,6 +224,8 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.cs_ffn.argtypes = [P, P, P, P, P, I64, I64, P, I64, P, I64, I, P, P, I]
     lib.cs_ffn_thr.argtypes = [P, I64, ctypes.c_float, I, P, P, P, P, P, I64, P, I64, P, P, P, P, P, I]
     lib.cs_topk_threshold.argtypes = [P, I64, I64, I64, I, P]
+    lib.cs_head_screen.argtypes = [P, P, I64, I64, P, I64, P, I]
+    lib.cs_topk_index.argtypes = [P, I64, I64, I64, P, I]
     F = ctypes.c_float
     lib.cs_add_rmsnorm.argtypes = [P, P, P, P, P, I64, I64, F, I]
     lib.cs_add_rmsnorm.restype = None
@@ -231,7 +233,7 @@ def _setup(lib: ctypes.CDLL) -> None:
                                    P, F, P, I64, P, I64, I64, I64, I64, I64, I64, I64, I]
     lib.cs_decode_attn.restype = I
     for f in (lib.cs_rows_dot, lib.cs_rows_axpy, lib.cs_input_sparse_seg, lib.cs_pair_dot, lib.cs_ffn,
-              lib.cs_topk_threshold):
+              lib.cs_topk_threshold, lib.cs_head_screen, lib.cs_topk_index):
         f.restype = I
     lib.cs_ffn_thr.restype = I64
 
@@ -548,6 +550,32 @@ def decode_attention(q, k, v, k_cache, v_cache, pos, cos_t=None, sin_t=None, q_n
 
 # ---------------------------------------------------------------------------------------------------------
 # input sparsity and per-token sets
+def head_screen(z, screen: "_ref.HeadScreen"):
+    """kernels.reference.head_screen (every vocabulary row's screen score from int8 tiles): the C kernel."""
+    z = z.to(_F32).contiguous()
+    if z.dim() != 2 or z.shape[1] != screen.rank:
+        raise ValueError(f"z must be [B, {screen.rank}], got {tuple(z.shape)}")
+    if not _use_native(z):
+        return _ref.head_screen(z, screen)
+    out = torch.empty(z.shape[0], screen.vocab, dtype=_F32)
+    _check(_native().cs_head_screen(_p(screen.codes), _p(screen.scale), screen.vocab, screen.rank, _p(z),
+                                    z.shape[0], _p(out), _threads()))
+    return out
+
+
+def topk_index(x, k: int):
+    """kernels.reference.topk_index (each row's k largest, unsorted, ties by lowest index): a selection in C."""
+    x = x.to(_F32).contiguous()
+    B, n = x.shape
+    if not 1 <= k <= n:
+        raise ValueError(f"k={k} must be in [1, n={n}]")
+    if not _use_native(x):
+        return _ref.topk_index(x, k)
+    out = torch.empty(B, k, dtype=torch.int64)
+    _check(_native().cs_topk_index(_p(x), B, n, k, _p(out), _threads()))
+    return out
+
+
 def topk_threshold(x, k, nseg=1):
     """kernels.reference.topk_threshold (each row's threshold keeping its k largest |x|): a quickselect in C."""
     xc = x[None] if x.dim() == 1 else x

@@ -477,3 +477,5 @@ int cs_decode_attn(const float *q, int64_t sq_b, int64_t sq_h, const float *k, i
     }
     return 0;
 }
+
+#include "cpu_head.c"

@@ -7,6 +7,8 @@ gathered rows; the Ascend path in kernels.npu is the one meant to run).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .common import apply_act, group_rows, query_heads, valid_mask
@@ -231,6 +233,67 @@ def topk_select(scores, k):
     s = torch.where(s == 0, torch.zeros((), device=s.device), s)          # -0.0 == +0.0
     order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k]
     return order.sort(dim=-1).values.to(torch.int32)
+
+
+HS_TILE = 16      # vocabulary rows per tile of a head screen (kernels/cpu_head.c)
+
+
+@dataclass(frozen=True)
+class HeadScreen:
+    """A predicted head's score table S [V, r] as int8 codes with one fp32 scale per vocabulary row (scale =
+    max|row| / 127), tiled for kernels/cpu_head.c: ``codes`` int8 [V / HS_TILE, r, HS_TILE] (a tile's j-th inputs
+    side by side), ``scale`` fp32 [V]. ``of(s)`` quantizes; ``dequantize()`` gives the values the kernel uses."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def vocab(self) -> int:
+        return self.scale.shape[0]
+
+    @property
+    def rank(self) -> int:
+        return self.codes.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scale.numel() * 4
+
+    @classmethod
+    def of(cls, s: torch.Tensor) -> "HeadScreen":
+        v, r = s.shape
+        if v % HS_TILE:
+            raise ValueError(f"a head screen needs a multiple of {HS_TILE} vocabulary rows, got {v}")
+        s = s.float()
+        scale = s.abs().amax(1) / 127.0
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        q = torch.round(s * inv[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q.reshape(v // HS_TILE, HS_TILE, r).transpose(1, 2).contiguous(), scale.contiguous())
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 S [V, r]: scale[v] · code[v, j]."""
+        t, r, _ = self.codes.shape
+        q = self.codes.transpose(1, 2).reshape(t * HS_TILE, r).float()
+        return q * self.scale[:, None]
+
+
+def head_screen(z, screen: HeadScreen):
+    """out [B, V] = scale[v] · Σ_j z[b, j] · code[v, j] (each row's sum in fp64, rounded to fp32)."""
+    t, r, _ = screen.codes.shape
+    q = screen.codes.transpose(1, 2).reshape(t * HS_TILE, r).double()
+    return ((z.double() @ q.t()) * screen.scale.double()).float()
+
+
+def topk_index(x, k):
+    """int64 [B, k]: each row's k largest values' indices (as a set; of values equal to the k-th largest, the
+    lowest indices), in increasing index order."""
+    x = x.float()
+    kth = x.topk(k, dim=-1).values[:, -1:]
+    above = x > kth
+    need = k - above.sum(-1, keepdim=True)
+    ties = (x == kth) & (torch.cumsum((x == kth).long(), -1) <= need)
+    keep = above | ties
+    return torch.nonzero(keep)[:, 1].reshape(x.shape[0], k)
 
 
 def topk_threshold(x, k, nseg=1):

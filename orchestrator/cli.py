@@ -12,7 +12,7 @@ Sweeps (a thin layer over Ray's job API and the store):
   ctxsparse bundle export UNIT|--best MODEL --out PATH          a setting's predictor bundle (folder or .tar.gz)
   ctxsparse bundle download SRC --out DIR                       unpack + verify a bundle archive (file or URL)
   ctxsparse generate --model REF --bundle DIR --prompt TEXT [--tokens N] [--device cpu|cuda] [--threads N]
-                    [--weights auto|gguf|float]
+                    [--weights auto|gguf|float] [--head-candidates K|all]
                                                                 greedy continuation with the bundle; tokens/s
                                                                 dense vs sparse on that device, at the thread
                                                                 count the sweep timed the setting at (on the CPU,
@@ -382,10 +382,23 @@ def cmd_generate(args) -> int:
 
         print(describe(), flush=True)
     res = run_bundle(args.model, args.bundle, args.prompt, tokens=args.tokens, device=args.device,
-                     repeats=args.repeats, threads=args.threads, weights=args.weights)
+                     repeats=args.repeats, threads=args.threads, weights=args.weights,
+                     head_candidates=args.head_candidates)
     print(res.text)
     print(res.summary())
     return 0
+
+
+def _candidates(v: str):
+    if v == "all":
+        return v
+    try:
+        k = int(v)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'all', got {v!r}")
+    return k
 
 
 def _threads(v: str) -> int:
@@ -509,6 +522,9 @@ def _add_generate_parser(sub, db: dict) -> None:
                     help="what the CPU decodes: the GGUF's quantized blocks or the float weights (default: what "
                          "the sweep timed the setting on, as the bundle records; else the GGUF's blocks for a "
                          "model loaded from one)")
+    sp.add_argument("--head-candidates", type=_candidates, default=None, metavar="K",
+                    help="the predicted head's candidate count for this run: an int, or 'all' (the dense head); "
+                         "no refit (default: the bundle's)")
     sp.set_defaults(fn=cmd_generate)
 
 

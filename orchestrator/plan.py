@@ -34,7 +34,7 @@ import logging
 from dataclasses import dataclass, field
 
 from db.front.settings import setting_label
-from db.units import (AnyUnitConfig, CollectConfig, DataConfig, FitConfig, GridSetting, LatencyConfig,
+from db.units import (AnyUnitConfig, CollectConfig, DataConfig, FitConfig, GridSetting, HeadSetting, LatencyConfig,
                       PerplexityConfig, PerplexityEvalConfig, TaskEvalConfig)
 from orchestrator.spec import SweepSpec
 from workers.host import available_cores
@@ -127,7 +127,8 @@ def llama_cpp_plan(spec: SweepSpec, described: dict[str, dict]) -> tuple[bool, s
 
 
 def settings(spec: SweepSpec) -> list[GridSetting]:
-    """Every (method, s, r, attention s, allocation, options) of the grid, dense first."""
+    """Every (method, s, r, attention s, allocation, options) of the grid, dense first; then, with a ``head``
+    key, every head setting alone (with the dense decoder) and with each setting of the methods it combines."""
     out = [GridSetting(method=DENSE, sparsity=0.0)]
     for m in spec.methods:
         for s in m.sparsity:
@@ -135,7 +136,12 @@ def settings(spec: SweepSpec) -> list[GridSetting]:
                 for a in m.attn_sparsity:
                     out.append(GridSetting(method=m.name, sparsity=s, rank=r, attn_sparsity=a,
                                            allocation=m.allocation, options=dict(m.options)))
-    return out
+    if spec.head is None:
+        return out
+    heads = [HeadSetting(rank=r, candidates=k, screen=sc) for sc in spec.head.screen for r in spec.head.rank
+             for k in spec.head.candidates]
+    with_head = [st for st in out if st.method == DENSE or st.method in spec.head.combine]
+    return out + [st.model_copy(update={"head": h}) for h in heads for st in with_head]
 
 
 def plan_units(spec: SweepSpec, described: dict[str, dict], cpu_cores: int | None = None) -> list[PlannedUnit]:
@@ -149,9 +155,11 @@ def plan_units(spec: SweepSpec, described: dict[str, dict], cpu_cores: int | Non
     if spec.latency is not None and "cpu" in spec.latency.devices:
         log.info("CPU latency timed at %d threads (%s)", latency_threads(spec, "cpu", cores),
                  "resources.torch_threads" if spec.resources.torch_threads else "every core of a node")
+    from workers.sparsity.capture import FINAL
     from workers.sparsity.predictors import CAPTURES
 
-    capture = tuple(sorted({c for st in settings(spec) for c in CAPTURES.get(st.method, ())}))
+    capture = tuple(sorted({c for st in settings(spec) for c in CAPTURES.get(st.method, ())}
+                           | ({FINAL} if spec.head is not None else set())))    # the head's input states
     units: list[PlannedUnit] = []
     for ref in spec.models:
         units += _model_units(spec, ref, described[ref], capture, llama, cores)
@@ -174,7 +182,7 @@ def _model_units(spec: SweepSpec, ref: str, d: dict, capture: tuple[str, ...], l
         tag = _tag(st)
         coords = dict(method=st.method, sparsity=st.sparsity, rank=st.rank, attn_sparsity=st.attn_sparsity)
         fit = _unit(FitConfig(**base, **dict(st), seed=spec.seed, threads=torch_threads(spec)), acc,
-                    [] if shape or st.method == DENSE else [collect.id],   # dense fits nothing
+                    [] if shape or st.baseline else [collect.id],   # the dense baseline fits nothing
                     f"{ref} {tag} fit", priority=fit_priority(st.method), **coords)
         units.append(fit)
         if not shape:
@@ -213,7 +221,7 @@ def _latency_units(spec: SweepSpec, ref: str, d: dict, st: GridSetting, fit_id: 
     """A setting's latency units: each device, batch, prompt length and runtime (``llama``: the llama.cpp
     baseline is timed on this model)."""
     lat = spec.latency
-    dense = st.method == DENSE
+    dense = st.baseline
     units = []
     for dev in lat.devices:
         runtimes = ["ctxsparse"] + ([RUNTIME_HF] if dense and lat.hf_generate_baseline else [])
@@ -270,4 +278,5 @@ def without_needless_shards(units: list[PlannedUnit], done: set[str]) -> list[Pl
 
 
 def _tag(st: GridSetting) -> str:
-    return setting_label(st.method, st.sparsity, st.rank, st.attn_sparsity, st.allocation, st.options)
+    return setting_label(st.method, st.sparsity, st.rank, st.attn_sparsity, st.allocation, st.options,
+                         None if st.head is None else st.head.model_dump())

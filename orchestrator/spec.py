@@ -127,6 +127,30 @@ class MethodSpec(_Strict):
         return self
 
 
+class HeadSpec(_Strict):
+    """The predicted output head (workers.methods.head), crossed: every (rank, candidates, screen) runs alone (with
+    the dense decoder) and with every setting of the methods named in ``combine``."""
+    rank: Annotated[list[Positive], Field(min_length=1)]
+    candidates: Annotated[list[Positive], Field(min_length=1)]
+    screen: Annotated[list[str], Field(min_length=1)] = ["hidden"]
+    combine: list[str] = []
+
+    @field_validator("rank", "candidates", "screen", "combine")
+    @classmethod
+    def _no_dupes(cls, v: list, info) -> list:
+        return _unique(v, info.field_name)
+
+    @field_validator("screen")
+    @classmethod
+    def _known(cls, v: list[str]) -> list[str]:
+        from workers.methods.head.screen import SCREENS
+
+        bad = [x for x in v if x not in SCREENS]
+        if bad:
+            raise ValueError(f"unknown head screen(s) {bad}; known: {list(SCREENS)}")
+        return v
+
+
 class PerplexitySpec(_Strict):
     tokens: Annotated[int, Field(ge=128, le=10_000_000)] = 2048
     seq_len: Annotated[int, Field(ge=16, le=32768)] = 512
@@ -320,6 +344,7 @@ class SweepSpec(_Strict):
     models: Annotated[list[Annotated[str, Field(min_length=1), AfterValidator(_model_ref)]], Field(min_length=1)]
     data: DataSpec = DataSpec()
     methods: Annotated[list[MethodSpec], Field(min_length=1)]
+    head: Annotated[HeadSpec | None, OMIT_AT_DEFAULT] = None
     suites: SuitesSpec = SuitesSpec()
     latency: LatencySpec | None = LatencySpec()
     resources: ResourcesSpec = ResourcesSpec()
@@ -344,6 +369,14 @@ class SweepSpec(_Strict):
                              "(merge their grids)")
         for ref in self.models:
             check_ranks(self, ref, _known_hidden_size(ref))
+        if self.head is not None:
+            names = {m.name for m in self.methods}
+            bad = [m for m in self.head.combine if m not in names]
+            if bad:
+                raise ValueError(f"head.combine: {bad} not among the sweep's methods {sorted(names)}")
+            if shapes:
+                raise ValueError(f"head: models {shapes} have random weights; a predicted head is fitted on a real "
+                                 "model's states")
         if self.suites.matmul == MATMUL_TF32 and self.resources.accelerator != "cuda":
             raise ValueError(f"suites.matmul: tf32 is a CUDA GPU's precision; resources.accelerator is "
                              f"{self.resources.accelerator!r} (give fp32, or accelerator: cuda)")

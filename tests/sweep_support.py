@@ -41,7 +41,8 @@ TINY_SPEC = {
 }
 
 # the accuracy rows of one perplexity eval unit (workers.units.Units.evaluate)
-PERPLEXITY_METRICS = ("ppl", "nll", "mlp_sparsity", "head_sparsity", "input_sparsity", "weight_skipped")
+PERPLEXITY_METRICS = ("ppl", "nll", "mlp_sparsity", "head_sparsity", "input_sparsity", "weight_skipped",
+                      "all_weight_skipped")
 
 # The session's shared sweep: TINY_SPEC's ``threshold`` (fitted on calibration data: a real fit; ``oracle`` too
 # would add two eval units and a latency unit to the evaluator's serial path) plus a setting whose fit raises

@@ -243,7 +243,8 @@ class Units:
         if is_shape(cfg.model):   # random predictors of the real shapes are drawn by the latency unit itself
             return UnitOutput(summary={"random_predictors": cfg.method != DENSE})
         method, s, rank, attn = cfg.method, cfg.sparsity, cfg.rank, cfg.attn_sparsity
-        if method == DENSE:     # nothing to fit or score: no activations (the plan does not wait for the collection)
+        head = None if cfg.head is None else cfg.head.model_dump()
+        if cfg.baseline:        # nothing to fit or score: no activations (the plan does not wait for the collection)
             lm, calib, held = self.lm(cfg.model, cfg.model_fp), None, None
         else:
             lm, calib, held = self._caches(cfg)
@@ -255,14 +256,14 @@ class Units:
             plan = cached.plan(lm.model, device="cpu")     # scored on the cached activations (CPU) below
             per_layer = {int(k): v for k, v in cached.manifest["per_layer_sparsity"].items()}
         else:
-            fitted = F.fit_setting(ctx, method, s, rank, attn, allocation, cfg.options)
-            plan, per_layer = fitted.plan, fitted.per_layer
+            fitted = F.fit_setting(ctx, method, s, rank, attn, allocation, cfg.options, head=head)
+            plan, per_layer, facts = fitted.plan, fitted.per_layer, fitted.facts
         fit_s = time.time() - t0
         path = dest if cached is not None else save_bundle(
             plan, lm, dest, method=method, sparsity=s, rank=rank, attn_sparsity=attn,
-            allocation=allocation, options=cfg.options, per_layer_sparsity=per_layer,
+            allocation=allocation, options=cfg.options, per_layer_sparsity=per_layer, head=head,
             unit_id=unit_id, versions=self.versions, git_rev=self.git_rev)
-        out = UnitOutput(summary={"fit_s": round(fit_s, 1), **({"bundle_cache_hit": True} if cached else {})})
+        out = UnitOutput(summary={"fit_s": round(fit_s, 1), **({"bundle_cache_hit": True} if cached else facts)})
         quality = F.layer_quality(plan, held, lm, attn)
         out.layers = F.layer_rows(plan, quality)
         if quality:
@@ -332,7 +333,10 @@ class Units:
                 {"metric": "mlp_sparsity", "higher_is_better": True, "value": stats.mlp_sparsity()},
                 {"metric": "head_sparsity", "higher_is_better": True, "value": stats.head_sparsity()},
                 {"metric": "input_sparsity", "higher_is_better": True, "value": stats.input_sparsity()},
-                {"metric": "weight_skipped", "higher_is_better": True, "value": stats.weight_skipped()}]
+                {"metric": "weight_skipped", "higher_is_better": True, "value": stats.weight_skipped()},
+                {"metric": "all_weight_skipped", "higher_is_better": True,
+                 "value": stats.all_weight_skipped(lm.model)}]
+        rows += [row for report in stats.reporters for row in report()]     # a predicted head's own rows
         return UnitOutput(accuracy=[{"suite": "perplexity", "task": task, **row, "n": n} for row in rows],
                           summary={"ppl": round(r.ppl, 3), "mlp_sparsity": round(stats.mlp_sparsity(), 3)})
 
@@ -390,7 +394,7 @@ class Units:
                                                                 rank=st.rank or 256)
         else:
             lm, b = self._bundle(cfg)
-            plan = None if b.manifest["method"] == DENSE else b.plan(lm.model)
+            plan = None if b.manifest["method"] == DENSE and not b.manifest.get("head") else b.plan(lm.model)
         gguf = None
         if cfg.weights == "gguf":        # the GGUF's quantized blocks (orchestrator.plan.gguf_weights)
             if lm.meta.get("kind") != "gguf":

@@ -26,16 +26,22 @@ SUITE_MC = "mc"                                   # the suite of one multiple-ch
 RUNTIME_DENSE_PAIRED, RUNTIME_HF, RUNTIME_LLAMA_CPP = "ctxsparse-dense-paired", "hf-generate", "llama.cpp"
 MEAN_TASKS = f"{SUITE_MC}/mean/acc"               # mean accuracy over the multiple-choice tasks
 # measured with each eval, not accuracy metrics
-SPARSITY_METRICS = ("mlp_sparsity", "head_sparsity", "input_sparsity", "weight_skipped")
+SPARSITY_METRICS = ("mlp_sparsity", "head_sparsity", "input_sparsity", "weight_skipped",
+                    # a predicted output head's: candidates holding the dense argmax, the dense mass on them, the
+                    # head's weights read, and the skipped share of every weight a token reads (head included)
+                    "head_argmax_kept", "head_mass", "head_read", "all_weight_skipped")
 # timed for reference, never a setting's own latency: HF generate, llama.cpp, and the dense half of a paired timing
 BASELINE_RUNTIMES = (RUNTIME_HF, RUNTIME_LLAMA_CPP, RUNTIME_DENSE_PAIRED)
 
 
 def setting_label(method: str, sparsity: float, rank: int | None, attn_sparsity: float | None,
-                  allocation: str, options: dict) -> str:
-    """``svd s=0.5 r=256 heads=0.3 greedy target=product``; the dense baseline is ``dense``."""
+                  allocation: str, options: dict, head: dict | None = None) -> str:
+    """``svd s=0.5 r=256 heads=0.3 greedy target=product``; the dense baseline is ``dense``; a predicted head adds
+    ``+ head r=64 K=2048`` (``+ head r=64 K=2048 logits`` for the logits screen), alone ``dense + head ...``."""
+    tail = "" if head is None else (f" + head r={head['rank']} K={head['candidates']}"
+                                    + ("" if head.get("screen", "hidden") == "hidden" else f" {head['screen']}"))
     if method == DENSE:
-        return DENSE
+        return DENSE + tail
     parts = [method, f"s={sparsity:g}"]
     if rank is not None:
         parts.append(f"r={rank}")
@@ -44,7 +50,7 @@ def setting_label(method: str, sparsity: float, rank: int | None, attn_sparsity:
     if allocation != "uniform":
         parts.append(allocation)
     parts += [f"{k}={v}" for k, v in sorted(options.items())]
-    return " ".join(parts)
+    return " ".join(parts) + tail
 
 
 def is_sparsity_metric(key: str) -> bool:
@@ -64,6 +70,7 @@ class Setting:
     allocation: str
     options: dict
     status: str                                                     # of the fit unit
+    head: dict | None = None                                        # a predicted head (rank, candidates, screen)
     accuracy: dict[str, float] = field(default_factory=dict)        # "suite/task/metric" -> value
     higher_is_better: dict[str, bool] = field(default_factory=dict)  # "suite/task/metric" -> direction
     latency: list[LatencyRecord] = field(default_factory=list)
@@ -71,12 +78,13 @@ class Setting:
 
     @property
     def is_dense(self) -> bool:
-        return self.method == DENSE
+        """The dense baseline (a predicted head alone is not: its decoder is dense, its head is not)."""
+        return self.method == DENSE and self.head is None
 
     @property
     def label(self) -> str:
         return setting_label(self.method, self.sparsity, self.rank, self.attn_sparsity, self.allocation,
-                             self.options)
+                             self.options, self.head)
 
     @property
     def realized_sparsity(self) -> float | None:
@@ -113,7 +121,8 @@ def settings_for_model(session: Session, model_id: int, eval_units: set[str] | N
         if isinstance(c, FitConfig):
             out[u.id] = Setting(fit_unit=u.id, model_id=model_id, model_name=name, method=u.method or "?",
                                 sparsity=u.sparsity or 0.0, rank=u.rank, attn_sparsity=u.attn_sparsity,
-                                allocation=c.allocation, options=dict(c.options), status=u.status)
+                                allocation=c.allocation, options=dict(c.options), status=u.status,
+                                head=None if c.head is None else c.head.model_dump())
     for u in units:       # a task's shards are not evaluations of their own: their task's unit has the rows
         c = configs.get(u.id)
         shard = isinstance(c, TaskEvalConfig) and c.shard is not None

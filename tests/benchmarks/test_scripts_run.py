@@ -319,11 +319,14 @@ def test_cpu_peer_runs_ours_and_says_the_peer_is_missing(tiny_model, tmp_path, c
             cpu_peer.main(args)
     assert "llama-cpp-python is not installed" in str(e.value.code) and "--no-llama" in str(e.value.code)
     assert not out.exists()
-    assert cpu_peer.main([*args, "--no-llama"]) == 0
+    # with a predicted head alone (a full-rank screen over K = all but one: the dense tokens)
+    assert cpu_peer.main([*args, "--no-llama", "--sparse", "dense:0:head=64/4095", "--calib-tokens", "512"]) == 0
     doc = _doc(out)
     assert doc["meta"]["llama_cpp"] == "not timed (--no-llama)"
     rows = {r["op"]: r for r in doc["rows"]}
-    assert set(rows) == {"ours fp32", "ours quant", "ours quant per-op", "ours quant q8"}
+    head = "ours quant dense s=0.0 head=64/4095"
+    assert set(rows) == {"ours fp32", "ours quant", "ours quant per-op", "ours quant q8", head}
+    assert rows[head]["extra"]["same_tokens"] == 5 and _pos(rows[head]["extra"]["vs_ours_quant"][0])
     assert all(_pos(r["median"]) and r["extra"]["same_tokens"] >= 1 for r in rows.values())
     assert rows["ours quant"]["extra"]["same_tokens"] == 5          # the blocks dequantize to the fp32 weights
     printed = capsys.readouterr().out
@@ -351,6 +354,32 @@ def test_quant_sparse_layers_times_each_group(tiny_model, tmp_path, capsys):
     q, k, v, o, g, u, d = rows["qkv+o+gu+down"]["extra"]["active"]
     assert all(0.3 < x < 0.7 for x in (q, k, v, o, g, u, d))
     assert rows["o"]["extra"]["active"][:3] == [0.0] * 3 and rows["o"]["extra"]["active"][3] > 0
+    assert device_line("cpu") in capsys.readouterr().out
+
+
+def test_head_screens_compares_the_screens_and_times_the_head(tiny_model, tmp_path, capsys):
+    """``benchmarks.head_screens`` on the tiny GGUF (vocabulary 4,096, d 64, a Q8_0 head): every screen, rank or
+    cluster count, K and text gets a row; K = the whole vocabulary keeps every argmax and the whole mass and gives
+    the dense perplexity (a known answer); the head step is timed dense and per (rank, K)."""
+    from benchmarks import head_screens
+
+    out = tmp_path / "hs.json"
+    assert head_screens.main(["--model", tiny_model, "--calib-tokens", "512", "--positions", "64", "--ranks", "32",
+                              "--candidates", "256,4096", "--clusters", "64", "--time", "--threads", "1",
+                              "--rounds", "2", "--json", str(out)]) == 0
+    rows = _doc(out)["rows"]
+    quality = [r["extra"] for r in rows if not r["op"].startswith("time")]
+    assert {(q["screen"], q["candidates"], q["text"]) for q in quality} == {
+        (sc, k, t) for sc in ("hidden", "logits", "clusters") for k in (256, 4096)
+        for t in ("prose", "code", "numbers")}
+    for q in quality:
+        assert 0 <= q["argmax_kept"] <= 1 and 0 < q["mass"] <= 1 + 1e-9 and _pos(q["ppl"]) and _pos(q["head_mb"])
+        if q["candidates"] == 4096:
+            assert q["argmax_kept"] == 1 and q["mass"] == pytest.approx(1) and q["ppl"] == pytest.approx(q["ppl_dense"])
+    timed = {r["op"]: r for r in rows if r["op"].startswith("time")}
+    assert set(timed) == {"time dense head", "time r=32 K=256", "time r=32 K=4096"}
+    assert all(_pos(r["median"]) and _pos(r["bytes"]) for r in timed.values())
+    assert timed["time r=32 K=256"]["bytes"] < timed["time dense head"]["bytes"]
     assert device_line("cpu") in capsys.readouterr().out
 
 

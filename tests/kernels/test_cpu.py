@@ -217,6 +217,46 @@ def test_topk_threshold_is_the_reference(path, batch, gen):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
+def test_topk_index_is_the_reference_set(path, batch, gen):
+    """Each row's k largest as a set, ties at the k-th value by lowest index (the predicted head's candidates): the
+    C selection's sampled threshold and its fallback over the whole row (k near n, every value tied, a row whose
+    largest values all sit between the sample's points), and the reference, on distinct values and on ties."""
+    def same(x, k):
+        got = K.topk_index(x, k)
+        assert got.shape == (x.shape[0], k) and torch.equal(got.sort(1).values, R.topk_index(x, k)), k
+    for x in (torch.randn(batch, 49152, generator=gen), torch.randint(-4, 5, (batch, 5000), generator=gen).float(),
+              torch.zeros(batch, 4096)):
+        for k in (1, 7, 1024, 2048, x.shape[1] - 1, x.shape[1]):
+            same(x, k)
+    spikes = torch.randn(batch, 32768, generator=gen)
+    spikes[:, 0::16] += 100.0         # the sample (every 16th) sees only these: its threshold is above the 4,000th
+    same(spikes, 4000)                # largest, and the selection runs over the whole row
+    x = torch.randn(batch, 37, generator=gen)
+    for k in range(1, 38):
+        same(x, k)
+    with pytest.raises(ValueError, match="k=0"):
+        K.topk_index(x, 0)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_head_screen_is_the_reference(path, batch, gen):
+    """The screen's int8 tiles (16 vocabulary rows each, a scale per row) against the fp64 sum over the same
+    codes: within fp32 summation of r terms; the codes' values are the per-row quantization of S."""
+    s = torch.randn(4096, 64, generator=gen)
+    hs = R.HeadScreen.of(s)
+    assert hs.codes.shape == (256, 64, 16) and hs.nbytes == 4096 * 64 + 4096 * 4
+    deq = hs.dequantize()
+    assert torch.allclose(deq, s, atol=float(s.abs().amax(1).max()) / 254 + 1e-7)
+    assert torch.equal(R.HeadScreen.of(deq).codes, hs.codes)
+    z = torch.randn(batch, 64, generator=gen)
+    got, want = K.head_screen(z, hs), R.head_screen(z, hs)
+    terms = (z.abs().double() @ hs.dequantize().abs().double().t())
+    assert bool(((got.double() - want.double()).abs() <= 64 * 2 ** -24 * terms + 1e-30).all())
+    with pytest.raises(ValueError, match="multiple of 16"):
+        R.HeadScreen.of(torch.randn(100, 8))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
 def test_input_sparse_segments_on_each_tokens_top_k(path, batch, gen):
     """``topk``: every segment keeps each token's own k largest |x_i| (the threshold found in the kernel): the
     reference product on the top-k mask, and k inputs counted per token and segment."""

@@ -221,7 +221,12 @@ def test_covariances_are_collected_only_for_sweeps_with_a_method_that_fits_from_
     assert {u.kind for u in with_data} >= {"collect", "fit", "eval"}
     assert all(u.config.capture == ("cov",) and u.config.canonical()["capture"] == ["cov"] for u in with_data)
     assert "cov" in COMPONENTS and "cov" not in sweep_components() and "cov" in sweep_components(["cov"])
-    assert set(COMPONENTS) - set(sweep_components()) == {"cov"}
+    assert set(COMPONENTS) - set(sweep_components()) == {"cov", "final"}
+    # a predicted head fits from the final states: its sweep records them, and its head-alone fit waits for them
+    headed = plan_units(parse_spec({**SPEC, "head": {"rank": [64], "candidates": [2048]}}), DESCRIBED)
+    assert {u.config.capture for u in headed if u.kind != "latency" and u.config.data is not None} == {("final",)}
+    alone = [u for u in headed if u.kind == "fit" and u.config.method == "dense" and u.config.head is not None]
+    assert len(alone) == 1 and alone[0].deps and alone[0].label.endswith("dense + head r=64 K=2048 fit")
 
 
 def test_rotated_and_rank_sparse_methods_get_latency_units():

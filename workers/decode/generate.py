@@ -79,12 +79,15 @@ def _device(device: str) -> torch.device:
 
 
 def run_bundle(model: str, bundle, prompt: str, *, tokens: int = 32, device: str = "cpu", repeats: int = 3,
-               dtype: torch.dtype | None = None, threads: int | None = None, weights: str = "auto") -> GenerateResult:
+               dtype: torch.dtype | None = None, threads: int | None = None, weights: str = "auto",
+               head_candidates=None) -> GenerateResult:
     """Load the model ``model`` (a workers.loading ref) and the bundle folder ``bundle`` (it must have been fitted
     on that model: same fingerprint), then :func:`generate_with_plan` at ``threads`` (default: the count the
     bundle's setting was timed at, else every core; module docstring). Bad input (empty prompt, a missing or
     damaged bundle, a bundle of another model, no such device, a thread count below 1) raises ValueError
-    (BundleError is one) with one line saying what is wrong, before the model is loaded where it can."""
+    (BundleError is one) with one line saying what is wrong, before the model is loaded where it can.
+    ``head_candidates``: the predicted head's candidate count for this run (an int or ``"all"``: the dense head;
+    no refit), for a bundle that has one."""
     from workers.loading.models import load_model
     from workers.sparsity.bundle import MEASURED, BundleError, load_bundle, measured_threads
 
@@ -103,9 +106,23 @@ def run_bundle(model: str, bundle, prompt: str, *, tokens: int = 32, device: str
     if lm.fingerprint != b.fingerprint:
         raise BundleError(f"{b.path}: fitted on model {b.manifest['model']['ref']} (fingerprint "
                           f"{b.fingerprint[:12]}), model {model} has fingerprint {lm.fingerprint[:12]}")
-    return generate_with_plan(lm, b.plan(lm.model), prompt, tokens=tokens, device=device, repeats=repeats,
+    plan = b.plan(lm.model)
+    if head_candidates is not None:
+        plan = with_head_candidates(plan, head_candidates, b.path)
+    return generate_with_plan(lm, plan, prompt, tokens=tokens, device=device, repeats=repeats,
                               dtype=dtype, threads=threads, threads_from=source if threads is not None else None,
                               weights=weights)
+
+
+def with_head_candidates(plan, k, where="the bundle"):
+    """``plan`` with its predicted head's candidate count set to ``k`` (an int, or ``"all"``)."""
+    from workers.sparsity.bundle import BundleError
+
+    head = plan.part("head")
+    if head is None:
+        raise BundleError(f"{where}: no predicted head to set the candidates of")
+    plan.parts = [head.with_candidates(k) if p is head else p for p in plan.parts]
+    return plan
 
 
 def _check_prompt(prompt: str, tokens: int, repeats: int, threads: int | None = None) -> None:

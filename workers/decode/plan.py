@@ -72,7 +72,8 @@ class PartRuntime:
     workers.decode.layer.Step), the blocks it runs as plain input sparsity (``in_attn`` / ``in_ffn``, as
     RuntimePlan's), the projections whose inputs it skips ({layer: {projection: threshold or k}}: realized
     sparsity), the Wᵀ layouts its callables read ({layer: {key}}) and the weight elements a token reads beside the
-    projections."""
+    projections, and the output head it runs in place of the dense one (``head(blocks, h, keep_logits)`` ->
+    (next tokens, the logits or None))."""
     attn: dict = field(default_factory=dict)
     ffn: dict = field(default_factory=dict)
     in_attn: dict = field(default_factory=dict)
@@ -80,6 +81,7 @@ class PartRuntime:
     inputs: dict = field(default_factory=dict)
     layouts: dict = field(default_factory=dict)
     extra_numel: int = 0
+    head: object = None
 
     def layers(self) -> set[int]:
         return set(self.attn) | set(self.ffn) | set(self.in_attn) | set(self.in_ffn)
@@ -99,6 +101,7 @@ class RuntimePlan:
     attn_fn: dict = field(default_factory=dict)  # {layer: a plan part's attention} (PartRuntime.attn)
     ffn_fn: dict = field(default_factory=dict)   # {layer: a plan part's FFN}
     parts: dict = field(default_factory=dict)    # {kind: PartRuntime} of the plan's parts
+    head: object = None                          # a part's output head (PartRuntime.head), None: the dense head
     extra_numel: int = 0                         # weight elements a token reads beside the projections
     reports: frozenset = frozenset()
     native: dict = field(default_factory=dict, repr=False)   # packed forms for the native layers (native_layer)
@@ -293,6 +296,10 @@ def _add_part(rp: RuntimePlan, part, pr: PartRuntime) -> None:
     rp.in_ffn.update(pr.in_ffn)
     rp.inputs.update(pr.inputs)
     rp.extra_numel += pr.extra_numel
+    if pr.head is not None:
+        if rp.head is not None:
+            raise ValueError(f"a {part.label} plan's output head beside another part's")
+        rp.head = pr.head
 
 
 def in_features(dims, p: str) -> int:

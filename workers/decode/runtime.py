@@ -265,8 +265,11 @@ class DecodeRuntime:
         sets = Lookahead(self.selector, rp.mlp, rp.heads, w.dims.D, w.dims.n_heads, side, self._graph.keep)
         h = forward(w, b.embed(self.tok, cache.pos), fns, Step(b, rp, cache, self.counters, sets, fns))
         sets.join()
-        logits = b.logits(h)
-        nxt_tok = logits.argmax(-1)
+        if rp.head is not None:         # a predicted head: the screen, the top K, the candidates' exact rows
+            nxt_tok, logits = rp.head(b, h, keep_logits)
+        else:
+            logits = b.logits(h)
+            nxt_tok = logits.argmax(-1)
         self.out_tokens.index_copy_(1, cache.pos, nxt_tok[:, None])
         self.tok.copy_(nxt_tok)
         cache.pos.add_(1)

@@ -166,7 +166,8 @@ def _manifest_digest(manifest: dict) -> str:
 def save_bundle(plan, lm, out: str | Path, *, method: str, sparsity: float, rank: int | None = None,
                 attn_sparsity: float | None = None, allocation: str = "uniform", options: dict | None = None,
                 per_layer_sparsity: dict[int, float] | None = None, unit_id: str | None = None,
-                versions: dict[str, str] | None = None, git_rev: str | None = None) -> Path:
+                versions: dict[str, str] | None = None, git_rev: str | None = None,
+                head: dict | None = None) -> Path:
     """Write ``plan`` (fitted on ``lm``, a workers.loading.models.LoadedModel) as a bundle folder at ``out``, atomically."""
     out = Path(out)
     tensors: dict[str, torch.Tensor] = {}
@@ -188,7 +189,7 @@ def save_bundle(plan, lm, out: str | Path, *, method: str, sparsity: float, rank
                   "dims": {k: int(v) for k, v in asdict(lm.dims).items()}},
         "method": method, "sparsity": float(sparsity), "rank": rank,
         "attn_sparsity": None if attn_sparsity is None else float(attn_sparsity),
-        "allocation": allocation, "options": dict(options or {}),
+        "allocation": allocation, "options": dict(options or {}), **({"head": dict(head)} if head else {}),
         "per_layer_sparsity": {str(k): float(v) for k, v in sorted((per_layer_sparsity or {}).items())},
         "plan": {"mlp_mode": plan.mlp_mode, "dense_gate": bool(plan.dense_gate),
                  "seq_filter": {str(k): float(v) for k, v in sorted(plan.seq_filter.items())},

@@ -6,11 +6,13 @@ Components recorded per layer and token (prefix tokens such as BOS are not recor
   ``gate``       the gate pre-activation (gated MLPs) or the fc1 output      [N, D]
   ``inter``      the FFN intermediate act(gate)*up, or act(fc1) (input of down) [N, D]
   ``head_norm``  each attention head's output norm (input of o_proj, per head)  [N, n_heads]
-and, not per token, ``inhist``: per projection (q, k, v, o, gate, up, down) a histogram of its input on the
-fixed grid of :mod:`workers.sparsity.histograms`, int32 [3, bins] per shard: |x| over x > 0, |x| over x <= 0,
-and |x_i|·‖W[:, i]‖₂ (input-sparsity calibration; ``ActivationCache.load_hist`` sums the shards); and ``cov``:
-per layer the uncentred covariances Σ n nᵀ (float32, summed over every recorded token, written once, into the
-last shard) of the rms-normalized block inputs before the norm's gain, n = h / rms(h), at the attention
+and once per token, not per layer, ``final``: the decoder's output after its last norm, the output head's input
+[N, d] (``ActivationCache.load_final``; what the predicted head is fitted from); and, not per token,
+``inhist``: per projection (q, k, v, o, gate, up, down) a histogram of its input on the fixed grid of
+:mod:`workers.sparsity.histograms`, int32 [3, bins] per shard: |x| over x > 0, |x| over x <= 0, and
+|x_i|·‖W[:, i]‖₂ (input-sparsity calibration; ``ActivationCache.load_hist`` sums the shards); and ``cov``: per
+layer the uncentred covariances Σ n nᵀ (float32, summed over every recorded token, written once, into the last
+shard) of the rms-normalized block inputs before the norm's gain, n = h / rms(h), at the attention
 (``attn_in`` [d, d]) and at the FFN (``ffn_in`` [d, d]), and of the attention output (o's input) per KV head
 group, Σ over the group's query heads of a_h a_hᵀ (``o`` [n_kv_heads, head_dim, head_dim]): what the rotations
 of :mod:`workers.methods.larosa.fit` are fitted from (``ActivationCache.load_cov``). SmolLM2: 81 MB per
@@ -48,10 +50,11 @@ from workers.sparsity.input_sparse import SHARED_INPUT, column_norms, projection
 
 log = logging.getLogger(__name__)
 
-PER_TOKEN = ("residual", "ffn_in", "gate", "inter", "head_norm")   # the components stored [N, dim]
-COMPONENTS = PER_TOKEN + ("inhist", "cov")    # + the per-shard input histograms, the block input covariances
+PER_TOKEN = ("residual", "ffn_in", "gate", "inter", "head_norm")   # the components stored [N, dim] per layer
+FINAL = "final"                                # the output head's input, stored [N, d] once (not per layer)
+COMPONENTS = PER_TOKEN + (FINAL, "inhist", "cov")   # + the per-shard input histograms, the block input covariances
 COV_INPUTS = ("attn_in", "ffn_in", "o")        # the covariances ``cov`` records per layer
-OPTIONAL = ("cov",)     # what a sweep's collect records only when one of its methods needs it (predictors CAPTURES)
+OPTIONAL = (FINAL, "cov")   # what a sweep's collect records only when a setting needs it (predictors CAPTURES, head)
 
 
 def sweep_components(extra=()) -> tuple[str, ...]:
@@ -92,17 +95,27 @@ class ActivationCache:
              max_tokens: int | None = None) -> torch.Tensor:
         """All recorded tokens of one layer's component, [N, dim], concatenated over shards."""
         if component not in PER_TOKEN:
-            raise KeyError(f"{component!r} is not a per-token component (histograms: load_hist)")
+            raise KeyError(f"{component!r} is not a per-layer component (histograms: load_hist; {FINAL}: load_final)")
         if component not in self.components or layer not in self.layers:
             raise KeyError(f"cache has no {component!r} for layer {layer} "
                            f"(components {self.components}, layers {self.layers[0]}..{self.layers[-1]})")
+        return self._tokens(f"{layer}.{component}", dtype, max_tokens)
+
+    def load_final(self, dtype: torch.dtype = torch.float32, max_tokens: int | None = None) -> torch.Tensor:
+        """The output head's input of every recorded token (``final``), [N, d]."""
+        if FINAL not in self.components:
+            raise KeyError(f"cache has no {FINAL!r} states (components {self.components}); a sweep records them "
+                           "when a setting has a predicted head")
+        return self._tokens(FINAL, dtype, max_tokens)
+
+    def _tokens(self, key: str, dtype: torch.dtype, max_tokens: int | None) -> torch.Tensor:
         parts, got = [], 0
         for shard in self.manifest["shards"]:
             if max_tokens is not None and got >= max_tokens:
                 break
             try:
                 with safe_open(self.path / shard["file"], framework="pt") as f:
-                    t = f.get_tensor(f"{layer}.{component}")
+                    t = f.get_tensor(key)
             except Exception as e:  # safetensors raises its own error types for damaged files
                 raise CacheCorruptError(f"{self.path / shard['file']}: cannot read ({e}); "
                                         "delete the cache folder to collect again") from e
@@ -238,6 +251,8 @@ class _Recorder:
                                                            dims.head_dim)), with_kwargs=True))
             if l == layers[0]:   # one hook counts the recorded tokens
                 self.handles.append(layer.register_forward_pre_hook(self._count, with_kwargs=True))
+        if FINAL in components:    # the decoder's output (after its last norm) is what the head reads
+            self.handles.append(lm.model.base_model.register_forward_hook(self._post(FINAL)))
 
     def _drop_prefix(self, x: torch.Tensor) -> torch.Tensor:
         """[batch, tokens, width] without the prefix tokens. OPT's layers flatten the FFN's input to
@@ -297,7 +312,7 @@ class _Recorder:
 
     def _post(self, name):
         def hook(module, args, output):
-            self._keep(name, output)
+            self._keep(name, output if isinstance(output, torch.Tensor) else output[0])
         return hook
 
     def take(self, last: bool = False) -> tuple[dict[str, torch.Tensor], int]:
@@ -337,8 +352,8 @@ def _ordered(components) -> tuple[str, ...]:
 def _bytes_per_token(lm: LoadedModel, components, n_layers: int, elem: int) -> int:
     dims = lm.dims
     width = {"residual": dims.d, "ffn_in": dims.d, "gate": dims.D, "inter": dims.D, "head_norm": dims.n_heads,
-             "inhist": 0, "cov": 0}   # histograms are per shard and covariances per cache, not per token
-    return n_layers * elem * sum(width[c] for c in components)
+             "inhist": 0, "cov": 0, FINAL: 0}   # histograms per shard, covariances per cache, not per token
+    return n_layers * elem * sum(width[c] for c in components) + (elem * dims.d if FINAL in components else 0)
 
 
 def capture_activations(lm: LoadedModel, tokens: TokenSet, components: tuple[str, ...] = COMPONENTS,

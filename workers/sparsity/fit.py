@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from workers.names import DENSE
@@ -62,24 +62,33 @@ class Fitted:
     plan: object                     # SparsityPlan
     per_layer: dict[int, float]      # the FFN budget each layer was fitted at ({} for dense)
     fit_s: float                     # time in the method's fit
+    facts: dict = field(default_factory=dict)   # the predicted head's fit facts, where it has one
 
 
 def fit_setting(ctx, method: str, sparsity: float, rank: int | None = None, attn_sparsity: float | None = None,
                 allocation: str = "uniform", options: dict | None = None,
-                curves: Callable[[], dict[int, list[float]]] | None = None) -> Fitted:
-    """Fit ``method`` for every layer of ``ctx`` at the allocation's per-layer budgets."""
+                curves: Callable[[], dict[int, list[float]]] | None = None, head: dict | None = None) -> Fitted:
+    """Fit ``method`` for every layer of ``ctx`` at the allocation's per-layer budgets, and the predicted output
+    head ``head`` ({rank, candidates, screen}: workers.methods.head) beside it where given."""
     from workers.sparsity.predictors import SparsityPlan, fit_method
 
     check_allocation(allocation)
-    if method == DENSE:
-        return Fitted(SparsityPlan(), {}, 0.0)
-    per_layer = layer_budgets(ctx, sparsity, allocation, curves)
-    opts = dict(options or {})
-    if attn_sparsity is not None:
-        opts["attn_sparsity"] = attn_sparsity
     t0 = time.time()
-    plan = fit_method(method, ctx, per_layer, rank=rank, **opts)
-    return Fitted(plan, per_layer, time.time() - t0)
+    if method == DENSE:
+        fitted = Fitted(SparsityPlan(), {}, 0.0)
+    else:
+        per_layer = layer_budgets(ctx, sparsity, allocation, curves)
+        opts = dict(options or {})
+        if attn_sparsity is not None:
+            opts["attn_sparsity"] = attn_sparsity
+        fitted = Fitted(fit_method(method, ctx, per_layer, rank=rank, **opts), per_layer, 0.0)
+    if head is not None:
+        from workers.methods.head.fit import fit_head
+
+        part, fitted.facts = fit_head(ctx, **head)
+        fitted.plan.parts.append(part)
+    fitted.fit_s = time.time() - t0
+    return fitted
 
 
 def layer_quality(plan, heldout_cache, lm, attn_sparsity: float | None = None) -> list:

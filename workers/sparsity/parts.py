@@ -29,7 +29,9 @@ _RESERVED = ("mlp", "attn")          # a bundle's predictor tensors are keyed <c
 class PlanPart:
     kind: ClassVar[str] = ""              # the registered name (SparsityPlan.part, a bundle's key)
     label: ClassVar[str] = ""             # how messages name it ("rotated", "rank-sparse")
-    alone: ClassVar[bool] = True          # runs with no predictors, input thresholds or other part beside it
+    alone: ClassVar[bool] = True          # runs with no predictors, input thresholds or other decoder part beside it
+    decoder: ClassVar[bool] = True        # changes decoder layers (the predicted output head does not: it runs
+                                          # beside any plan)
     reports: ClassVar[tuple[str, ...]] = ("inputs",)   # the realized-sparsity keys it counts
     blocks_refused: ClassVar[str | None] = None   # why the decode runtime over a GGUF's blocks cannot run it
     legacy_key: ClassVar[str | None] = None   # its key in a format-2 manifest's plan (bundles before parts)

@@ -87,6 +87,8 @@ class SparseStats:
     inputs: InputStats = field(default_factory=InputStats)   # input-sparse projections (TEAL, WINA)
     predictor_numel: int = 0                # weights of the plan's own predictors, read for every token
     extra_numel: int = 0                    # other weights every token reads: rotations, low-rank factors
+    # parts' own measurement rows (the predicted head's argmax kept, mass, reads): callables -> [row dicts]
+    reporters: list = field(default_factory=list)
 
     def predictor_frac_ffn(self) -> float:
         """The predictors' weights as a fraction of the FFN weights of the layers that have an FFN predictor."""
@@ -114,6 +116,15 @@ class SparseStats:
         """Fraction of the decoder's projection weights not read per token (every kind of plan part), net of the
         predictors' own weights (counted as read: a predictor that reads more than it saves is negative)."""
         return decoder_weight_skipped(self)
+
+    def all_weight_skipped(self, model: nn.Module) -> float:
+        """Fraction of every weight a token reads (the decoder's projections and the output head) not read: the
+        decoder's ``weight_skipped`` and a predicted head's reads (its ``read``: screen and candidate rows)."""
+        total = self.inputs.total_numel()
+        head = model.get_output_embeddings()
+        full = head.weight.numel()
+        read = getattr(head, "read", full)
+        return (self.weight_skipped() * total + full - read) / (total + full)
 
     def mlp_sparsity(self, layer: int | None = None) -> float:
         """Realized FFN sparsity: fraction of (token, neuron) pairs not computed in up/down."""
@@ -232,6 +243,16 @@ class AppliedSparsity(ModuleSwaps):
         ModuleSwaps.__init__(self)
 
 
+def check_alone(plan: SparsityPlan) -> None:
+    """A part that runs alone (LaRoSA's, R-Sparse's) has no predictors, input thresholds or other decoder part
+    beside it; a part that changes no decoder layer (the predicted head) runs beside any."""
+    decoder_parts = [p for p in plan.parts if p.decoder]
+    for part in decoder_parts:
+        if part.alone and (plan.mlp or plan.attn or plan.inputs or len(decoder_parts) > 1):
+            raise ValueError(f"a {part.label} plan carries no other decoder part (predictors, input thresholds, "
+                             "other parts) beside it")
+
+
 def apply_sparsity(model: nn.Module, plan: SparsityPlan, input_mode: str = "masked",
                    mode: str = "auto") -> AppliedSparsity:
     """Swap in sparse modules for every layer in ``plan``; ``.revert()`` (or ``with``) restores the model.
@@ -246,10 +267,7 @@ def apply_sparsity(model: nn.Module, plan: SparsityPlan, input_mode: str = "mask
     rotations, R-Sparse's low-rank factors) run their masked form whatever the modes, what they read beside the
     projections counted in ``stats.extra_numel``."""
     check_plan_parts(plan)
-    for part in plan.parts:
-        if part.alone and (plan.mlp or plan.attn or plan.inputs or len(plan.parts) > 1):
-            raise ValueError(f"a {part.label} plan carries no other part (predictors, input thresholds, other parts) "
-                             "beside it")
+    check_alone(plan)
     ad = adapter_for(model)
     dims = ad.dims(model.config)
     act = ad.act_name(model.config)

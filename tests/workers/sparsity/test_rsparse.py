@@ -225,7 +225,7 @@ def test_options_and_refusals(tmp_path):
     no_hist = capture_activations(ctx.lm, _tokens(0), components=("ffn_in",), root=tmp_path / "c", progress=False)
     with pytest.raises(ValueError, match="no input histograms"):
         fit_method("rsparse", FitContext(ctx.lm, no_hist, [0, 1]), 0.5, rho=0.9)
-    with pytest.raises(ValueError, match="rank-sparse plan carries no other part"):
+    with pytest.raises(ValueError, match="rank-sparse plan carries no other decoder part"):
         apply_sparsity(model, SparsityPlan(parts=[plan.part("rsparse")], inputs={0: {"q": 0.1}}))
 
 
