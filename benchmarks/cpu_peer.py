@@ -41,7 +41,8 @@ runner's accuracy on the same text, untimed: the mean negative log-likelihood of
 step at a time after the prompt (teacher forcing), so the 8-bit activations' error shows as a perplexity. The
 load average is recorded: on a machine that other processes share the figures are indicative only.
 
-Feeds: BENCHMARKS.md, "CPU decode against llama.cpp" and "Input-sparse and sparse decode on the CPU".
+Feeds: BENCHMARKS.md, "CPU decode against llama.cpp", "The predicted output head" and
+"Input-sparse and sparse decode on the CPU".
 """
 from __future__ import annotations
 
