@@ -148,9 +148,9 @@ def _evaluate(h, y, w, screen_fn, k: int, tail) -> dict:
         kk, mm = head_quality(exact, idx)
         kept += float(kk.double().sum())
         mass += float(mm.sum())
-        out = deployed_logits(est, exact, idx, tail)
+        out = deployed_logits(est, exact.gather(-1, idx), idx, tail)
         nll += float(torch.nn.functional.cross_entropy(out.double(), yb, reduction="sum"))
-        raw = deployed_logits(est, exact, idx)
+        raw = deployed_logits(est, exact.gather(-1, idx), idx)
         nll_raw += float(torch.nn.functional.cross_entropy(raw.double(), yb, reduction="sum"))
         nll_dense += float(torch.nn.functional.cross_entropy(exact.double(), yb, reduction="sum"))
     n = h.shape[0]

@@ -389,26 +389,22 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _candidates(v: str):
-    if v == "all":
-        return v
-    try:
-        k = int(v)
-    except ValueError:
-        k = 0
-    if k < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int or 'all', got {v!r}")
-    return k
-
-
-def _threads(v: str) -> int:
+def _positive(v: str, what: str) -> int:
     try:
         n = int(v)
     except ValueError:
         n = 0
     if n < 1:
-        raise argparse.ArgumentTypeError(f"a thread count >= 1, not {v!r}")
+        raise argparse.ArgumentTypeError(f"{what}, not {v!r}")
     return n
+
+
+def _candidates(v: str):
+    return v if v == "all" else _positive(v, "a candidate count >= 1 or 'all'")
+
+
+def _threads(v: str) -> int:
+    return _positive(v, "a thread count >= 1")
 
 
 def _store_option() -> argparse.ArgumentParser:

@@ -150,6 +150,30 @@ def test_cli_generate_and_its_errors(tiny, tok, tmp_path, capsys):
         assert len(err) == 1 and err[0].startswith("ctxsparse generate: error:") and msg in err[0], err
 
 
+def test_a_head_bundle_generates_and_its_candidates_change_without_a_refit(tiny, capsys):
+    """A predicted head's bundle (the dense decoder with the head) on the runtime: ``--head-candidates all`` is the
+    dense head (the dense tokens), a smaller K runs the head; a bundle without a head refuses the flag."""
+    from orchestrator.cli import main
+    from workers.methods.head.fit import fit_head
+    from workers.sparsity.predictors import SparsityPlan
+
+    ref, lm, root = tiny
+    w = torch.randint(0, lm.model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
+    cache = capture_activations(lm, TokenSet(w, "random", "calib", w.numel(), 0, "random-head-8-32"),
+                                components=("final",), root=root / "head-acts", progress=False, dtype="float32")
+    head, _ = fit_head(FitContext(lm, cache, [0, 1]), rank=16, candidates=64)
+    path = save_bundle(SparsityPlan(parts=[head]), lm, root / "head", method="dense", sparsity=0.0,
+                       head={"rank": 16, "candidates": 64, "screen": "hidden"})
+    dense = run_bundle(ref, path, PROMPT, tokens=8, repeats=1, head_candidates="all")
+    assert dense.tokens == dense.dense_tokens
+    res = run_bundle(ref, path, PROMPT, tokens=8, repeats=1, head_candidates=256)
+    assert len(res.tokens) == 8 and res.sparse_tokens_per_s > 0
+    other = _bundle(lm, root, "threshold", 0.5)
+    assert main(["generate", "--model", ref, "--bundle", str(other), "--prompt", PROMPT,
+                 "--head-candidates", "64"]) == 2
+    assert "no predicted head to set the candidates of" in capsys.readouterr().err
+
+
 @pytest.mark.slow       # SmolLM2 decodes a few tokens/s on a 2-core CPU; the tiny-model tests above check the same
 def test_smollm2_teal_bundle(smollm2, tmp_path):
     """The real SmolLM2-135M with a TEAL bundle: the runtime's greedy tokens are HF generate's with the bundle."""

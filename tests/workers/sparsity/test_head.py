@@ -25,8 +25,11 @@ def test_candidates_known_answer():
     idx = candidates(est, 2)
     assert [sorted(r) for r in idx.tolist()] == [[4, 5], [0, 1]]
     exact = torch.tensor([[0.0, 0, 0, 7, 1, 2], [5.0, 4, 0, 0, 0, 0]])
-    out = deployed_logits(est, exact, idx)
-    assert out.tolist() == [[0, 1, 2, 3, 1, 2], [5, 4, -6, -9, -12, -15]]
+    out = deployed_logits(est, exact.gather(-1, idx), idx)
+    # row 0: the estimates 2 and 3 above the best candidate's 2 are kept just below it (its argmax stays a candidate)
+    below = torch.nextafter(torch.tensor(2.0), torch.tensor(-1.0)).item()
+    assert out.tolist() == [[0, 1, below, below, 1, 2], [5, 4, -6, -9, -12, -15]]
+    assert out[0].argmax() == 5
     kept, mass = head_quality(exact, idx)
     assert kept.tolist() == [False, True]                           # row 0's argmax (3) is not a candidate
     sm = torch.softmax(exact.double(), -1)
@@ -101,7 +104,11 @@ def test_masked_head_gives_exact_logits_on_the_candidates(family, tmp_path):
     others = torch.ones_like(got, dtype=torch.bool).scatter(-1, idx, False)
     a, b = part.tail
     assert (a, b) != (1.0, 0.0)                               # the tail was fitted
-    want_est = est * a + b if cap is None else torch.tanh((est * a + b) / cap) * cap
+    with torch.no_grad():        # the head module's own logits (before any soft cap): the best candidate's bounds the rest
+        best = (h @ model.get_output_embeddings().weight.t()).gather(-1, idx).max(-1, keepdim=True).values
+    tail = torch.minimum(est * a + b, torch.nextafter(best, torch.full_like(best, -torch.inf)))
+    want_est = tail if cap is None else torch.tanh(tail / cap) * cap
+    assert bool((got.argmax(-1, keepdim=True) == idx).any(-1).all())       # the argmax is always a candidate
     torch.testing.assert_close(got[others], want_est[others].to(got.dtype), rtol=1e-5, atol=1e-5)
     rows = {r["metric"]: r["value"] for r in applied.stats.reporters[0]()}
     kept = (idx == dense.argmax(-1, keepdim=True)).any(-1).double().mean()

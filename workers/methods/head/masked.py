@@ -34,7 +34,7 @@ class CandidateHead(nn.Module):
         self.positions += kept.numel()
         self._kept = self._kept + kept.sum()
         self._mass = self._mass + mass.sum()
-        return deployed_logits(est, exact, idx, self.tail)
+        return deployed_logits(est, exact.gather(-1, idx), idx, self.tail)
 
     def rows(self) -> list[dict]:
         """The eval's head rows: argmax kept and dense mass (means over the positions scored), and the fraction

@@ -17,6 +17,7 @@ from kernels import cpu as cpu_kernels, cpu_quant
 from kernels.quant import QuantWeight
 from kernels.reference import HS_TILE, HeadScreen
 from workers.decode.plan import PartRuntime
+from workers.methods.head.screen import deployed_logits
 
 
 class RuntimeHead:
@@ -67,7 +68,7 @@ class RuntimeHead:
         tok = idx.gather(1, exact.argmax(-1, keepdim=True))[:, 0]
         if not keep_logits:
             return tok, None
-        z = (est * self.tail[0] + self.tail[1]).scatter(1, idx, exact)
+        z = deployed_logits(est, exact, idx, self.tail)
         return tok, z if w.softcap is None else torch.tanh(z.float() / w.softcap) * w.softcap
 
 

@@ -63,12 +63,15 @@ def candidates(scores: torch.Tensor, k: int) -> torch.Tensor:
     return scores.topk(k, dim=-1, sorted=False).indices
 
 
-def deployed_logits(est: torch.Tensor, exact: torch.Tensor, idx: torch.Tensor,
+def deployed_logits(est: torch.Tensor, cand: torch.Tensor, idx: torch.Tensor,
                     tail: tuple[float, float] = (1.0, 0.0)) -> torch.Tensor:
-    """The deployed head's logits [..., V]: the calibrated screen estimates a·est + b (``tail`` = (a, b)), the
-    exact logits ``exact`` [..., V] on the candidates ``idx`` [..., K]."""
+    """The deployed head's logits [..., V]: the candidates' exact logits ``cand`` [..., K] at ``idx`` [..., K],
+    elsewhere the calibrated screen estimates a·est + b (``tail`` = (a, b)) kept below the best candidate's, so
+    that the distribution's argmax is the runtime's next token (the best candidate) whatever the estimates."""
     a, b = tail
-    return (est * a + b).scatter(-1, idx, exact.gather(-1, idx))
+    top = cand.max(-1, keepdim=True).values
+    rest = torch.minimum(est * a + b, torch.nextafter(top, torch.full_like(top, -torch.inf)))
+    return rest.scatter(-1, idx, cand)
 
 
 TAIL_POSITIONS = 256      # calibration states the tail is fitted on (evenly spaced)
