@@ -31,6 +31,7 @@ from db.schemas import DeviceType
 
 # copies of workers.names (db imports no workers; tests/workers/test_names.py checks them)
 UNIT_KINDS = ("collect", "fit", "eval", "latency")
+DENSE = "dense"                                # the dense setting's method
 Matmul = Literal["fp32", "tf32", "bf16"]       # an eval unit's forward precision (suites.matmul)
 PERPLEXITY = "perplexity"                      # the suite of the held-out perplexity eval unit
 
@@ -112,7 +113,7 @@ class GridSetting(_Record):
     @property
     def baseline(self) -> bool:
         """The dense baseline: no decoder method and the dense head."""
-        return self.method == "dense" and self.head is None
+        return self.method == DENSE and self.head is None
 
 
 class UnitConfig(_Record):

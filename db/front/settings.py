@@ -17,11 +17,10 @@ from sqlalchemy.orm import Session
 
 from db import queries
 from db.schemas import LatencyRecord
-from db.units import FitConfig, TaskEvalConfig, unit_config
+from db.units import DENSE, FitConfig, TaskEvalConfig, unit_config
 
 # the names the workers write into these rows (workers.names; db/ imports no workers: tests/workers/test_names.py
 # checks that these copies are the same)
-DENSE = "dense"                                   # the dense setting's method
 SUITE_MC = "mc"                                   # the suite of one multiple-choice task's rows
 RUNTIME_DENSE_PAIRED, RUNTIME_HF, RUNTIME_LLAMA_CPP = "ctxsparse-dense-paired", "hf-generate", "llama.cpp"
 MEAN_TASKS = f"{SUITE_MC}/mean/acc"               # mean accuracy over the multiple-choice tasks

@@ -15,9 +15,6 @@ from kernels.reference import HS_TILE, HeadScreen
 from workers.methods.head.part import PredictedHead
 from workers.methods.head.screen import candidates as top_candidates, fit_screen, fit_tail, screen_scores, tail_sample
 
-CAPTURE = "final"      # the activation cache component the fit reads
-
-
 def head_weight(lm) -> torch.Tensor:
     """The model's output head [V, d], float32 on the CPU: what it applies to the decoder's output."""
     return lm.model.get_output_embeddings().weight.detach().to("cpu", torch.float32)
