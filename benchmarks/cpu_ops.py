@@ -276,15 +276,17 @@ def _setting(m: str, sp: float, options: dict) -> str:
     return f"{m} s={sp}" + (f" {opts}" if opts else "")
 
 
-def _head(options: dict) -> dict | None:
-    """The predicted head of a method's options (``head=RANK/K`` or ``head=RANK/K/SCREEN``), taken out of them."""
+def _head(options: dict) -> tuple[dict | None, dict]:
+    """(the predicted head of a method's options, ``head=RANK/K`` or ``head=RANK/K/SCREEN``; the other options)."""
+    options = dict(options)
     spec = options.pop("head", None)
     if spec is None:
-        return None
+        return None, options
     parts = str(spec).split("/")
     if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[:2]):
         raise argparse.ArgumentTypeError(f"head=RANK/K[/SCREEN], got head={spec}")
-    return {"rank": int(parts[0]), "candidates": int(parts[1]), **({"screen": parts[2]} if len(parts) == 3 else {})}
+    return ({"rank": int(parts[0]), "candidates": int(parts[1]), **({"screen": parts[2]} if len(parts) == 3 else {})},
+            options)
 
 
 def fitted_plans(lm, methods: list[tuple[str, float, dict]], calib_tokens: int) -> dict:
@@ -297,16 +299,16 @@ def fitted_plans(lm, methods: list[tuple[str, float, dict]], calib_tokens: int) 
     from workers.names import DENSE
 
     toks = token_windows(lm.tokenizer, "lambada", "calib", calib_tokens, 512)
-    heads = [_head(dict(o)) for _, _, o in methods]
+    heads = [_head(o) for _, _, o in methods]        # (head, the method's own options) each
     # input thresholds need the gate's and the inputs' histograms only; predictors the residual stream and more
     inputs_only = all(m in ("teal", "wina", DENSE) for m, _, _ in methods)
-    extra = [FINAL] if any(heads) else []
+    extra = [FINAL] if any(h for h, _ in heads) else []
     components = ("gate", "inhist", *extra) if inputs_only else sweep_components(
         [c for m, _, _ in methods for c in CAPTURES.get(m, ())] + extra)
     cache = capture_activations(lm, toks, components=components, progress=False)
     ctx = FitContext(lm, cache, list(range(lm.dims.n_layers)))
-    return {_setting(m, sp, o): fit_setting(ctx, m, sp, options={k: v for k, v in o.items() if k != "head"},
-                                            head=h).plan for (m, sp, o), h in zip(methods, heads)}
+    return {_setting(m, sp, o): fit_setting(ctx, m, sp, options=own, head=h).plan
+            for (m, sp, o), (h, own) in zip(methods, heads)}
 
 
 def plan_perplexity(lm, plans: dict, tokens: int) -> dict:

@@ -26,8 +26,9 @@ are never among them):
                 (Q8_0 for both packaged models)
 
 ``--time``: the head step alone over the model's GGUF head rows, dense (every row through the quantized GEMV)
-against each low-rank (rank, K) setting (workers.methods.head.runtime: the screen, the top K, the candidates'
-rows), interleaved rounds at each ``--threads``, median ms.
+against each (rank, K) of the hidden screen fitted on the same calibration states (workers.methods.head.runtime:
+the screen, the top K, the candidates' rows), on the first held-out prose position, interleaved rounds at each
+``--threads``, median ms.
 
 Feeds: BENCHMARKS.md, "The predicted output head".
 """
@@ -158,15 +159,12 @@ def _evaluate(h, y, w, screen_fn, k: int, tail) -> dict:
             "ppl_dense": math.exp(nll_dense / n), "tail": [round(x, 4) for x in tail]}
 
 
-def quality_rows(lm, a, texts) -> list[Row]:
+def quality_rows(w, hc, held, a) -> list[Row]:
+    """The screens' rows: fitted on the calibration states ``hc`` for the head ``w``, measured on ``held``
+    ({text: (states, next tokens)})."""
     from workers.methods.head.screen import candidates, fit_screen, fit_tail, screen_scores, tail_sample
 
-    w = lm.model.get_output_embeddings().weight.detach().float()
     v, d = w.shape
-    hc = torch.cat([_states(lm, texts[t], "calib" if t == "prose" else "heldout", a.calib_tokens)[0]
-                    for t in a.calib_texts.split(",")])
-    held = {name: _states(lm, src, "heldout" if name == "prose" else "calib", a.positions)
-            for name, src in texts.items()}
     rows = []
     print(f"{'screen':<10}{'r / C':>7}{'K':>7}  {'text':<8}{'argmax kept':>12}{'mass':>8}{'ppl':>9}{'raw':>9}"
           f"{'dense':>9}{'head MB':>9}{'of':>8}")
@@ -211,7 +209,9 @@ def quality_rows(lm, a, texts) -> list[Row]:
     return rows
 
 
-def timing_rows(lm, a) -> list[Row]:
+def timing_rows(lm, head, hc, h, a) -> list[Row]:
+    """The head step alone over the model's GGUF head rows, dense and per (rank, K) of the hidden screen fitted on
+    ``hc`` for the head ``head``, on the final state ``h`` [1, d]."""
     from workers.decode.runtime import DecodeRuntime
     from workers.methods.head.part import PredictedHead
     from workers.methods.head.runtime import RuntimeHead
@@ -219,17 +219,14 @@ def timing_rows(lm, a) -> list[Row]:
 
     rt = DecodeRuntime.from_gguf(lm.model, lm.source)
     w, b = rt.weights, rt.blocks
-    hc, _ = _states(lm, "lambada", "calib", a.calib_tokens)
-    head = lm.model.get_output_embeddings().weight.detach().float()
-    h = _states(lm, "lambada", "heldout", 64)[0]
-    fns = {"dense head": lambda: b.logits(h[:1]).argmax(-1)}
+    fns = {"dense head": lambda: b.logits(h).argmax(-1)}
     heads = {}
     for r in (int(x) for x in a.ranks.split(",")):
         p, s = fit_screen(hc, head, r, "hidden")
         for k in (int(x) for x in a.candidates.split(",")):
             rh = RuntimeHead(PredictedHead(p=p, s=s, candidates=k), w)
             heads[f"r={r} K={k}"] = rh
-            fns[f"r={r} K={k}"] = lambda rh=rh: rh(b, h[:1], False)[0]
+            fns[f"r={r} K={k}"] = lambda rh=rh: rh(b, h, False)[0]
     rows = []
     prev = torch.get_num_threads()
     try:
@@ -268,10 +265,16 @@ def main(argv=None) -> int:
 
     print(device_line("cpu"), flush=True)
     lm = load_model(a.model)
+    w = lm.model.get_output_embeddings().weight.detach().float()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = quality_rows(lm, a, _texts(Path(tmp)))
+        texts = _texts(Path(tmp))
+        hc = torch.cat([_states(lm, texts[t], "calib" if t == "prose" else "heldout", a.calib_tokens)[0]
+                        for t in a.calib_texts.split(",")])
+        held = {name: _states(lm, src, "heldout" if name == "prose" else "calib", a.positions)
+                for name, src in texts.items()}
+    rows = quality_rows(w, hc, held, a)
     if a.time:
-        rows += timing_rows(lm, a)
+        rows += timing_rows(lm, w, hc, held["prose"][0][:1].contiguous(), a)
     if a.json:
         print("wrote", write_results(a.json, rows, command=command_line("benchmarks.head_screens"), device="cpu"))
     return 0

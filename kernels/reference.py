@@ -270,18 +270,19 @@ class HeadScreen:
         q = torch.round(s * inv[:, None]).clamp(-127, 127).to(torch.int8)
         return cls(q.reshape(v // HS_TILE, HS_TILE, r).transpose(1, 2).contiguous(), scale.contiguous())
 
+    def code_rows(self) -> torch.Tensor:
+        """int8 [V, r]: the codes one vocabulary row each (out of the tiles)."""
+        t, r, _ = self.codes.shape
+        return self.codes.transpose(1, 2).reshape(t * HS_TILE, r)
+
     def dequantize(self) -> torch.Tensor:
         """fp32 S [V, r]: scale[v] · code[v, j]."""
-        t, r, _ = self.codes.shape
-        q = self.codes.transpose(1, 2).reshape(t * HS_TILE, r).float()
-        return q * self.scale[:, None]
+        return self.code_rows().float() * self.scale[:, None]
 
 
 def head_screen(z, screen: HeadScreen):
     """out [B, V] = scale[v] · Σ_j z[b, j] · code[v, j] (each row's sum in fp64, rounded to fp32)."""
-    t, r, _ = screen.codes.shape
-    q = screen.codes.transpose(1, 2).reshape(t * HS_TILE, r).double()
-    return ((z.double() @ q.t()) * screen.scale.double()).float()
+    return ((z.double() @ screen.code_rows().double().t()) * screen.scale.double()).float()
 
 
 def topk_index(x, k):

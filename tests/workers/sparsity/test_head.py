@@ -115,6 +115,10 @@ def test_masked_head_gives_exact_logits_on_the_candidates(family, tmp_path):
     assert rows["head_argmax_kept"] == pytest.approx(float(kept))
     assert rows["head_read"] == pytest.approx((part.p.numel() + part.s.numel() + 16 * 48) / (128 * 48))
     assert model.get_output_embeddings() is not head          # reverted
+    with torch.no_grad(), apply_sparsity(model, SparsityPlan(parts=[part])) as quiet:   # a task's forwards: no counts
+        quiet.stats.counting = False
+        assert torch.equal(model(input_ids=ids).logits, got)
+        assert model.get_output_embeddings().positions == 0
     # K = all is the dense head
     with torch.no_grad(), apply_sparsity(model, SparsityPlan(parts=[part.with_candidates("all")])):
         assert torch.equal(model(input_ids=ids).logits, dense)

@@ -12,9 +12,10 @@ from workers.methods.head.screen import candidates, deployed_logits, head_qualit
 
 class CandidateHead(nn.Module):
     """In place of the model's output head (``orig``, kept as ``dense``): logits of the deployed head. Counts
-    positions, argmax kept and dense mass on the candidates (``rows``: the eval's measurement rows)."""
+    positions, argmax kept and dense mass on the candidates (``rows``: the eval's measurement rows) while
+    ``stats`` counts (a sparse_exec.SparseStats: the perplexity unit's forwards; never a task's scoring)."""
 
-    def __init__(self, orig: nn.Module, part):
+    def __init__(self, orig: nn.Module, part, stats=None):
         super().__init__()
         self.dense = orig
         self.weight = orig.weight                  # scoring reads the vocabulary size from it
@@ -23,6 +24,7 @@ class CandidateHead(nn.Module):
         self.k, self.d, self.tail = part.candidates, orig.weight.shape[1], part.tail
         self.read = part.read_numel(self.d)
         self.positions, self._kept, self._mass = 0, 0, 0.0
+        self.stats = stats
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         exact = self.dense(h)
@@ -30,10 +32,11 @@ class CandidateHead(nn.Module):
             return exact
         est = screen_scores(h.float(), self.p, self.s).to(exact.dtype)
         idx = candidates(est, self.k)
-        kept, mass = head_quality(exact.detach().reshape(-1, exact.shape[-1]), idx.reshape(-1, self.k))
-        self.positions += kept.numel()
-        self._kept = self._kept + kept.sum()
-        self._mass = self._mass + mass.sum()
+        if self.stats is None or self.stats.counting:
+            kept, mass = head_quality(exact.detach().reshape(-1, exact.shape[-1]), idx.reshape(-1, self.k))
+            self.positions += kept.numel()
+            self._kept = self._kept + kept.sum()
+            self._mass = self._mass + mass.sum()
         return deployed_logits(est, exact.gather(-1, idx), idx, self.tail)
 
     def rows(self) -> list[dict]:
@@ -62,9 +65,9 @@ def apply_head(model: nn.Module, part, swaps) -> CandidateHead:
     if orig.weight.shape[0] != part.vocab or orig.weight.shape[1] != part.p.shape[1]:
         raise ValueError(f"head screen is for a [{part.vocab}, {part.p.shape[1]}] head, the model's is "
                          f"{list(orig.weight.shape)}")
-    new = CandidateHead(orig, part)
-    swaps.swap(model, path, new)
     stats = getattr(swaps, "stats", None)
+    new = CandidateHead(orig, part, stats)
+    swaps.swap(model, path, new)
     if stats is not None:
         stats.reporters.append(new.rows)
     return new

@@ -43,11 +43,11 @@ class RuntimeHead:
         where it is a row kernel (the GGUF's blocks; the CPU row kernels of ``cpu_rows``): its values to the bit;
         else a product over the gathered rows (its values to rounding)."""
         head = self.w.lm_head
-        if isinstance(head, QuantWeight):
-            return torch.cat([cpu_quant.rows_dot(h[b:b + 1], head, idx[b], self.k) for b in range(h.shape[0])])
-        if blocks.rows(h):
-            return torch.cat([cpu_kernels.rows_dot(h[b:b + 1], head, idx[b], self.k) for b in range(h.shape[0])])
-        return torch.einsum("bkd,bd->bk", head[idx], h.to(head.dtype))
+        rows_dot = (cpu_quant.rows_dot if isinstance(head, QuantWeight) else
+                    cpu_kernels.rows_dot if blocks.rows(h) else None)
+        if rows_dot is None:
+            return torch.einsum("bkd,bd->bk", head[idx], h.to(head.dtype))
+        return torch.cat([rows_dot(h[b:b + 1], head, idx[b], self.k) for b in range(h.shape[0])])
 
     def screen(self, blocks, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the head's input, the screen's estimates [B, V], the candidates [B, K]) of the final states ``h``."""

@@ -105,7 +105,9 @@ def fit_tail(exact: torch.Tensor, est: torch.Tensor, idx: torch.Tensor, iters: i
 
 def head_quality(exact: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position (argmax kept, dense mass inside the candidates): whether the candidates ``idx`` [N, K] hold
-    the dense argmax of ``exact`` [N, V], and the dense softmax's mass on them (float64 sums)."""
+    the dense argmax of ``exact`` [N, V], and the dense softmax's mass on them (the normalizer in float32 over the
+    logits as they are, the candidates' terms in float64: no float64 copy of [N, V])."""
     kept = (idx == exact.argmax(-1, keepdim=True)).any(-1)
-    mass = torch.softmax(exact.double(), -1).gather(-1, idx).sum(-1)
+    lse = torch.logsumexp(exact.float(), -1, keepdim=True).double()
+    mass = (exact.gather(-1, idx).double() - lse).exp().sum(-1)
     return kept, mass
